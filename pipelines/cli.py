@@ -1,0 +1,62 @@
+"""The ``megalith`` command line.
+
+Each stage registers its own subcommands (``preprocessing.cli``, ...); this module
+only assembles them, so ``megalith --help`` lists everything and a stage's heavy
+imports happen only when its command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from training.errors import MegalithError
+
+# Modules whose register(subparsers) adds a stage's subcommands.
+COMMAND_MODULES = [
+    "preprocessing.cli",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megalith",
+        description="Train Megatron-style language models as orchestrated, observable pipelines.",
+    )
+    parser.add_argument("--version", action="version", version=f"megalith {_version()}")
+    subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subcommands)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megalith")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        # A group such as `megalith data` without its subcommand: show its help.
+        (getattr(args, "group_parser", None) or parser).print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (MegalithError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
