@@ -1,0 +1,80 @@
+"""Shared pytest fixtures.
+
+``s3_endpoint`` runs moto's S3 server in a thread for the whole session; tests talk
+to it over HTTP through s3fs exactly as they would to a real bucket. Use
+``s3_bucket`` for a fresh empty bucket, or ``make_s3_bucket()`` for several.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+S3_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SECURITY_TOKEN": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[dict[str, Any]]:
+    """A local S3 server; yields fsspec ``storage_options`` for s3fs.
+
+    While it runs, the AWS environment points at it with dummy credentials
+    (``AWS_ENDPOINT_URL`` included, real config files hidden), so boto3 clients and
+    s3fs created without options reach it too and never a real AWS account.
+    """
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in S3_CREDENTIALS.items():
+            env.setenv(name, value)
+        env.setenv("AWS_ENDPOINT_URL", endpoint)
+        env.delenv("AWS_PROFILE", raising=False)
+        env.setenv("AWS_CONFIG_FILE", os.devnull)
+        env.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+        no_proxy = ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1", "localhost"]))
+        env.setenv("NO_PROXY", no_proxy)
+        try:
+            yield {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+        finally:
+            _clear_s3fs_instances()
+            server.stop()
+
+
+def _clear_s3fs_instances() -> None:
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def make_s3_bucket(s3_endpoint: dict[str, Any]) -> Callable[[], str]:
+    """A factory: each call creates a new, uniquely named bucket and returns ``s3://name``."""
+    import s3fs
+
+    def make() -> str:
+        name = f"megalith-test-{uuid.uuid4().hex[:12]}"
+        s3fs.S3FileSystem(**s3_endpoint).mkdir(name)
+        return f"s3://{name}"
+
+    return make
+
+
+@pytest.fixture
+def s3_bucket(make_s3_bucket: Callable[[], str]) -> str:
+    """A fresh empty bucket, as ``s3://name``."""
+    return make_s3_bucket()
