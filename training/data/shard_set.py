@@ -1,0 +1,202 @@
+"""A prepared shard set opened for training: every shard of its manifest, as one document list.
+
+Documents are numbered across shards in manifest order. Local shard sets are checked
+cheaply (files exist, byte sizes match the manifest); remote ones (``s3://``...) are
+downloaded into a local cache, each file's sha256 checked against the manifest, and
+then memory-mapped like local ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from preprocessing.indexed_dataset import IndexedDatasetError, IndexedDatasetReader
+from preprocessing.manifest import Manifest, read_manifest
+from preprocessing.storage import filesystem, is_local, join
+from training.errors import MegalithError
+
+logger = logging.getLogger(__name__)
+
+HASH_CHUNK = 8 << 20
+
+
+class ShardSetError(MegalithError):
+    """A shard set whose files do not match its manifest."""
+
+
+def default_cache_root() -> Path:
+    return Path.home() / ".cache" / "megalith"
+
+
+@dataclass(eq=False)
+class ShardSet:
+    """The documents of one shard set: lengths for index building, tokens for samples."""
+
+    root: str
+    manifest: Manifest
+    readers: list[IndexedDatasetReader]
+    document_lengths: np.ndarray = field(init=False)  # int64 [documents]
+    _first_document: np.ndarray = field(init=False)  # int64 [shards + 1]
+    _document_starts: list[np.ndarray] = field(
+        init=False
+    )  # per shard: token offset of each document
+
+    def __post_init__(self) -> None:
+        spans = [_document_spans(reader) for reader in self.readers]
+        self.document_lengths = np.concatenate([np.zeros(0, np.int64)] + [s[0] for s in spans])
+        self._document_starts = [s[1] for s in spans]
+        counts = [r.num_documents for r in self.readers]
+        self._first_document = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+
+    @property
+    def num_documents(self) -> int:
+        return self.document_lengths.size
+
+    @property
+    def tokenizer_id(self) -> str:
+        return self.manifest.tokenizer.id
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the data: tokenizer and every file's sha256 (not where it lives)."""
+        return shard_set_fingerprint(self.manifest)
+
+    def document_tokens(self, document: int, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of a document (numbered across the whole set)."""
+        shard = int(np.searchsorted(self._first_document, document, side="right")) - 1
+        base = int(self._document_starts[shard][document - self._first_document[shard]])
+        return self.readers[shard].tokens[base + start : base + stop]
+
+
+def _document_spans(reader: IndexedDatasetReader) -> tuple[np.ndarray, np.ndarray]:
+    """Length and first-token offset of each document (a document may hold several sequences)."""
+    sequence_ends = np.zeros(len(reader) + 1, dtype=np.int64)
+    np.cumsum(reader.sequence_lengths, dtype=np.int64, out=sequence_ends[1:])
+    bounds = sequence_ends[reader.document_indices]
+    return np.diff(bounds), bounds[:-1]
+
+
+def shard_set_fingerprint(manifest: Manifest) -> str:
+    identity = {
+        "tokenizer": manifest.tokenizer.id,
+        "dtype": manifest.dtype,
+        "shards": [
+            [shard.name, sorted((name, f.sha256) for name, f in shard.files.items())]
+            for shard in manifest.shards
+        ],
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def open_shard_set(
+    root: str,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | None = None,
+) -> ShardSet:
+    """Read the manifest, make the shards available locally, check them and open them."""
+    root = root.rstrip("/")
+    try:
+        manifest = read_manifest(root, storage_options)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ShardSetError(str(exc)) from None
+    if is_local(root):
+        local_root = root.removeprefix("file://")
+        _check_local_files(local_root, manifest)
+    else:
+        base = Path(cache_dir) if cache_dir else default_cache_root()
+        local = base / "shards" / shard_set_fingerprint(manifest)[:20]
+        _download_verified(root, manifest, local, storage_options)
+        local_root = str(local)
+    readers = [_open_shard(local_root, root, manifest, shard.name) for shard in manifest.shards]
+    _check_counts(root, manifest, readers)
+    return ShardSet(root=root, manifest=manifest, readers=readers)
+
+
+def _open_shard(local_root: str, root: str, manifest: Manifest, name: str) -> IndexedDatasetReader:
+    try:
+        reader = IndexedDatasetReader(os.path.join(local_root, name))
+    except IndexedDatasetError as exc:
+        raise ShardSetError(f"shard set {root}: {exc}") from None
+    if reader.dtype != np.dtype(manifest.dtype):
+        raise ShardSetError(
+            f"{join(root, name)}.idx: tokens are {reader.dtype}, manifest says {manifest.dtype}"
+        )
+    return reader
+
+
+def _check_local_files(root: str, manifest: Manifest) -> None:
+    for shard in manifest.shards:
+        for name, info in shard.files.items():
+            path = os.path.join(root, name)
+            try:
+                size = os.path.getsize(path)
+            except FileNotFoundError:
+                raise ShardSetError(f"{path}: missing (listed in {root}/manifest.json)") from None
+            if size != info.bytes:
+                raise ShardSetError(
+                    f"{path}: {size} bytes, but {root}/manifest.json says {info.bytes}: "
+                    "the shard set changed after it was prepared"
+                )
+
+
+def _check_counts(root: str, manifest: Manifest, readers: list[IndexedDatasetReader]) -> None:
+    for shard, reader in zip(manifest.shards, readers, strict=True):
+        found = (reader.num_documents, reader.num_tokens)
+        if found != (shard.documents, shard.tokens):
+            raise ShardSetError(
+                f"{join(root, shard.name)}: holds {found[0]} documents / {found[1]} tokens, "
+                f"manifest says {shard.documents} / {shard.tokens}"
+            )
+
+
+def _download_verified(
+    root: str, manifest: Manifest, local: Path, storage_options: dict[str, Any] | None
+) -> None:
+    """Copy every file to ``local``; a file is renamed into place only once its sha256 matched,
+    so a file already there with the manifest's size was verified before."""
+    local.mkdir(parents=True, exist_ok=True)
+    for shard in manifest.shards:
+        for name, info in shard.files.items():
+            target = local / name
+            if target.exists() and target.stat().st_size == info.bytes:
+                continue
+            url = join(root, name)
+            logger.info("downloading %s (%d bytes) to %s", url, info.bytes, target)
+            _download_one(url, target, info.sha256, storage_options)
+
+
+def _download_one(
+    url: str, target: Path, sha256: str, storage_options: dict[str, Any] | None
+) -> None:
+    fs, path = filesystem(url, storage_options)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        try:
+            fs.get_file(path, str(tmp))
+        except FileNotFoundError:
+            raise ShardSetError(f"{url}: missing (listed in the manifest)") from None
+        digest = _sha256_of_path(tmp)
+        if digest != sha256:
+            raise ShardSetError(
+                f"{url}: sha256 {digest} does not match the manifest's {sha256}: "
+                "the shard set changed after it was prepared, or the download is corrupt"
+            )
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _sha256_of_path(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
