@@ -217,6 +217,8 @@ PLACES = (
 )  # fmt: skip
 FOODS = (
     ("apple", "apples"), ("pear", "pears"), ("egg", "eggs"), ("carrot", "carrots"),
+    ("melon", "melons"), ("walnut", "walnuts"), ("radish", "radishes"), ("pie", "pies"),
+    ("turnip", "turnips"), ("olive", "olives"), ("cabbage", "cabbages"),
     ("bun", "buns"), ("cookie", "cookies"), ("lemon", "lemons"), ("cherry", "cherries"),
     ("potato", "potatoes"), ("onion", "onions"), ("peach", "peaches"), ("loaf", "loaves"),
 )  # fmt: skip
@@ -224,21 +226,52 @@ WEATHER = ("sunny", "rainy", "windy", "cloudy", "snowy", "foggy", "warm", "cold"
 TIMES = ("morning", "afternoon", "evening")
 FEELINGS = (
     "happy", "tired", "proud", "excited", "calm", "curious", "glad", "cheerful",
-    "sleepy", "hungry", "thankful", "brave", "hopeful", "relieved",
+    "sleepy", "hungry", "thankful", "brave", "hopeful", "relieved", "cozy", "content",
+    "amazed", "cheery", "peaceful", "lucky",
 )  # fmt: skip
 PLACE_LOOKS = (
     "quiet", "busy", "old", "bright", "narrow", "wide", "muddy", "sleepy", "crowded",
     "peaceful", "noisy", "clean", "dusty", "shady", "cheerful", "windy", "cool", "lovely",
+    "empty", "golden", "grassy", "damp", "sunny", "silent", "charming", "colorful",
 )  # fmt: skip
 SIGHTS = (
     "children playing with a ball", "an old man feeding the birds", "a cart full of hay",
     "two dogs chasing each other", "a woman selling flowers", "boats resting by the shore",
     "smoke rising from a chimney", "a boy flying a kite", "a girl reading under a tree",
     "a cat sleeping on a wall", "leaves dancing in the wind", "a band playing music",
+    "a farmer mending a fence", "two sisters painting a boat", "a baby giggling in a pram",
+    "a horse drinking from a trough", "a juggler tossing five balls", "geese marching in a line",
+    "an artist sketching the tower", "a boy skipping stones on the water",
+    "a grandmother knitting on a bench", "squirrels racing up an oak tree",
+    "a postman whistling a tune", "a girl carrying a basket of eggs",
 )  # fmt: skip
 SHELTERS = ("the barn", "the bakery", "the library", "the school", "the station", "the old mill")
 TRANSITIONS = ("Later,", "After that,", "Soon,", "Then", "Meanwhile,", "The next day,")
-CLOTHES = ("hat", "scarf", "coat", "jacket", "sweater", "cap")
+CLOTHES = (
+    "hat", "scarf", "coat", "jacket", "sweater", "cap", "cloak", "apron", "dress", "shirt",
+    "vest", "pair of boots", "pair of gloves", "ribbon",
+)  # fmt: skip
+# Scenery clauses: words for variety, no facts.
+SCENERY = (
+    "the birds sang in the hedges", "the river sparkled under the bridge",
+    "a gentle breeze moved the curtains", "the bells of the tower rang twice",
+    "the smell of fresh bread drifted down the street", "puddles shone on the cobblestones",
+    "the hills were covered in purple heather", "lanterns swayed above the doorways",
+    "the leaves rustled in the orchard", "a thin mist lay over the meadow",
+    "the rooftops glittered with frost", "bees hummed around the clover",
+    "the shadows grew long across the square", "gulls circled over the harbor",
+    "the wheat in the fields bent in the wind", "a rooster crowed somewhere far away",
+    "the clouds drifted slowly toward the mountains", "children laughed behind a garden wall",
+    "the old clock in the hall ticked loudly", "the pond was still as glass",
+    "sunlight poured through the open windows", "the wind whistled through the chimneys",
+    "snow crunched under every boot", "the market stalls were bright with ribbons",
+    "a cart rattled over the stones", "the scent of pine filled the valley",
+    "the stars came out one by one", "rain tapped softly on the roof",
+    "the waves rolled gently onto the sand", "the fence posts were wet with dew",
+    "a kettle whistled in a nearby kitchen", "the moon rose above the treetops",
+    "blossoms floated down from the cherry trees", "thunder grumbled beyond the hills",
+    "the lake reflected the pale sky", "smoke curled from the blacksmith's forge",
+)  # fmt: skip
 JOB_WORK: dict[str, tuple[str, str, str]] = {
     # job: (past-tense verb, singular unit, plural unit)
     "baker": ("baked", "loaf of bread", "loaves of bread"),
@@ -456,13 +489,15 @@ def story_intro(w: Writer, hero: Character) -> str:
 
 def story_setting(w: Writer) -> str:
     day, weather, time = w.pick(DAYS), w.pick(WEATHER), w.pick(TIMES)
-    return w.pick(
+    first, second = w.some(SCENERY, 2)
+    opening = w.pick(
         [
             f"It was a {weather} {day} {time}.",
             f"One {weather} {time} in {w.pick(MONTHS)}, the town was quiet.",
             f"On {day}, the {time} was {weather}.",
         ]
     )
+    return paragraph([opening, f"{cap(first)}, and {second}."])
 
 
 def plot_market(w: Writer, hero: Character) -> str:
