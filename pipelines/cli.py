@@ -12,6 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from training import __version__
 from training.errors import MegalithError
 
 # Modules whose register(subparsers) adds a stage's subcommands.
@@ -25,20 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="megalith",
         description="Train Megatron-style language models as orchestrated, observable pipelines.",
     )
-    parser.add_argument("--version", action="version", version=f"megalith {_version()}")
+    parser.add_argument("--version", action="version", version=f"megalith {__version__}")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subcommands)
     return parser
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("megalith")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

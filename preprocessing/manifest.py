@@ -102,5 +102,7 @@ def read_manifest(root: str, storage_options: dict[str, Any] | None = None) -> M
         raise ValueError(f"{url}: {key}: {first['msg']}") from None
 
 
-def write_manifest(root: str, manifest: Manifest, storage_options: dict[str, Any] | None = None) -> None:
+def write_manifest(
+    root: str, manifest: Manifest, storage_options: dict[str, Any] | None = None
+) -> None:
     atomic_write_json(manifest_url(root), manifest.model_dump(mode="json"), storage_options)

@@ -40,7 +40,9 @@ def sha256_of_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def atomic_write_bytes(url: str, data: bytes, storage_options: dict[str, Any] | None = None) -> None:
+def atomic_write_bytes(
+    url: str, data: bytes, storage_options: dict[str, Any] | None = None
+) -> None:
     """Write ``data`` so that readers see the old file or the whole new one, never a part.
 
     Local files go through a temporary name in the same directory and ``os.replace``;
@@ -55,6 +57,7 @@ def atomic_write_bytes(url: str, data: bytes, storage_options: dict[str, Any] | 
                 handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
+            os.chmod(tmp, 0o666 & ~_umask())
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -62,6 +65,12 @@ def atomic_write_bytes(url: str, data: bytes, storage_options: dict[str, Any] | 
         return
     fs, path = filesystem(url, storage_options)
     fs.pipe_file(path, data)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_json(url: str, obj: Any, storage_options: dict[str, Any] | None = None) -> None:

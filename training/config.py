@@ -169,17 +169,23 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
+def set_value(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for depth, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path[: depth + 1])} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     for text in overrides:
         path, value = parse_override(text)
-        node = tree
-        for depth, part in enumerate(path[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                where = ".".join(path[: depth + 1])
-                raise ConfigError(f"--set {text!r}: {where} is a value, not a section")
-            node = child
-        node[path[-1]] = value
+        try:
+            set_value(tree, path, value)
+        except ConfigError as exc:
+            raise ConfigError(f"--set {text!r}: {exc}") from None
     return tree
 
 
@@ -200,10 +206,20 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return tree
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> MegalithConfig:
-    """Load a YAML recipe, apply ``key=value`` overrides and validate the result."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    values: dict[str, Any] | None = None,
+) -> MegalithConfig:
+    """Load a YAML recipe, then apply ``--set key=value`` overrides, then explicit values.
+
+    ``values`` maps dotted keys to Python values (what dedicated command-line flags set),
+    so they need no YAML quoting.
+    """
     tree = read_yaml(path) if path else {}
     tree = apply_overrides(tree, overrides or [])
+    for key, value in (values or {}).items():
+        set_value(tree, key.split("."), value)
     try:
         return MegalithConfig.model_validate(tree)
     except ValidationError as exc:

@@ -1,0 +1,194 @@
+"""``megalith data ...``: tokenizer training, sharding, inspection and verification."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from training.config import MegalithConfig, load_config
+from training.errors import MegalithError
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    group = subcommands.add_parser(
+        "data",
+        help="prepare corpora: train a tokenizer, write Megatron shards, inspect, verify",
+        description="Turn raw text (jsonl, parquet, txt; local or s3://) into a SentencePiece "
+        "tokenizer and Megatron-compatible .bin/.idx shards with a manifest.",
+    )
+    group.set_defaults(group_parser=group)
+    commands = group.add_subparsers(dest="data_command", metavar="COMMAND")
+
+    train = commands.add_parser(
+        "train-tokenizer",
+        help="train a SentencePiece tokenizer on a corpus",
+        description="Train a SentencePiece model (BPE or unigram, byte fallback, special tokens) "
+        "on a seeded sample of the input documents. Writes PREFIX.model and PREFIX.vocab.",
+    )
+    _add_input_arguments(train)
+    train.add_argument(
+        "--output", required=True, metavar="MODEL_PREFIX", help="writes MODEL_PREFIX.model"
+    )
+    train.add_argument("--vocab-size", type=int, help="number of pieces (default 8000)")
+    train.add_argument("--model-type", choices=["bpe", "unigram"], help="default bpe")
+    train.add_argument(
+        "--special-tokens", nargs="+", metavar="TOKEN", help="user-defined symbols, e.g. '<|eod|>'"
+    )
+    train.add_argument("--max-documents", type=int, help="sampling cap (default 200000)")
+    train.set_defaults(handler=_train_tokenizer)
+
+    prepare = commands.add_parser(
+        "prepare",
+        help="tokenize a corpus into Megatron .bin/.idx shards",
+        description="Tokenize documents in parallel into N shards of roughly equal tokens plus "
+        "manifest.json. Resumable: a rerun skips shards that are complete and verified. "
+        "Without --tokenizer, a tokenizer is trained first into OUTPUT/tokenizer.model.",
+    )
+    _add_input_arguments(prepare)
+    prepare.add_argument("--output", metavar="DIR_OR_URL", help="shard directory or s3:// prefix")
+    prepare.add_argument("--tokenizer", metavar="MODEL", help="SentencePiece .model file")
+    prepare.add_argument("--workers", type=int, help="tokenizer processes (default: all cores)")
+    prepare.add_argument("--shards", type=int, help="number of output shards (default 1)")
+    prepare.add_argument("--no-eod", action="store_true", help="do not append EOD to documents")
+    prepare.set_defaults(handler=_prepare)
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="summarise a shard set and decode sample documents",
+        description="Print the manifest of a shard set: tokenizer, sizes, shards, rejected "
+        "records. With --decode N, decode the first N documents back to text.",
+    )
+    inspect.add_argument("path", metavar="PATH", help="shard directory or URL")
+    inspect.add_argument("--decode", type=int, default=0, metavar="N", help="decode N documents")
+    inspect.add_argument("--tokenizer", metavar="MODEL", help="override the tokenizer path")
+    inspect.add_argument("--json", action="store_true", help="print the raw manifest as JSON")
+    inspect.set_defaults(handler=_inspect)
+
+    verify = commands.add_parser(
+        "verify",
+        help="re-check every file of a shard set against its manifest",
+        description="Re-hash every shard file and check its index; exits 1 on any mismatch.",
+    )
+    verify.add_argument("path", metavar="PATH", help="shard directory or URL")
+    verify.set_defaults(handler=_verify)
+
+
+def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="YAML", help="recipe to start from (configs/*.yaml)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    parser.add_argument(
+        "--input", nargs="+", metavar="URL", help="files, globs, dirs or s3:// URLs"
+    )
+    parser.add_argument("--input-format", choices=["auto", "jsonl", "parquet", "text"])
+    parser.add_argument("--json-key", metavar="KEY", help="field holding the text (default 'text')")
+    parser.add_argument(
+        "--text-mode", choices=["paragraph", "line", "file"], help="plain-text documents"
+    )
+    parser.add_argument("--on-bad-record", choices=["fail", "skip"], help="default fail")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+FLAG_KEYS = {
+    "input": "data.inputs",
+    "input_format": "data.input_format",
+    "json_key": "data.json_key",
+    "text_mode": "data.text_mode",
+    "on_bad_record": "data.on_bad_record",
+    "workers": "data.workers",
+    "shards": "data.shards",
+    "vocab_size": "tokenizer.vocab_size",
+    "model_type": "tokenizer.model_type",
+    "special_tokens": "tokenizer.special_tokens",
+    "max_documents": "tokenizer.max_training_documents",
+    "tokenizer": "tokenizer.model",
+}
+
+
+def config_from_args(args: argparse.Namespace) -> MegalithConfig:
+    values: dict[str, Any] = {
+        key: getattr(args, flag)
+        for flag, key in FLAG_KEYS.items()
+        if getattr(args, flag, None) is not None
+    }
+    if args.data_command == "prepare":
+        if args.output is not None:
+            values["data.output"] = args.output
+        if args.no_eod:
+            values["data.append_eod"] = False
+    return load_config(args.config, args.set, values)
+
+
+def _train_tokenizer(args: argparse.Namespace) -> int:
+    from preprocessing.corpus import Corpus, train_tokenizer_on_corpus
+
+    config = config_from_args(args)
+    corpus = Corpus.open(config.data)
+    tokenizer = train_tokenizer_on_corpus(corpus, config.tokenizer, args.output)
+    print(f"wrote {tokenizer.model_path}")
+    print(f"  id {tokenizer.id}")
+    print(
+        f"  vocab {tokenizer.vocab_size} (padded {tokenizer.padded_vocab_size}), eod id {tokenizer.eod_id}"
+    )
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from preprocessing.stage import run_tokenize_stage
+
+    config = config_from_args(args)
+    report = run_tokenize_stage(config, show_progress=not args.quiet)
+    manifest = report.manifest
+    rates = report.rates()
+    print(f"wrote {len(report.written)} shard(s), skipped {len(report.skipped)} already complete")
+    print(
+        f"  {manifest.documents:,} documents, {manifest.tokens:,} tokens ({manifest.dtype}) "
+        f"in {report.output}"
+    )
+    if report.tokenized_documents:
+        print(
+            f"  {rates['documents_per_s']:,.0f} docs/s, {rates['tokens_per_s']:,.0f} tokens/s, "
+            f"{rates['mb_per_s']:.1f} MB/s with {config.data.workers} worker(s)"
+        )
+    if manifest.rejected.total:
+        print(f"  rejected {manifest.rejected.total} record(s): {dict(manifest.rejected.counts)}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from preprocessing.manifest import read_manifest
+    from preprocessing.tokenizer import load_tokenizer
+    from preprocessing.verify import decode_samples, describe_shard_set
+
+    manifest = read_manifest(args.path)
+    if args.json:
+        print(json.dumps(manifest.model_dump(mode="json"), indent=2))
+        return 0
+    print(describe_shard_set(manifest, args.path))
+    if args.decode:
+        tokenizer = load_tokenizer(
+            args.tokenizer or manifest.tokenizer.path, manifest.tokenizer.padded_vocab_size
+        )
+        try:
+            samples = decode_samples(manifest, args.path, tokenizer, args.decode)
+        except ValueError as exc:
+            raise MegalithError(str(exc)) from None
+        for index, text in enumerate(samples):
+            print(f"\n--- document {index} ---\n{text}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from preprocessing.verify import verify_shard_set
+
+    problems = verify_shard_set(args.path)
+    if problems:
+        for problem in problems:
+            print(f"FAIL {problem}", file=sys.stderr)
+        print(f"{args.path}: {len(problems)} problem(s)", file=sys.stderr)
+        return 1
+    print(f"{args.path}: every file matches its manifest")
+    return 0

@@ -1,0 +1,505 @@
+"""Raw corpus → Megatron indexed-dataset shards + ``manifest.json``.
+
+Two passes over the input:
+
+1. **Scan** reads every document once (no tokenizing), applies the bad-record policy
+   and counts characters. Its result is cached in ``OUTPUT/.prepare/scan.json``.
+2. **Tokenize** reads the documents again, assigns each to a shard by the position of
+   its midpoint in the character stream (so shards hold roughly equal tokens and the
+   assignment depends only on the data), and sends batches to worker processes.
+   Results come back in submission order, so the shards are byte-identical for any
+   number of workers.
+
+A shard is complete when its files were renamed into place and its marker
+``.prepare/shard-XXXXX.json`` (sha256 per file) was written. A rerun verifies the
+markers, skips the complete shards, and redoes the rest. ``manifest.json`` is
+written last: a shard set without it is not finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from preprocessing.corpus import Corpus
+from preprocessing.indexed_dataset import IndexedDatasetWriter, token_dtype
+from preprocessing.manifest import (
+    MANIFEST_NAME,
+    FileInfo,
+    InputInfo,
+    Manifest,
+    ShardInfo,
+    TokenizerInfo,
+    write_manifest,
+)
+from preprocessing.readers import RejectLog
+from preprocessing.storage import (
+    atomic_write_json,
+    filesystem,
+    is_local,
+    join,
+    read_json,
+    sha256_of_file,
+)
+from preprocessing.tokenizer import Tokenizer
+from training import __version__
+from training.config import ConfigError, DataConfig, TokenizerConfig
+
+STATE_DIR = ".prepare"
+SCAN_VERSION = 1
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+@dataclass
+class ScanResult:
+    fingerprint: str
+    documents: int
+    characters: int
+    text_bytes: int
+    documents_per_input: list[int]
+    rejected_per_input: list[int]
+    rejects: dict[str, Any]
+
+
+@dataclass
+class PrepareReport:
+    manifest: Manifest
+    output: str
+    written: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    scan_seconds: float = 0.0
+    tokenize_seconds: float = 0.0
+    tokenized_documents: int = 0
+    tokenized_tokens: int = 0
+    tokenized_bytes: int = 0
+
+    def rates(self) -> dict[str, float]:
+        seconds = max(self.tokenize_seconds, 1e-9)
+        return {
+            "documents_per_s": self.tokenized_documents / seconds,
+            "tokens_per_s": self.tokenized_tokens / seconds,
+            "mb_per_s": self.tokenized_bytes / seconds / 1e6,
+        }
+
+
+# --------------------------------------------------------------------------- scan
+
+
+def input_fingerprint(corpus: Corpus) -> str:
+    """Identify the inputs and every setting that changes which documents they yield."""
+    files = []
+    for source in corpus.files:
+        fs, path = filesystem(source.url, corpus.config.storage_options)
+        files.append([source.url, source.size, fs.ukey(path)])
+    settings = corpus.config.model_dump(
+        include={"input_format", "json_key", "text_mode", "on_bad_record"}
+    )
+    return _digest({"version": SCAN_VERSION, "files": files, "settings": settings})
+
+
+def scan_corpus(corpus: Corpus, fingerprint: str, show_progress: bool = True) -> ScanResult:
+    rejects = RejectLog(max_examples=corpus.config.max_bad_examples)
+    documents = [0] * len(corpus.files)
+    rejected = [0] * len(corpus.files)
+    characters = text_bytes = 0
+    with _progress(corpus.text_bytes_hint(), "scanning", show_progress) as bar:
+        for index in range(len(corpus.files)):
+            rejected_before = rejects.total
+            for batch in corpus.file_batches(index, rejects):
+                documents[index] += len(batch.texts)
+                characters += sum(map(len, batch.texts))
+                text_bytes += batch.nbytes
+                bar.update(batch.nbytes)
+            rejected[index] = rejects.total - rejected_before
+    return ScanResult(
+        fingerprint=fingerprint,
+        documents=sum(documents),
+        characters=characters,
+        text_bytes=text_bytes,
+        documents_per_input=documents,
+        rejected_per_input=rejected,
+        rejects=rejects.to_record().model_dump(),
+    )
+
+
+def load_or_scan(corpus: Corpus, state_url: str, show_progress: bool) -> ScanResult:
+    fingerprint = input_fingerprint(corpus)
+    cached = _read_json_or_none(join(state_url, "scan.json"), corpus.config.storage_options)
+    if cached and cached.get("fingerprint") == fingerprint:
+        return ScanResult(**cached)
+    result = scan_corpus(corpus, fingerprint, show_progress)
+    atomic_write_json(join(state_url, "scan.json"), asdict(result), corpus.config.storage_options)
+    return result
+
+
+# --------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which shard each document goes to, from its place in the character stream."""
+
+    shards: int
+    characters: int
+    key: str
+
+    def shard_of(self, start: int, length: int) -> int:
+        midpoint_twice = 2 * start + length
+        return min(self.shards - 1, midpoint_twice * self.shards // max(1, 2 * self.characters))
+
+
+def make_plan(
+    scan: ScanResult, data: DataConfig, tokenizer: Tokenizer, dtype: np.dtype
+) -> ShardPlan:
+    key = _digest(
+        {
+            "scan": scan.fingerprint,
+            "tokenizer": tokenizer.id,
+            "shards": data.shards,
+            "append_eod": data.append_eod,
+            "dtype": dtype.name,
+        }
+    )
+    return ShardPlan(shards=data.shards, characters=scan.characters, key=key)
+
+
+# --------------------------------------------------------------------------- workers
+
+_worker_processor = None
+
+
+def _init_worker(model_bytes: bytes) -> None:
+    global _worker_processor
+    import sentencepiece
+
+    _worker_processor = sentencepiece.SentencePieceProcessor(model_proto=model_bytes)
+
+
+def encode_documents(
+    processor, texts: list[str], eod_id: int | None, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenize a batch into one flat array plus per-document lengths (EOD included)."""
+    ids = processor.encode(texts)
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
+    if eod_id is not None:
+        flat = np.insert(flat, np.cumsum(lengths), np.asarray(eod_id, dtype=dtype))
+        lengths += 1
+    return flat, lengths
+
+
+def _encode_job(job: tuple[int, list[str], int | None, str]) -> tuple[int, np.ndarray, np.ndarray]:
+    shard, texts, eod_id, dtype = job
+    tokens, lengths = encode_documents(_worker_processor, texts, eod_id, np.dtype(dtype))
+    return shard, tokens, lengths
+
+
+class OrderedPool:
+    """A process pool that returns results in submission order with bounded work in flight.
+
+    ``Pool.imap`` would read the whole input ahead of the workers; bounding the queue
+    keeps memory flat for any corpus size.
+    """
+
+    def __init__(self, workers: int, model_bytes: bytes):
+        context = multiprocessing.get_context("spawn")
+        self.pool = context.Pool(workers, initializer=_init_worker, initargs=(model_bytes,))
+        self.pending: deque = deque()
+        self.limit = 2 * workers + 2
+
+    def submit(self, job) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        self.pending.append(self.pool.apply_async(_encode_job, (job,)))
+        while len(self.pending) >= self.limit:
+            yield self.pending.popleft().get()
+
+    def drain(self) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        while self.pending:
+            yield self.pending.popleft().get()
+
+    def close(self) -> None:
+        self.pool.terminate()
+        self.pool.join()
+
+
+# --------------------------------------------------------------------------- shards
+
+
+class ShardStore:
+    """Where shards are written: local directories, or a temp dir uploaded to a URL."""
+
+    def __init__(self, output: str, storage_options: dict[str, Any]):
+        self.output = output.rstrip("/")
+        self.options = storage_options
+        self.state = join(self.output, STATE_DIR)
+        if is_local(output):
+            self.staging = Path(self.state.removeprefix("file://"))
+            self.staging.mkdir(parents=True, exist_ok=True)
+        else:
+            self.staging = Path(tempfile.mkdtemp(prefix="megalith-shards-"))
+            filesystem(self.output, storage_options)[0].makedirs(
+                filesystem(self.output, storage_options)[1], exist_ok=True
+            )
+
+    def staging_prefix(self, name: str) -> str:
+        return str(self.staging / name)
+
+    def publish(self, name: str) -> dict[str, FileInfo]:
+        """Move a finished shard into place and return its file hashes."""
+        files = {}
+        for suffix in (".bin", ".idx"):
+            local = self.staging / f"{name}{suffix}"
+            files[f"{name}{suffix}"] = FileInfo(
+                sha256=sha256_of_file(str(local)), bytes=local.stat().st_size
+            )
+            target = join(self.output, f"{name}{suffix}")
+            if is_local(self.output):
+                os.replace(local, target.removeprefix("file://"))
+            else:
+                fs, path = filesystem(target, self.options)
+                fs.put_file(str(local), path)
+                local.unlink()
+        return files
+
+    def marker_url(self, name: str) -> str:
+        return join(self.state, f"{name}.json")
+
+    def is_complete(self, name: str, plan_key: str) -> ShardInfo | None:
+        marker = _read_json_or_none(self.marker_url(name), self.options)
+        if not marker or marker.get("plan") != plan_key:
+            return None
+        shard = ShardInfo.model_validate(marker["shard"])
+        for file_name, info in shard.files.items():
+            try:
+                digest = sha256_of_file(join(self.output, file_name), self.options)
+            except FileNotFoundError:
+                return None
+            if digest != info.sha256:
+                return None
+        return shard
+
+    def mark_complete(self, shard: ShardInfo, plan_key: str) -> None:
+        record = {"plan": plan_key, "shard": shard.model_dump()}
+        atomic_write_json(self.marker_url(shard.name), record, self.options)
+
+    def remove_manifest(self) -> None:
+        fs, path = filesystem(join(self.output, MANIFEST_NAME), self.options)
+        if fs.exists(path):
+            fs.rm_file(path)
+
+    def cleanup(self) -> None:
+        if not is_local(self.output):
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+
+class ShardWriter:
+    """Writes consecutive shards one at a time as their results arrive."""
+
+    def __init__(self, store: ShardStore, plan_key: str, dtype: np.dtype):
+        self.store = store
+        self.plan_key = plan_key
+        self.dtype = dtype
+        self.current: int | None = None
+        self.writer: IndexedDatasetWriter | None = None
+        self.finished: dict[int, ShardInfo] = {}
+
+    def add(self, shard: int, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        if shard != self.current:
+            self.finish()
+            self.current = shard
+            self.writer = IndexedDatasetWriter(
+                self.store.staging_prefix(shard_name(shard)), self.dtype
+            )
+        self.writer.add_documents(tokens, lengths)
+
+    def finish(self) -> None:
+        if self.writer is None:
+            return
+        self.writer.finalize()
+        name = shard_name(self.current)
+        info = ShardInfo(
+            name=name,
+            documents=self.writer.num_documents,
+            tokens=self.writer.num_tokens,
+            files=self.store.publish(name),
+        )
+        self.store.mark_complete(info, self.plan_key)
+        self.finished[self.current] = info
+        self.writer = None
+
+
+# --------------------------------------------------------------------------- prepare
+
+
+def prepare_dataset(
+    data: DataConfig,
+    tokenizer: Tokenizer,
+    tokenizer_config: TokenizerConfig | None = None,
+    show_progress: bool = True,
+) -> PrepareReport:
+    """Tokenize ``data.inputs`` into ``data.shards`` shards under ``data.output``."""
+    if not data.output:
+        raise ConfigError("data.output is not set: say where the shards go (--output DIR_OR_URL)")
+    corpus = Corpus.open(data)
+    store = ShardStore(data.output, data.storage_options)
+    dtype = token_dtype(tokenizer.padded_vocab_size)
+    report = PrepareReport(manifest=None, output=store.output)  # type: ignore[arg-type]
+
+    started = time.perf_counter()
+    scan = load_or_scan(corpus, store.state, show_progress)
+    report.scan_seconds = time.perf_counter() - started
+    if scan.documents == 0:
+        raise ConfigError(
+            f"no usable documents in {data.inputs} (rejected: {scan.rejects['counts']})"
+        )
+
+    plan = make_plan(scan, data, tokenizer, dtype)
+    complete = {}
+    for index in range(plan.shards):
+        shard = store.is_complete(shard_name(index), plan.key)
+        if shard is not None:
+            complete[index] = shard
+    report.skipped = [shard.name for shard in complete.values()]
+    store.remove_manifest()
+
+    started = time.perf_counter()
+    written = _tokenize(
+        corpus, scan, plan, tokenizer, data, store, dtype, complete, report, show_progress
+    )
+    report.tokenize_seconds = time.perf_counter() - started
+    report.written = [written[i].name for i in sorted(written)]
+
+    shards = {**complete, **written}
+    report.manifest = _build_manifest(
+        corpus, scan, tokenizer, tokenizer_config, data, dtype, [shards[i] for i in sorted(shards)]
+    )
+    write_manifest(store.output, report.manifest, data.storage_options)
+    store.cleanup()
+    return report
+
+
+def _tokenize(corpus, scan, plan, tokenizer, data, store, dtype, complete, report, show_progress):
+    writer = ShardWriter(store, plan.key, dtype)
+    eod = tokenizer.eod_id if data.append_eod else None
+    if len(complete) == plan.shards:
+        return writer.finished
+    pool = OrderedPool(data.workers, tokenizer.model_bytes)
+    rejects = RejectLog(max_examples=0)
+    position = 0
+    try:
+        with _progress(scan.text_bytes, "tokenizing", show_progress) as bar:
+
+            def consume(results):
+                for shard, tokens, lengths in results:
+                    writer.add(shard, tokens, lengths)
+                    report.tokenized_documents += len(lengths)
+                    report.tokenized_tokens += len(tokens)
+                if show_progress:
+                    bar.set_postfix(
+                        docs=report.tokenized_documents,
+                        tokens=report.tokenized_tokens,
+                        refresh=False,
+                    )
+
+            for _, batch in corpus.batches(rejects):
+                pieces, position = split_by_shard(batch.texts, position, plan)
+                for shard, texts in pieces:
+                    if shard not in complete:
+                        consume(pool.submit((shard, texts, eod, dtype.name)))
+                report.tokenized_bytes += batch.nbytes
+                bar.update(batch.nbytes)
+            consume(pool.drain())
+        writer.finish()
+    finally:
+        pool.close()
+    return writer.finished
+
+
+def split_by_shard(
+    texts: list[str], position: int, plan: ShardPlan
+) -> tuple[list[tuple[int, list[str]]], int]:
+    """Cut a batch where the shard changes; returns the pieces and the position after it."""
+    pieces: list[tuple[int, list[str]]] = []
+    for text in texts:
+        shard = plan.shard_of(position, len(text))
+        position += len(text)
+        if pieces and pieces[-1][0] == shard:
+            pieces[-1][1].append(text)
+        else:
+            pieces.append((shard, [text]))
+    return pieces, position
+
+
+def _build_manifest(corpus, scan, tokenizer, tokenizer_config, data, dtype, shards) -> Manifest:
+    inputs = [
+        InputInfo(url=f.url, bytes=f.size, documents=docs, rejected=bad)
+        for f, docs, bad in zip(
+            corpus.files, scan.documents_per_input, scan.rejected_per_input, strict=True
+        )
+    ]
+    config = {"data": data.model_dump(mode="json")}
+    if tokenizer_config is not None:
+        config["tokenizer"] = tokenizer_config.model_dump(mode="json")
+    return Manifest(
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        megalith_version=__version__,
+        tokenizer=TokenizerInfo(
+            id=tokenizer.id,
+            path=tokenizer.model_path,
+            vocab_size=tokenizer.vocab_size,
+            padded_vocab_size=tokenizer.padded_vocab_size,
+            eod_id=tokenizer.eod_id,
+            pad_id=tokenizer.pad_id,
+        ),
+        dtype=dtype.name,
+        append_eod=data.append_eod,
+        documents=sum(s.documents for s in shards),
+        tokens=sum(s.tokens for s in shards),
+        shards=shards,
+        inputs=inputs,
+        rejected=scan.rejects,
+        config=config,
+    )
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _read_json_or_none(url: str, storage_options: dict[str, Any]) -> Any:
+    try:
+        return read_json(url, storage_options)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _progress(total: int, desc: str, enabled: bool) -> tqdm:
+    return tqdm(
+        total=total or None,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1000,
+        disable=not enabled,
+        dynamic_ncols=True,
+    )

@@ -1,0 +1,113 @@
+"""Checking and describing a prepared shard set (``megalith data verify|inspect``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from preprocessing.indexed_dataset import IndexedDatasetReader
+from preprocessing.manifest import Manifest, read_manifest
+from preprocessing.storage import filesystem, is_local, join, sha256_of_file
+from preprocessing.tokenizer import Tokenizer
+
+
+def verify_shard_set(root: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Re-hash every file the manifest names; return a list of problems (empty when sound)."""
+    try:
+        manifest = read_manifest(root, storage_options)
+    except (FileNotFoundError, ValueError) as exc:
+        return [str(exc)]
+    problems = []
+    for shard in manifest.shards:
+        problems += _verify_files(root, shard.files, storage_options)
+        if not problems and is_local(root):
+            problems += _verify_index(root, shard.name, shard.documents, shard.tokens)
+    totals = (sum(s.documents for s in manifest.shards), sum(s.tokens for s in manifest.shards))
+    if totals != (manifest.documents, manifest.tokens):
+        problems.append(
+            f"manifest totals ({manifest.documents} documents, {manifest.tokens} tokens) "
+            f"differ from the sum over shards {totals}"
+        )
+    return problems
+
+
+def _verify_files(root: str, files: dict, storage_options) -> list[str]:
+    problems = []
+    for name, expected in files.items():
+        url = join(root, name)
+        fs, path = filesystem(url, storage_options)
+        if not fs.exists(path):
+            problems.append(f"{url}: missing")
+            continue
+        size = fs.size(path)
+        if size != expected.bytes:
+            problems.append(f"{url}: {size} bytes, manifest says {expected.bytes}")
+            continue
+        digest = sha256_of_file(url, storage_options)
+        if digest != expected.sha256:
+            problems.append(
+                f"{url}: sha256 {digest[:16]}… does not match manifest {expected.sha256[:16]}…"
+            )
+    return problems
+
+
+def _verify_index(root: str, name: str, documents: int, tokens: int) -> list[str]:
+    prefix = join(root, name).removeprefix("file://")
+    try:
+        reader = IndexedDatasetReader(prefix)
+    except Exception as exc:  # noqa: BLE001 - any defect in the files is a finding here
+        return [f"{prefix}: {exc}"]
+    found = (reader.num_documents, int(reader.sequence_lengths.sum()))
+    if found != (documents, tokens):
+        return [
+            f"{prefix}: holds {found[0]} documents / {found[1]} tokens, manifest says {documents} / {tokens}"
+        ]
+    return []
+
+
+def describe_shard_set(manifest: Manifest, root: str) -> str:
+    """A human summary of a manifest: what it was made from and what it holds."""
+    lines = [
+        f"shard set     {root}",
+        f"created       {manifest.created_at} by megalith {manifest.megalith_version}",
+        f"tokenizer     {manifest.tokenizer.id[:16]}…  vocab {manifest.tokenizer.vocab_size} "
+        f"(padded {manifest.tokenizer.padded_vocab_size}), eod id {manifest.tokenizer.eod_id}",
+        f"              {manifest.tokenizer.path}",
+        f"tokens        {manifest.tokens:,} as {manifest.dtype}, EOD appended: {manifest.append_eod}",
+        f"documents     {manifest.documents:,} "
+        f"({manifest.tokens / max(1, manifest.documents):.1f} tokens each on average)",
+        f"inputs        {len(manifest.inputs)} file(s), {sum(i.bytes for i in manifest.inputs):,} bytes",
+        f"rejected      {manifest.rejected.total:,}"
+        + (f"  {dict(manifest.rejected.counts)}" if manifest.rejected.total else ""),
+        "",
+        f"{'shard':<14}{'documents':>12}{'tokens':>14}  sha256 (.bin)",
+    ]
+    for shard in manifest.shards:
+        digest = shard.files.get(f"{shard.name}.bin")
+        lines.append(
+            f"{shard.name:<14}{shard.documents:>12,}{shard.tokens:>14,}  "
+            f"{digest.sha256[:16] if digest else '-'}"
+        )
+    for example in manifest.rejected.examples:
+        lines.append(
+            f"  rejected {example.get('location')}: {example.get('reason')} {example.get('detail', '')}"
+        )
+    return "\n".join(lines)
+
+
+def decode_samples(
+    manifest: Manifest, root: str, tokenizer: Tokenizer, count: int, max_chars: int = 400
+) -> list[str]:
+    """Decode the first ``count`` documents of the first shard back to text."""
+    if tokenizer.id != manifest.tokenizer.id:
+        raise ValueError(
+            f"tokenizer {tokenizer.model_path} (id {tokenizer.id[:16]}…) is not the one these "
+            f"shards were made with (id {manifest.tokenizer.id[:16]}…)"
+        )
+    if not manifest.shards:
+        return []
+    reader = IndexedDatasetReader(join(root, manifest.shards[0].name).removeprefix("file://"))
+    texts = []
+    for index in range(min(count, len(reader))):
+        text = tokenizer.decode(reader[index].tolist())
+        texts.append(text if len(text) <= max_chars else text[:max_chars] + " …")
+    return texts
