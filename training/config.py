@@ -133,12 +133,188 @@ class DataConfig(StrictModel):
         raise ConfigError("data.blend is empty and data.output is not set: nothing to train on")
 
 
+STYLE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "normalization": "rmsnorm",
+        "activation": "swiglu",
+        "position_embedding": "rope",
+        "bias": False,
+        "tie_embeddings": False,
+    },
+    "gpt2": {
+        "normalization": "layernorm",
+        "activation": "gelu",
+        "position_embedding": "learned",
+        "bias": True,
+        "tie_embeddings": True,
+    },
+}
+
+
+class ModelConfig(StrictModel):
+    """A decoder-only transformer. ``style`` fills every architectural choice left unset."""
+
+    family: Literal["gpt"] = "gpt"
+    style: Literal["llama", "gpt2"] = "llama"
+    num_layers: int = Field(default=2, ge=1)
+    hidden_size: int = Field(default=128, ge=8)
+    num_attention_heads: int = Field(default=4, ge=1)
+    num_query_groups: int | None = Field(
+        default=None,
+        ge=1,
+        description="Grouped-query attention KV groups; None means one per head.",
+    )
+    ffn_hidden_size: int | None = Field(
+        default=None, ge=1, description="None: 4h for GELU, 8h/3 rounded up to 64 for SwiGLU."
+    )
+    vocab_size: int | None = Field(
+        default=None, ge=1, description="None: the padded vocabulary of the training data."
+    )
+    max_position_embeddings: int | None = Field(
+        default=None, ge=1, description="None: data.seq_length."
+    )
+    normalization: Literal["rmsnorm", "layernorm"] | None = None
+    activation: Literal["swiglu", "gelu"] | None = None
+    position_embedding: Literal["rope", "learned"] | None = None
+    bias: bool | None = None
+    tie_embeddings: bool | None = None
+    rope_base: float = Field(default=10000.0, gt=0)
+    norm_eps: float = Field(default=1e-5, gt=0)
+    init_std: float = Field(default=0.02, gt=0)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    backend: Literal["auto", "torch", "te"] = Field(
+        default="auto",
+        description="Layer backend: Transformer Engine when importable (auto) or plain torch.",
+    )
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+
+    @model_validator(mode="after")
+    def _fill_style(self) -> ModelConfig:
+        for key, value in STYLE_DEFAULTS[self.style].items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        groups = self.num_query_groups or self.num_attention_heads
+        object.__setattr__(self, "num_query_groups", groups)
+        if self.ffn_hidden_size is None:
+            if self.activation == "swiglu":
+                ffn = -(-(8 * self.hidden_size // 3) // 64) * 64
+            else:
+                ffn = 4 * self.hidden_size
+            object.__setattr__(self, "ffn_hidden_size", ffn)
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                f"{self.num_attention_heads}"
+            )
+        if self.num_attention_heads % groups:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"num_query_groups {groups}"
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class TrainingConfig(StrictModel):
+    """The training loop: batch sizes, length, evaluation cadence, device."""
+
+    micro_batch_size: int = Field(default=4, ge=1, description="Samples per forward pass.")
+    global_batch_size: int = Field(
+        default=8, ge=1, description="Samples per optimizer step (gradient accumulation fills it)."
+    )
+    train_iters: int = Field(default=100, ge=1, description="Optimizer steps.")
+    eval_interval: int = Field(default=50, ge=0, description="Steps between validation; 0: never.")
+    eval_iters: int = Field(default=4, ge=1, description="Validation micro-batches per evaluation.")
+    log_interval: int = Field(default=1, ge=1)
+    seed: int = 1234
+    grad_clip: float = Field(default=1.0, ge=0.0, description="Max global grad norm; 0: off.")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    compile: bool = Field(default=False, description="torch.compile the model.")
+    num_workers: int = Field(default=1, ge=0, description="DataLoader worker processes.")
+
+    @model_validator(mode="after")
+    def _check_batches(self) -> TrainingConfig:
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of "
+                f"micro_batch_size {self.micro_batch_size}"
+            )
+        return self
+
+
+class OptimizerConfig(StrictModel):
+    """AdamW with decoupled weight decay (none on norms, biases and embeddings)."""
+
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(default=3e-4, gt=0)
+    min_lr: float = Field(default=3e-5, ge=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-8, gt=0)
+    fused: bool | None = Field(default=None, description="None: fused when on CUDA.")
+
+
+class SchedulerConfig(StrictModel):
+    """Learning-rate schedule: linear warmup, then cosine, warmup-stable-decay or constant."""
+
+    name: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_iters: int = Field(default=10, ge=0)
+    decay_iters: int | None = Field(default=None, ge=1, description="None: training.train_iters.")
+    wsd_decay_fraction: float = Field(
+        default=0.2, gt=0, le=1, description="WSD: share of steps spent decaying at the end."
+    )
+
+
+class MixedPrecisionConfig(StrictModel):
+    """Compute precision. ``auto``: bf16 on CUDA, fp32 on CPU."""
+
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    initial_loss_scale: float = Field(default=2.0**16, gt=0, description="fp16 only.")
+    loss_scale_growth_interval: int = Field(default=1000, ge=1, description="fp16 only.")
+
+
+class CheckpointConfig(StrictModel):
+    """Where and how often checkpoints are written (safetensors + JSON, never pickle)."""
+
+    interval: int = Field(
+        default=0, ge=0, description="Steps between checkpoints; 0: only at the end."
+    )
+    keep_last: int = Field(default=3, ge=1)
+    directory: str | None = Field(default=None, description="None: OUTPUT/checkpoints.")
+    resume: bool = Field(default=False, description="Continue from the latest checkpoint.")
+
+
+class LoggingConfig(StrictModel):
+    """Experiment tracking. MLFLOW_TRACKING_URI overrides tracking_uri."""
+
+    mlflow: bool = True
+    tracking_uri: str | None = Field(
+        default=None, description="None: sqlite:///OUTPUT/../mlflow.db"
+    )
+    experiment: str = "megalith"
+    run_name: str | None = None
+    registered_model: str = Field(
+        default="megalith-demo", description="Registry name for the trained model."
+    )
+
+
 class MegalithConfig(StrictModel):
-    """The root of a recipe. Later stages add their sections here."""
+    """The root of a recipe: one section per concern."""
 
     name: str = "megalith"
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
 
 def format_validation_error(error: ValidationError, source: str) -> str:
