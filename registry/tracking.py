@@ -1,0 +1,570 @@
+"""MLflow tracking for training jobs: one run per job, logged from rank 0 only.
+
+``open_run_logger`` is what the trainer calls. It returns a ``NullLogger`` on ranks
+other than 0 and when tracking is off, and an ``MLflowRunLogger`` otherwise.
+
+Tracking must never stop training. The logger hands every MLflow call to one
+background thread, so a slow or dead tracking server cannot stall a step; the first
+failure (at start or mid-run) is reported once with ``logging.warning`` and the
+logger then drops everything. Metrics are batched: one ``log_batch`` request per
+flush interval, not one per step.
+
+MLflow is imported lazily: ranks that never log should not pay its ~2 s import.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import numbers
+import os
+import queue
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from preprocessing.storage import filesystem, sha256_of_file
+from training.config import LoggingConfig
+from training.tracking import NullLogger, RunLogger, read_metrics
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+log = logging.getLogger(__name__)
+
+DB_FILE_NAME = "mlflow.db"
+ARTIFACTS_DIR_NAME = "mlartifacts"
+PROBE_TIMEOUT_S = 5
+FLUSH_INTERVAL_S = 1.0
+CLOSE_TIMEOUT_S = 60.0
+SYSTEM_METRICS_INTERVAL_S = 10.0
+
+# MLflow's limits (mlflow.utils.validation): longer values are refused, not cut.
+MAX_PARAM_VALUE_LENGTH = 6000
+MAX_TAG_VALUE_LENGTH = 8000
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_TAGS_PER_BATCH = 100
+
+# MLflow refuses keys with other characters; one bad key would fail a whole batch.
+_UNSAFE_KEY_CHARS = re.compile(r"[^\w\-. /:]")
+
+_created_stores: set[str] = set()
+_said_no_system_metrics = False
+
+
+# --- Where runs go ------------------------------------------------------------------
+
+
+def resolve_tracking_uri(configured: str | None, workdir: str | Path | None = None) -> str:
+    """``MLFLOW_TRACKING_URI`` wins, then the config's URI, then ``<workdir>/mlflow.db``."""
+    from_env = os.environ.get("MLFLOW_TRACKING_URI")
+    if from_env:
+        return from_env
+    if configured:
+        return configured
+    base = Path(workdir) if workdir is not None else Path.cwd()
+    return f"sqlite:///{(base / DB_FILE_NAME).resolve()}"
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI, or None for other stores."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri.removeprefix("sqlite:///"))
+
+
+def ensure_tracking_store(uri: str) -> None:
+    """Create a SQLite store once, before any run is logged to it.
+
+    Several processes creating the same fresh database race on its schema
+    migrations, so creation happens under a file lock. Other stores need nothing.
+    """
+    db = sqlite_path(uri)
+    if db is None or uri in _created_stores:
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    from mlflow import MlflowClient
+
+    with _file_lock(db.with_name(f".{db.name}.lock")):
+        client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+        client.search_experiments(max_results=1)  # creates and migrates the tracking tables
+        client.search_registered_models(max_results=1)
+    _created_stores.add(uri)
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    import fcntl
+
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def check_reachable(uri: str) -> None:
+    """Fail fast (one request, no retries) when an HTTP tracking server does not answer.
+
+    MLflow's own client retries for minutes; this is what keeps an unreachable
+    server from holding up the start of training.
+    """
+    if not uri.startswith(("http://", "https://")):
+        return
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    response = http_request(
+        get_default_host_creds(uri),
+        "/api/2.0/mlflow/experiments/get-by-name",
+        "GET",
+        params={"experiment_name": "Default"},
+        max_retries=0,
+        timeout=PROBE_TIMEOUT_S,
+    )
+    if response.status_code >= 500:
+        raise ConnectionError(f"{uri} answered HTTP {response.status_code}")
+
+
+def get_or_create_experiment(client: MlflowClient, name: str, tracking_uri: str) -> str:
+    """The experiment's id; new experiments on a SQLite store keep artifacts beside the db."""
+    from mlflow.exceptions import MlflowException
+
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    db = sqlite_path(tracking_uri)
+    location = (db.parent / ARTIFACTS_DIR_NAME).as_uri() if db is not None else None
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except MlflowException:  # created meanwhile by another process
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
+
+
+# --- Params, tags and lineage -------------------------------------------------------
+
+
+def flatten_params(tree: Mapping[str, Any] | BaseModel, prefix: str = "") -> dict[str, str]:
+    """Nested config → ``{"model.hidden_size": "512", ...}`` with MLflow-sized values.
+
+    Lists of mappings get index keys (``data.blend.0.path``); other lists and all
+    non-string scalars are written as JSON.
+    """
+    if isinstance(tree, BaseModel):
+        tree = tree.model_dump(mode="json")
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, BaseModel):
+            value = value.model_dump(mode="json")
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten_params(value, f"{name}."))
+        elif _is_list_of_mappings(value):
+            for index, item in enumerate(value):
+                flat.update(flatten_params(item, f"{name}.{index}."))
+        else:
+            text = value if isinstance(value, str) else json.dumps(value, default=str)
+            flat[name] = text[:MAX_PARAM_VALUE_LENGTH]
+    return flat
+
+
+def _is_list_of_mappings(value: Any) -> bool:
+    return (
+        isinstance(value, list | tuple)
+        and bool(value)
+        and all(isinstance(item, Mapping | BaseModel) for item in value)
+    )
+
+
+def lineage_tags(
+    manifests: Sequence[str] = (),
+    tokenizer_id: str | None = None,
+    code_version: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, str]:
+    """Tags that say what a run was made from.
+
+    ``manifests`` are dataset roots or ``manifest.json`` URLs (several for a blend,
+    in blend order); the tokenizer id defaults to the first manifest's.
+    """
+    tags: dict[str, str] = {}
+    urls = [m if m.endswith(".json") else m.rstrip("/") + "/manifest.json" for m in manifests]
+    if urls:
+        tags["megalith.data.manifests"] = ",".join(urls)
+        tags["megalith.data.manifest_sha256"] = ",".join(
+            sha256_of_file(url, storage_options) for url in urls
+        )
+        tokenizer_id = tokenizer_id or _manifest_tokenizer_id(urls[0], storage_options)
+    if tokenizer_id:
+        tags["megalith.tokenizer.id"] = tokenizer_id
+    commit = git_commit()
+    tags["megalith.code.version"] = code_version or commit or package_version()
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    return tags
+
+
+def _manifest_tokenizer_id(url: str, storage_options: dict[str, Any] | None) -> str | None:
+    fs, path = filesystem(url, storage_options)
+    with fs.open(path, "rb") as handle:
+        manifest = json.load(handle)
+    return manifest.get("tokenizer", {}).get("id")
+
+
+def git_commit() -> str | None:
+    """The commit this code was checked out at (with ``-dirty`` if edited), if any."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        commit = _git(repo, "rev-parse", "HEAD")
+        dirty = _git(repo, "status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{commit}-dirty" if dirty else commit
+
+
+def _git(repo: Path, *args: str) -> str:
+    result = subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10, check=True
+    )
+    return result.stdout.strip()
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("megalith")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _safe_key(key: str) -> str:
+    return _UNSAFE_KEY_CHARS.sub("_", key)[:250]
+
+
+# --- The logger ---------------------------------------------------------------------
+
+
+def open_run_logger(
+    config: LoggingConfig,
+    run_name: str | None,
+    rank: int,
+    *,
+    workdir: str | Path | None = None,
+    run_id: str | None = None,
+    tags: Mapping[str, str] | None = None,
+    system_metrics: bool = True,
+) -> RunLogger:
+    """The logger for one training job.
+
+    ``run_id`` (or ``MLFLOW_RUN_ID``) hands over an existing run, e.g. one a parent
+    flow created; such a run is left open on ``close``. Otherwise a new run starts in
+    ``config.experiment``. Any failure to reach the store warns once and returns a
+    ``NullLogger``: training goes on without tracking.
+    """
+    if rank != 0 or not config.mlflow:
+        return NullLogger()
+    uri = resolve_tracking_uri(config.tracking_uri, workdir)
+    run_id = run_id or os.environ.get("MLFLOW_RUN_ID") or None
+    try:
+        return MLflowRunLogger.start(
+            uri,
+            experiment=config.experiment,
+            run_name=run_name or config.run_name,
+            run_id=run_id,
+            tags=tags,
+            system_metrics=system_metrics,
+        )
+    except Exception as error:  # noqa: BLE001 - tracking must never stop training
+        log.warning(
+            "MLflow tracking at %s is unavailable (%s); training continues without it", uri, error
+        )
+        return NullLogger()
+
+
+_STOP = object()
+_THREAD_NAME = "megalith-mlflow-logger"
+
+
+class _QuietRetries(logging.Filter):
+    """Drops urllib3's per-retry warnings from our thread: the logger warns once itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName != _THREAD_NAME
+
+
+logging.getLogger("urllib3.connectionpool").addFilter(_QuietRetries())
+
+
+class MLflowRunLogger:
+    """A ``RunLogger`` that writes to one MLflow run through a background thread."""
+
+    def __init__(self, client: MlflowClient, run_id: str, tracking_uri: str, owns_run: bool):
+        self.client = client
+        self.run_id = run_id
+        self.tracking_uri = tracking_uri
+        self.owns_run = owns_run
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._hurry = threading.Event()
+        self._failed = False
+        self._closed = False
+        self._fail_lock = threading.Lock()
+        self._system_monitor: Any = None
+        self._thread = threading.Thread(target=self._work, name=_THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(
+        cls,
+        tracking_uri: str,
+        experiment: str = "megalith",
+        run_name: str | None = None,
+        run_id: str | None = None,
+        tags: Mapping[str, str] | None = None,
+        system_metrics: bool = True,
+    ) -> MLflowRunLogger:
+        """Create a run (or take over ``run_id``); raises if the store cannot be reached."""
+        from mlflow import MlflowClient
+
+        check_reachable(tracking_uri)
+        ensure_tracking_store(tracking_uri)
+        client = MlflowClient(tracking_uri=tracking_uri)
+        owns_run = run_id is None
+        if run_id is None:
+            experiment_id = get_or_create_experiment(client, experiment, tracking_uri)
+            run_id = client.create_run(experiment_id, run_name=run_name).info.run_id
+        else:
+            client.get_run(run_id)  # fails here, at start, if the run does not exist
+        logger = cls(client, run_id, tracking_uri, owns_run=owns_run)
+        if tags:
+            logger.set_tags(dict(tags))
+        if system_metrics:
+            logger._start_system_metrics()
+        return logger
+
+    # RunLogger -------------------------------------------------------------------
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        if self._accepting():
+            flat = flatten_params(params)
+            self._queue.put(lambda: self._send_params(flat))
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        if not self._accepting():
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [
+            Metric(_safe_key(key), float(value), now, int(step))
+            for key, value in metrics.items()
+            if isinstance(value, numbers.Real)
+        ]
+        if batch:
+            self._queue.put(batch)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if not self._accepting():
+            return
+        local = str(path)
+        if Path(local).is_dir():
+            self._queue.put(lambda: self.client.log_artifacts(self.run_id, local, artifact_path))
+        else:
+            self._queue.put(lambda: self.client.log_artifact(self.run_id, local, artifact_path))
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        if self._accepting():
+            copied = dict(tags)
+            self._queue.put(lambda: self._send_tags(copied))
+
+    def close(self, status: str = "FINISHED") -> None:
+        """Flush everything, stop the thread and end the run (only a run we started)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_system_metrics()
+        if self.owns_run:
+            self._queue.put(lambda: self.client.set_terminated(self.run_id, status))
+        self._queue.put(_STOP)
+        self._hurry.set()
+        # The thread may be inside MLflow's minutes of retries against a dead server:
+        # ask the server directly instead of waiting for that.
+        self._call(check_reachable, self.tracking_uri)
+        if self._failed:
+            return
+        self._thread.join(CLOSE_TIMEOUT_S)
+        if self._thread.is_alive():
+            self._fail(TimeoutError(f"still sending after {CLOSE_TIMEOUT_S:.0f} s"))
+
+    def flush(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
+        """Wait until everything logged so far is sent; False if it took too long."""
+        if not self._accepting():
+            return not self._failed
+        sent = threading.Event()
+        self._queue.put(sent)
+        self._hurry.set()
+        done = sent.wait(timeout)
+        if not self._closed:
+            self._hurry.clear()
+        return done and not self._failed
+
+    def __enter__(self) -> MLflowRunLogger:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        self.close("FINISHED" if exc_type is None else "FAILED")
+
+    # Extras ----------------------------------------------------------------------
+
+    def log_loss_curve(self, metrics_jsonl_path: str | Path) -> Path | None:
+        """Render ``loss_curve.png`` beside ``metrics.jsonl`` and log it under ``plots/``."""
+        if not self._accepting():
+            return None
+        source = Path(metrics_jsonl_path)
+        png = render_loss_curve(source, source.with_name("loss_curve.png"))
+        self.log_artifact(png, "plots")
+        return png
+
+    @property
+    def failed(self) -> bool:
+        return self._failed
+
+    # The background thread -------------------------------------------------------
+
+    def _accepting(self) -> bool:
+        return not (self._failed or self._closed)
+
+    def _work(self) -> None:
+        while True:
+            items = [self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            if not self._process(items):
+                return
+            # At most one flush per interval, unless flush() or close() hurries it.
+            self._hurry.wait(FLUSH_INTERVAL_S)
+
+    def _process(self, items: list[Any]) -> bool:
+        """Send queued work in order, metrics batched; False once the stop marker is reached."""
+        metrics: list[Metric] = []
+        for item in items:
+            if isinstance(item, list):
+                metrics.extend(item)
+                continue
+            self._call(self._send_metrics, metrics)
+            metrics = []
+            if isinstance(item, threading.Event):
+                item.set()
+            elif item is _STOP:
+                return False
+            else:
+                self._call(item)
+        self._call(self._send_metrics, metrics)
+        return True
+
+    def _call(self, operation: Callable[..., Any], *args: Any) -> None:
+        if self._failed:
+            return
+        try:
+            operation(*args)
+        except Exception as error:  # noqa: BLE001 - tracking must never stop training
+            self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._fail_lock:
+            if self._failed:
+                return
+            self._failed = True
+        log.warning(
+            "MLflow tracking to %s failed (%s: %s); training continues without tracking",
+            self.tracking_uri,
+            type(error).__name__,
+            error,
+        )
+
+    def _send_metrics(self, metrics: list[Metric]) -> None:
+        for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+            chunk = metrics[start : start + MAX_METRICS_PER_BATCH]
+            self.client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+
+    def _send_params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        # A param cannot change once logged; a handed-over run may already hold some.
+        existing = self.client.get_run(self.run_id).data.params
+        new = {_safe_key(k): v for k, v in params.items()}
+        changed = sorted(k for k, v in new.items() if k in existing and existing[k] != v)
+        if changed:
+            log.warning("MLflow run %s keeps its earlier values of %s", self.run_id, changed)
+        items = [Param(k, v) for k, v in new.items() if k not in existing]
+        for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            chunk = items[start : start + MAX_PARAMS_TAGS_PER_BATCH]
+            self.client.log_batch(self.run_id, params=chunk, synchronous=True)
+
+    def _send_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        items = [RunTag(_safe_key(k), str(v)[:MAX_TAG_VALUE_LENGTH]) for k, v in tags.items()]
+        for start in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            chunk = items[start : start + MAX_PARAMS_TAGS_PER_BATCH]
+            self.client.log_batch(self.run_id, tags=chunk, synchronous=True)
+
+    def _start_system_metrics(self) -> None:
+        global _said_no_system_metrics
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        except ImportError as error:  # psutil is not a dependency of mlflow
+            if not _said_no_system_metrics:
+                log.warning("System metrics are off: %s (pip install psutil)", error)
+                _said_no_system_metrics = True
+            return
+        self._system_monitor = SystemMetricsMonitor(
+            self.run_id,
+            sampling_interval=SYSTEM_METRICS_INTERVAL_S,
+            tracking_uri=self.tracking_uri,
+        )
+        self._system_monitor.start()
+
+    def _stop_system_metrics(self) -> None:
+        if self._system_monitor is not None:
+            self._system_monitor.finish()
+            self._system_monitor = None
+
+
+# --- Loss curve ---------------------------------------------------------------------
+
+
+def render_loss_curve(metrics_jsonl_path: str | Path, png_path: str | Path) -> Path:
+    """Plot training loss (and validation loss, if logged) against step into a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = read_metrics(metrics_jsonl_path)
+    figure = Figure(figsize=(8, 4.5), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for key, label in (("loss", "train loss"), ("val_loss", "validation loss")):
+        points = [(r["step"], r[key]) for r in records if "step" in r and r.get(key) is not None]
+        if points:
+            steps, values = zip(*points, strict=True)
+            axes.plot(steps, values, label=label, marker="o" if key == "val_loss" else None)
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss")
+    axes.grid(alpha=0.3)
+    if axes.lines:
+        axes.legend()
+    out = Path(png_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, format="png")
+    return out
