@@ -1,0 +1,368 @@
+"""MLflow tracking and registry against a real SQLite store (one per module: MLflow is slow to start)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from mlflow import MlflowClient
+from safetensors.torch import save_file
+
+from registry.models import (
+    MLFLOW_FILES,
+    RegistryError,
+    get_alias_version,
+    load_registered_model,
+    model_version_tags,
+    register_model,
+    set_alias,
+    verify_package,
+)
+from registry.tracking import (
+    MAX_PARAM_VALUE_LENGTH,
+    MLflowRunLogger,
+    ensure_tracking_store,
+    flatten_params,
+    lineage_tags,
+    open_run_logger,
+    resolve_tracking_uri,
+)
+from training.config import LoggingConfig, MegalithConfig
+from training.tracking import NullLogger
+
+MODEL_NAME = "megalith-test"
+PACKAGE_FILES = ("model.safetensors", "config.json", "tokenizer.model")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_RUN_ID"):
+            env.delenv(name, raising=False)
+        ensure_tracking_store(uri)
+        yield uri
+
+
+@pytest.fixture
+def client(store: str) -> MlflowClient:
+    return MlflowClient(tracking_uri=store)
+
+
+def make_package(directory: Path, seed: int) -> Path:
+    """A stand-in model package: real safetensors, JSON config, tokenizer bytes, checksums."""
+    directory.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(seed)
+    save_file(
+        {"embed.weight": torch.randn(16, 8, generator=generator)}, directory / "model.safetensors"
+    )
+    (directory / "config.json").write_text(json.dumps({"hidden_size": 8, "seed": seed}))
+    (directory / "tokenizer.model").write_bytes(bytes(range(256)) * 4)
+    checksums = {name: sha256(directory / name) for name in PACKAGE_FILES}
+    (directory / "checksums.json").write_text(json.dumps(checksums, indent=2))
+    return directory
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_manifest(directory: Path) -> Path:
+    directory.mkdir(parents=True)
+    path = directory / "manifest.json"
+    path.write_text(json.dumps({"tokenizer": {"id": "ab" * 32}, "shards": []}))
+    return path
+
+
+def our_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [
+        r for r in caplog.records if r.name == "registry.tracking" and r.levelno == logging.WARNING
+    ]
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --- Tracking ------------------------------------------------------------------------
+
+
+def test_run_holds_params_metrics_tags_and_artifacts(
+    store: str, client: MlflowClient, tmp_path: Path
+) -> None:
+    config = MegalithConfig(logging=LoggingConfig(tracking_uri=store, experiment="tracking"))
+    logger = open_run_logger(config.logging, "job-1", rank=0)
+    assert isinstance(logger, MLflowRunLogger)
+    manifest = write_manifest(tmp_path / "data")
+    report = tmp_path / "eval.json"
+    report.write_text(json.dumps({"perplexity": 9.5}))
+
+    params = config.model_dump(mode="json")
+    params["note"] = "x" * (MAX_PARAM_VALUE_LENGTH + 100)
+    logger.log_params(params)
+    logger.set_tags(lineage_tags([str(tmp_path / "data")]))
+    for step in range(1, 11):
+        logger.log_metrics({"loss": 10.0 / step, "lr": 1e-3, "phase": "train"}, step)  # type: ignore[dict-item]
+    logger.log_artifact(str(report), "eval")
+    logger.close()
+
+    run = client.get_run(logger.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == "job-1"
+    assert run.data.params["model.hidden_size"] == str(config.model.hidden_size)
+    assert run.data.params["logging.experiment"] == "tracking"
+    assert len(run.data.params["note"]) == MAX_PARAM_VALUE_LENGTH
+    assert run.data.tags["megalith.data.manifest_sha256"] == sha256(manifest)
+    assert run.data.tags["megalith.tokenizer.id"] == "ab" * 32
+    assert run.data.tags["megalith.code.version"]
+    history = client.get_metric_history(logger.run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(s, 10.0 / s) for s in range(1, 11)]
+    assert "phase" not in run.data.metrics
+    assert [a.path for a in client.list_artifacts(logger.run_id, "eval")] == ["eval/eval.json"]
+    # Artifacts of a SQLite store live beside the database, not in the working directory.
+    db_dir = Path(store.removeprefix("sqlite:///")).parent
+    assert run.info.artifact_uri.startswith((db_dir / "mlartifacts").as_uri())
+
+
+def test_handed_over_run_is_shared_and_left_open(
+    store: str, client: MlflowClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parent = MLflowRunLogger.start(store, experiment="tracking", run_name="flow")
+    parent.log_params({"flow": {"stage": "pretrain"}})
+    assert parent.flush()
+    monkeypatch.setenv("MLFLOW_RUN_ID", parent.run_id)
+
+    child = open_run_logger(LoggingConfig(tracking_uri=store), "ignored", rank=0)
+    assert isinstance(child, MLflowRunLogger) and child.run_id == parent.run_id
+    child.log_params({"flow": {"stage": "changed"}, "train": {"steps": 3}})
+    child.log_metrics({"loss": 1.0}, step=1)
+    child.close()
+    assert client.get_run(parent.run_id).info.status == "RUNNING"
+
+    parent.close()
+    run = client.get_run(parent.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"flow.stage": "pretrain", "train.steps": "3"}
+    assert run.data.metrics == {"loss": 1.0}
+
+
+def test_only_rank_zero_logs_and_only_when_enabled(store: str) -> None:
+    assert isinstance(open_run_logger(LoggingConfig(tracking_uri=store), "r", rank=1), NullLogger)
+    disabled = LoggingConfig(mlflow=False, tracking_uri=store)
+    assert isinstance(open_run_logger(disabled, "r", rank=0), NullLogger)
+
+
+def test_unreachable_server_warns_once_and_training_goes_on(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = LoggingConfig(tracking_uri=f"http://127.0.0.1:{closed_port()}")
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        logger = open_run_logger(config, "offline", rank=0)
+        logger.log_params({"a": 1})
+        for step in range(100):
+            logger.log_metrics({"loss": 1.0 / (step + 1)}, step)
+        logger.set_tags({"k": "v"})
+        logger.close()
+    assert time.monotonic() - started < 15
+    assert len(our_warnings(caplog)) == 1
+    assert "unavailable" in our_warnings(caplog)[0].getMessage()
+
+
+def test_failure_mid_run_warns_once_then_logs_nothing(
+    store: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    logger = open_run_logger(LoggingConfig(tracking_uri=store), "flaky", rank=0)
+    assert isinstance(logger, MLflowRunLogger)
+    calls: list[Any] = []
+
+    def broken_log_batch(*args: Any, **kwargs: Any) -> None:
+        calls.append(args)
+        raise ConnectionError("tracking server went away")
+
+    logger.client.log_batch = broken_log_batch  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING):
+        for step in range(50):
+            logger.log_metrics({"loss": 1.0}, step)
+            time.sleep(0.001)
+        logger.log_params({"late": 1})
+        logger.close()
+    assert logger.failed
+    assert len(our_warnings(caplog)) == 1
+    assert "went away" in our_warnings(caplog)[0].getMessage()
+    assert len(calls) == 1  # nothing more was sent once it failed
+
+
+def test_loss_curve_is_logged_as_png(store: str, client: MlflowClient, tmp_path: Path) -> None:
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    records = [{"step": s, "loss": 5.0 / s, "lr": 1e-3} for s in range(1, 21)]
+    records[9]["val_loss"] = 0.9
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    logger = MLflowRunLogger.start(store, experiment="tracking", system_metrics=False)
+    png = logger.log_loss_curve(metrics)
+    logger.close()
+
+    assert png == metrics.with_name("loss_curve.png")
+    assert [a.path for a in client.list_artifacts(logger.run_id, "plots")] == [
+        "plots/loss_curve.png"
+    ]
+    stored = Path(client.download_artifacts(logger.run_id, "plots/loss_curve.png", str(tmp_path)))
+    assert stored.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_flatten_params_dotted_keys_and_json_values() -> None:
+    flat = flatten_params(
+        {
+            "model": {"hidden": 8, "bias": None},
+            "blend": [{"path": "a", "weight": 1.0}],
+            "ids": [1, 2],
+        }
+    )
+    assert flat == {
+        "model.hidden": "8",
+        "model.bias": "null",
+        "blend.0.path": "a",
+        "blend.0.weight": "1.0",
+        "ids": "[1, 2]",
+    }
+
+
+def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri(None, tmp_path) == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert resolve_tracking_uri("http://server:5000", tmp_path) == "http://server:5000"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:5000")
+    assert resolve_tracking_uri("http://server:5000", tmp_path) == "http://env:5000"
+
+
+# --- Registry ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def registered(store: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two training runs, each registering its package: versions 1 and 2."""
+    root = tmp_path_factory.mktemp("packages")
+    packages, runs, aliases_after_first = [], [], None
+    for index in (1, 2):
+        logger = MLflowRunLogger.start(
+            store, experiment="registry", tags={"megalith.tokenizer.id": f"tok{index}"}
+        )
+        logger.close()
+        package = make_package(root / f"package-{index}", seed=index)
+        version = register_model(
+            package,
+            MODEL_NAME,
+            logger.run_id,
+            {"perplexity": 10.0 / index, "tasks": {"facts": {"accuracy": 0.25 * index}}},
+            tracking_uri=store,
+        )
+        assert version == index
+        if index == 1:
+            aliases_after_first = get_alias_version(MODEL_NAME, "candidate", tracking_uri=store)
+        packages.append(package)
+        runs.append(logger.run_id)
+    return {"packages": packages, "runs": runs, "candidate_after_first": aliases_after_first}
+
+
+def test_registration_versions_alias_and_tags(
+    store: str, client: MlflowClient, registered: dict[str, Any]
+) -> None:
+    assert registered["candidate_after_first"] == 1
+    assert get_alias_version(MODEL_NAME, "candidate", tracking_uri=store) == 2
+    assert get_alias_version(MODEL_NAME, "champion", tracking_uri=store) is None
+    assert get_alias_version("no-such-model", "candidate", tracking_uri=store) is None
+
+    tags = model_version_tags(MODEL_NAME, 1, tracking_uri=store)
+    assert tags["eval.perplexity"] == "10.0"
+    assert tags["eval.tasks.facts.accuracy"] == "0.25"
+    assert tags["megalith.tokenizer.id"] == "tok1"
+    checksums = registered["packages"][0] / "checksums.json"
+    assert tags["megalith.package.checksums_sha256"] == sha256(checksums)
+
+    version = client.get_model_version(MODEL_NAME, "2")
+    assert version.run_id == registered["runs"][1]
+    assert version.source == client.get_run(version.run_id).info.artifact_uri + "/model"
+
+    set_alias(MODEL_NAME, "champion", 1, tracking_uri=store)
+    assert get_alias_version(MODEL_NAME, "champion", tracking_uri=store) == 1
+    assert get_alias_version(MODEL_NAME, "candidate", tracking_uri=store) == 2
+
+
+@pytest.mark.parametrize(
+    ("uri", "index"), [(f"models:/{MODEL_NAME}@candidate", 1), (f"models:/{MODEL_NAME}/1", 0)]
+)
+def test_load_back_gives_identical_files(
+    store: str, registered: dict[str, Any], tmp_path: Path, uri: str, index: int
+) -> None:
+    local = load_registered_model(uri, tmp_path / "download", tracking_uri=store)
+    original = registered["packages"][index]
+    for name in (*PACKAGE_FILES, "checksums.json"):
+        assert sha256(local / name) == sha256(original / name)
+    # MLflow's metadata: a pyfunc served by our own loader module, nothing pickled.
+    mlmodel = yaml.safe_load((local / "MLmodel").read_text())
+    assert mlmodel["flavors"]["python_function"]["loader_module"] == "deploy.mlflow_pyfunc"
+    assert mlmodel["run_id"] == registered["runs"][index]
+    assert not [p for p in local.iterdir() if p.suffix in {".pkl", ".pickle", ".pt", ".bin"}]
+
+
+def test_tampered_files_are_refused(
+    store: str, client: MlflowClient, registered: dict[str, Any], tmp_path: Path
+) -> None:
+    local = load_registered_model(f"models:/{MODEL_NAME}/2", tmp_path / "copy", tracking_uri=store)
+    config = local / "config.json"
+    config.write_text(config.read_text().replace("8", "9"))
+    with pytest.raises(RegistryError, match="config.json: sha256 does not match"):
+        verify_package(local, allowed_extra=MLFLOW_FILES)
+    (local / "config.json").unlink()
+    with pytest.raises(RegistryError, match="config.json: listed in checksums.json but missing"):
+        verify_package(local, allowed_extra=MLFLOW_FILES)
+    with pytest.raises(RegistryError, match=r"not listed in checksums.json: \['MLmodel'"):
+        verify_package(local)
+
+    # A file altered in the artifact store itself is refused on download.
+    source = client.get_model_version(MODEL_NAME, "2").source
+    stored = Path(source.removeprefix("file://")) / "model.safetensors"
+    original = stored.read_bytes()
+    try:
+        stored.write_bytes(original[:-1] + bytes([original[-1] ^ 0xFF]))
+        with pytest.raises(RegistryError, match="model.safetensors: sha256 does not match"):
+            load_registered_model(
+                f"models:/{MODEL_NAME}@candidate", tmp_path / "bad", tracking_uri=store
+            )
+        (stored.parent / "extra.pkl").write_bytes(b"not ours")
+        stored.write_bytes(original)
+        with pytest.raises(RegistryError, match="not listed in checksums.json"):
+            load_registered_model(f"models:/{MODEL_NAME}/2", tmp_path / "extra", tracking_uri=store)
+    finally:
+        stored.write_bytes(original)
+        (stored.parent / "extra.pkl").unlink(missing_ok=True)
+
+
+def test_run_with_a_different_model_is_not_overwritten(
+    store: str, registered: dict[str, Any], tmp_path: Path
+) -> None:
+    other = make_package(tmp_path / "other", seed=99)
+    with pytest.raises(RegistryError, match="already holds a different model"):
+        register_model(other, MODEL_NAME, registered["runs"][0], {}, tracking_uri=store)
+
+
+def test_bad_model_uris_are_refused(store: str) -> None:
+    with pytest.raises(RegistryError, match="expected models:/NAME@ALIAS"):
+        load_registered_model("runs:/abc/model", tracking_uri=store)
+    with pytest.raises(RegistryError, match="has no alias 'gone'"):
+        load_registered_model(f"models:/{MODEL_NAME}@gone", tracking_uri=store)
