@@ -48,7 +48,7 @@ FLUSH_INTERVAL_S = 1.0
 CLOSE_TIMEOUT_S = 60.0
 SYSTEM_METRICS_INTERVAL_S = 10.0
 
-# MLflow's limits (mlflow.utils.validation): longer values are refused, not cut.
+# MLflow's limits (mlflow.utils.validation).
 MAX_PARAM_VALUE_LENGTH = 6000
 MAX_TAG_VALUE_LENGTH = 8000
 MAX_METRICS_PER_BATCH = 1000
@@ -144,7 +144,7 @@ def get_or_create_experiment(client: MlflowClient, name: str, tracking_uri: str)
     if experiment is not None:
         return experiment.experiment_id
     db = sqlite_path(tracking_uri)
-    location = (db.parent / ARTIFACTS_DIR_NAME).as_uri() if db is not None else None
+    location = (db.parent / ARTIFACTS_DIR_NAME).resolve().as_uri() if db is not None else None
     try:
         return client.create_experiment(name, artifact_location=location)
     except MlflowException:  # created meanwhile by another process
@@ -210,10 +210,11 @@ def lineage_tags(
         tokenizer_id = tokenizer_id or _manifest_tokenizer_id(urls[0], storage_options)
     if tokenizer_id:
         tags["megalith.tokenizer.id"] = tokenizer_id
-    commit = git_commit()
-    tags["megalith.code.version"] = code_version or commit or package_version()
+    commit, dirty = git_commit()
     if commit:
         tags["mlflow.source.git.commit"] = commit
+        commit = f"{commit}-dirty" if dirty else commit
+    tags["megalith.code.version"] = code_version or commit or package_version()
     return tags
 
 
@@ -224,15 +225,21 @@ def _manifest_tokenizer_id(url: str, storage_options: dict[str, Any] | None) -> 
     return manifest.get("tokenizer", {}).get("id")
 
 
-def git_commit() -> str | None:
-    """The commit this code was checked out at (with ``-dirty`` if edited), if any."""
+def git_commit() -> tuple[str | None, bool]:
+    """``(commit, has uncommitted edits)`` of the checkout this code runs from, if it is one.
+
+    An installed copy (site-packages) may sit inside some unrelated repository, so the
+    repository must be the one whose top level holds this package.
+    """
     repo = Path(__file__).resolve().parents[1]
     try:
+        if Path(_git(repo, "rev-parse", "--show-toplevel")).resolve() != repo:
+            return None, False
         commit = _git(repo, "rev-parse", "HEAD")
-        dirty = _git(repo, "status", "--porcelain", "--untracked-files=no")
+        dirty = bool(_git(repo, "status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
-        return None
-    return f"{commit}-dirty" if dirty else commit
+        return None, False
+    return commit, dirty
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -393,14 +400,14 @@ class MLflowRunLogger:
         if self._closed:
             return
         self._closed = True
+        # The thread may be inside MLflow's minutes of retries against a dead server:
+        # ask the server directly instead of waiting for that.
+        self._call(check_reachable, self.tracking_uri)
         self._stop_system_metrics()
         if self.owns_run:
             self._queue.put(lambda: self.client.set_terminated(self.run_id, status))
         self._queue.put(_STOP)
         self._hurry.set()
-        # The thread may be inside MLflow's minutes of retries against a dead server:
-        # ask the server directly instead of waiting for that.
-        self._call(check_reachable, self.tracking_uri)
         if self._failed:
             return
         self._thread.join(CLOSE_TIMEOUT_S)
@@ -537,9 +544,10 @@ class MLflowRunLogger:
         self._system_monitor.start()
 
     def _stop_system_metrics(self) -> None:
-        if self._system_monitor is not None:
-            self._system_monitor.finish()
-            self._system_monitor = None
+        monitor, self._system_monitor = self._system_monitor, None
+        # Its finish() waits without a limit; with the store gone its thread ends by itself.
+        if monitor is not None and not self._failed:
+            monitor.finish()
 
 
 # --- Loss curve ---------------------------------------------------------------------
