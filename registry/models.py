@@ -1,7 +1,8 @@
 """The model registry: model packages as versions of MLflow registered models.
 
-A model package is a directory of ``model.safetensors``, ``config.json``,
-``tokenizer.model`` and ``checksums.json`` (the sha256 of every other file).
+A model package (``training.models.package``) is a directory of
+``model.safetensors``, ``config.json``, ``tokenizer.model`` and ``checksums.json``
+(``{"files": {name: sha256}}`` for every other file).
 Registering uploads it as the run's artifacts under ``model/``, beside an
 ``MLmodel`` file, and creates a registered model version from there. Loading back
 downloads the files and checks them against ``checksums.json``; nothing from the
@@ -59,12 +60,14 @@ def register_model(
     name: str,
     run_id: str,
     eval_metrics: Mapping[str, Any],
-    alias: str = "candidate",
+    alias: str | None = "candidate",
     *,
     tags: Mapping[str, str] | None = None,
     tracking_uri: str | None = None,
 ) -> int:
     """Register a model package as a new version of ``name`` and point ``alias`` at it.
+
+    ``run_id`` is the training run: the package is uploaded as its artifacts.
 
     The version is tagged with the eval metrics (``eval.<metric>``), the run's
     lineage tags (``megalith.*``) and the sha256 of its ``checksums.json``. Returns
@@ -82,7 +85,8 @@ def register_model(
         run_id=run_id,
         tags=_version_tags(run, package, eval_metrics, tags or {}),
     )
-    client.set_registered_model_alias(name, alias, version.version)
+    if alias:
+        client.set_registered_model_alias(name, alias, version.version)
     return int(version.version)
 
 
@@ -122,12 +126,11 @@ def _uploaded_checksums(client: MlflowClient, run_id: str) -> bytes | None:
 
 def _ensure_registered_model(client: MlflowClient, name: str) -> None:
     from mlflow.exceptions import MlflowException
-    from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
     try:
         client.create_registered_model(name)
     except MlflowException as error:
-        if error.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+        if error.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
 
 
@@ -135,10 +138,21 @@ def _version_tags(
     run: Run, package: Path, eval_metrics: Mapping[str, Any], extra: Mapping[str, str]
 ) -> dict[str, str]:
     tags = {k: v for k, v in run.data.tags.items() if k.startswith("megalith.")}
+    tokenizer_id = _package_tokenizer_id(package)
+    if tokenizer_id:  # what the model actually uses, whatever the run was told
+        tags["megalith.tokenizer.id"] = tokenizer_id
     tags.update({f"eval.{k}": v for k, v in flatten_params(eval_metrics).items()})
     tags["megalith.package.checksums_sha256"] = _sha256(package / CHECKSUMS_FILE)
     tags.update(extra)
     return tags
+
+
+def _package_tokenizer_id(package: Path) -> str | None:
+    try:
+        config = json.loads((package / "config.json").read_text(encoding="utf-8"))
+        return str(config["tokenizer"]["id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def write_mlmodel(directory: Path, run_id: str | None = None) -> Path:
@@ -149,7 +163,7 @@ def write_mlmodel(directory: Path, run_id: str | None = None) -> Path:
 
     model = Model(artifact_path=MODEL_ARTIFACT_PATH, run_id=run_id)
     add_to_model(model, loader_module=LOADER_MODULE, python_env="python_env.yaml")
-    model.metadata = {"megalith_package": 1, "checksums": CHECKSUMS_FILE}
+    model.metadata = {"format": "megalith-model-package", "checksums": CHECKSUMS_FILE}
     model.save(str(directory / "MLmodel"))
     python_env = {
         "python": platform.python_version(),
@@ -167,9 +181,10 @@ def write_mlmodel(directory: Path, run_id: str | None = None) -> Path:
 
 def _pinned(distribution: str) -> str:
     try:
-        return f"{distribution}=={metadata.version(distribution)}"
+        version = metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return distribution
+    return f"{distribution}=={version.split('+')[0]}"  # torch's "+cpu" is not on PyPI
 
 
 # --- Loading back ---------------------------------------------------------------------
@@ -188,10 +203,16 @@ def load_registered_model(
     missing, altered or unexpected.
     """
     import mlflow.artifacts
+    from mlflow.exceptions import MlflowException
 
     name, version = _resolve(uri_or_name_alias, tracking_uri)
     client = _client(tracking_uri)
-    source = client.get_model_version_download_uri(name, str(version))
+    try:
+        source = client.get_model_version_download_uri(name, str(version))
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        raise RegistryError(f"{uri_or_name_alias}: no such model version") from error
     target = (
         Path(dest_dir) if dest_dir is not None else Path(tempfile.mkdtemp(prefix="megalith-model-"))
     )
@@ -222,6 +243,9 @@ def verify_package(directory: str | Path, allowed_extra: frozenset[str] = frozen
     """Check every file against ``checksums.json``; refuse missing, altered or unlisted files."""
     root = Path(directory)
     expected = _expected_digests(root)
+    links = sorted(p.name for p in root.rglob("*") if p.is_symlink())
+    if links:
+        raise RegistryError(f"{root}: symbolic links are not allowed in a package: {links}")
     present = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
     unexpected = present - set(expected) - {CHECKSUMS_FILE} - allowed_extra
     if unexpected:
@@ -259,26 +283,19 @@ def check_mlmodel(path: Path) -> None:
 
 
 def _expected_digests(root: Path) -> dict[str, str]:
-    """``{relative path: sha256}`` from checksums.json.
-
-    Accepts ``{name: sha256}`` or ``{name: {"sha256": ...}}``, optionally under a
-    top-level ``"files"`` key.
-    """
+    """``{file name: sha256}`` from checksums.json (``{"files": {name: sha256}}``)."""
     path = root / CHECKSUMS_FILE
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise RegistryError(f"{path}: cannot read the package's checksums ({error})") from error
-    entries = data.get("files", data) if isinstance(data, dict) else None
-    if not isinstance(entries, dict):
-        raise RegistryError(f"{path}: expected a JSON object of file names and sha256 digests")
-    digests = {}
-    for name, value in entries.items():
-        digest = value.get("sha256") if isinstance(value, dict) else value
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict):
+        raise RegistryError(f'{path}: expected {{"files": {{name: sha256}}}}')
+    for name, digest in files.items():
         if not isinstance(digest, str) or not _is_inside(name):
-            raise RegistryError(f"{path}: bad entry {name!r}: {value!r}")
-        digests[name] = digest
-    return digests
+            raise RegistryError(f"{path}: bad entry {name!r}: {digest!r}")
+    return files
 
 
 def _is_inside(relative: str) -> bool:
@@ -304,6 +321,7 @@ def get_alias_version(name: str, alias: str, *, tracking_uri: str | None = None)
     try:
         return int(_client(tracking_uri).get_model_version_by_alias(name, alias).version)
     except MlflowException as error:
+        # An unknown model is RESOURCE_DOES_NOT_EXIST; an unknown alias INVALID_PARAMETER_VALUE.
         if error.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             return None
         raise
