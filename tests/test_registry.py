@@ -15,7 +15,6 @@ import pytest
 import torch
 import yaml
 from mlflow import MlflowClient
-from safetensors.torch import save_file
 
 from registry.models import (
     MLFLOW_FILES,
@@ -36,7 +35,9 @@ from registry.tracking import (
     open_run_logger,
     resolve_tracking_uri,
 )
-from training.config import LoggingConfig, MegalithConfig
+from training.config import LoggingConfig, MegalithConfig, ModelConfig
+from training.models.gpt import GPTModel
+from training.models.package import load_model_package, save_model_package
 from training.tracking import NullLogger
 
 MODEL_NAME = "megalith-test"
@@ -60,17 +61,24 @@ def client(store: str) -> MlflowClient:
 
 
 def make_package(directory: Path, seed: int) -> Path:
-    """A stand-in model package: real safetensors, JSON config, tokenizer bytes, checksums."""
-    directory.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(seed)
-    save_file(
-        {"embed.weight": torch.randn(16, 8, generator=generator)}, directory / "model.safetensors"
+    """A real model package of a tiny GPT (the tokenizer file is stand-in bytes)."""
+    config = ModelConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        vocab_size=64,
+        max_position_embeddings=16,
     )
-    (directory / "config.json").write_text(json.dumps({"hidden_size": 8, "seed": seed}))
-    (directory / "tokenizer.model").write_bytes(bytes(range(256)) * 4)
-    checksums = {name: sha256(directory / name) for name in PACKAGE_FILES}
-    (directory / "checksums.json").write_text(json.dumps(checksums, indent=2))
-    return directory
+    torch.manual_seed(seed)
+    model = GPTModel(config)
+    tokenizer = directory.with_name(f"{directory.name}.tokenizer.model")
+    tokenizer.write_bytes(bytes([seed]) * 64)
+    return save_model_package(model, model.config, tokenizer, directory)
+
+
+def flip_last_byte(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
 
 
 def sha256(path: Path) -> str:
@@ -260,7 +268,7 @@ def registered(store: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     packages, runs, aliases_after_first = [], [], None
     for index in (1, 2):
         logger = MLflowRunLogger.start(
-            store, experiment="registry", tags={"megalith.tokenizer.id": f"tok{index}"}
+            store, experiment="registry", tags={"megalith.data.manifest_sha256": f"data{index}"}
         )
         logger.close()
         package = make_package(root / f"package-{index}", seed=index)
@@ -290,9 +298,10 @@ def test_registration_versions_alias_and_tags(
     tags = model_version_tags(MODEL_NAME, 1, tracking_uri=store)
     assert tags["eval.perplexity"] == "10.0"
     assert tags["eval.tasks.facts.accuracy"] == "0.25"
-    assert tags["megalith.tokenizer.id"] == "tok1"
-    checksums = registered["packages"][0] / "checksums.json"
-    assert tags["megalith.package.checksums_sha256"] == sha256(checksums)
+    assert tags["megalith.data.manifest_sha256"] == "data1"
+    package = registered["packages"][0]
+    assert tags["megalith.tokenizer.id"] == sha256(package / "tokenizer.model")
+    assert tags["megalith.package.checksums_sha256"] == sha256(package / "checksums.json")
 
     version = client.get_model_version(MODEL_NAME, "2")
     assert version.run_id == registered["runs"][1]
@@ -318,14 +327,20 @@ def test_load_back_gives_identical_files(
     assert mlmodel["flavors"]["python_function"]["loader_module"] == "deploy.mlflow_pyfunc"
     assert mlmodel["run_id"] == registered["runs"][index]
     assert not [p for p in local.iterdir() if p.suffix in {".pkl", ".pickle", ".pt", ".bin"}]
+    # The model loader reads the download as it reads the original.
+    model, _, tokenizer = load_model_package(local)
+    reference, _, _ = load_model_package(original)
+    tokens = torch.arange(12).reshape(1, 12)
+    with torch.no_grad():
+        assert torch.equal(model(tokens), reference(tokens))
+    assert tokenizer == local / "tokenizer.model"
 
 
 def test_tampered_files_are_refused(
     store: str, client: MlflowClient, registered: dict[str, Any], tmp_path: Path
 ) -> None:
     local = load_registered_model(f"models:/{MODEL_NAME}/2", tmp_path / "copy", tracking_uri=store)
-    config = local / "config.json"
-    config.write_text(config.read_text().replace("8", "9"))
+    flip_last_byte(local / "config.json")
     with pytest.raises(RegistryError, match="config.json: sha256 does not match"):
         verify_package(local, allowed_extra=MLFLOW_FILES)
     (local / "config.json").unlink()
@@ -339,7 +354,7 @@ def test_tampered_files_are_refused(
     stored = Path(source.removeprefix("file://")) / "model.safetensors"
     original = stored.read_bytes()
     try:
-        stored.write_bytes(original[:-1] + bytes([original[-1] ^ 0xFF]))
+        flip_last_byte(stored)
         with pytest.raises(RegistryError, match="model.safetensors: sha256 does not match"):
             load_registered_model(
                 f"models:/{MODEL_NAME}@candidate", tmp_path / "bad", tracking_uri=store
@@ -366,3 +381,5 @@ def test_bad_model_uris_are_refused(store: str) -> None:
         load_registered_model("runs:/abc/model", tracking_uri=store)
     with pytest.raises(RegistryError, match="has no alias 'gone'"):
         load_registered_model(f"models:/{MODEL_NAME}@gone", tracking_uri=store)
+    with pytest.raises(RegistryError, match="no such model version"):
+        load_registered_model(f"models:/{MODEL_NAME}/99", tracking_uri=store)
