@@ -1,0 +1,73 @@
+"""Parameter and FLOP counts from a config, and AdamW parameter groups.
+
+``flops_per_token`` is the PaLM (appendix B) form, 6·N + 12·L·H·S, forward plus
+backward, with the attention term for full (not causally halved) score matrices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from training.config import ModelConfig
+
+
+def matmul_params(config: ModelConfig, *, include_output_head: bool = False) -> int:
+    """N: weights of the transformer blocks' matrix products (biases, norms and the
+    embeddings excluded; the output head only with ``include_output_head``)."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    qkv = hidden * (config.num_attention_heads + 2 * config.num_query_groups) * head_dim
+    proj = config.num_attention_heads * head_dim * hidden
+    fc1 = hidden * config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1)
+    fc2 = config.ffn_hidden_size * hidden
+    n = config.num_layers * (qkv + proj + fc1 + fc2)
+    if include_output_head:
+        n += _vocab_size(config) * hidden
+    return n
+
+
+def flops_per_token(config: ModelConfig, seq_len: int, *, include_output_head: bool = False) -> int:
+    """Training FLOPs per token: 6·N + 12·L·H·S (N from :func:`matmul_params`)."""
+    n = matmul_params(config, include_output_head=include_output_head)
+    return 6 * n + 12 * config.num_layers * config.hidden_size * seq_len
+
+
+def total_params(config: ModelConfig) -> int:
+    """Every parameter of the model, a tied embedding counted once."""
+    hidden, vocab = config.hidden_size, _vocab_size(config)
+    norm = hidden * (2 if config.normalization == "layernorm" and config.bias else 1)
+    per_layer = 2 * norm
+    if config.bias:
+        qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * config.head_dim
+        fc1_out = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1)
+        per_layer += qkv_out + hidden + fc1_out + hidden
+    n = matmul_params(config) + config.num_layers * per_layer + norm + vocab * hidden
+    if config.position_embedding == "learned":
+        n += config.max_position_embeddings * hidden
+    if not config.tie_embeddings:
+        n += vocab * hidden
+    return n
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decay on matrices, none on norms, biases (any 1-D parameter) and
+    embeddings (``embedding.*``, which includes a tied output head)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():  # a tied weight is listed once
+        if not param.requires_grad:
+            continue
+        if param.dim() < 2 or name.startswith("embedding."):
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def _vocab_size(config: ModelConfig) -> int:
+    if config.vocab_size is None:
+        raise ValueError("model.vocab_size must be set to count embedding parameters")
+    return config.vocab_size

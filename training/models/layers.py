@@ -1,0 +1,229 @@
+"""Plain PyTorch layers behind :class:`~training.models.backend.TorchBackend`, and RoPE.
+
+Linears stay ``nn.Linear`` instances (a fused norm+linear is a module *holding* a
+norm and an ``nn.Linear``) so tools that swap ``nn.Linear`` modules, such as
+torchao's float8 training, keep working.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """Which normalization to build: RMSNorm (weight only) or LayerNorm (weight, optional bias)."""
+
+    kind: Literal["rmsnorm", "layernorm"]
+    eps: float
+    bias: bool = False
+
+
+def make_norm(size: int, spec: NormSpec) -> nn.Module:
+    """``nn.RMSNorm`` or ``nn.LayerNorm``; weights start at 1, biases at 0."""
+    if spec.kind == "rmsnorm":
+        return nn.RMSNorm(size, eps=spec.eps)
+    return nn.LayerNorm(size, eps=spec.eps, bias=spec.bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` initialised as in GPT-2/Megatron: weight ~ N(0, init_std), bias 0."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, init_std: float):
+        self.init_std = init_std  # nn.Linear.__init__ calls reset_parameters, which reads it
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class NormLinear(nn.Module):
+    """``linear(norm(x))`` as one module, the shape of ``te.LayerNormLinear``."""
+
+    def __init__(self, norm: nn.Module, linear: nn.Linear):
+        super().__init__()
+        self.norm = norm
+        self.linear = linear
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(self.norm(x))
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` with weight ~ N(0, init_std)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float):
+        self.init_std = init_std  # read by reset_parameters during nn.Embedding.__init__
+        super().__init__(num_embeddings, embedding_dim)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+
+class OutputHead(nn.Module):
+    """Logits ``hidden @ W^T`` and the cross-entropy loss, optionally with a tied ``W``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        *,
+        init_std: float,
+        tied_weight: nn.Parameter | None = None,
+    ):
+        super().__init__()
+        self.init_std = init_std
+        self.tied = tied_weight is not None
+        if tied_weight is not None:
+            self.weight = tied_weight  # the same Parameter object as the embedding's
+        else:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if not self.tied:  # a tied weight is the embedding's to initialise
+            nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return F.linear(hidden, self.weight)
+
+    def loss(
+        self, hidden: Tensor, labels: Tensor, reduction: Literal["mean", "none"] = "mean"
+    ) -> Tensor:
+        """Mean cross-entropy over labels != -100, or per-token losses shaped like ``labels``
+        (0 where ignored). The mean of no labels at all is NaN, as in ``F.cross_entropy``."""
+        logits = self(hidden).float()
+        losses = F.cross_entropy(
+            logits.view(-1, logits.size(-1)),
+            labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction=reduction,
+        )
+        return losses if reduction == "mean" else losses.view(labels.shape)
+
+
+# enable_gqa (torch >= 2.5) lets SDPA share KV heads without copying them.
+_SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def _native_gqa(q: Tensor) -> bool:
+    # The flash kernels (CUDA fp16/bf16, and CPU) support enable_gqa natively; CUDA's
+    # fp32 kernels do not and would fall back to the slow math kernel, so there we
+    # repeat KV heads instead and keep a fused kernel.
+    if not _SDPA_HAS_GQA:
+        return False
+    return not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16)
+
+
+class SDPAttention(nn.Module):
+    """Causal attention through ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float = 0.0):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_groups = num_groups
+        self.head_dim = head_dim
+        self.dropout = dropout
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """``q [B,T,heads,D]``, ``k``/``v [B,S,groups,D]`` -> ``[B,T,heads*D]``.
+
+        With ``S > T`` (a KV cache) the queries are the last ``T`` positions.
+        """
+        batch, length = q.shape[:2]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        gqa = self.num_groups != self.num_heads
+        native_gqa = gqa and _native_gqa(q)
+        if gqa and not native_gqa:
+            repeats = self.num_heads // self.num_groups
+            k = k.repeat_interleave(repeats, dim=1)
+            v = v.repeat_interleave(repeats, dim=1)
+        mask, causal = _causal_mask(length, k.size(2), q.device)
+        extra = {"enable_gqa": True} if native_gqa else {}
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            **extra,
+        )
+        return out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
+
+
+def _causal_mask(queries: int, keys: int, device: torch.device) -> tuple[Tensor | None, bool]:
+    """SDPA's ``is_causal`` aligns the mask top-left; with cached keys we need bottom-right."""
+    if queries == keys:
+        return None, True
+    if queries == 1:
+        return None, False
+    mask = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+    return mask, False
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables in the rotate-half (GPT-NeoX / Hugging Face Llama / Megatron) convention.
+
+    The cos/sin table is fp32, built lazily per device and kept out of the state dict
+    and out of ``model.to(dtype)``; it is cast to the activations' dtype when applied.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, base: float):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.base = base
+        self._table: tuple[Tensor, Tensor] | None = None
+
+    def _build(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
+        inv_freq = (1.0 / self.base**exponents).to(device=device, dtype=torch.float32)
+        positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+    def forward(self, start_pos: int, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos and sin for positions ``start_pos .. start_pos+length-1``, each ``[length, D]``."""
+        if self._table is None or self._table[0].device != device:
+            self._table = self._build(device)
+        cos, sin = self._table
+        return cos[start_pos : start_pos + length], sin[start_pos : start_pos + length]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x [B, T, ..., D]`` by the angles of its positions (``cos``/``sin [T, D]``)."""
+    shape = (cos.size(0),) + (1,) * (x.dim() - 3) + (cos.size(1),)
+    cos = cos.view(shape).to(x.dtype)
+    sin = sin.view(shape).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def swiglu(x: Tensor) -> Tensor:
+    """``silu(gate) * up`` for ``x = [gate; up]`` along the last dimension."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gelu(x: Tensor) -> Tensor:
+    """GPT-2's GELU (tanh approximation; Hugging Face ``gelu_new``)."""
+    return F.gelu(x, approximate="tanh")
+
+
+def scaled_init_std(init_std: float, num_layers: int) -> float:
+    """Std of the residual-branch output projections (GPT-2, Megatron): init_std / sqrt(2L)."""
+    return init_std / math.sqrt(2.0 * num_layers)

@@ -1,0 +1,308 @@
+"""Model packages: one directory holding everything needed to run a trained model.
+
+::
+
+    model.safetensors   every tensor of the state dict once (tied aliases left out), contiguous
+    config.json         {"format", "format_version", "megalith_version", "dtype",
+                         "model": ModelConfig, "tokenizer": {"file", "id"}}
+    tokenizer.model     the SentencePiece model; its id is the sha256 of its bytes
+    checksums.json      {"files": {name: sha256}} for each file above
+
+Saving writes a temporary sibling directory and renames it into place. Loading
+checks every sha256 first, then validates ``config.json`` through ``ModelConfig``,
+then compares the safetensors header (names, shapes, dtypes) with the model before
+reading any tensor. Nothing is unpickled: JSON and safetensors only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from training import __version__
+from training.config import ModelConfig, format_validation_error
+from training.errors import MegalithError
+from training.models.gpt import GPTModel
+
+PACKAGE_FORMAT = "megalith-model-package"
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.model"
+CHECKSUMS_FILE = "checksums.json"
+REQUIRED_FILES = (WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_FILE)
+MAX_JSON_BYTES = 1 << 20
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+class ModelPackageError(MegalithError):
+    """A model package that cannot be used; the message names the file at fault."""
+
+
+class PackageFileError(ModelPackageError):
+    """A file that is missing, unreadable, not a plain file, or not listed in checksums.json."""
+
+
+class PackageChecksumError(ModelPackageError):
+    """A file whose sha256 differs from the one in checksums.json."""
+
+
+class PackageConfigError(ModelPackageError):
+    """A config.json (or checksums.json) that is not what this version writes."""
+
+
+class PackageTensorError(ModelPackageError):
+    """Tensors whose names, shapes or dtypes do not match the model the config describes."""
+
+
+def model_tensors(model: GPTModel) -> dict[str, Tensor]:
+    """The state dict to save: tied aliases left out, every tensor detached and contiguous."""
+    aliases = model.tied_weights
+    return {
+        name: tensor.detach().contiguous()
+        for name, tensor in model.state_dict().items()
+        if name not in aliases
+    }
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_model_package(
+    model: GPTModel,
+    config: ModelConfig,
+    tokenizer_path: str | Path,
+    out_dir: str | Path,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``model`` as a package at ``out_dir`` (atomically: temp dir, then rename)."""
+    out_dir = Path(out_dir)
+    tokenizer_path = Path(tokenizer_path)
+    if config.model_dump() != model.config.model_dump():
+        raise ValueError("config does not describe this model (differs from model.config)")
+    if not tokenizer_path.is_file():
+        raise PackageFileError(f"tokenizer {tokenizer_path} is not a file")
+    if out_dir.exists() and not overwrite:
+        raise PackageFileError(f"{out_dir} already exists (pass overwrite=True to replace it)")
+    dtype = _model_dtype(model)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        tensors = {name: t.cpu() for name, t in model_tensors(model).items()}
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
+        meta = {
+            "format": PACKAGE_FORMAT,
+            "format_version": FORMAT_VERSION,
+            "megalith_version": __version__,
+            "dtype": dtype,
+            "model": config.model_dump(mode="json"),
+            "tokenizer": {"file": TOKENIZER_FILE, "id": sha256_file(tmp / TOKENIZER_FILE)},
+        }
+        _write_json(tmp / CONFIG_FILE, meta)
+        checksums = {name: sha256_file(tmp / name) for name in REQUIRED_FILES}
+        _write_json(tmp / CHECKSUMS_FILE, {"files": checksums})
+        for name in (*REQUIRED_FILES, CHECKSUMS_FILE):
+            _fsync(tmp / name)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def verify_model_package(package_dir: str | Path) -> dict[str, Any]:
+    """Check every file's sha256 and parse config.json; returns config.json's content."""
+    package_dir = Path(package_dir)
+    if not package_dir.is_dir():
+        raise PackageFileError(f"model package {package_dir} is not a directory")
+    checksums = _read_checksums(package_dir)
+    for name, expected in checksums.items():
+        actual = sha256_file(_plain_file(package_dir, name))
+        if actual != expected:
+            raise PackageChecksumError(
+                f"{package_dir / name}: sha256 {actual} does not match {expected} in "
+                f"{CHECKSUMS_FILE}; the file was changed or damaged"
+            )
+    meta = _read_meta(package_dir)
+    tokenizer_id = sha256_file(package_dir / TOKENIZER_FILE)
+    if meta["tokenizer"].get("id") != tokenizer_id:
+        raise PackageConfigError(
+            f"{package_dir / CONFIG_FILE}: tokenizer id does not match {TOKENIZER_FILE} "
+            f"(sha256 {tokenizer_id})"
+        )
+    return meta
+
+
+def load_model_package(
+    package_dir: str | Path,
+    device: torch.device | str = "cpu",
+    *,
+    dtype: torch.dtype | None = None,
+) -> tuple[GPTModel, ModelConfig, Path]:
+    """Verify and load a package; returns ``(model in eval mode, config, tokenizer path)``.
+
+    The model is built in the dtype it was saved in, then cast to ``dtype`` if given.
+    """
+    package_dir = Path(package_dir)
+    meta = verify_model_package(package_dir)
+    config_path = package_dir / CONFIG_FILE
+    try:
+        config = ModelConfig.model_validate(meta["model"])
+    except ValidationError as exc:
+        raise PackageConfigError(format_validation_error(exc, f"{config_path}: model")) from None
+    saved_dtype = DTYPES[meta["dtype"]]
+
+    with torch.device("meta"):
+        model = GPTModel(config).to(saved_dtype)
+    weights_path = package_dir / WEIGHTS_FILE
+    _check_header(weights_path, model)
+    try:
+        tensors = load_file(str(weights_path), device=str(device))
+    except SafetensorError as exc:
+        raise PackageTensorError(f"{weights_path}: cannot read tensors: {exc}") from None
+
+    model.to_empty(device=device)
+    model.tie_weights()
+    for alias, source in model.tied_weights.items():
+        tensors[alias] = tensors[source]
+    model.load_state_dict(tensors, strict=True)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval(), config, package_dir / TOKENIZER_FILE
+
+
+def _check_header(path: Path, model: GPTModel) -> None:
+    expected = model_tensors(model)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            found = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118
+            header = {name: (list(s.get_shape()), s.get_dtype()) for name, s in found.items()}
+    except SafetensorError as exc:
+        raise PackageTensorError(f"{path}: not a readable safetensors file: {exc}") from None
+    missing = sorted(set(expected) - set(header))
+    unexpected = sorted(set(header) - set(expected))
+    if missing or unexpected:
+        raise PackageTensorError(
+            f"{path}: tensor names do not match the model in {CONFIG_FILE}: "
+            f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+        )
+    for name, tensor in expected.items():
+        shape, dtype = header[name]
+        want = (list(tensor.shape), SAFETENSORS_DTYPES[tensor.dtype])
+        if (shape, dtype) != want:
+            raise PackageTensorError(
+                f"{path}: tensor {name} is {dtype}{shape}, the model in {CONFIG_FILE} "
+                f"needs {want[1]}{want[0]}"
+            )
+
+
+def _read_checksums(package_dir: Path) -> dict[str, str]:
+    path = package_dir / CHECKSUMS_FILE
+    data = _read_json(path)
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in files.items()
+    ):
+        raise PackageConfigError(f'{path}: expected {{"files": {{name: sha256}}}}')
+    for name in files:
+        if name in (".", "..") or Path(name).name != name or "\\" in name:
+            raise PackageConfigError(f"{path}: {name!r} is not a plain file name in the package")
+    for name in REQUIRED_FILES:
+        if name not in files:
+            raise PackageFileError(f"{path}: {name} is not listed; the package is incomplete")
+    return files
+
+
+def _read_meta(package_dir: Path) -> dict[str, Any]:
+    path = package_dir / CONFIG_FILE
+    meta = _read_json(path)
+    if not isinstance(meta, dict) or meta.get("format") != PACKAGE_FORMAT:
+        raise PackageConfigError(f"{path}: not a {PACKAGE_FORMAT} config")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise PackageConfigError(
+            f"{path}: format_version {meta.get('format_version')!r}; this version reads "
+            f"{FORMAT_VERSION}"
+        )
+    if meta.get("dtype") not in DTYPES:
+        raise PackageConfigError(
+            f"{path}: dtype {meta.get('dtype')!r} is not one of {list(DTYPES)}"
+        )
+    if not isinstance(meta.get("model"), dict) or not isinstance(meta.get("tokenizer"), dict):
+        raise PackageConfigError(f"{path}: expected 'model' and 'tokenizer' sections")
+    return meta
+
+
+def _plain_file(package_dir: Path, name: str) -> Path:
+    path = package_dir / name
+    if path.is_symlink() or not path.is_file():
+        raise PackageFileError(f"{path}: missing or not a plain file; the package is incomplete")
+    return path
+
+
+def _read_json(path: Path) -> Any:
+    size = _plain_file(path.parent, path.name).stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise PackageConfigError(f"{path}: {size} bytes is too large for a package's JSON")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PackageConfigError(f"{path}: not valid JSON: {exc}") from None
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_dir(tmp: Path, out_dir: Path) -> None:
+    if not out_dir.exists():
+        tmp.rename(out_dir)
+        return
+    old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+    out_dir.rename(old)
+    tmp.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _model_dtype(model: nn.Module) -> str:
+    dtypes = {p.dtype for p in model.parameters()}
+    names = [name for name, dt in DTYPES.items() if {dt} == dtypes]
+    if not names:
+        raise ValueError(
+            f"parameters must share one of {list(DTYPES)}, got {sorted(map(str, dtypes))}"
+        )
+    return names[0]
