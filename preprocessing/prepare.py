@@ -28,6 +28,8 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -59,6 +61,7 @@ from preprocessing.storage import (
 from preprocessing.tokenizer import Tokenizer
 from training import __version__
 from training.config import ConfigError, DataConfig, TokenizerConfig
+from training.errors import MegalithError
 
 STATE_DIR = ".prepare"
 SCAN_VERSION = 1
@@ -85,6 +88,7 @@ class PrepareReport:
     output: str
     written: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    empty: list[str] = field(default_factory=list)  # planned shards that got no documents
     scan_seconds: float = 0.0
     tokenize_seconds: float = 0.0
     tokenized_documents: int = 0
@@ -142,11 +146,18 @@ def scan_corpus(corpus: Corpus, fingerprint: str, show_progress: bool = True) ->
 
 def load_or_scan(corpus: Corpus, state_url: str, show_progress: bool) -> ScanResult:
     fingerprint = input_fingerprint(corpus)
+    # The examples kept depend on max_bad_examples, which does not change the documents.
+    examples = corpus.config.max_bad_examples
     cached = _read_json_or_none(join(state_url, "scan.json"), corpus.config.storage_options)
-    if cached and cached.get("fingerprint") == fingerprint:
+    if (
+        cached
+        and cached.get("fingerprint") == fingerprint
+        and cached.pop("max_bad_examples", None) == examples
+    ):
         return ScanResult(**cached)
     result = scan_corpus(corpus, fingerprint, show_progress)
-    atomic_write_json(join(state_url, "scan.json"), asdict(result), corpus.config.storage_options)
+    record = {**asdict(result), "max_bad_examples": examples}
+    atomic_write_json(join(state_url, "scan.json"), record, corpus.config.storage_options)
     return result
 
 
@@ -212,31 +223,56 @@ def _encode_job(job: tuple[int, list[str], int | None, str]) -> tuple[int, np.nd
     return shard, tokens, lengths
 
 
+class WorkerError(MegalithError):
+    """A tokenizer worker process died (killed by the OS, out of memory...)."""
+
+
 class OrderedPool:
     """A process pool that returns results in submission order with bounded work in flight.
 
     ``Pool.imap`` would read the whole input ahead of the workers; bounding the queue
-    keeps memory flat for any corpus size.
+    keeps memory flat for any corpus size. A worker that dies (the OS kills it when
+    memory runs out) fails the run with ``WorkerError``; ``multiprocessing.Pool``
+    would wait forever for the lost batch instead.
     """
 
     def __init__(self, workers: int, model_bytes: bytes):
-        context = multiprocessing.get_context("spawn")
-        self.pool = context.Pool(workers, initializer=_init_worker, initargs=(model_bytes,))
+        self.pool = ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(model_bytes,),
+        )
         self.pending: deque = deque()
         self.limit = 2 * workers + 2
 
     def submit(self, job) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-        self.pending.append(self.pool.apply_async(_encode_job, (job,)))
+        try:
+            self.pending.append(self.pool.submit(_encode_job, job))
+        except BrokenProcessPool as exc:
+            raise self._broken(exc) from None
         while len(self.pending) >= self.limit:
-            yield self.pending.popleft().get()
+            yield self._next()
 
     def drain(self) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         while self.pending:
-            yield self.pending.popleft().get()
+            yield self._next()
+
+    def _next(self) -> tuple[int, np.ndarray, np.ndarray]:
+        try:
+            return self.pending.popleft().result()
+        except BrokenProcessPool as exc:
+            raise self._broken(exc) from None
+
+    @staticmethod
+    def _broken(exc: BrokenProcessPool) -> WorkerError:
+        return WorkerError(
+            f"a tokenizer worker process died ({exc}); killed for lack of memory? "
+            "Rerun the same command to resume: complete shards are kept"
+        )
 
     def close(self) -> None:
-        self.pool.terminate()
-        self.pool.join()
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------- shards
@@ -283,7 +319,7 @@ class ShardStore:
 
     def is_complete(self, name: str, plan_key: str) -> ShardInfo | None:
         marker = _read_json_or_none(self.marker_url(name), self.options)
-        if not marker or marker.get("plan") != plan_key:
+        if not marker or marker.get("plan") != plan_key or not marker.get("shard"):
             return None
         shard = ShardInfo.model_validate(marker["shard"])
         for file_name, info in shard.files.items():
@@ -298,6 +334,15 @@ class ShardStore:
     def mark_complete(self, shard: ShardInfo, plan_key: str) -> None:
         record = {"plan": plan_key, "shard": shard.model_dump()}
         atomic_write_json(self.marker_url(shard.name), record, self.options)
+
+    def is_empty(self, name: str, plan_key: str) -> bool:
+        """Whether a finished run of this plan found no documents for this shard."""
+        marker = _read_json_or_none(self.marker_url(name), self.options)
+        return bool(marker) and marker.get("plan") == plan_key and marker.get("shard") is None
+
+    def mark_empty(self, name: str, plan_key: str) -> None:
+        # No files: Megatron cannot memory-map an empty .bin, so an empty shard is not written.
+        atomic_write_json(self.marker_url(name), {"plan": plan_key, "shard": None}, self.options)
 
     def remove_manifest(self) -> None:
         fs, path = filesystem(join(self.output, MANIFEST_NAME), self.options)
@@ -371,20 +416,29 @@ def prepare_dataset(
         )
 
     plan = make_plan(scan, data, tokenizer, dtype)
-    complete = {}
+    complete, empty = {}, set()
     for index in range(plan.shards):
         shard = store.is_complete(shard_name(index), plan.key)
         if shard is not None:
             complete[index] = shard
+        elif store.is_empty(shard_name(index), plan.key):
+            empty.add(index)
     report.skipped = [shard.name for shard in complete.values()]
     store.remove_manifest()
 
     started = time.perf_counter()
-    written = _tokenize(
-        corpus, scan, plan, tokenizer, data, store, dtype, complete, report, show_progress
-    )
+    if len(complete) + len(empty) < plan.shards:
+        written = _tokenize(
+            corpus, scan, plan, tokenizer, data, store, dtype, complete, report, show_progress
+        )
+        empty = set(range(plan.shards)) - set(complete) - set(written)
+        for index in sorted(empty):
+            store.mark_empty(shard_name(index), plan.key)
+    else:
+        written = {}
     report.tokenize_seconds = time.perf_counter() - started
     report.written = [written[i].name for i in sorted(written)]
+    report.empty = [shard_name(i) for i in sorted(empty)]
 
     shards = {**complete, **written}
     report.manifest = _build_manifest(
@@ -398,8 +452,6 @@ def prepare_dataset(
 def _tokenize(corpus, scan, plan, tokenizer, data, store, dtype, complete, report, show_progress):
     writer = ShardWriter(store, plan.key, dtype)
     eod = tokenizer.eod_id if data.append_eod else None
-    if len(complete) == plan.shards:
-        return writer.finished
     pool = OrderedPool(data.workers, tokenizer.model_bytes)
     rejects = RejectLog(max_examples=0)
     position = 0
@@ -462,7 +514,10 @@ def _build_manifest(corpus, scan, tokenizer, tokenizer_config, data, dtype, shar
         megalith_version=__version__,
         tokenizer=TokenizerInfo(
             id=tokenizer.id,
-            path=tokenizer.model_path,
+            # Absolute, so that `megalith data inspect --decode` finds it from any directory.
+            path=tokenizer.model_path
+            if "://" in tokenizer.model_path
+            else os.path.abspath(tokenizer.model_path),
             vocab_size=tokenizer.vocab_size,
             padded_vocab_size=tokenizer.padded_vocab_size,
             eod_id=tokenizer.eod_id,
