@@ -1,0 +1,16 @@
+"""Evaluation of model packages: perplexity, multiple-choice tasks, sampled generations.
+
+Modules: ``perplexity`` (held-out loss on a shard set), ``tasks`` (zero-shot
+multiple choice from jsonl), ``generate`` (sampling with a KV cache), ``report``
+(``evaluate_model``: all of them into one JSON report and a table) and ``cli``
+(``megalith eval``). Importing this package stays light; torch loads with the modules.
+"""
+
+from training.errors import MegalithError
+
+
+class EvaluationError(MegalithError):
+    """Evaluation inputs that cannot be used (empty split, mismatched tokenizer, bad file)."""
+
+
+__all__ = ["EvaluationError"]
