@@ -1,0 +1,257 @@
+"""Sampled generation with a KV cache: greedy, temperature, top-k and top-p (nucleus).
+
+Prompts of different lengths share one batch without padding: the batch is
+prefilled up to the shortest prompt, then advances one position at a time, feeding
+each row its own prompt token while it has one and its sampled token after that
+(as in Meta's Llama reference code). Every row stays at the same position, so no
+attention mask is needed and the result equals running each prompt alone (up to
+floating-point rounding).
+
+Each prompt samples from its own ``torch.Generator`` seeded with ``seed + its index``,
+so a prompt's text depends on the seed and the prompt, not on the batch it ran in.
+Every prompt starts after the end-of-document token, as every training document does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from evaluation.runtime import autocast, model_device
+from preprocessing.tokenizer import Tokenizer
+from training.models.gpt import GPTModel
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen. ``temperature=0`` is greedy."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.8
+    top_k: int | None = None  # keep the k most likely tokens; None: all
+    top_p: float | None = 0.95  # keep the smallest set holding this much probability; None: all
+    seed: int = 1234
+    stop_at_eod: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Generation:
+    prompt: str
+    text: str  # the continuation only
+    token_ids: list[int]  # generated tokens, the final EOD left out
+    prompt_tokens: int
+    finish_reason: Literal["eod", "length"]
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "text": self.text,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "finish_reason": self.finish_reason,
+        }
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    generations: list[Generation]
+    sampled_tokens: int  # every token sampled, final EODs included
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.sampled_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def generate(
+    model: GPTModel,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str],
+    sampling: SamplingConfig = SamplingConfig(),
+    *,
+    batch_size: int = 8,
+    autocast_dtype: torch.dtype | None = None,
+) -> GenerationResult:
+    """Continue each prompt; prompts are batched by length, results keep the input order."""
+    start = time.perf_counter()
+    encoded = [[tokenizer.eod_id, *tokenizer.encode(p)] for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
+    outputs: dict[int, tuple[list[int], str, int]] = {}
+    for first in range(0, len(order), batch_size):
+        batch = order[first : first + batch_size]
+        results = generate_ids(
+            model,
+            [encoded[i] for i in batch],
+            sampling,
+            eod_id=tokenizer.eod_id,
+            vocab_size=tokenizer.vocab_size,
+            seeds=[sampling.seed + i for i in batch],
+            autocast_dtype=autocast_dtype,
+        )
+        outputs.update(zip(batch, results, strict=True))
+
+    generations, sampled = [], 0
+    for i, prompt in enumerate(prompts):
+        ids, reason, prompt_tokens = outputs[i]
+        sampled += len(ids) + (reason == "eod")
+        text = continuation_text(tokenizer, encoded[i][-prompt_tokens:], ids)
+        generations.append(Generation(prompt, text, ids, prompt_tokens, reason))
+    return GenerationResult(generations, sampled, time.perf_counter() - start)
+
+
+@torch.no_grad()
+def generate_ids(
+    model: GPTModel,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+    *,
+    eod_id: int,
+    vocab_size: int | None = None,
+    seeds: Sequence[int] | None = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> list[tuple[list[int], str, int]]:
+    """Token-level generation for one batch: ``(new ids, finish reason, prompt tokens used)``.
+
+    Prompts longer than the model allows (with ``max_new_tokens`` after them) lose
+    their oldest tokens. ``vocab_size`` masks the padded vocabulary's unused ids.
+    """
+    device = model_device(model)
+    max_new = sampling.max_new_tokens
+    prompts = _fit_prompts(prompts, model.config.max_position_embeddings, max_new)
+    lengths = [len(p) for p in prompts]
+    rows, total = len(prompts), max(lengths) + max_new
+    tokens = torch.full((rows, total), eod_id, dtype=torch.long, device=device)
+    in_prompt = torch.zeros((rows, total), dtype=torch.bool, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
+        in_prompt[row, : len(prompt)] = True
+    generators = [
+        torch.Generator(device=device).manual_seed(seed)
+        for seed in (seeds or range(sampling.seed, sampling.seed + rows))
+    ]
+    new: list[list[int]] = [[] for _ in prompts]
+    finish = ["length" if max_new == 0 else "" for _ in prompts]
+
+    cache = model.new_kv_cache(rows, total)
+    position = min(lengths)
+    with autocast(device, autocast_dtype):
+        logits = model(tokens[:, :position], kv_cache=cache, start_pos=0)[:, -1]
+    while position < total and not all(finish):
+        active = [r for r in range(rows) if not finish[r] and not in_prompt[r, position]]
+        sampled = next_tokens(_mask_vocab(logits, vocab_size), sampling, generators, active)
+        tokens[:, position] = torch.where(in_prompt[:, position], tokens[:, position], sampled)
+        for row, token in zip(active, sampled[active].tolist(), strict=True):
+            if sampling.stop_at_eod and token == eod_id:
+                finish[row] = "eod"
+                continue
+            new[row].append(token)
+            if len(new[row]) == max_new:
+                finish[row] = "length"
+        position += 1
+        if position < total and not all(finish):
+            with autocast(device, autocast_dtype):
+                step = tokens[:, position - 1 : position]
+                logits = model(step, kv_cache=cache, start_pos=position - 1)[:, -1]
+    return [(new[r], finish[r], lengths[r]) for r in range(rows)]
+
+
+def next_tokens(
+    logits: Tensor,
+    sampling: SamplingConfig,
+    generators: Sequence[torch.Generator],
+    rows: Sequence[int] | None = None,
+) -> Tensor:
+    """The next token of each row of ``logits [B, V]``: argmax when greedy, else sampled.
+
+    Only ``rows`` (default: all) draw from their generator; other rows get the argmax.
+    """
+    choice = logits.argmax(dim=-1)
+    if sampling.greedy:
+        return choice
+    rows = range(logits.size(0)) if rows is None else rows
+    probs = torch.softmax(
+        filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p), dim=-1
+    )
+    for row in rows:
+        choice[row] = torch.multinomial(probs[row], 1, generator=generators[row])[0]
+    return choice
+
+
+def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """Set to ``-inf`` every logit outside the top ``top_k`` and outside the nucleus of
+    mass ``top_p`` (the most likely tokens whose probabilities reach ``top_p``)."""
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, indices = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # A token is outside the nucleus once the more likely tokens already reach top_p;
+        # the most likely token has mass_before 0 and always stays.
+        outside_sorted = mass_before >= top_p
+        outside = torch.zeros_like(outside_sorted).scatter(-1, indices, outside_sorted)
+        logits = logits.masked_fill(outside, float("-inf"))
+    return logits
+
+
+def continuation_text(
+    tokenizer: Tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int]
+) -> str:
+    """The text the new tokens add to the prompt, with its leading space (which decoding
+    the new tokens alone would drop)."""
+    prompt_text = tokenizer.decode(prompt_ids)
+    full = tokenizer.decode([*prompt_ids, *new_ids])
+    return full[len(prompt_text) :] if full.startswith(prompt_text) else tokenizer.decode(new_ids)
+
+
+def _fit_prompts(
+    prompts: Sequence[Sequence[int]], max_positions: int, max_new_tokens: int
+) -> list[list[int]]:
+    room = max_positions - max_new_tokens
+    if room < 1:
+        raise ValueError(
+            f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the model's "
+            f"{max_positions} positions"
+        )
+    if any(not p for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    return [list(p[-room:]) for p in prompts]
+
+
+def _mask_vocab(logits: Tensor, vocab_size: int | None) -> Tensor:
+    if vocab_size is None or vocab_size >= logits.size(-1):
+        return logits
+    return torch.cat(
+        [
+            logits[:, :vocab_size],
+            logits.new_full((logits.size(0), logits.size(-1) - vocab_size), float("-inf")),
+        ],
+        dim=-1,
+    )
