@@ -1,0 +1,151 @@
+"""``megalith eval``: perplexity, multiple-choice tasks and sample generations of a model package."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from training.config import DataConfig, load_config
+from training.errors import MegalithError
+
+DEFAULT_OUTPUT = "eval-report.json"
+CONFIG_SUFFIXES = (".yaml", ".yml")
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "eval",
+        help="evaluate a model package: perplexity, tasks, generations",
+        description="Evaluate a model package: perplexity on the valid/test split of a shard "
+        "set, zero-shot multiple-choice tasks scored by log-likelihood, and sampled "
+        "generations. Prints a table and writes a JSON report.",
+    )
+    parser.add_argument("--model", required=True, metavar="PACKAGE_DIR", help="model package")
+    parser.add_argument(
+        "--data",
+        metavar="SHARD_DIR_OR_CONFIG",
+        help="shard set directory/URL, or a recipe whose data section to use; omit to skip "
+        "perplexity",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a data key, e.g. data.split=[0.9,0.05,0.05] (must match training)",
+    )
+    parser.add_argument("--split", choices=["valid", "test"], default="valid")
+    parser.add_argument(
+        "--max-samples", type=int, default=64, metavar="N", help="perplexity samples (64)"
+    )
+    parser.add_argument("--batch-size", type=int, default=8, metavar="N")
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="task jsonl files or shipped task names (sample_facts)",
+    )
+    parser.add_argument(
+        "--prompts",
+        nargs="+",
+        metavar="FILE_OR_TEXT",
+        help='prompt texts, or files: .jsonl with {"prompt": ...} per line, else one per line',
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="0: none")
+    parser.add_argument(
+        "--temperature", type=float, default=0.8, help="0 for greedy decoding (default 0.8)"
+    )
+    parser.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely")
+    parser.add_argument("--top-p", type=float, default=0.95, metavar="P", help="nucleus (0.95)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto")
+    parser.add_argument(
+        "--output", default=DEFAULT_OUTPUT, metavar="FILE", help=f"JSON report ({DEFAULT_OUTPUT})"
+    )
+    parser.set_defaults(handler=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from evaluation.generate import SamplingConfig
+    from evaluation.report import evaluate_model, format_table
+
+    try:
+        sampling = SamplingConfig(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise MegalithError(str(exc)) from None
+    data = data_config(args.data, args.set, args.model) if args.data else None
+    prompts = read_prompts(args.prompts) if args.prompts is not None else None
+    report = evaluate_model(
+        args.model,
+        data,
+        args.tasks,
+        prompts,
+        split=args.split,
+        max_samples=args.max_samples,
+        batch_size=args.batch_size,
+        sampling=sampling,
+        device=args.device,
+        precision=args.precision,
+        output=args.output,
+    )
+    print(format_table(report))
+    print(f"\nwrote {args.output}")
+    return 0
+
+
+def data_config(source: str, overrides: list[str], package_dir: str) -> DataConfig:
+    """A recipe's data section, or a shard set with the model's context length as seq_length."""
+    if source.endswith(CONFIG_SUFFIXES):
+        return load_config(source, overrides).data
+    seq_length = f"data.seq_length={package_max_positions(package_dir)}"
+    return load_config(None, [seq_length, *overrides], {"data.output": source}).data
+
+
+def package_max_positions(package_dir: str) -> int:
+    """The model's ``max_position_embeddings`` from the package's config.json (not verified
+    here: loading the package does that)."""
+    path = Path(package_dir) / "config.json"
+    try:
+        meta: Any = json.loads(path.read_text(encoding="utf-8"))
+        return int(meta["model"]["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise MegalithError(f"{path}: cannot read the model's context length: {exc}") from None
+
+
+def read_prompts(values: list[str]) -> list[str]:
+    """Each value is a prompt file if one exists at that path, else the prompt text itself."""
+    prompts: list[str] = []
+    for value in values:
+        path = Path(value)
+        if not path.is_file():
+            prompts.append(value)
+        elif path.suffix == ".jsonl":
+            prompts += _jsonl_prompts(path)
+        else:
+            prompts += [line for line in path.read_text(encoding="utf-8").splitlines() if line]
+    return prompts
+
+
+def _jsonl_prompts(path: Path) -> list[str]:
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            prompt = json.loads(line).get("prompt")
+        except (json.JSONDecodeError, AttributeError):
+            prompt = None
+        if not isinstance(prompt, str):
+            raise MegalithError(f'{path}:{number}: expected {{"prompt": "..."}}')
+        prompts.append(prompt)
+    return prompts
