@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Any
 
 from preprocessing.indexed_dataset import IndexedDatasetReader
-from preprocessing.manifest import Manifest, read_manifest
+from preprocessing.manifest import Manifest, ShardInfo, read_manifest
 from preprocessing.storage import filesystem, is_local, join, sha256_of_file
 from preprocessing.tokenizer import Tokenizer
 
@@ -18,8 +20,9 @@ def verify_shard_set(root: str, storage_options: dict[str, Any] | None = None) -
         return [str(exc)]
     problems = []
     for shard in manifest.shards:
-        problems += _verify_files(root, shard.files, storage_options)
-        if not problems and is_local(root):
+        file_problems = _verify_files(root, shard.files, storage_options)
+        problems += file_problems
+        if not file_problems and is_local(root):
             problems += _verify_index(root, shard.name, shard.documents, shard.tokens)
     totals = (sum(s.documents for s in manifest.shards), sum(s.tokens for s in manifest.shards))
     if totals != (manifest.documents, manifest.tokens):
@@ -95,7 +98,12 @@ def describe_shard_set(manifest: Manifest, root: str) -> str:
 
 
 def decode_samples(
-    manifest: Manifest, root: str, tokenizer: Tokenizer, count: int, max_chars: int = 400
+    manifest: Manifest,
+    root: str,
+    tokenizer: Tokenizer,
+    count: int,
+    max_chars: int = 400,
+    storage_options: dict[str, Any] | None = None,
 ) -> list[str]:
     """Decode the first ``count`` documents of the first shard back to text."""
     if tokenizer.id != manifest.tokenizer.id:
@@ -105,9 +113,33 @@ def decode_samples(
         )
     if not manifest.shards:
         return []
-    reader = IndexedDatasetReader(join(root, manifest.shards[0].name).removeprefix("file://"))
     texts = []
-    for index in range(min(count, len(reader))):
-        text = tokenizer.decode(reader[index].tolist())
-        texts.append(text if len(text) <= max_chars else text[:max_chars] + " …")
+    with tempfile.TemporaryDirectory(prefix="megalith-inspect-") as tmp:
+        reader = _open_first_documents(root, manifest.shards[0], count, tmp, storage_options)
+        for index in range(min(count, len(reader))):
+            text = tokenizer.decode(reader[index].tolist())
+            texts.append(text if len(text) <= max_chars else text[:max_chars] + " …")
     return texts
+
+
+def _open_first_documents(
+    root: str, shard: ShardInfo, count: int, tmp: str, storage_options: dict[str, Any] | None
+) -> IndexedDatasetReader:
+    """A reader whose first ``count`` documents can be read. For a remote shard set only the
+    .idx and the bytes of those documents are fetched; the rest of the local .bin is a hole."""
+    if is_local(root):
+        return IndexedDatasetReader(join(root, shard.name).removeprefix("file://"))
+    prefix = os.path.join(tmp, shard.name)
+    fs, idx_path = filesystem(join(root, f"{shard.name}.idx"), storage_options)
+    fs.get_file(idx_path, f"{prefix}.idx")
+    with open(f"{prefix}.bin", "wb") as handle:
+        handle.truncate(shard.files[f"{shard.name}.bin"].bytes)
+    reader = IndexedDatasetReader(prefix)
+    last = min(count, len(reader)) - 1
+    if last >= 0:
+        itemsize = reader.dtype.itemsize
+        end = int(reader.sequence_pointers[last]) + int(reader.sequence_lengths[last]) * itemsize
+        _, bin_path = filesystem(join(root, f"{shard.name}.bin"), storage_options)
+        with open(f"{prefix}.bin", "r+b") as handle:
+            handle.write(fs.cat_file(bin_path, start=0, end=end))
+    return IndexedDatasetReader(prefix)

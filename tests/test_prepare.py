@@ -492,6 +492,7 @@ def test_s3_input_and_output(
     small_set: Path,
     small_corpus: Path,
     tokenizer: Tokenizer,
+    texts: list[str],
     tmp_path: Path,
 ) -> None:
     import s3fs
@@ -520,6 +521,12 @@ def test_s3_input_and_output(
     ok = subprocess.run(verify, capture_output=True, text=True)  # endpoint from AWS_ENDPOINT_URL
     assert ok.returncode == 0, ok.stderr
     assert "every file matches its manifest" in ok.stdout
+    inspect = [sys.executable, "-m", "pipelines.cli", "data", "inspect", root, "--decode", "2"]
+    shown = subprocess.run(inspect, capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert f"documents     {SMALL_DOCUMENTS}" in shown.stdout
+    for text in texts[:2]:
+        assert text[:300] in shown.stdout
 
     # Training reads the shards through the manifest, downloading and checking each file;
     # it sees exactly the samples the local copy gives.
