@@ -18,6 +18,8 @@ from training.errors import MegalithError
 # Modules whose register(subparsers) adds a stage's subcommands.
 COMMAND_MODULES = [
     "preprocessing.cli",
+    "training.cli",
+    "evaluation.cli",
 ]
 
 

@@ -293,7 +293,8 @@ class LoggingConfig(StrictModel):
 
     mlflow: bool = True
     tracking_uri: str | None = Field(
-        default=None, description="None: sqlite:///OUTPUT/../mlflow.db"
+        default=None,
+        description="None: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working directory.",
     )
     experiment: str = "megalith"
     run_name: str | None = None

@@ -1,0 +1,292 @@
+"""Training checkpoints: safetensors for tensors, JSON for everything else, never pickle.
+
+Layout of one checkpoint (``CHECKPOINTS/step-00000100/``)::
+
+    model.safetensors       parameters by name (tied weights stored once)
+    optimizer.safetensors   AdamW moments by "<param name>/<state key>"
+    rng.safetensors         torch CPU/CUDA generator states, numpy's key array
+    state.json              step, consumed samples, optimizer hyper-parameters, loss scaler,
+                            Python/numpy RNG, the config
+    index.json              every file's sha256 and size, every tensor's shape and dtype
+
+It is written into ``step-00000100.tmp/`` and renamed when complete, then
+``latest.json`` is replaced atomically. Loading checks every file against
+``index.json`` before reading it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from preprocessing.storage import atomic_write_json, sha256_of_file
+from training.errors import MegalithError
+
+INDEX_FORMAT = "megalith-checkpoint"
+INDEX_VERSION = 1
+TENSOR_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors")
+
+
+class CheckpointError(MegalithError):
+    """A checkpoint that is missing, incomplete, tampered with or does not fit the model."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    param_names: list[str],
+    state: dict[str, Any],
+    scaler: torch.amp.GradScaler | None = None,
+    keep_last: int = 3,
+) -> Path:
+    """Write a complete checkpoint for ``step`` and prune to the newest ``keep_last``."""
+    root = Path(root)
+    final = root / step_dir_name(step)
+    staging = root / f"{step_dir_name(step)}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+
+    tensors = {
+        "model.safetensors": _model_tensors(model),
+        "optimizer.safetensors": _optimizer_tensors(optimizer, param_names),
+        "rng.safetensors": _rng_tensors(),
+    }
+    for name, content in tensors.items():
+        save_file(content, str(staging / name))
+    record = {
+        **state,
+        "step": step,
+        "optimizer": {"param_groups": _param_groups(optimizer), "param_names": param_names},
+        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+        "rng": _rng_json(),
+    }
+    (staging / "state.json").write_text(json.dumps(record, indent=2))
+    _write_index(staging, tensors)
+
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+    atomic_write_json(str(root / "latest.json"), {"step": step, "path": final.name})
+    _prune(root, keep_last)
+    return final
+
+
+def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # named_parameters() lists a tied weight once, which safetensors requires.
+    tensors = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters()}
+    for name, buffer in model.named_buffers():
+        if _is_persistent(model, name):
+            tensors[f"buffer/{name}"] = buffer.detach().cpu().contiguous()
+    return tensors
+
+
+def _is_persistent(model: torch.nn.Module, name: str) -> bool:
+    module_name, _, buffer_name = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    return buffer_name not in module._non_persistent_buffers_set
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
+    state = optimizer.state_dict()["state"]
+    tensors = {}
+    for index, values in state.items():
+        for key, value in values.items():
+            value = value if torch.is_tensor(value) else torch.tensor(value)
+            tensors[f"{names[index]}/{key}"] = value.detach().cpu().contiguous()
+    return tensors
+
+
+def _param_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    groups = []
+    for group in optimizer.state_dict()["param_groups"]:
+        groups.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()})
+    return groups
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for device, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{device}"] = state
+    tensors["numpy_keys"] = torch.from_numpy(np.random.get_state()[1].astype(np.int64))
+    return tensors
+
+
+def _rng_json() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    _, _, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": {"pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+    }
+
+
+def _write_index(directory: Path, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+    files = {}
+    for path in sorted(directory.iterdir()):
+        files[path.name] = {"sha256": sha256_of_file(str(path)), "bytes": path.stat().st_size}
+    index = {
+        "format": INDEX_FORMAT,
+        "version": INDEX_VERSION,
+        "files": files,
+        "tensors": {
+            file: {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for name, t in content.items()}
+            for file, content in tensors.items()
+        },
+    }
+    (directory / "index.json").write_text(json.dumps(index, indent=2))
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    complete = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in complete[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    root = Path(root)
+    pointer = root / "latest.json"
+    if not pointer.exists():
+        return None
+    try:
+        name = json.loads(pointer.read_text())["path"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise CheckpointError(f"{pointer}: not a valid pointer to the latest checkpoint") from None
+    path = root / _safe_name(name, pointer)
+    if not path.is_dir():
+        raise CheckpointError(f"{pointer} points to {path}, which does not exist")
+    return path
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Check every file against index.json; returns the index."""
+    path = Path(path)
+    index_path = path / "index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{index_path} is missing: {path} is not a complete checkpoint") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{index_path}: not valid JSON ({exc.msg})") from None
+    if index.get("format") != INDEX_FORMAT or index.get("version") != INDEX_VERSION:
+        raise CheckpointError(f"{index_path}: not a Megalith checkpoint index (version {INDEX_VERSION})")
+    for name, expected in index["files"].items():
+        file = path / _safe_name(name, index_path)
+        if not file.is_file() or file.is_symlink():
+            raise CheckpointError(f"{file}: missing (listed in index.json)")
+        if file.stat().st_size != expected["bytes"]:
+            raise CheckpointError(f"{file}: {file.stat().st_size} bytes, index.json says {expected['bytes']}")
+        if sha256_of_file(str(file)) != expected["sha256"]:
+            raise CheckpointError(f"{file}: sha256 does not match index.json (modified or corrupted)")
+    for required in (*TENSOR_FILES, "state.json"):
+        if required not in index["files"]:
+            raise CheckpointError(f"{index_path}: does not list {required}")
+    return index
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    param_names: list[str],
+    scaler: torch.amp.GradScaler | None = None,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Restore model, optimizer, loss scaler and RNG from a verified checkpoint; returns state.json."""
+    path = Path(path)
+    index = verify_checkpoint(path)
+    state = json.loads((path / "state.json").read_text())
+    model_tensors = _read_tensors(path / "model.safetensors", index)
+    _load_model(model, model_tensors, path)
+    if optimizer is not None:
+        _load_optimizer(optimizer, _read_tensors(path / "optimizer.safetensors", index), state, param_names, path)
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    if restore_rng:
+        _restore_rng(_read_tensors(path / "rng.safetensors", index), state["rng"])
+    return state
+
+
+def _read_tensors(file: Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
+    expected = index["tensors"].get(file.name, {})
+    tensors = {}
+    with safe_open(str(file), framework="pt") as handle:
+        if set(handle.keys()) != set(expected):
+            raise CheckpointError(f"{file}: tensor names differ from index.json")
+        for name in handle.keys():
+            tensor = handle.get_tensor(name)
+            meta = expected[name]
+            if list(tensor.shape) != meta["shape"] or str(tensor.dtype).removeprefix("torch.") != meta["dtype"]:
+                raise CheckpointError(f"{file}: tensor {name} is {tuple(tensor.shape)} {tensor.dtype}, index.json says {meta}")
+            tensors[name] = tensor
+    return tensors
+
+
+def _load_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    params = dict(model.named_parameters())
+    expected = set(params) | {f"buffer/{n}" for n, _ in model.named_buffers() if _is_persistent(model, n)}
+    if set(tensors) != expected:
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise CheckpointError(f"{path}: model tensors do not match the model (missing {missing[:5]}, unexpected {extra[:5]})")
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            target = buffers[name.removeprefix("buffer/")] if name.startswith("buffer/") else params[name]
+            if target.shape != tensor.shape:
+                raise CheckpointError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
+            target.copy_(tensor)
+
+
+def _load_optimizer(optimizer, tensors, state, param_names, path) -> None:
+    saved_names = state["optimizer"]["param_names"]
+    if saved_names != param_names:
+        raise CheckpointError(f"{path}: optimizer parameters differ from the model's")
+    per_param: dict[int, dict[str, torch.Tensor]] = {}
+    position = {name: i for i, name in enumerate(param_names)}
+    for key, tensor in tensors.items():
+        name, _, state_key = key.rpartition("/")
+        per_param.setdefault(position[name], {})[state_key] = tensor
+    groups = state["optimizer"]["param_groups"]
+    current = optimizer.state_dict()["param_groups"]
+    if [g["params"] for g in groups] != [g["params"] for g in current]:
+        raise CheckpointError(f"{path}: optimizer parameter groups differ from the model's")
+    optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+
+
+def _restore_rng(tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    if torch.cuda.is_available():
+        states = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+    version, internal, gauss = saved["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy = saved["numpy"]
+    keys = tensors["numpy_keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
+
+
+def _safe_name(name: str, source: Path) -> str:
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise CheckpointError(f"{source}: file name {name!r} is not a plain name inside the checkpoint")
+    return name

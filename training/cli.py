@@ -1,0 +1,54 @@
+"""``megalith train``: pretrain a GPT from a recipe."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from training.config import load_config
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    train = subcommands.add_parser(
+        "train",
+        help="pretrain a GPT from a recipe (configs/*.yaml)",
+        description="Train a GPT on prepared shards. Writes OUTPUT/metrics.jsonl (one JSON "
+        "object per optimizer step), OUTPUT/checkpoints/step-*/ (safetensors + JSON) and "
+        "OUTPUT/model/ (the final model package); tracks the run in MLflow unless "
+        "logging.mlflow=false.",
+        epilog="example: megalith train --config configs/tiny-cpu.yaml --set training.train_iters=50",
+    )
+    train.add_argument("--config", required=True, metavar="YAML", help="recipe")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    train.add_argument("--output", metavar="DIR", help="run directory (default runs/NAME)")
+    train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.set_defaults(handler=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from registry.tracking import lineage_tags, open_run_logger
+    from training.trainer import train
+
+    values = {"checkpoint.resume": True} if args.resume else {}
+    config = load_config(args.config, args.set, values)
+    output = Path(args.output or Path("runs") / config.name)
+    sources = [source.path for source in config.data.training_sources()]
+    run_logger = open_run_logger(
+        config.logging,
+        run_name=config.logging.run_name or config.name,
+        rank=0,
+        workdir=Path.cwd(),
+        tags=lineage_tags(sources, storage_options=config.data.storage_options),
+    )
+    status = "FAILED"
+    try:
+        result = train(config, output, run_logger, show_progress=not args.quiet)
+        status = "FINISHED"
+    finally:
+        run_logger.close(status)
+    print(f"trained {result.steps} steps: loss {result.final_loss:.4f}", end="")
+    print(f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else "")
+    print(f"  {result.tokens_per_s:,.0f} tokens/s; metrics in {output / 'metrics.jsonl'}")
+    print(f"  checkpoint {result.checkpoint}; model package {result.model_package}")
+    return 0

@@ -1,0 +1,340 @@
+"""The single-device training loop.
+
+``train(config, output)`` builds the model, data and optimizer from the config,
+trains for ``training.train_iters`` optimizer steps with gradient accumulation,
+validates periodically, checkpoints, and writes ``metrics.jsonl``. With
+``checkpoint.resume`` it continues from the latest checkpoint so that the loss
+curve equals that of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from tqdm import tqdm
+
+from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from training.config import MegalithConfig, ModelConfig, dump_config
+from training.data import build_gpt_datasets
+from training.data.shard_set import open_shard_set
+from training.errors import MegalithError
+from training.models import GPTModel
+from training.models.flops import flops_per_token
+from training.models.package import save_model_package
+from training.optim import build_optimizer
+from training.precision import Precision, resolve_precision
+from training.schedule import learning_rate
+from training.tracking import MetricsFile, NullLogger, RunLogger, read_metrics
+
+logger = logging.getLogger(__name__)
+
+PEAK_BF16_FLOPS = 989e12  # H100/H200 dense bf16, the brief's MFU denominator
+
+
+@dataclass
+class TrainResult:
+    output: Path
+    steps: int
+    final_loss: float
+    val_loss: float | None
+    tokens_per_s: float
+    checkpoint: Path | None
+    model_package: Path | None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ResumableSampler(Sampler[int]):
+    """Global sample indices ``start, start + 1, ...``: the datasets already shuffle."""
+
+    def __init__(self, start: int, stop: int):
+        self.start, self.stop = start, stop
+
+    def __iter__(self):
+        return iter(range(self.start, self.stop))
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise MegalithError("training.device=cuda but no CUDA GPU is available")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_model_config(config: MegalithConfig) -> ModelConfig:
+    """Fill the vocabulary from the training data and the context length from data.seq_length."""
+    model = config.model
+    updates: dict[str, Any] = {}
+    if model.vocab_size is None:
+        first = config.data.training_sources()[0]
+        manifest = open_shard_set(first.path, config.data.storage_options, config.data.cache_dir).manifest
+        updates["vocab_size"] = manifest.tokenizer.padded_vocab_size
+    if model.max_position_embeddings is None:
+        updates["max_position_embeddings"] = config.data.seq_length
+    elif model.max_position_embeddings < config.data.seq_length:
+        raise MegalithError(
+            f"data.seq_length {config.data.seq_length} exceeds model.max_position_embeddings "
+            f"{model.max_position_embeddings}"
+        )
+    return model.model_copy(update=updates) if updates else model
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, config: MegalithConfig, output: str | Path, run_logger: RunLogger | None = None):
+        self.config = config
+        self.output = Path(output)
+        self.output.mkdir(parents=True, exist_ok=True)
+        self.run_logger = run_logger or NullLogger()
+        self.device = resolve_device(config.training.device)
+        self.precision: Precision = resolve_precision(config.mixed_precision, self.device)
+        self.checkpoint_dir = Path(config.checkpoint.directory or self.output / "checkpoints")
+        seed_everything(config.training.seed)
+
+        self.model_config = resolve_model_config(config)
+        self.model = GPTModel(self.model_config).to(self.device)
+        self.optimizer, self.param_names = build_optimizer(self.model, config.optimizer, self.device)
+        self.forward_model = torch.compile(self.model) if config.training.compile else self.model
+        self.flops_per_token = flops_per_token(self.model_config, config.data.seq_length)
+        self.step = 0
+        self.consumed_samples = 0
+        self.train_data, self.valid_data = self._datasets()
+
+    # ------------------------------------------------------------------ data
+
+    def _datasets(self) -> tuple[Dataset, Dataset | None]:
+        training = self.config.training
+        # Validation always scores the same first samples of the valid split, so the
+        # curve compares like with like.
+        valid_samples = training.eval_iters * training.micro_batch_size
+        train, valid, _ = build_gpt_datasets(
+            self.config.data, (training.train_iters * training.global_batch_size, valid_samples, 0)
+        )
+        if train is None:
+            raise MegalithError("the training split is empty: check data.split and the shard set size")
+        return train, valid
+
+    def _loader(self, dataset: Dataset, start: int, stop: int) -> DataLoader:
+        workers = self.config.training.num_workers
+        return DataLoader(
+            dataset,
+            batch_size=self.config.training.micro_batch_size,
+            sampler=ResumableSampler(start, stop),
+            num_workers=workers,
+            pin_memory=self.device.type == "cuda",
+            prefetch_factor=4 if workers else None,
+            # Its own generator: creating a loader must not advance the global RNG,
+            # or a resumed run would see different dropout masks.
+            generator=torch.Generator().manual_seed(self.config.training.seed),
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def resume(self) -> bool:
+        path = latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            return False
+        state = load_checkpoint(path, self.model, self.optimizer, self.param_names, self.precision.scaler)
+        self.step = state["step"]
+        self.consumed_samples = state["consumed_samples"]
+        self._truncate_metrics(self.step)
+        logger.info("resumed from %s at step %d", path, self.step)
+        return True
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop metrics a killed run logged after its last checkpoint, so the curve stays one curve."""
+        path = self.output / "metrics.jsonl"
+        if not path.exists():
+            return
+        kept = [r for r in read_metrics(path) if r["step"] <= step]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(_json_line(r) for r in kept))
+        os.replace(tmp, path)
+
+    def save(self) -> Path:
+        state = {
+            "consumed_samples": self.consumed_samples,
+            "config": self.config.model_dump(mode="json"),
+            "model_config": self.model_config.model_dump(mode="json"),
+        }
+        return save_checkpoint(
+            self.checkpoint_dir,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.param_names,
+            state,
+            self.precision.scaler,
+            self.config.checkpoint.keep_last,
+        )
+
+    # ------------------------------------------------------------------ steps
+
+    def _micro_batch_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        tokens = batch["tokens"].to(self.device, non_blocking=True)
+        with self.precision.autocast():
+            return self.forward_model(tokens[:, :-1], labels=tokens[:, 1:])
+
+    def train_step(self, batches) -> dict[str, float]:
+        training = self.config.training
+        accumulation = training.global_batch_size // training.micro_batch_size
+        lr = learning_rate(self.step, self.config.scheduler, self.config.optimizer, training.train_iters)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        scaler = self.precision.scaler
+        total_loss = torch.zeros((), device=self.device)
+        for _ in range(accumulation):
+            loss = self._micro_batch_loss(next(batches)) / accumulation
+            (scaler.scale(loss) if scaler else loss).backward()
+            total_loss += loss.detach()
+        if scaler:
+            scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), training.grad_clip if training.grad_clip > 0 else math.inf
+        )
+        if scaler:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        self.step += 1
+        self.consumed_samples += training.global_batch_size
+        metrics = {"loss": total_loss.item(), "lr": lr, "grad_norm": grad_norm.item()}
+        if scaler:
+            metrics["loss_scale"] = scaler.get_scale()
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.valid_data is None:
+            return None
+        self.model.eval()
+        losses = []
+        for batch in self._loader(self.valid_data, 0, len(self.valid_data)):
+            losses.append(self._micro_batch_loss(batch).float().item())
+        self.model.train()
+        return sum(losses) / len(losses)
+
+    # ------------------------------------------------------------------ loop
+
+    def fit(self, show_progress: bool = True) -> TrainResult:
+        training = self.config.training
+        (self.output / "config.yaml").write_text(dump_config(self.config))
+        self.run_logger.log_params(self.config.model_dump(mode="json"))
+        if self.step == 0:
+            (self.output / "metrics.jsonl").unlink(missing_ok=True)
+        metrics_file = MetricsFile(self.output / "metrics.jsonl")
+        stop_sample = training.train_iters * training.global_batch_size
+        batches = iter(self._loader(self.train_data, self.consumed_samples, stop_sample))
+        tokens_per_step = training.global_batch_size * self.config.data.seq_length
+        bar = tqdm(
+            total=training.train_iters, initial=self.step, desc="training", unit="step",
+            disable=not show_progress, dynamic_ncols=True,
+        )
+        last_checkpoint, val_loss, rates, record = None, None, [], {}
+        self.model.train()
+        try:
+            while self.step < training.train_iters:
+                started = time.perf_counter()
+                record = self.train_step(batches)
+                seconds = time.perf_counter() - started
+                record = {"step": self.step, **record, **self._speed(tokens_per_step, seconds)}
+                rates.append(record["tokens_per_s"])
+                if training.eval_interval and (self.step % training.eval_interval == 0 or self.step == training.train_iters):
+                    val_loss = self.evaluate()
+                    if val_loss is not None:
+                        record["val_loss"] = val_loss
+                        record["val_ppl"] = math.exp(min(val_loss, 50.0))
+                metrics_file.write(record)
+                if self.step % training.log_interval == 0 or "val_loss" in record:
+                    self.run_logger.log_metrics({k: v for k, v in record.items() if k != "step"}, self.step)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", refresh=False)
+                bar.update(1)
+                interval = self.config.checkpoint.interval
+                if interval and self.step % interval == 0 and self.step < training.train_iters:
+                    last_checkpoint = self.save()
+            last_checkpoint = self.save()
+        finally:
+            bar.close()
+            metrics_file.close()
+        package = save_model_package(
+            self.model, self.model_config, self._tokenizer_path(), self.output / "model"
+        )
+        return TrainResult(
+            output=self.output,
+            steps=self.step,
+            final_loss=record.get("loss", float("nan")),
+            val_loss=val_loss,
+            tokens_per_s=_mean_after_warmup(rates),
+            checkpoint=last_checkpoint,
+            model_package=Path(package) if package else None,
+            metrics=read_metrics(self.output / "metrics.jsonl"),
+        )
+
+    def _speed(self, tokens: int, seconds: float) -> dict[str, float]:
+        tokens_per_s = tokens / seconds
+        speed = {"tokens_per_s": tokens_per_s, "step_time_s": seconds}
+        if self.device.type == "cuda":
+            speed["mfu"] = tokens_per_s * self.flops_per_token / PEAK_BF16_FLOPS
+            speed["memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        else:
+            speed["memory_gb"] = _resident_memory_gb()
+        return speed
+
+    def _tokenizer_path(self) -> str:
+        first = self.config.data.training_sources()[0]
+        shard_set = open_shard_set(first.path, self.config.data.storage_options, self.config.data.cache_dir)
+        return shard_set.manifest.tokenizer.path
+
+
+def _resident_memory_gb() -> float:
+    try:
+        with open("/proc/self/statm") as handle:
+            pages = int(handle.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 1e9
+    except (OSError, ValueError):
+        return 0.0
+
+
+def _json_line(record: dict[str, Any]) -> str:
+    return json.dumps(record) + "\n"
+
+
+def _mean_after_warmup(rates: list[float]) -> float:
+    """Mean step speed, leaving out the first step (compilation, allocator warm-up)."""
+    steady = rates[1:] or rates
+    return sum(steady) / len(steady) if steady else 0.0
+
+
+def train(
+    config: MegalithConfig,
+    output: str | Path,
+    run_logger: RunLogger | None = None,
+    show_progress: bool = True,
+) -> TrainResult:
+    trainer = Trainer(config, output, run_logger)
+    if config.checkpoint.resume:
+        trainer.resume()
+    return trainer.fit(show_progress=show_progress)
