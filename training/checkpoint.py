@@ -233,7 +233,7 @@ def _read_tensors(file: Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
     with safe_open(str(file), framework="pt") as handle:
         if set(handle.keys()) != set(expected):
             raise CheckpointError(f"{file}: tensor names differ from index.json")
-        for name in handle.keys():
+        for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
             tensor = handle.get_tensor(name)
             meta = expected[name]
             if list(tensor.shape) != meta["shape"] or str(tensor.dtype).removeprefix("torch.") != meta["dtype"]:
