@@ -158,7 +158,8 @@ def generate_ids(
     new: list[list[int]] = [[] for _ in prompts]
     finish = ["length" if max_new == 0 else "" for _ in prompts]
 
-    cache = model.new_kv_cache(rows, total)
+    # Under autocast keys and values are computed in its dtype: store them so.
+    cache = model.new_kv_cache(rows, total, dtype=autocast_dtype)
     position = min(lengths)
     with autocast(device, autocast_dtype):
         logits = model(tokens[:, :position], kv_cache=cache, start_pos=0)[:, -1]

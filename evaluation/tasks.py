@@ -185,33 +185,36 @@ def score_choices(
 ) -> list[list[ChoiceScore]]:
     """Log-likelihood of every choice of every item, in batches of ``batch_size`` sequences."""
     requests = [(i, c) for i, item in enumerate(items) for c in range(len(item.choices))]
-    max_positions = model.config.max_position_embeddings
-    sequences = []
-    for i, c in requests:
-        context, choice = choice_tokens(tokenizer, items[i].context, items[i].choices[c])
-        if len(choice) > max_positions:
-            raise EvaluationError(
-                f"choice {c} of item {i} has {len(choice)} tokens, more than the model's "
-                f"{max_positions} positions"
-            )
-        # Drop the oldest context tokens if the input would not fit the model.
-        sequences.append(((context + choice)[-(max_positions + 1) :], len(choice)))
-
-    logliks = [0.0] * len(requests)
+    sequences = [
+        _choice_sequence(tokenizer, items[i], c, model.config.max_position_embeddings)
+        for i, c in requests
+    ]
+    # Longest first, so each batch holds sequences of similar length (little padding).
     order = sorted(range(len(requests)), key=lambda r: -len(sequences[r][0]))
+    logliks: dict[int, float] = {}
     for first in range(0, len(order), batch_size):
         batch = order[first : first + batch_size]
-        for r, value in zip(
-            batch,
-            sequence_logliks(model, [sequences[r] for r in batch], autocast_dtype),
-            strict=True,
-        ):
-            logliks[r] = value
+        values = sequence_logliks(model, [sequences[r] for r in batch], autocast_dtype)
+        logliks.update(zip(batch, values, strict=True))
 
     scores: list[list[ChoiceScore]] = [[] for _ in items]
-    for (i, c), (_, n_tokens), loglik in zip(requests, sequences, logliks, strict=True):
-        scores[i].append(ChoiceScore(loglik, n_tokens, len(items[i].choices[c])))
+    for r, (i, c) in enumerate(requests):
+        scores[i].append(ChoiceScore(logliks[r], sequences[r][1], len(items[i].choices[c])))
     return scores
+
+
+def _choice_sequence(
+    tokenizer: Tokenizer, item: Item, choice: int, max_positions: int
+) -> tuple[list[int], int]:
+    """``(context and choice tokens, number of choice tokens)``, cut to fit the model."""
+    context, tokens = choice_tokens(tokenizer, item.context, item.choices[choice])
+    if len(tokens) > max_positions:
+        raise EvaluationError(
+            f"choice {choice} of {item.context[:40]!r} has {len(tokens)} tokens, more than "
+            f"the model's {max_positions} positions"
+        )
+    # The model sees all but the last token: keep at most max_positions + 1, oldest dropped.
+    return (context + tokens)[-(max_positions + 1) :], len(tokens)
 
 
 @torch.no_grad()

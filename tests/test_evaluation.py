@@ -166,20 +166,9 @@ def test_choice_scores_match_one_forward_per_choice(model: GPTModel, tokenizer: 
 
 
 def test_accuracy_follows_the_highest_loglikelihood(model: GPTModel, tokenizer: Tokenizer) -> None:
-    best = [
-        max(
-            range(len(it.choices)),
-            key=lambda c, it=it: brute_force_logliks(model, tokenizer, it)[c],
-        )
-        for it in ITEMS
-    ]
-    worst = [
-        min(
-            range(len(it.choices)),
-            key=lambda c, it=it: brute_force_logliks(model, tokenizer, it)[c],
-        )
-        for it in ITEMS
-    ]
+    logliks = [brute_force_logliks(model, tokenizer, it) for it in ITEMS]
+    best = [values.index(max(values)) for values in logliks]
+    worst = [values.index(min(values)) for values in logliks]
     right = [Item(it.context, it.choices, b) for it, b in zip(ITEMS, best, strict=True)]
     wrong = [Item(it.context, it.choices, w) for it, w in zip(ITEMS, worst, strict=True)]
     mixed = right[:1] + wrong[1:]
@@ -361,8 +350,8 @@ class EodAfter(nn.Module):
         self.model, self.eod_id, self.position = model, eod_id, position
         self.config = model.config
 
-    def new_kv_cache(self, batch_size: int, max_length: int):  # noqa: ANN201
-        return self.model.new_kv_cache(batch_size, max_length)
+    def new_kv_cache(self, batch_size: int, max_length: int, **kwargs):  # noqa: ANN003, ANN201
+        return self.model.new_kv_cache(batch_size, max_length, **kwargs)
 
     def forward(self, tokens: torch.Tensor, kv_cache=None, start_pos: int = 0) -> torch.Tensor:  # noqa: ANN001
         logits = self.model(tokens, kv_cache=kv_cache, start_pos=start_pos)
@@ -442,3 +431,16 @@ def test_cli_prints_a_table_and_writes_a_json_report(
     assert "perplexity" in printed and "sample_facts" in printed and "acc_norm" in printed
     assert '[2] "The horse says" →' in printed
     assert f"wrote {output}" in printed
+
+
+def test_bf16_autocast_runs_and_stays_close_to_fp32(
+    model: GPTModel, tokenizer: Tokenizer, shards: DataConfig
+) -> None:
+    fp32 = evaluate_perplexity(model, shards, max_samples=4)
+    bf16 = evaluate_perplexity(model, shards, max_samples=4, autocast_dtype=torch.bfloat16)
+    assert bf16.loss == pytest.approx(fp32.loss, rel=0.05)
+    scores = score_choices(model, tokenizer, ITEMS, autocast_dtype=torch.bfloat16)
+    assert all(math.isfinite(s.loglik) for item in scores for s in item)
+    sampling = SamplingConfig(max_new_tokens=5, temperature=0)
+    result = generate(model, tokenizer, PROMPTS, sampling, autocast_dtype=torch.bfloat16)
+    assert all(g.new_tokens + (g.finish_reason == "eod") == 5 for g in result.generations)
