@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import sys
 from pathlib import Path
 
+from preprocessing.storage import atomic_write_json
 from training.config import load_config
 
 
@@ -19,10 +23,12 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         epilog="example: megalith train --config configs/tiny-cpu.yaml --set training.train_iters=50",
     )
     train.add_argument("--config", required=True, metavar="YAML", help="recipe")
-    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    train.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
     train.add_argument("--output", metavar="DIR", help="run directory (default runs/NAME)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument("--quiet", action="store_true", help="log lines instead of a progress bar")
     train.set_defaults(handler=_train)
 
 
@@ -41,12 +47,20 @@ def _train(args: argparse.Namespace) -> int:
         workdir=Path.cwd(),
         tags=lineage_tags(sources, storage_options=config.data.storage_options),
     )
+    if args.quiet:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
     status = "FAILED"
     try:
         result = train(config, output, run_logger, show_progress=not args.quiet)
+        if hasattr(run_logger, "log_loss_curve"):
+            run_logger.log_loss_curve(output / "metrics.jsonl")
         status = "FINISHED"
     finally:
         run_logger.close(status)
+    run_id = getattr(run_logger, "run_id", None)
+    if run_id:
+        summary = json.loads((output / "result.json").read_text())
+        atomic_write_json(str(output / "result.json"), {**summary, "mlflow_run_id": run_id})
     print(f"trained {result.steps} steps: loss {result.final_loss:.4f}", end="")
     print(f", validation loss {result.val_loss:.4f}" if result.val_loss is not None else "")
     print(f"  {result.tokens_per_s:,.0f} tokens/s; metrics in {output / 'metrics.jsonl'}")

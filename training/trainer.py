@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
+from preprocessing.storage import atomic_write_json
 from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from training.config import MegalithConfig, ModelConfig, dump_config
 from training.data import build_gpt_datasets
@@ -51,6 +52,30 @@ class TrainResult:
     model_package: Path | None
     metrics: list[dict[str, Any]] = field(default_factory=list)
 
+    def summary(self) -> dict[str, Any]:
+        """What ``result.json`` holds: small, JSON-only, for flows and scripts."""
+        return {
+            "output": str(self.output),
+            "steps": self.steps,
+            "final_loss": self.final_loss,
+            "val_loss": self.val_loss,
+            "tokens_per_s": self.tokens_per_s,
+            "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+            "model_package": str(self.model_package) if self.model_package else None,
+        }
+
+
+def format_record(record: dict[str, Any], total_steps: int) -> str:
+    """One log line per step for logs (Prefect, torchrun) where no progress bar shows."""
+    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}"]
+    if "val_loss" in record:
+        parts.append(f"val_loss {record['val_loss']:.4f}")
+    parts += [f"lr {record['lr']:.2e}", f"grad_norm {record['grad_norm']:.3f}"]
+    parts.append(f"{record['tokens_per_s']:,.0f} tokens/s")
+    if "mfu" in record:
+        parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    return " | ".join(parts)
+
 
 class ResumableSampler(Sampler[int]):
     """Global sample indices ``start, start + 1, ...``: the datasets already shuffle."""
@@ -79,7 +104,9 @@ def resolve_model_config(config: MegalithConfig) -> ModelConfig:
     updates: dict[str, Any] = {}
     if model.vocab_size is None:
         first = config.data.training_sources()[0]
-        manifest = open_shard_set(first.path, config.data.storage_options, config.data.cache_dir).manifest
+        manifest = open_shard_set(
+            first.path, config.data.storage_options, config.data.cache_dir
+        ).manifest
         updates["vocab_size"] = manifest.tokenizer.padded_vocab_size
     if model.max_position_embeddings is None:
         updates["max_position_embeddings"] = config.data.seq_length
@@ -102,7 +129,9 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, config: MegalithConfig, output: str | Path, run_logger: RunLogger | None = None):
+    def __init__(
+        self, config: MegalithConfig, output: str | Path, run_logger: RunLogger | None = None
+    ):
         self.config = config
         self.output = Path(output)
         self.output.mkdir(parents=True, exist_ok=True)
@@ -114,7 +143,9 @@ class Trainer:
 
         self.model_config = resolve_model_config(config)
         self.model = GPTModel(self.model_config).to(self.device)
-        self.optimizer, self.param_names = build_optimizer(self.model, config.optimizer, self.device)
+        self.optimizer, self.param_names = build_optimizer(
+            self.model, config.optimizer, self.device
+        )
         self.forward_model = torch.compile(self.model) if config.training.compile else self.model
         self.flops_per_token = flops_per_token(self.model_config, config.data.seq_length)
         self.step = 0
@@ -132,7 +163,9 @@ class Trainer:
             self.config.data, (training.train_iters * training.global_batch_size, valid_samples, 0)
         )
         if train is None:
-            raise MegalithError("the training split is empty: check data.split and the shard set size")
+            raise MegalithError(
+                "the training split is empty: check data.split and the shard set size"
+            )
         return train, valid
 
     def _loader(self, dataset: Dataset, start: int, stop: int) -> DataLoader:
@@ -155,7 +188,9 @@ class Trainer:
         path = latest_checkpoint(self.checkpoint_dir)
         if path is None:
             return False
-        state = load_checkpoint(path, self.model, self.optimizer, self.param_names, self.precision.scaler)
+        state = load_checkpoint(
+            path, self.model, self.optimizer, self.param_names, self.precision.scaler
+        )
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
         self._truncate_metrics(self.step)
@@ -199,7 +234,9 @@ class Trainer:
     def train_step(self, batches) -> dict[str, float]:
         training = self.config.training
         accumulation = training.global_batch_size // training.micro_batch_size
-        lr = learning_rate(self.step, self.config.scheduler, self.config.optimizer, training.train_iters)
+        lr = learning_rate(
+            self.step, self.config.scheduler, self.config.optimizer, training.train_iters
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
@@ -250,8 +287,12 @@ class Trainer:
         batches = iter(self._loader(self.train_data, self.consumed_samples, stop_sample))
         tokens_per_step = training.global_batch_size * self.config.data.seq_length
         bar = tqdm(
-            total=training.train_iters, initial=self.step, desc="training", unit="step",
-            disable=not show_progress, dynamic_ncols=True,
+            total=training.train_iters,
+            initial=self.step,
+            desc="training",
+            unit="step",
+            disable=not show_progress,
+            dynamic_ncols=True,
         )
         last_checkpoint, val_loss, rates, record = None, None, [], {}
         self.model.train()
@@ -262,16 +303,26 @@ class Trainer:
                 seconds = time.perf_counter() - started
                 record = {"step": self.step, **record, **self._speed(tokens_per_step, seconds)}
                 rates.append(record["tokens_per_s"])
-                if training.eval_interval and (self.step % training.eval_interval == 0 or self.step == training.train_iters):
+                if training.eval_interval and (
+                    self.step % training.eval_interval == 0 or self.step == training.train_iters
+                ):
                     val_loss = self.evaluate()
                     if val_loss is not None:
                         record["val_loss"] = val_loss
                         record["val_ppl"] = math.exp(min(val_loss, 50.0))
                 metrics_file.write(record)
                 if self.step % training.log_interval == 0 or "val_loss" in record:
-                    self.run_logger.log_metrics({k: v for k, v in record.items() if k != "step"}, self.step)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", refresh=False)
+                    self.run_logger.log_metrics(
+                        {k: v for k, v in record.items() if k != "step"}, self.step
+                    )
+                bar.set_postfix(
+                    loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", refresh=False
+                )
                 bar.update(1)
+                if not show_progress and (
+                    self.step % training.log_interval == 0 or "val_loss" in record
+                ):
+                    logger.info(format_record(record, training.train_iters))
                 interval = self.config.checkpoint.interval
                 if interval and self.step % interval == 0 and self.step < training.train_iters:
                     last_checkpoint = self.save()
@@ -282,7 +333,7 @@ class Trainer:
         package = save_model_package(
             self.model, self.model_config, self._tokenizer_path(), self.output / "model"
         )
-        return TrainResult(
+        result = TrainResult(
             output=self.output,
             steps=self.step,
             final_loss=record.get("loss", float("nan")),
@@ -292,6 +343,8 @@ class Trainer:
             model_package=Path(package) if package else None,
             metrics=read_metrics(self.output / "metrics.jsonl"),
         )
+        atomic_write_json(str(self.output / "result.json"), result.summary())
+        return result
 
     def _speed(self, tokens: int, seconds: float) -> dict[str, float]:
         tokens_per_s = tokens / seconds
@@ -305,7 +358,9 @@ class Trainer:
 
     def _tokenizer_path(self) -> str:
         first = self.config.data.training_sources()[0]
-        shard_set = open_shard_set(first.path, self.config.data.storage_options, self.config.data.cache_dir)
+        shard_set = open_shard_set(
+            first.path, self.config.data.storage_options, self.config.data.cache_dir
+        )
         return shard_set.manifest.tokenizer.path
 
 
