@@ -30,6 +30,16 @@ VOCAB = 96
 SEQ = 16
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tensors this small gain nothing from intra-op threads, which only stall when
+    # the cores are shared with other work.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny(style: str = "llama", **overrides) -> ModelConfig:
     values = {
         "style": style,
@@ -182,6 +192,18 @@ def test_initialisation(style):
         else:  # qkv, fc1, embeddings, output head
             assert param.std().item() == pytest.approx(0.02, rel=0.05), name
             assert abs(param.mean().item()) < 2e-3, name
+
+
+def test_meta_device_build_then_init():
+    with torch.device("meta"):
+        model = GPTModel(tiny("gpt2", hidden_size=256))
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.init_weights()
+    assert model.output.weight is model.embedding.word.weight
+    assert model.embedding.word.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert torch.all(model.final_norm.weight == 1) and torch.all(model.final_norm.bias == 0)
+    assert torch.isfinite(model(tokens())).all()
 
 
 def test_gpt2_124m_counts():
