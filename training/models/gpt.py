@@ -207,11 +207,15 @@ class Embeddings(nn.Module):
         return self.dropout(x)
 
 
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return (
+        CheckpointPolicy.MUST_SAVE
+        if op in SELECTIVE_SAVED_OPS
+        else CheckpointPolicy.PREFER_RECOMPUTE
+    )
 
 
-def _saved_ops() -> set:
+def _saved_ops() -> set[torch._ops.OpOverload]:
     aten = torch.ops.aten
     names = [
         "mm", "addmm", "bmm", "baddbmm",
@@ -225,10 +229,10 @@ def _saved_ops() -> set:
 
 # Ops whose outputs selective checkpointing keeps; a tensor-parallel backend may add
 # its collectives here so they are not repeated during recomputation.
-_SAVED_OPS = _saved_ops()
+SELECTIVE_SAVED_OPS = _saved_ops()
 
 
-def _selective_context():  # noqa: ANN202
+def _selective_context():
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
