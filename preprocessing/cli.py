@@ -144,6 +144,11 @@ def _prepare(args: argparse.Namespace) -> int:
     manifest = report.manifest
     rates = report.rates()
     print(f"wrote {len(report.written)} shard(s), skipped {len(report.skipped)} already complete")
+    if report.empty:
+        print(
+            f"  {len(report.empty)} of {config.data.shards} planned shard(s) got no documents "
+            f"(fewer documents than shards, or a few very long ones): {', '.join(report.empty)}"
+        )
     print(
         f"  {manifest.documents:,} documents, {manifest.tokens:,} tokens ({manifest.dtype}) "
         f"in {report.output}"
@@ -163,14 +168,18 @@ def _inspect(args: argparse.Namespace) -> int:
     from preprocessing.tokenizer import load_tokenizer
     from preprocessing.verify import decode_samples, describe_shard_set
 
-    manifest = read_manifest(args.path)
+    try:
+        manifest = read_manifest(args.path)
+    except ValueError as exc:  # not JSON, not a manifest, unsupported version
+        raise MegalithError(str(exc)) from None
     if args.json:
         print(json.dumps(manifest.model_dump(mode="json"), indent=2))
         return 0
     print(describe_shard_set(manifest, args.path))
     if args.decode:
         tokenizer = load_tokenizer(
-            args.tokenizer or manifest.tokenizer.path, manifest.tokenizer.padded_vocab_size
+            args.tokenizer or _find_tokenizer(manifest, args.path),
+            manifest.tokenizer.padded_vocab_size,
         )
         try:
             samples = decode_samples(manifest, args.path, tokenizer, args.decode)
@@ -179,6 +188,19 @@ def _inspect(args: argparse.Namespace) -> int:
         for index, text in enumerate(samples):
             print(f"\n--- document {index} ---\n{text}")
     return 0
+
+
+def _find_tokenizer(manifest, root: str) -> str:
+    """The manifest's tokenizer path, or ROOT/tokenizer.model when the shard set was moved."""
+    from preprocessing.storage import filesystem, join
+
+    recorded = manifest.tokenizer.path
+    beside = join(root, "tokenizer.model")
+    for candidate in (recorded, beside):
+        fs, path = filesystem(candidate)
+        if fs.exists(path):
+            return candidate
+    return recorded
 
 
 def _verify(args: argparse.Namespace) -> int:
