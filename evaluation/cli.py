@@ -58,8 +58,12 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--temperature", type=float, default=0.8, help="0 for greedy decoding (default 0.8)"
     )
-    parser.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely")
-    parser.add_argument("--top-p", type=float, default=0.95, metavar="P", help="nucleus (0.95)")
+    parser.add_argument(
+        "--top-k", type=int, metavar="K", help="sample from the K most likely (default: off)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=0.95, metavar="P", help="nucleus mass (0.95; 1: off)"
+    )
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="auto")

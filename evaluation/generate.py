@@ -146,11 +146,7 @@ def generate_ids(
     prompts = _fit_prompts(prompts, model.config.max_position_embeddings, max_new)
     lengths = [len(p) for p in prompts]
     rows, total = len(prompts), max(lengths) + max_new
-    tokens = torch.full((rows, total), eod_id, dtype=torch.long, device=device)
-    in_prompt = torch.zeros((rows, total), dtype=torch.bool, device=device)
-    for row, prompt in enumerate(prompts):
-        tokens[row, : len(prompt)] = torch.tensor(prompt, device=device)
-        in_prompt[row, : len(prompt)] = True
+    tokens, in_prompt = _prompt_grid(prompts, total, eod_id, device)
     generators = [
         torch.Generator(device=device).manual_seed(seed)
         for seed in (seeds or range(sampling.seed, sampling.seed + rows))
@@ -164,7 +160,7 @@ def generate_ids(
     with autocast(device, autocast_dtype):
         logits = model(tokens[:, :position], kv_cache=cache, start_pos=0)[:, -1]
     while position < total and not all(finish):
-        active = [r for r in range(rows) if not finish[r] and not in_prompt[r, position]]
+        active = [r for r in range(rows) if not finish[r] and position >= lengths[r]]
         sampled = next_tokens(_mask_vocab(logits, vocab_size), sampling, generators, active)
         tokens[:, position] = torch.where(in_prompt[:, position], tokens[:, position], sampled)
         for row, token in zip(active, sampled[active].tolist(), strict=True):
@@ -230,6 +226,18 @@ def continuation_text(
     prompt_text = tokenizer.decode(prompt_ids)
     full = tokenizer.decode([*prompt_ids, *new_ids])
     return full[len(prompt_text) :] if full.startswith(prompt_text) else tokenizer.decode(new_ids)
+
+
+def _prompt_grid(
+    prompts: Sequence[Sequence[int]], total: int, fill: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """``tokens [B, total]`` holding each prompt from position 0, and where they are."""
+    tokens = torch.full((len(prompts), total), fill, dtype=torch.long)
+    in_prompt = torch.zeros((len(prompts), total), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = torch.tensor(prompt)
+        in_prompt[row, : len(prompt)] = True
+    return tokens.to(device), in_prompt.to(device)
 
 
 def _fit_prompts(

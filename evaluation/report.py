@@ -28,7 +28,7 @@ from evaluation import EvaluationError
 from evaluation.generate import SamplingConfig, generate
 from evaluation.perplexity import evaluate_perplexity
 from evaluation.runtime import AUTOCAST_DTYPES, resolve_device, resolve_precision
-from evaluation.tasks import evaluate_task, resolve_task_file
+from evaluation.tasks import evaluate_task, load_task, resolve_task_file
 from preprocessing.storage import atomic_write_bytes
 from preprocessing.tokenizer import load_tokenizer
 from training import __version__
@@ -63,6 +63,8 @@ def evaluate_model(
     start = time.perf_counter()
     task_paths = [resolve_task_file(t) for t in task_files]
     _check_unique_names(task_paths)
+    for path in task_paths:
+        load_task(path)  # a broken task file fails before any model work
     sampling = sampling or SamplingConfig()
     torch_device = resolve_device(device)
     precision = resolve_precision(precision, torch_device)
