@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "preprocessing.cli",
     "training.cli",
     "evaluation.cli",
+    "pipelines.commands",
 ]
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
+from pipelines.tasks import CACHED
 from preprocessing.prepare import PrepareReport, prepare_dataset
 from preprocessing.stage import ensure_tokenizer
 from training.config import DataConfig, MegalithConfig, TokenizerConfig
@@ -17,7 +21,13 @@ def retry_transient(task, task_run, state) -> bool:
     return isinstance(error, OSError | ConnectionError) and not isinstance(error, MegalithError)
 
 
-@task(name="train-tokenizer", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient)
+@task(
+    name="train-tokenizer",
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_transient,
+    **CACHED,
+)
 def train_tokenizer_task(data: DataConfig, tokenizer: TokenizerConfig) -> str:
     """Train (or load, or reuse) the tokenizer; returns the .model path."""
     trained = ensure_tokenizer(MegalithConfig(data=data, tokenizer=tokenizer))
@@ -27,7 +37,13 @@ def train_tokenizer_task(data: DataConfig, tokenizer: TokenizerConfig) -> str:
     return trained.model_path
 
 
-@task(name="write-shards", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_transient)
+@task(
+    name="write-shards",
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_transient,
+    **CACHED,
+)
 def write_shards_task(data: DataConfig, tokenizer: TokenizerConfig, model_path: str) -> dict:
     """Tokenize into shards; returns a small JSON summary (never tensors: Prefect pickles results)."""
     from preprocessing.tokenizer import load_tokenizer
@@ -56,8 +72,16 @@ def summarise(report: PrepareReport) -> dict:
         "written": report.written,
         "skipped": report.skipped,
         "rejected": manifest.rejected.model_dump(),
+        "shards_id": shards_id(report),
         **{key: round(value, 1) for key, value in report.rates().items()},
     }
+
+
+def shards_id(report: PrepareReport) -> str:
+    """Identify the data by content (tokenizer and every file hash), not by write time."""
+    manifest = report.manifest
+    hashes = [info.sha256 for shard in manifest.shards for info in shard.files.values()]
+    return hashlib.sha256(json.dumps([manifest.tokenizer.id, hashes]).encode()).hexdigest()
 
 
 def manifest_markdown(summary: dict) -> str:

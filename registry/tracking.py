@@ -576,3 +576,25 @@ def render_loss_curve(metrics_jsonl_path: str | Path, png_path: str | Path) -> P
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, format="png")
     return out
+
+
+def log_evaluation(
+    run_id: str,
+    metrics: Mapping[str, float],
+    report_path: str | Path,
+    tracking_uri: str | None = None,
+) -> None:
+    """Attach an evaluation to a finished training run: ``eval.*`` metrics and the report."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    uri = resolve_tracking_uri(tracking_uri)
+    client = MlflowClient(tracking_uri=uri)
+    timestamp = int(time.time() * 1000)
+    client.log_batch(
+        run_id,
+        metrics=[
+            Metric(f"eval.{_safe_key(k)}", float(v), timestamp, 0) for k, v in metrics.items()
+        ],
+    )
+    client.log_artifact(run_id, str(report_path), artifact_path="evaluation")

@@ -147,7 +147,11 @@ class Trainer:
             self.model, config.optimizer, self.device
         )
         self.forward_model = torch.compile(self.model) if config.training.compile else self.model
-        self.flops_per_token = flops_per_token(self.model_config, config.data.seq_length)
+        # The output head is a real matmul: counting it matches the reference MFU figures
+        # (HF Llama 65.5k tokens/s ≈ 47% at the 1B shape). Only the embedding lookup is left out.
+        self.flops_per_token = flops_per_token(
+            self.model_config, config.data.seq_length, include_output_head=True
+        )
         self.step = 0
         self.consumed_samples = 0
         self.train_data, self.valid_data = self._datasets()

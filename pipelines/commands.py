@@ -1,0 +1,185 @@
+"""``megalith demo``, ``megalith serve-pipelines`` and ``megalith ui``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from importlib import resources
+from pathlib import Path
+
+from training.config import MegalithConfig, load_config
+from training.errors import MegalithError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO_RECIPE = REPO_ROOT / "configs" / "tiny-cpu.yaml"
+PREFECT_URL = "http://127.0.0.1:4200"
+MLFLOW_PORT = 5000
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    demo = subcommands.add_parser(
+        "demo",
+        help="run the end-to-end pipeline on the shipped corpus (CPU, a few minutes)",
+        description="Tokenize the shipped sample corpus, pretrain a tiny GPT, evaluate it and "
+        "register it in MLflow as @candidate, all through the Prefect `end-to-end` flow. "
+        "MLflow: MLFLOW_TRACKING_URI, else WORKDIR/mlflow.db. Prefect: PREFECT_API_URL, else "
+        f"a server on {PREFECT_URL} if one runs, else a temporary local one.",
+    )
+    demo.add_argument(
+        "--workdir", default="work/demo", help="where everything goes (default work/demo)"
+    )
+    demo.add_argument(
+        "--config", default=str(DEMO_RECIPE), metavar="YAML", help="recipe (default tiny-cpu)"
+    )
+    demo.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    demo.set_defaults(handler=_demo)
+
+    serve = subcommands.add_parser(
+        "serve-pipelines",
+        help="serve the flows as Prefect deployments (trigger them from the UI)",
+        description="Serve tokenize-corpus, pretrain, evaluate, register-model and end-to-end as "
+        "deployments with forms in the Prefect UI. Needs a Prefect server: start one with "
+        "`megalith ui` (or `prefect server start`).",
+    )
+    serve.add_argument(
+        "--workdir", default="work/served", help="default work directory in the forms"
+    )
+    serve.set_defaults(handler=_serve)
+
+    ui = subcommands.add_parser(
+        "ui",
+        help="start the Prefect UI and the MLflow UI on localhost",
+        description=f"Start `prefect server start` on {PREFECT_URL} and `mlflow ui` on "
+        f"http://127.0.0.1:{MLFLOW_PORT} for WORKDIR/mlflow.db (or MLFLOW_TRACKING_URI). Ctrl-C stops both.",
+    )
+    ui.add_argument(
+        "--workdir", default="work/demo", help="whose mlflow.db to show (default work/demo)"
+    )
+    ui.add_argument("--mlflow-port", type=int, default=MLFLOW_PORT)
+    ui.set_defaults(handler=_ui)
+
+
+def sample_corpus() -> Path:
+    return Path(str(resources.files("preprocessing") / "sample_corpus" / "stories.jsonl"))
+
+
+def demo_config(recipe: str, workdir: Path, overrides: list[str]) -> MegalithConfig:
+    if not Path(recipe).exists():
+        raise MegalithError(
+            f"recipe {recipe} not found; pass --config configs/tiny-cpu.yaml from a checkout"
+        )
+    return load_config(
+        recipe,
+        overrides,
+        {"data.inputs": [str(sample_corpus())], "data.output": str(workdir / "shards")},
+    )
+
+
+def use_local_services(workdir: Path) -> None:
+    """Point MLflow at WORKDIR/mlflow.db and Prefect at a local server when one runs."""
+    from registry.tracking import ensure_tracking_store, resolve_tracking_uri
+
+    os.environ.setdefault("MLFLOW_TRACKING_URI", resolve_tracking_uri(None, workdir))
+    ensure_tracking_store(os.environ["MLFLOW_TRACKING_URI"])
+    if "PREFECT_API_URL" not in os.environ and _healthy(f"{PREFECT_URL}/api/health"):
+        os.environ["PREFECT_API_URL"] = f"{PREFECT_URL}/api"
+
+
+def _demo(args: argparse.Namespace) -> int:
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = demo_config(args.config, workdir, args.set)
+    use_local_services(workdir)
+    from pipelines.flows import end_to_end
+
+    started = time.perf_counter()
+    result = end_to_end(config, str(workdir))
+    _print_demo_summary(result, workdir, time.perf_counter() - started)
+    return 0
+
+
+def _print_demo_summary(result: dict, workdir: Path, seconds: float) -> None:
+    training, evaluation = result["training"], result["evaluation"]
+    metrics = evaluation["metrics"]
+    print(f"\nend-to-end finished in {seconds:.0f} s (work directory {workdir})")
+    print(
+        f"  data        {result['shards']['documents']:,} documents, {result['shards']['tokens']:,} tokens"
+    )
+    print(
+        f"  training    {training['steps']} steps, loss {training['final_loss']:.3f}, {training['tokens_per_s']:,.0f} tokens/s"
+    )
+    for key, value in metrics.items():
+        print(f"  eval        {key} = {value:.4g}")
+    for sample in evaluation.get("generations", [])[:3]:
+        print(f"  sample      {sample['prompt']!r} → {sample['text'][:100]!r}")
+    registration = result.get("registration")
+    if registration:
+        print(f"  registered  {registration['uri']} (version {registration['version']})")
+    print(
+        f"  MLflow      {os.environ['MLFLOW_TRACKING_URI']}   (browse: megalith ui --workdir {workdir})"
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if "PREFECT_API_URL" not in os.environ:
+        if not _healthy(f"{PREFECT_URL}/api/health"):
+            raise MegalithError(
+                f"no Prefect server at {PREFECT_URL}: start one with `megalith ui` "
+                "(or `prefect server start`), or set PREFECT_API_URL"
+            )
+        os.environ["PREFECT_API_URL"] = f"{PREFECT_URL}/api"
+    from pipelines.deployments import serve_all
+
+    serve_all(Path(args.workdir).resolve())
+    return 0
+
+
+def _ui(args: argparse.Namespace) -> int:
+    from registry.tracking import ensure_tracking_store, resolve_tracking_uri
+
+    workdir = Path(args.workdir).resolve()
+    tracking = resolve_tracking_uri(None, workdir)
+    ensure_tracking_store(tracking)
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    processes = [
+        subprocess.Popen([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", "4200"], env=env),
+        subprocess.Popen(
+            [str(bin_dir / "mlflow"), "ui", "--backend-store-uri", tracking,
+             "--host", "127.0.0.1", "--port", str(args.mlflow_port), "--workers", "1"],
+            env={**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+        ),
+    ]  # fmt: skip
+    print(f"Prefect UI  {PREFECT_URL}   (export PREFECT_API_URL={PREFECT_URL}/api)")
+    print(f"MLflow UI   http://127.0.0.1:{args.mlflow_port}   ({tracking})")
+    print("Ctrl-C stops both.")
+    try:
+        while all(p.poll() is None for p in processes):
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+        for process in processes:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    return 0
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:  # noqa: S310 - loopback URL
+            return response.status == 200
+    except OSError:
+        return False

@@ -1,0 +1,51 @@
+"""Serve every flow as a Prefect deployment, with the demo recipe as the forms' defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import serve
+
+from pipelines.commands import DEMO_RECIPE, demo_config
+from pipelines.flows import end_to_end, evaluate, pretrain, register_model_flow
+from pipelines.tokenize import tokenize_corpus
+
+
+def deployments(workdir: Path) -> list:
+    config = demo_config(str(DEMO_RECIPE), workdir, [])
+    as_json = config.model_dump(mode="json")
+    run = workdir / "run"
+    return [
+        tokenize_corpus.to_deployment(
+            name="tokenize-corpus",
+            parameters={"data": as_json["data"], "tokenizer": as_json["tokenizer"]},
+            description="Corpus → SentencePiece tokenizer → Megatron shards + manifest.",
+        ),
+        pretrain.to_deployment(
+            name="pretrain",
+            parameters={"config": as_json, "output": str(run)},
+            description="Train a GPT on prepared shards (resumes from the latest checkpoint).",
+        ),
+        evaluate.to_deployment(
+            name="evaluate",
+            parameters={
+                "model_package": str(run / "model"),
+                "config": as_json,
+                "report_path": str(run / "eval.json"),
+            },
+            description="Perplexity, zero-shot tasks and sample generations of a model package.",
+        ),
+        register_model_flow.to_deployment(
+            name="register-model",
+            description="Register a model package in MLflow as @candidate.",
+        ),
+        end_to_end.to_deployment(
+            name="end-to-end",
+            parameters={"config": as_json, "workdir": str(workdir)},
+            description="Tokenize → pretrain → evaluate → register.",
+        ),
+    ]
+
+
+def serve_all(workdir: Path) -> None:
+    serve(*deployments(workdir))

@@ -1,0 +1,94 @@
+"""The Prefect flows: ``pretrain``, ``evaluate``, ``register-model`` and ``end-to-end``.
+
+Each takes the typed config (the Prefect UI renders it as a form) and adds only
+orchestration around the stage functions: retries, caching, artifacts, logs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from pipelines.artifacts import publish_evaluation, publish_registration, publish_training_summary
+from pipelines.tasks import evaluate_task, pretrain_task, register_task
+from pipelines.tokenize import manifest_markdown, train_tokenizer_task, write_shards_task
+from training.config import MegalithConfig
+
+SAMPLE_TASKS = ["sample_facts"]
+
+
+@flow(name="pretrain", log_prints=True)
+def pretrain(config: MegalithConfig, output: str) -> dict[str, Any]:
+    """Train a GPT on prepared shards; the run's logs stream here, metrics go to MLflow."""
+    result = pretrain_task(config, output)
+    publish_training_summary(result)
+    return result
+
+
+@flow(name="evaluate", log_prints=True)
+def evaluate(
+    model_package: str,
+    config: MegalithConfig,
+    report_path: str,
+    task_files: list[str] = SAMPLE_TASKS,  # noqa: B006 - a read-only form default
+    run_id: str | None = None,
+) -> dict[str, Any]:
+    """Perplexity on the valid split, zero-shot tasks and sample generations."""
+    evaluation = evaluate_task(model_package, config, report_path, task_files, None, run_id)
+    publish_evaluation(evaluation)
+    return evaluation
+
+
+@flow(name="register-model", log_prints=True)
+def register_model_flow(
+    model_package: str, name: str, run_id: str, metrics: dict[str, float]
+) -> dict[str, Any]:
+    """Register a model package as a new version with alias ``candidate``."""
+    registration = register_task(model_package, name, run_id, metrics)
+    publish_registration(registration, run_id)
+    return registration
+
+
+@flow(name="end-to-end", log_prints=True)
+def end_to_end(config: MegalithConfig, workdir: str) -> dict[str, Any]:
+    """Tokenize → pretrain → evaluate → register. A rerun skips unchanged stages."""
+    logger = get_run_logger()
+    root = Path(workdir)
+    model_path = train_tokenizer_task(config.data, config.tokenizer)
+    shards = write_shards_task(config.data, config.tokenizer, model_path)
+    from prefect.artifacts import create_markdown_artifact
+
+    create_markdown_artifact(key="shard-manifest", markdown=manifest_markdown(shards))
+
+    trained = pretrain_task(config, str(root / "run"), shards["shards_id"])
+    publish_training_summary(trained)
+    run_id = trained.get("mlflow_run_id")
+
+    evaluation = evaluate_task(
+        trained["model_package"],
+        config,
+        str(root / "run" / "eval.json"),
+        SAMPLE_TASKS,
+        None,
+        run_id,
+    )
+    publish_evaluation(evaluation)
+
+    registration = None
+    if run_id:
+        registration = register_task(
+            trained["model_package"], config.logging.registered_model, run_id, evaluation["metrics"]
+        )
+        publish_registration(registration, run_id)
+    else:
+        logger.warning(
+            "MLflow tracking is off (logging.mlflow=false): the model was not registered"
+        )
+    return {
+        "shards": shards,
+        "training": trained,
+        "evaluation": evaluation,
+        "registration": registration,
+    }

@@ -1,0 +1,129 @@
+"""Prefect tasks wrapping each stage, shared by the stage flows and ``end-to-end``.
+
+Tasks return small JSON (paths, ids, metrics), never tensors: results are persisted
+with Prefect's JSON serializer, so the cache never unpickles anything, and a rerun
+with unchanged inputs skips the stage.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+
+from training.config import MegalithConfig, dump_config
+
+CACHED = {
+    "cache_policy": INPUTS + TASK_SOURCE,
+    "persist_result": True,
+    "result_serializer": "json",
+}
+
+
+class TrainingProcessError(RuntimeError):
+    """The training process exited with an error; the message holds its last lines."""
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(message)
+        self.returncode = returncode
+
+
+def retry_if_killed(task, task_run, state) -> bool:
+    """Retry a training process killed by a signal (preemption, OOM killer): it resumes
+    from its last checkpoint. Errors in the user's config or data are not retried."""
+    error = state.result(raise_on_failure=False)
+    return isinstance(error, TrainingProcessError) and error.returncode < 0
+
+
+def train_command(recipe: Path, output: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "pipelines.cli", "train",
+        "--config", str(recipe), "--output", str(output), "--quiet", "--resume",
+    ]  # fmt: skip
+
+
+def stream_process(command: list[str], logger) -> int:
+    """Run a command, sending each line of its output to the Prefect run logger."""
+    tail: deque[str] = deque(maxlen=40)
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    ) as process:
+        for line in process.stdout:
+            line = line.rstrip()
+            tail.append(line)
+            logger.info(line)
+        returncode = process.wait()
+    if returncode:
+        raise TrainingProcessError(
+            f"training exited with code {returncode}; last output:\n" + "\n".join(tail), returncode
+        )
+    return returncode
+
+
+@task(
+    name="pretrain", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_killed, **CACHED
+)
+def pretrain_task(config: MegalithConfig, output: str, shards_id: str = "") -> dict[str, Any]:
+    """Train in a child process (logs streamed here); ``shards_id`` ties the cache to the data.
+
+    The child resumes from the latest checkpoint in ``output``, so a retry continues.
+    """
+    output_dir = Path(output)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    recipe = output_dir / "recipe.yaml"
+    recipe.write_text(dump_config(config))
+    stream_process(train_command(recipe, output_dir), get_run_logger())
+    return json.loads((output_dir / "result.json").read_text())
+
+
+@task(name="evaluate", **CACHED)
+def evaluate_task(
+    model_package: str,
+    config: MegalithConfig,
+    report_path: str,
+    task_files: list[str],
+    prompts: list[str] | None = None,
+    run_id: str | None = None,
+) -> dict[str, Any]:
+    """Perplexity, zero-shot tasks and sample generations; returns the headline metrics."""
+    from evaluation.report import evaluate_model, headline_metrics
+
+    report = evaluate_model(model_package, config.data, task_files, prompts, output=report_path)
+    metrics = headline_metrics(report)
+    if run_id:
+        from registry.tracking import log_evaluation
+
+        log_evaluation(run_id, metrics, report_path)
+    get_run_logger().info("evaluation: %s", json.dumps(metrics))
+    return {"report": report_path, "metrics": metrics, "generations": _generations(report)}
+
+
+def _generations(report: dict[str, Any]) -> list[dict[str, str]]:
+    generation = report.get("generation") or {}
+    return [
+        {"prompt": sample.get("prompt", ""), "text": sample.get("text", "")}
+        for sample in generation.get("samples", [])
+    ]
+
+
+@task(name="register-model", **CACHED)
+def register_task(
+    model_package: str, name: str, run_id: str | None, metrics: dict[str, float]
+) -> dict[str, Any]:
+    """Register the package as a new version of ``name`` with alias ``candidate``."""
+    from registry.models import register_model
+
+    version = register_model(model_package, name, run_id, metrics, alias="candidate")
+    get_run_logger().info("registered %s version %s as @candidate", name, version)
+    return {
+        "name": name,
+        "version": version,
+        "alias": "candidate",
+        "uri": f"models:/{name}@candidate",
+    }
