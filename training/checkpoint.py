@@ -103,7 +103,9 @@ def _is_persistent(model: torch.nn.Module, name: str) -> bool:
     return buffer_name not in module._non_persistent_buffers_set
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, torch.Tensor]:
+def _optimizer_tensors(
+    optimizer: torch.optim.Optimizer, names: list[str]
+) -> dict[str, torch.Tensor]:
     state = optimizer.state_dict()["state"]
     tensors = {}
     for index, values in state.items():
@@ -147,7 +149,10 @@ def _write_index(directory: Path, tensors: dict[str, dict[str, torch.Tensor]]) -
         "version": INDEX_VERSION,
         "files": files,
         "tensors": {
-            file: {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for name, t in content.items()}
+            file: {
+                name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                for name, t in content.items()
+            }
             for file, content in tensors.items()
         },
     }
@@ -185,21 +190,38 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         index = json.loads(index_path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{index_path} is missing: {path} is not a complete checkpoint") from None
+        raise CheckpointError(
+            f"{index_path} is missing: {path} is not a complete checkpoint"
+        ) from None
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{index_path}: not valid JSON ({exc.msg})") from None
     if index.get("format") != INDEX_FORMAT or index.get("version") != INDEX_VERSION:
-        raise CheckpointError(f"{index_path}: not a Megalith checkpoint index (version {INDEX_VERSION})")
-    for name, expected in index["files"].items():
+        raise CheckpointError(
+            f"{index_path}: not a Megalith checkpoint index (version {INDEX_VERSION})"
+        )
+    files = index.get("files")
+    if not isinstance(files, dict) or not isinstance(index.get("tensors"), dict):
+        raise CheckpointError(f"{index_path}: has no 'files' and 'tensors' tables")
+    for name, expected in files.items():
         file = path / _safe_name(name, index_path)
-        if not file.is_file() or file.is_symlink():
+        if file.is_symlink():
+            raise CheckpointError(
+                f"{file}: a symbolic link; checkpoint files must be regular files"
+            )
+        if not file.is_file():
             raise CheckpointError(f"{file}: missing (listed in index.json)")
+        if not isinstance(expected, dict) or not {"bytes", "sha256"} <= expected.keys():
+            raise CheckpointError(f"{index_path}: entry for {name} lacks 'bytes' and 'sha256'")
         if file.stat().st_size != expected["bytes"]:
-            raise CheckpointError(f"{file}: {file.stat().st_size} bytes, index.json says {expected['bytes']}")
+            raise CheckpointError(
+                f"{file}: {file.stat().st_size} bytes, index.json says {expected['bytes']}"
+            )
         if sha256_of_file(str(file)) != expected["sha256"]:
-            raise CheckpointError(f"{file}: sha256 does not match index.json (modified or corrupted)")
+            raise CheckpointError(
+                f"{file}: sha256 does not match index.json (modified or corrupted)"
+            )
     for required in (*TENSOR_FILES, "state.json"):
-        if required not in index["files"]:
+        if required not in files:
             raise CheckpointError(f"{index_path}: does not list {required}")
     return index
 
@@ -219,7 +241,13 @@ def load_checkpoint(
     model_tensors = _read_tensors(path / "model.safetensors", index)
     _load_model(model, model_tensors, path)
     if optimizer is not None:
-        _load_optimizer(optimizer, _read_tensors(path / "optimizer.safetensors", index), state, param_names, path)
+        _load_optimizer(
+            optimizer,
+            _read_tensors(path / "optimizer.safetensors", index),
+            state,
+            param_names,
+            path,
+        )
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     if restore_rng:
@@ -236,25 +264,41 @@ def _read_tensors(file: Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
         for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
             tensor = handle.get_tensor(name)
             meta = expected[name]
-            if list(tensor.shape) != meta["shape"] or str(tensor.dtype).removeprefix("torch.") != meta["dtype"]:
-                raise CheckpointError(f"{file}: tensor {name} is {tuple(tensor.shape)} {tensor.dtype}, index.json says {meta}")
+            if (
+                list(tensor.shape) != meta["shape"]
+                or str(tensor.dtype).removeprefix("torch.") != meta["dtype"]
+            ):
+                raise CheckpointError(
+                    f"{file}: tensor {name} is {tuple(tensor.shape)} {tensor.dtype}, index.json says {meta}"
+                )
             tensors[name] = tensor
     return tensors
 
 
 def _load_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
     params = dict(model.named_parameters())
-    expected = set(params) | {f"buffer/{n}" for n, _ in model.named_buffers() if _is_persistent(model, n)}
+    expected = set(params) | {
+        f"buffer/{n}" for n, _ in model.named_buffers() if _is_persistent(model, n)
+    }
     if set(tensors) != expected:
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        raise CheckpointError(f"{path}: model tensors do not match the model (missing {missing[:5]}, unexpected {extra[:5]})")
+        raise CheckpointError(
+            f"{path}: model tensors do not match the model (missing {missing[:5]}, unexpected {extra[:5]})"
+        )
     buffers = dict(model.named_buffers())
+    targets = {
+        name: buffers[name.removeprefix("buffer/")] if name.startswith("buffer/") else params[name]
+        for name in tensors
+    }
+    # Check every shape before copying any, so a refused checkpoint leaves the model as it was.
+    for name, tensor in tensors.items():
+        if targets[name].shape != tensor.shape:
+            raise CheckpointError(
+                f"{path}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(targets[name].shape)}"
+            )
     with torch.no_grad():
         for name, tensor in tensors.items():
-            target = buffers[name.removeprefix("buffer/")] if name.startswith("buffer/") else params[name]
-            if target.shape != tensor.shape:
-                raise CheckpointError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
-            target.copy_(tensor)
+            targets[name].copy_(tensor)
 
 
 def _load_optimizer(optimizer, tensors, state, param_names, path) -> None:
@@ -283,10 +327,14 @@ def _restore_rng(tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> Non
     random.setstate((version, tuple(internal), gauss))
     numpy = saved["numpy"]
     keys = tensors["numpy_keys"].numpy().astype(np.uint32)
-    np.random.set_state(("MT19937", keys, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
+    np.random.set_state(
+        ("MT19937", keys, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"])
+    )
 
 
 def _safe_name(name: str, source: Path) -> str:
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
-        raise CheckpointError(f"{source}: file name {name!r} is not a plain name inside the checkpoint")
+        raise CheckpointError(
+            f"{source}: file name {name!r} is not a plain name inside the checkpoint"
+        )
     return name
