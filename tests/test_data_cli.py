@@ -251,9 +251,12 @@ def test_inspect_decode_finds_the_tokenizer_beside_a_moved_set(
         "tokenizer.vocab_size=512",
         "--workers",
         "1",
-        "--quiet",
     )
     assert first.returncode == 0, first.stderr
+    # Without --quiet: progress bars with documents, tokens and throughput.
+    progress = first.stderr.splitlines()[-1]
+    assert "tokenizing: 100%" in progress
+    assert f"docs={DOCUMENTS}" in progress and "tokens=" in progress and "B/s" in progress
     model = tmp_path / "own" / "tokenizer.model"
     assert read_manifest(str(tmp_path / "own")).tokenizer.id == (
         hashlib.sha256(model.read_bytes()).hexdigest()
