@@ -218,6 +218,9 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(
     assert process.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()
     assert json.loads(latest.read_text())["step"] == N
     assert (output / "checkpoints" / f"step-{N:08d}").is_dir()
+    # A kill can also land in the middle of writing a line of metrics.jsonl.
+    with (output / "metrics.jsonl").open("a") as metrics:
+        metrics.write('{"step": 7, "loss": 5.')
 
     resumed = subprocess.run(
         cli(shards, output, RESUME, "--quiet", "--resume"),
@@ -436,6 +439,7 @@ def test_megalith_train_logs_one_mlflow_run(
 
     params = run.data.params
     assert params["model.hidden_size"] == "64"
+    assert params["model.vocab_size"] == str(VOCAB)  # as built, filled from the shard set
     assert params["training.train_iters"] == "3"
     assert params["optimizer.lr"] == "0.003"
     assert params["data.output"] == str(shards)

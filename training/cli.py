@@ -33,11 +33,12 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    values = {"checkpoint.resume": True} if args.resume else {}
+    config = load_config(args.config, args.set, values)
+    # Only now the heavy imports (torch, ~seconds): a bad config fails at once.
     from registry.tracking import lineage_tags, open_run_logger
     from training.trainer import train
 
-    values = {"checkpoint.resume": True} if args.resume else {}
-    config = load_config(args.config, args.set, values)
     output = Path(args.output or Path("runs") / config.name)
     sources = [source.path for source in config.data.training_sources()]
     run_logger = open_run_logger(

@@ -206,7 +206,14 @@ class Trainer:
         path = self.output / "metrics.jsonl"
         if not path.exists():
             return
-        kept = [r for r in read_metrics(path) if r["step"] <= step]
+        kept = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line the kill cut short; it was after the checkpoint anyway
+            if record["step"] <= step:
+                kept.append(record)
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(_json_line(r) for r in kept))
         os.replace(tmp, path)
@@ -283,7 +290,10 @@ class Trainer:
     def fit(self, show_progress: bool = True) -> TrainResult:
         training = self.config.training
         (self.output / "config.yaml").write_text(dump_config(self.config))
-        self.run_logger.log_params(self.config.model_dump(mode="json"))
+        # The model as built: the vocabulary and context length filled from the data.
+        params = self.config.model_dump(mode="json")
+        params["model"] = self.model_config.model_dump(mode="json")
+        self.run_logger.log_params(params)
         if self.step == 0:
             (self.output / "metrics.jsonl").unlink(missing_ok=True)
         metrics_file = MetricsFile(self.output / "metrics.jsonl")
