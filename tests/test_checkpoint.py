@@ -320,3 +320,20 @@ def test_leftover_tmp_dir_of_a_crashed_save_is_ignored(tmp_path: Path) -> None:
         "step-00000003",
     ]
     assert verify_checkpoint(tmp_path / "step-00000003")["files"].keys() == FILES - {"index.json"}
+
+
+def test_pruning_never_removes_the_checkpoint_just_written(tmp_path: Path) -> None:
+    # Checkpoints of an earlier, longer run are still in the directory when a new run
+    # starts there from scratch: its first checkpoint must survive pruning.
+    earlier = Run()
+    earlier.save(tmp_path, step=100, keep_last=2)
+    earlier.save(tmp_path, step=200, keep_last=2)
+    run = Run(seed=1)
+    run.step()
+    path = run.save(tmp_path, step=50, keep_last=2)
+
+    assert path.is_dir()
+    assert latest_checkpoint(tmp_path) == path
+    fresh = Run(seed=2)
+    assert fresh.load(path)["step"] == 50
+    assert_same_tensors(fresh.params(), run.params())

@@ -84,7 +84,7 @@ def save_checkpoint(
         shutil.rmtree(final)
     staging.rename(final)
     atomic_write_json(str(root / "latest.json"), {"step": step, "path": final.name})
-    _prune(root, keep_last)
+    _prune(root, step, keep_last)
     return final
 
 
@@ -159,10 +159,20 @@ def _write_index(directory: Path, tensors: dict[str, dict[str, torch.Tensor]]) -
     (directory / "index.json").write_text(json.dumps(index, indent=2))
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    complete = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in complete[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+def _prune(root: Path, step: int, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` checkpoints up to ``step``, the one just written.
+
+    Later ones are left alone: they belong to an earlier run in the same directory, or
+    to a save that was killed before it could update latest.json; either way they are
+    not older than the current checkpoint, and the run overwrites them as it gets there.
+    """
+    complete = {}
+    for path in root.glob("step-*"):
+        number = path.name.removeprefix("step-")
+        if path.is_dir() and number.isdigit() and int(number) <= step:
+            complete[int(number)] = path
+    for old in sorted(complete)[:-keep_last]:
+        shutil.rmtree(complete[old], ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- load
