@@ -191,6 +191,16 @@ def test_resume_in_process_continues_the_same_curve(
         tmp_path / "model" / "model.safetensors", uninterrupted / "model" / "model.safetensors"
     )
 
+    # Resuming the finished run trains nothing and reports what it had done.
+    again = Trainer(config, tmp_path)
+    assert again.resume()
+    final = again.fit(show_progress=False)
+    assert final.steps == 2 * N
+    assert final.final_loss == expected[-1]["loss"]
+    assert final.val_loss == expected[-1]["val_loss"]
+    assert final.checkpoint == tmp_path / "checkpoints" / f"step-{2 * N:08d}"
+    assert final.metrics == result.metrics
+
 
 def test_sigkill_then_resume_equals_an_uninterrupted_run(
     shards: Path, uninterrupted: Path, tmp_path: Path

@@ -154,6 +154,7 @@ class Trainer:
         )
         self.step = 0
         self.consumed_samples = 0
+        self.checkpoint: Path | None = None  # the checkpoint of the current state, if any
         self.train_data, self.valid_data = self._datasets()
 
     # ------------------------------------------------------------------ data
@@ -197,6 +198,7 @@ class Trainer:
         )
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
+        self.checkpoint = path
         self._truncate_metrics(self.step)
         logger.info("resumed from %s at step %d", path, self.step)
         return True
@@ -224,7 +226,7 @@ class Trainer:
             "config": self.config.model_dump(mode="json"),
             "model_config": self.model_config.model_dump(mode="json"),
         }
-        return save_checkpoint(
+        self.checkpoint = save_checkpoint(
             self.checkpoint_dir,
             self.step,
             self.model,
@@ -234,6 +236,7 @@ class Trainer:
             self.precision.scaler,
             self.config.checkpoint.keep_last,
         )
+        return self.checkpoint
 
     # ------------------------------------------------------------------ steps
 
@@ -268,6 +271,7 @@ class Trainer:
         else:
             self.optimizer.step()
         self.step += 1
+        self.checkpoint = None
         self.consumed_samples += training.global_batch_size
         metrics = {"loss": total_loss.item(), "lr": lr, "grad_norm": grad_norm.item()}
         if scaler:
@@ -340,22 +344,31 @@ class Trainer:
                 interval = self.config.checkpoint.interval
                 if interval and self.step % interval == 0 and self.step < training.train_iters:
                     last_checkpoint = self.save()
-            last_checkpoint = self.save()
+            # A run resumed at its end has its final checkpoint already.
+            last_checkpoint = self.checkpoint or self.save()
         finally:
             bar.close()
             metrics_file.close()
+        # This run's package, like its metrics.jsonl, replaces one an earlier run left.
         package = save_model_package(
-            self.model, self.model_config, self._tokenizer_path(), self.output / "model"
+            self.model,
+            self.model_config,
+            self._tokenizer_path(),
+            self.output / "model",
+            overwrite=True,
         )
+        # From the file, not this process's steps: a run resumed at its end took none.
+        metrics = read_metrics(self.output / "metrics.jsonl")
+        val_losses = [r["val_loss"] for r in metrics if "val_loss" in r]
         result = TrainResult(
             output=self.output,
             steps=self.step,
-            final_loss=record.get("loss", float("nan")),
-            val_loss=val_loss,
+            final_loss=metrics[-1]["loss"] if metrics else float("nan"),
+            val_loss=val_losses[-1] if val_losses else None,
             tokens_per_s=_mean_after_warmup(rates),
             checkpoint=last_checkpoint,
             model_package=Path(package) if package else None,
-            metrics=read_metrics(self.output / "metrics.jsonl"),
+            metrics=metrics,
         )
         atomic_write_json(str(self.output / "result.json"), result.summary())
         return result
