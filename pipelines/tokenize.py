@@ -7,12 +7,17 @@ import json
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
 
-from pipelines.tasks import CACHED
 from preprocessing.prepare import PrepareReport, prepare_dataset
 from preprocessing.stage import ensure_tokenizer
 from training.config import DataConfig, MegalithConfig, TokenizerConfig
 from training.errors import MegalithError
+
+# No Prefect cache on these two tasks: the stage is its own cache, and it looks at the data.
+# ensure_tokenizer reuses a model whose record matches the inputs and settings, and
+# prepare_dataset skips shards whose markers and sha256 still verify. A cache keyed on the
+# parameters alone would report success after the shards were deleted or an input changed.
 
 
 def retry_transient(task, task_run, state) -> bool:
@@ -26,7 +31,7 @@ def retry_transient(task, task_run, state) -> bool:
     retries=2,
     retry_delay_seconds=5,
     retry_condition_fn=retry_transient,
-    **CACHED,
+    cache_policy=NO_CACHE,
 )
 def train_tokenizer_task(data: DataConfig, tokenizer: TokenizerConfig) -> str:
     """Train (or load, or reuse) the tokenizer; returns the .model path."""
@@ -42,7 +47,7 @@ def train_tokenizer_task(data: DataConfig, tokenizer: TokenizerConfig) -> str:
     retries=2,
     retry_delay_seconds=5,
     retry_condition_fn=retry_transient,
-    **CACHED,
+    cache_policy=NO_CACHE,
 )
 def write_shards_task(data: DataConfig, tokenizer: TokenizerConfig, model_path: str) -> dict:
     """Tokenize into shards; returns a small JSON summary (never tensors: Prefect pickles results)."""
