@@ -279,7 +279,7 @@ def test_two_micro_batches_of_four_give_the_gradient_of_one_batch_of_eight(
     whole, whole_grads = first_step(8)
     accumulated, accumulated_grads = first_step(4)
 
-    assert accumulated["loss"] == pytest.approx(whole["loss"], rel=1e-6)
+    assert accumulated["loss"] == pytest.approx(whole["loss"], rel=1e-5)
     assert accumulated["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
     assert whole_grads.keys() == accumulated_grads.keys()
     for name, grad in whole_grads.items():
