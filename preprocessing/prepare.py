@@ -404,6 +404,13 @@ def prepare_dataset(
         raise ConfigError("data.output is not set: say where the shards go (--output DIR_OR_URL)")
     corpus = Corpus.open(data)
     store = ShardStore(data.output, data.storage_options)
+    try:
+        return _prepare(corpus, store, data, tokenizer, tokenizer_config, show_progress)
+    finally:
+        store.cleanup()  # the local staging directory of a remote output, even after a failure
+
+
+def _prepare(corpus, store, data, tokenizer, tokenizer_config, show_progress) -> PrepareReport:
     dtype = token_dtype(tokenizer.padded_vocab_size)
     report = PrepareReport(manifest=None, output=store.output)  # type: ignore[arg-type]
 
@@ -445,7 +452,6 @@ def prepare_dataset(
         corpus, scan, tokenizer, tokenizer_config, data, dtype, [shards[i] for i in sorted(shards)]
     )
     write_manifest(store.output, report.manifest, data.storage_options)
-    store.cleanup()
     return report
 
 

@@ -561,3 +561,23 @@ def test_s3_input_and_output(
 
 def local_size(root: Path, name: str) -> int:
     return (root / name).stat().st_size
+
+
+def test_failed_s3_run_leaves_no_local_staging(
+    s3_endpoint: dict,
+    s3_bucket: str,
+    dirty_corpus,
+    tokenizer: Tokenizer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Shards bound for s3:// are staged in a local temp dir; a failure must not leak it."""
+    import tempfile
+
+    staging_root = tmp_path / "tmp"
+    staging_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(staging_root))
+    path, _, _ = dirty_corpus
+    with pytest.raises(BadRecordError):
+        prepare(tokenizer, [path], f"{s3_bucket}/out", storage_options=s3_endpoint)
+    assert list(staging_root.iterdir()) == []
