@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
 
 from pipelines.artifacts import publish_evaluation, publish_registration, publish_training_summary
 from pipelines.tasks import evaluate_task, pretrain_task, register_task
@@ -58,28 +59,31 @@ def end_to_end(config: MegalithConfig, workdir: str) -> dict[str, Any]:
     root = Path(workdir)
     model_path = train_tokenizer_task(config.data, config.tokenizer)
     shards = write_shards_task(config.data, config.tokenizer, model_path)
-    from prefect.artifacts import create_markdown_artifact
-
     create_markdown_artifact(key="shard-manifest", markdown=manifest_markdown(shards))
 
-    trained = pretrain_task(config, str(root / "run"), shards["shards_id"])
+    trained = pretrain_task(config, str(root / "run"))
     publish_training_summary(trained)
     run_id = trained.get("mlflow_run_id")
 
+    package = trained["model_package"]
     evaluation = evaluate_task(
-        trained["model_package"],
+        package,
         config,
         str(root / "run" / "eval.json"),
         SAMPLE_TASKS,
-        None,
-        run_id,
+        run_id=run_id,
+        package_id=trained["package_id"],
     )
     publish_evaluation(evaluation)
 
     registration = None
     if run_id:
         registration = register_task(
-            trained["model_package"], config.logging.registered_model, run_id, evaluation["metrics"]
+            package,
+            config.logging.registered_model,
+            run_id,
+            evaluation["metrics"],
+            trained["package_id"],
         )
         publish_registration(registration, run_id)
     else:

@@ -1,8 +1,11 @@
 """Prefect tasks wrapping each stage, shared by the stage flows and ``end-to-end``.
 
-Tasks return small JSON (paths, ids, metrics), never tensors: results are persisted
-with Prefect's JSON serializer, so the cache never unpickles anything, and a rerun
-with unchanged inputs skips the stage.
+Tasks return small JSON (paths, ids, metrics), never tensors. Stages that write files
+(tokenize, pretrain) skip completed work themselves by verifying their outputs, so a
+deleted output is rebuilt rather than reported from a stale cache. Evaluation and
+registration are cached by Prefect, keyed on their inputs including the model
+package's content id; results are persisted with Prefect's JSON serializer, so the
+cache never unpickles anything.
 """
 
 from __future__ import annotations
@@ -79,7 +82,15 @@ def pretrain_task(config: MegalithConfig, output: str, shards_id: str = "") -> d
     recipe = output_dir / "recipe.yaml"
     recipe.write_text(dump_config(config))
     stream_process(train_command(recipe, output_dir), get_run_logger())
-    return json.loads((output_dir / "result.json").read_text())
+    result = json.loads((output_dir / "result.json").read_text())
+    return {**result, "package_id": package_id(result["model_package"])}
+
+
+def package_id(package_dir: str) -> str:
+    """A model package's content id: the sha256 of its checksums.json."""
+    from preprocessing.storage import sha256_of_file
+
+    return sha256_of_file(str(Path(package_dir) / "checksums.json"))
 
 
 @task(name="evaluate", **CACHED)
@@ -90,8 +101,11 @@ def evaluate_task(
     task_files: list[str],
     prompts: list[str] | None = None,
     run_id: str | None = None,
+    package_id: str = "",
 ) -> dict[str, Any]:
-    """Perplexity, zero-shot tasks and sample generations; returns the headline metrics."""
+    """Perplexity, zero-shot tasks and sample generations; returns the headline metrics.
+
+    ``package_id`` keys the cache to the model's content, not just its path."""
     from evaluation.report import evaluate_model, headline_metrics
 
     report = evaluate_model(model_package, config.data, task_files, prompts, output=report_path)
@@ -114,7 +128,11 @@ def _generations(report: dict[str, Any]) -> list[dict[str, str]]:
 
 @task(name="register-model", **CACHED)
 def register_task(
-    model_package: str, name: str, run_id: str | None, metrics: dict[str, float]
+    model_package: str,
+    name: str,
+    run_id: str | None,
+    metrics: dict[str, float],
+    package_id: str = "",
 ) -> dict[str, Any]:
     """Register the package as a new version of ``name`` with alias ``candidate``."""
     from registry.models import register_model

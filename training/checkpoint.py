@@ -182,7 +182,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     root = Path(root)
     pointer = root / "latest.json"
     if not pointer.exists():
-        return None
+        return _newest_complete(root)
     try:
         name = json.loads(pointer.read_text())["path"]
     except (json.JSONDecodeError, KeyError, TypeError):
@@ -191,6 +191,14 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     if not path.is_dir():
         raise CheckpointError(f"{pointer} points to {path}, which does not exist")
     return path
+
+
+def _newest_complete(root: Path) -> Path | None:
+    """A kill between renaming a checkpoint into place and writing latest.json leaves
+    no pointer: fall back to the newest complete step directory (one with an index)."""
+    complete = [p for p in root.glob("step-*") if p.is_dir() and (p / "index.json").is_file()]
+    complete = [p for p in complete if p.name.removeprefix("step-").isdigit()]
+    return max(complete, key=lambda p: int(p.name.removeprefix("step-")), default=None)
 
 
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -329,10 +329,9 @@ class Trainer:
                         record["val_loss"] = val_loss
                         record["val_ppl"] = math.exp(min(val_loss, 50.0))
                 metrics_file.write(record)
-                if self.step % training.log_interval == 0 or "val_loss" in record:
-                    self.run_logger.log_metrics(
-                        {k: v for k, v in record.items() if k != "step"}, self.step
-                    )
+                self.run_logger.log_metrics(
+                    {k: v for k, v in record.items() if k != "step"}, self.step
+                )
                 bar.set_postfix(
                     loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", refresh=False
                 )

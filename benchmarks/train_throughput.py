@@ -1,0 +1,282 @@
+"""Training throughput on one GPU: Megalith's trainer against Hugging Face, in one run.
+
+Each variant runs in its own process (so one cannot fragment another's memory) and
+reports tokens/s over the timed steps after warm-up:
+
+* ``matmul``      bf16 8192³ matrix products: the achievable peak on this GPU
+* ``ours``        Megalith's Trainer.train_step: real shards, real DataLoader, fused
+                  AdamW, bf16 autocast, gradient clipping — the step the trainer runs
+* ``ours-compile`` the same with ``training.compile=true``
+* ``hf``          transformers' LlamaForCausalLM / GPT2LMHeadModel (SDPA), same shape,
+                  bf16 autocast over fp32 weights, fused AdamW, clipping; batches
+                  already on the GPU (no loader cost)
+* ``hf-compile``  the same under ``torch.compile``
+
+    python benchmarks/train_throughput.py --shape 1b --steps 20 --out results/
+
+MFU = tokens/s × (6·N + 12·L·H·S) / 989 TFLOP/s with N the matmul parameters of
+the blocks and the output head (the input embedding is a lookup, not a matmul).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {"1b": ROOT / "configs" / "llama-1b.yaml", "350m": ROOT / "configs" / "gpt2-350m.yaml"}
+PEAK = 989e12
+
+
+def load_shape(shape: str, shards: str, steps: int, compile_model: bool, micro_batch: int | None):
+    from training.config import load_config
+
+    config = load_config(
+        SHAPES[shape],
+        values={
+            "data.inputs": [],
+            "data.output": shards,
+            "training.train_iters": steps,
+            "training.eval_interval": 0,
+            "training.compile": compile_model,
+            "training.num_workers": 2,
+            "logging.mlflow": False,
+            "checkpoint.interval": 0,
+        },
+    )
+    mbs = micro_batch or config.training.micro_batch_size
+    config.training = config.training.model_copy(
+        update={"micro_batch_size": mbs, "global_batch_size": mbs}
+    )
+    return config
+
+
+def flops_per_token(config) -> float:
+    from training.models.flops import flops_per_token as count
+    from training.trainer import resolve_model_config
+
+    return count(resolve_model_config(config), config.data.seq_length, include_output_head=True)
+
+
+def time_steps(step, warmup: int, steps: int) -> float:
+    import torch
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def run_matmul() -> dict:
+    import torch
+
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    seconds = time_steps(lambda: a @ b, 5, 50)
+    return {"tflops": 2 * n**3 * 50 / seconds / 1e12}
+
+
+def run_ours(args, compile_model: bool) -> dict:
+    import torch
+
+    from training.trainer import Trainer
+
+    config = load_shape(
+        args.shape, args.shards, args.warmup + args.steps, compile_model, args.micro_batch
+    )
+    trainer = Trainer(config, Path(args.out) / f"run-{args.variant}")
+    batches = iter(trainer._loader(trainer.train_data, 0, len(trainer.train_data)))
+    losses = []
+    seconds = time_steps(
+        lambda: losses.append(trainer.train_step(batches)["loss"]), args.warmup, args.steps
+    )
+    tokens = args.steps * config.training.global_batch_size * config.data.seq_length
+    return _result(config, tokens, seconds, losses, torch.cuda.max_memory_allocated())
+
+
+def hf_model(config):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from training.trainer import resolve_model_config
+
+    m = resolve_model_config(config)
+    if m.style == "llama":
+        hf = LlamaConfig(
+            vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+            num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.num_query_groups, max_position_embeddings=m.max_position_embeddings,
+            rope_theta=m.rope_base, rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
+            attn_implementation="sdpa",
+        )  # fmt: skip
+        return LlamaForCausalLM(hf)
+    hf = GPT2Config(
+        vocab_size=m.vocab_size, n_embd=m.hidden_size, n_layer=m.num_layers, n_head=m.num_attention_heads,
+        n_inner=m.ffn_hidden_size, n_positions=m.max_position_embeddings, attn_implementation="sdpa",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(hf)
+
+
+def run_hf(args, compile_model: bool) -> dict:
+    import torch
+
+    config = load_shape(args.shape, args.shards, 1, False, args.micro_batch)
+    torch.manual_seed(0)
+    model = hf_model(config).cuda().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+    forward = torch.compile(model) if compile_model else model
+    mbs, seq = config.training.micro_batch_size, config.data.seq_length
+    batches = [torch.randint(0, 2048, (mbs, seq), device="cuda") for _ in range(4)]
+    losses, counter = [], [0]
+
+    def step():
+        tokens = batches[counter[0] % len(batches)]
+        counter[0] += 1
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = forward(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+
+    seconds = time_steps(step, args.warmup, args.steps)
+    return _result(
+        config, args.steps * mbs * seq, seconds, losses, torch.cuda.max_memory_allocated()
+    )
+
+
+def _result(config, tokens: int, seconds: float, losses: list[float], memory: int) -> dict:
+    tokens_per_s = tokens / seconds
+    return {
+        "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * flops_per_token(config) / PEAK,
+        "flops_per_token": flops_per_token(config),
+        "peak_memory_gb": memory / 2**30,
+        "micro_batch": config.training.micro_batch_size,
+        "seq_length": config.data.seq_length,
+        "last_loss": losses[-1] if losses else None,
+    }
+
+
+def worker(args) -> None:
+    runners = {
+        "matmul": run_matmul,
+        "ours": lambda: run_ours(args, False),
+        "ours-compile": lambda: run_ours(args, True),
+        "hf": lambda: run_hf(args, False),
+        "hf-compile": lambda: run_hf(args, True),
+    }
+    print("RESULT " + json.dumps(runners[args.variant]()), flush=True)
+
+
+def prepare_shards(out: Path) -> str:
+    from preprocessing.prepare import prepare_dataset
+    from preprocessing.tokenizer import train_tokenizer
+    from training.config import DataConfig, TokenizerConfig
+
+    shards = out / "shards"
+    if (shards / "manifest.json").exists():
+        return str(shards)
+    corpus = ROOT / "preprocessing" / "sample_corpus" / "stories.jsonl"
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines() if line.strip()]
+    tokenizer = train_tokenizer(texts, TokenizerConfig(vocab_size=2048), str(out / "tokenizer"))
+    prepare_dataset(
+        DataConfig(inputs=[str(corpus)], output=str(shards), workers=4),
+        tokenizer,
+        show_progress=False,
+    )
+    return str(shards)
+
+
+def drive(args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = prepare_shards(out)
+    results = {}
+    for variant in args.variants.split(","):
+        command = [
+            sys.executable, __file__, "--worker", "--variant", variant, "--shape", args.shape,
+            "--shards", shards, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out),
+        ] + (["--micro-batch", str(args.micro_batch)] if args.micro_batch else [])  # fmt: skip
+        started = time.perf_counter()
+        completed = subprocess.run(command, capture_output=True, text=True)
+        lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+        if completed.returncode or not lines:
+            results[variant] = {"error": (completed.stderr or completed.stdout)[-1500:]}
+        else:
+            results[variant] = json.loads(lines[-1].removeprefix("RESULT "))
+        results[variant]["wall_s"] = time.perf_counter() - started
+        print(variant, json.dumps(results[variant])[:300], flush=True)
+    report = {
+        "date": str(date.today()),
+        "shape": args.shape,
+        "device": _device(),
+        "results": results,
+    }
+    (out / f"throughput-{args.shape}.json").write_text(json.dumps(report, indent=2))
+    print(table(report))
+
+
+def table(report: dict) -> str:
+    results = report["results"]
+    peak = results.get("matmul", {}).get("tflops")
+    base = results.get("hf-compile", {}).get("tokens_per_s")
+    lines = [
+        f"{report['device']}, shape {report['shape']}, matmul peak {peak or float('nan'):.0f} TFLOP/s",
+        "| variant | tokens/s | MFU (989) | of matmul peak | peak mem GiB | × hf-compile |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        if name == "matmul" or "tokens_per_s" not in r:
+            continue
+        achieved = r["tokens_per_s"] * r["flops_per_token"]
+        lines.append(
+            f"| {name} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
+            f"{100 * achieved / (peak * 1e12) if peak else float('nan'):.1f}% | {r['peak_memory_gb']:.1f} | "
+            f"{r['tokens_per_s'] / base if base else float('nan'):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _device() -> str:
+    try:
+        import torch
+
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    except Exception:  # noqa: BLE001 - only for the report header
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    parser.add_argument("--variants", default="matmul,ours,ours-compile,hf,hf-compile")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--micro-batch", type=int, default=None)
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmark-out"))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("--shards", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    worker(args) if args.worker else drive(args)
+
+
+if __name__ == "__main__":
+    main()
