@@ -106,9 +106,14 @@ def evaluate_task(
     """Perplexity, zero-shot tasks and sample generations; returns the headline metrics.
 
     ``package_id`` keys the cache to the model's content, not just its path."""
+    from evaluation.generate import SamplingConfig
     from evaluation.report import evaluate_model, headline_metrics
 
-    report = evaluate_model(model_package, config.data, task_files, prompts, output=report_path)
+    # Leave at least half the context for the prompt.
+    sampling = SamplingConfig(max_new_tokens=min(64, config.data.seq_length // 2))
+    report = evaluate_model(
+        model_package, config.data, task_files, prompts, sampling=sampling, output=report_path
+    )
     metrics = headline_metrics(report)
     if run_id:
         from registry.tracking import log_evaluation

@@ -78,3 +78,12 @@ def make_s3_bucket(s3_endpoint: dict[str, Any]) -> Callable[[], str]:
 def s3_bucket(make_s3_bucket: Callable[[], str]) -> str:
     """A fresh empty bucket, as ``s3://name``."""
     return make_s3_bucket()
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[None]:
+    """One temporary Prefect server and database for the whole session (startup takes ~10 s)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=60):
+        yield

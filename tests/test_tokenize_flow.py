@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from uuid import UUID
 
@@ -27,19 +26,11 @@ from prefect.client.schemas.filters import (  # noqa: E402
     FlowRunFilter,
     FlowRunFilterId,
 )
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
 from pipelines.tokenize import tokenize_corpus  # noqa: E402
 
 CORPUS = Path(corpus_generator.__file__).parent / "sample_corpus" / "stories.jsonl"
 DOCUMENTS = 300
-
-
-@pytest.fixture(scope="session")
-def prefect_api() -> Iterator[None]:
-    """One temporary Prefect server and database for the whole session (startup takes ~10 s)."""
-    with prefect_test_harness(server_startup_timeout=60):
-        yield
 
 
 @pytest.fixture(scope="module")

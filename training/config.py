@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -324,11 +324,39 @@ def format_validation_error(error: ValidationError, source: str) -> str:
         key = ".".join(str(part) for part in item["loc"]) or "(root)"
         message = item["msg"]
         if item["type"] == "extra_forbidden":
-            message = "unknown key"
+            allowed = keys_of_section(MegalithConfig, item["loc"][:-1])
+            message = "unknown key" + (
+                f"; expected one of: {', '.join(allowed)}" if allowed else ""
+            )
         elif "input" in item and item["type"] != "missing":
             message = f"{message} (got {item['input']!r})"
         lines.append(f"  {key}: {message}")
     return "\n".join(lines)
+
+
+def keys_of_section(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The keys the section at ``loc`` accepts (empty when it cannot be told)."""
+    for part in loc:
+        if isinstance(part, int):  # an item of a list of sections
+            continue
+        field = model.model_fields.get(part)
+        model = field and next(
+            (
+                t
+                for t in _types_in(field.annotation)
+                if isinstance(t, type) and issubclass(t, BaseModel)
+            ),
+            None,
+        )
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def _types_in(annotation: Any):
+    yield annotation
+    for argument in get_args(annotation):
+        yield from _types_in(argument)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

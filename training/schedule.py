@@ -7,7 +7,9 @@ import math
 from training.config import OptimizerConfig, SchedulerConfig
 
 
-def learning_rate(step: int, schedule: SchedulerConfig, optimizer: OptimizerConfig, train_iters: int) -> float:
+def learning_rate(
+    step: int, schedule: SchedulerConfig, optimizer: OptimizerConfig, train_iters: int
+) -> float:
     """The learning rate for optimizer step ``step`` (0-based)."""
     peak, floor = optimizer.lr, optimizer.min_lr
     warmup = schedule.warmup_iters

@@ -1,0 +1,165 @@
+"""The ``end-to-end`` flow (tokenize → pretrain → evaluate → register) through Prefect's
+test harness, with a real MLflow SQLite store; then the registered model is loaded
+back from the registry and generates text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelines.commands import DEMO_RECIPE, sample_corpus
+from training.config import load_config
+
+pytestmark = pytest.mark.slow
+
+DOCUMENTS = 400
+MODEL_NAME = "e2e-test-model"
+
+
+@pytest.fixture(scope="module")
+def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from registry.tracking import ensure_tracking_store
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    ensure_tracking_store(uri)
+    return uri
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("e2e")
+    lines = sample_corpus().read_text().splitlines()[:DOCUMENTS]
+    (root / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def config(workdir: Path):
+    return load_config(
+        DEMO_RECIPE,
+        [
+            "tokenizer.vocab_size=512",
+            "model.num_layers=2",
+            "model.hidden_size=64",
+            "model.ffn_hidden_size=128",
+            "model.vocab_size=null",
+            "model.max_position_embeddings=null",
+            "data.seq_length=64",
+            "data.workers=1",
+            "training.train_iters=6",
+            "training.eval_interval=3",
+            "training.eval_iters=1",
+            "training.log_interval=1",
+            "checkpoint.interval=0",
+            f"logging.registered_model={MODEL_NAME}",
+        ],
+        {"data.inputs": [str(workdir / "corpus.jsonl")], "data.output": str(workdir / "shards")},
+    )
+
+
+@pytest.fixture(scope="module")
+def first_run(prefect_api, tracking_uri: str, workdir: Path, config) -> dict:
+    from pipelines.flows import end_to_end
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+        patch.setenv("OMP_NUM_THREADS", "1")
+        return end_to_end(config, str(workdir))
+
+
+def test_every_stage_ran_and_reported(first_run: dict, workdir: Path) -> None:
+    assert first_run["shards"]["documents"] == DOCUMENTS
+    training = first_run["training"]
+    assert training["steps"] == 6
+    metrics = [
+        json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [m["step"] for m in metrics] == list(range(1, 7))
+    evaluation = first_run["evaluation"]["metrics"]
+    assert evaluation["valid_perplexity"] > 1.0
+    assert 0.0 <= evaluation["sample_facts_acc"] <= 1.0
+    assert first_run["registration"]["version"] == 1
+
+
+def test_mlflow_holds_the_run_and_the_candidate(first_run: dict, tracking_uri: str) -> None:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    run_id = first_run["training"]["mlflow_run_id"]
+    run = client.get_run(run_id)
+    assert run.data.params["training.train_iters"] == "6"
+    assert len(client.get_metric_history(run_id, "loss")) == 6
+    assert "eval.valid_perplexity" in run.data.metrics
+    assert run.data.tags["megalith.tokenizer.id"] == first_run["shards"]["tokenizer_id"]
+    version = client.get_model_version_by_alias(MODEL_NAME, "candidate")
+    assert int(version.version) == 1
+    assert float(version.tags["eval.valid_perplexity"]) == pytest.approx(
+        first_run["evaluation"]["metrics"]["valid_perplexity"]
+    )
+
+
+def test_the_flow_published_its_artifacts(first_run: dict) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    keys = ["shard-manifest", "training-summary", "evaluation", "registered-model"]
+    with get_client(sync_client=True) as client:
+        for key in keys:
+            found = client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+            )
+            assert found, f"artifact {key} missing"
+    summary = client_markdown(keys[1])
+    assert f"| steps | {first_run['training']['steps']} |" in summary
+
+
+def client_markdown(key: str) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+        )
+    return artifacts[-1].data
+
+
+def test_rerun_skips_evaluation_and_registration(
+    first_run: dict, tracking_uri: str, workdir: Path, config
+) -> None:
+    from mlflow import MlflowClient
+
+    from pipelines.flows import end_to_end
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+        patch.setenv("OMP_NUM_THREADS", "1")
+        again = end_to_end(config, str(workdir))
+    assert again["shards"]["skipped"], "the shards should have been reused"
+    assert again["training"]["package_id"] == first_run["training"]["package_id"]
+    assert again["registration"]["version"] == 1
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    assert len(client.search_model_versions(f"name='{MODEL_NAME}'")) == 1
+
+
+def test_registered_model_loads_back_and_generates(
+    first_run: dict, tracking_uri: str, tmp_path: Path
+) -> None:
+    from evaluation.generate import SamplingConfig, generate
+    from preprocessing.tokenizer import load_tokenizer
+    from registry.models import load_registered_model
+    from training.models.package import load_model_package
+
+    package = load_registered_model(
+        f"models:/{MODEL_NAME}@candidate", tmp_path, tracking_uri=tracking_uri
+    )
+    model, _, tokenizer_path = load_model_package(package)
+    tokenizer = load_tokenizer(str(tokenizer_path))
+    result = generate(
+        model, tokenizer, ["Once upon a time"], SamplingConfig(max_new_tokens=12, temperature=0.0)
+    )
+    generation = result.generations[0]
+    assert generation.new_tokens > 0
+    assert isinstance(generation.text, str) and generation.text
