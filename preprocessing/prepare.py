@@ -208,13 +208,18 @@ def encode_documents(
     processor, texts: list[str], eod_id: int | None, dtype: np.dtype
 ) -> tuple[np.ndarray, np.ndarray]:
     """Tokenize a batch into one flat array plus per-document lengths (EOD included)."""
-    ids = processor.encode(texts)
+    # One thread: each worker process is one core; SentencePiece's default uses them all.
+    ids = processor.encode(texts, num_threads=1)
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
     if eod_id is not None:
         flat = np.insert(flat, np.cumsum(lengths), np.asarray(eod_id, dtype=dtype))
         lengths += 1
     return flat, lengths
+
+
+def _warm_up() -> None:
+    pass
 
 
 def _encode_job(job: tuple[int, list[str], int | None, str]) -> tuple[int, np.ndarray, np.ndarray]:
@@ -245,6 +250,9 @@ class OrderedPool:
         )
         self.pending: deque = deque()
         self.limit = 2 * workers + 2
+        # The executor starts processes only when work arrives: send each a no-op now.
+        for _ in range(workers):
+            self.pool.submit(_warm_up)
 
     def submit(self, job) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         try:
@@ -273,6 +281,12 @@ class OrderedPool:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> OrderedPool:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 # --------------------------------------------------------------------------- shards
@@ -414,6 +428,16 @@ def _prepare(corpus, store, data, tokenizer, tokenizer_config, show_progress) ->
     dtype = token_dtype(tokenizer.padded_vocab_size)
     report = PrepareReport(manifest=None, output=store.output)  # type: ignore[arg-type]
 
+    # Start the workers now: their spawn and imports overlap the scan.
+    with OrderedPool(data.workers, tokenizer.model_bytes) as pool:
+        return _scan_and_tokenize(
+            corpus, store, data, tokenizer, tokenizer_config, show_progress, pool, dtype, report
+        )
+
+
+def _scan_and_tokenize(
+    corpus, store, data, tokenizer, tokenizer_config, show_progress, pool, dtype, report
+) -> PrepareReport:
     started = time.perf_counter()
     scan = load_or_scan(corpus, store.state, show_progress)
     report.scan_seconds = time.perf_counter() - started
@@ -436,7 +460,7 @@ def _prepare(corpus, store, data, tokenizer, tokenizer_config, show_progress) ->
     started = time.perf_counter()
     if len(complete) + len(empty) < plan.shards:
         written = _tokenize(
-            corpus, scan, plan, tokenizer, data, store, dtype, complete, report, show_progress
+            corpus, scan, plan, tokenizer, data, store, dtype, complete, report, show_progress, pool
         )
         empty = set(range(plan.shards)) - set(complete) - set(written)
         for index in sorted(empty):
@@ -455,38 +479,36 @@ def _prepare(corpus, store, data, tokenizer, tokenizer_config, show_progress) ->
     return report
 
 
-def _tokenize(corpus, scan, plan, tokenizer, data, store, dtype, complete, report, show_progress):
+def _tokenize(
+    corpus, scan, plan, tokenizer, data, store, dtype, complete, report, show_progress, pool
+):
     writer = ShardWriter(store, plan.key, dtype)
     eod = tokenizer.eod_id if data.append_eod else None
-    pool = OrderedPool(data.workers, tokenizer.model_bytes)
     rejects = RejectLog(max_examples=0)
     position = 0
-    try:
-        with _progress(scan.text_bytes, "tokenizing", show_progress) as bar:
+    with _progress(scan.text_bytes, "tokenizing", show_progress) as bar:
 
-            def consume(results):
-                for shard, tokens, lengths in results:
-                    writer.add(shard, tokens, lengths)
-                    report.tokenized_documents += len(lengths)
-                    report.tokenized_tokens += len(tokens)
-                if show_progress:
-                    bar.set_postfix(
-                        docs=report.tokenized_documents,
-                        tokens=report.tokenized_tokens,
-                        refresh=False,
-                    )
+        def consume(results):
+            for shard, tokens, lengths in results:
+                writer.add(shard, tokens, lengths)
+                report.tokenized_documents += len(lengths)
+                report.tokenized_tokens += len(tokens)
+            if show_progress:
+                bar.set_postfix(
+                    docs=report.tokenized_documents,
+                    tokens=report.tokenized_tokens,
+                    refresh=False,
+                )
 
-            for _, batch in corpus.batches(rejects):
-                pieces, position = split_by_shard(batch.texts, position, plan)
-                for shard, texts in pieces:
-                    if shard not in complete:
-                        consume(pool.submit((shard, texts, eod, dtype.name)))
-                report.tokenized_bytes += batch.nbytes
-                bar.update(batch.nbytes)
-            consume(pool.drain())
-        writer.finish()
-    finally:
-        pool.close()
+        for _, batch in corpus.batches(rejects):
+            pieces, position = split_by_shard(batch.texts, position, plan)
+            for shard, texts in pieces:
+                if shard not in complete:
+                    consume(pool.submit((shard, texts, eod, dtype.name)))
+            report.tokenized_bytes += batch.nbytes
+            bar.update(batch.nbytes)
+        consume(pool.drain())
+    writer.finish()
     return writer.finished
 
 
