@@ -87,3 +87,15 @@ def prefect_api() -> Iterator[None]:
 
     with prefect_test_harness(server_startup_timeout=60):
         yield
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` run only where CUDA is available."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

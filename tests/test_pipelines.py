@@ -163,3 +163,26 @@ def test_registered_model_loads_back_and_generates(
     generation = result.generations[0]
     assert generation.new_tokens > 0
     assert isinstance(generation.text, str) and generation.text
+
+
+def test_serve_pipelines_offers_every_flow_with_form_defaults(tmp_path: Path) -> None:
+    from pipelines.deployments import deployments
+
+    served = {d.name: d for d in deployments(tmp_path)}
+    assert set(served) == {
+        "tokenize-corpus",
+        "pretrain",
+        "evaluate",
+        "register-model",
+        "end-to-end",
+    }
+    end_to_end = served["end-to-end"]
+    assert end_to_end.parameters["workdir"] == str(tmp_path)
+    assert end_to_end.parameters["config"]["model"]["num_layers"] >= 1
+    from prefect.utilities.callables import parameter_schema
+
+    from pipelines.flows import end_to_end as flow
+
+    schema = parameter_schema(flow).model_dump()
+    assert schema["properties"]["config"]["$ref"].endswith("MegalithConfig")
+    assert "ModelConfig" in schema["definitions"]  # the UI renders each section as a form
