@@ -27,12 +27,13 @@ from typing import Any
 from evaluation import EvaluationError
 from evaluation.generate import SamplingConfig, generate
 from evaluation.perplexity import evaluate_perplexity
-from evaluation.runtime import AUTOCAST_DTYPES, resolve_device, resolve_precision
+from evaluation.runtime import AUTOCAST_DTYPES, resolve_precision
 from evaluation.tasks import evaluate_task, load_task, resolve_task_file
 from preprocessing.storage import atomic_write_bytes
 from preprocessing.tokenizer import load_tokenizer
 from training import __version__
 from training.config import DataConfig
+from training.device import resolve_device
 from training.models.package import load_model_package
 
 REPORT_FORMAT = "megalith-eval-report"

@@ -10,13 +10,6 @@ from torch import nn
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
-def resolve_device(name: str = "auto") -> torch.device:
-    """``auto``: CUDA when available, else CPU; otherwise any name torch accepts."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def resolve_precision(name: str, device: torch.device) -> str:
     """``auto``: bf16 autocast on CUDA, fp32 on CPU (as in training)."""
     if name == "auto":

@@ -27,6 +27,7 @@ from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpo
 from training.config import MegalithConfig, ModelConfig, dump_config
 from training.data import build_gpt_datasets
 from training.data.shard_set import open_shard_set
+from training.device import resolve_device
 from training.errors import MegalithError
 from training.models import GPTModel
 from training.models.flops import flops_per_token
@@ -88,14 +89,6 @@ class ResumableSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.stop - self.start
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise MegalithError("training.device=cuda but no CUDA GPU is available")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
 
 
 def resolve_model_config(config: MegalithConfig) -> ModelConfig:

@@ -16,7 +16,6 @@ reading any tensor. Nothing is unpickled: JSON and safetensors only.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from preprocessing.storage import sha256_of_file
 from training import __version__
 from training.config import ModelConfig, format_validation_error
 from training.errors import MegalithError
@@ -83,11 +83,7 @@ def model_tensors(model: GPTModel) -> dict[str, Tensor]:
 
 
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return sha256_of_file(str(path))
 
 
 def save_model_package(
