@@ -218,6 +218,33 @@ class ModelConfig(StrictModel):
         return self.hidden_size // self.num_attention_heads
 
 
+class ParallelConfig(StrictModel):
+    """How the model and data are split over GPUs; data parallel fills the rest of the world.
+
+    world = tensor · context · pipeline · data, ranks ordered tensor-innermost (Megatron's
+    order), so tensor-parallel peers share a node. Expert parallelism is carved out of
+    data · context for the MoE layers.
+    """
+
+    tensor: int = Field(default=1, ge=1, description="Tensor-parallel size.")
+    pipeline: int = Field(default=1, ge=1, description="Pipeline stages.")
+    virtual_pipeline: int | None = Field(
+        default=None, ge=1, description="Model chunks per pipeline rank (interleaved schedule)."
+    )
+    context: int = Field(default=1, ge=1, description="Context-parallel size (sequence split).")
+    expert: int = Field(default=1, ge=1, description="Expert-parallel size for MoE layers.")
+    sequence_parallel: bool = Field(
+        default=False, description="With tensor > 1: norms and dropout on sequence shards."
+    )
+    data_parallel_mode: Literal["ddp", "distributed_optimizer", "fsdp"] = Field(
+        default="ddp",
+        description="ddp: bucketed all-reduce overlapped with backward; distributed_optimizer: "
+        "optimizer state sharded over data-parallel ranks (ZeRO-1/2); fsdp: FSDP2.",
+    )
+    ddp_bucket_mb: float = Field(default=25.0, gt=0, description="Gradient bucket size.")
+    pipeline_schedule: Literal["1f1b", "interleaved"] = "1f1b"
+
+
 class TrainingConfig(StrictModel):
     """The training loop: batch sizes, length, evaluation cadence, device."""
 
@@ -310,6 +337,7 @@ class MegalithConfig(StrictModel):
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from preprocessing.storage import atomic_write_json
 from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from training.config import MegalithConfig, ModelConfig, dump_config
+from training.config import MegalithConfig, ModelConfig, ParallelConfig, dump_config
 from training.data import build_gpt_datasets
 from training.data.shard_set import open_shard_set
 from training.device import resolve_device
@@ -128,6 +128,11 @@ class Trainer:
         self.config = config
         self.output = Path(output)
         self.output.mkdir(parents=True, exist_ok=True)
+        if config.parallel != ParallelConfig():
+            raise MegalithError(
+                "parallel.* layouts (tensor, pipeline, context, expert, data-parallel modes) "
+                "are not supported by this single-device trainer yet"
+            )
         self.run_logger = run_logger or NullLogger()
         self.device = resolve_device(config.training.device)
         self.precision: Precision = resolve_precision(config.mixed_precision, self.device)
