@@ -1,0 +1,1 @@
+"""Parallel layouts: process groups (groups.py), data parallelism, tensor-parallel layers."""
