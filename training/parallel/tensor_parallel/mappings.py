@@ -1,0 +1,203 @@
+"""Autograd-aware collectives between the replicated, tensor-parallel and
+sequence-parallel regions of a model (Megatron-core's ``mappings``).
+
+Each mapping is a pair of conjugate operations: what the forward pass does to the
+activations, the backward pass does in reverse to their gradients. All take the
+tensor-parallel ``ProcessGroup`` explicitly. With a group of one rank every mapping
+is the identity.
+
+===================================  ==========================  =========================
+mapping                              forward                     backward
+===================================  ==========================  =========================
+copy_to_tensor_parallel_region       identity                    all-reduce
+reduce_from_tensor_parallel_region   all-reduce                  identity
+scatter_to_tensor_parallel_region    keep this rank's slice      all-gather (last dim)
+gather_from_tensor_parallel_region   all-gather (last dim)       keep this rank's slice
+scatter_to_sequence_parallel_region  keep this rank's slice      all-gather (sequence)
+gather_from_sequence_parallel_region all-gather (sequence)       reduce-scatter (sequence)
+reduce_scatter_to_sequence_parallel  reduce-scatter (sequence)   all-gather (sequence)
+===================================  ==========================  =========================
+
+Activations are ``[batch, sequence, hidden]``, so the sequence dimension is 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+SEQUENCE_DIM = 1
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older versions have only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_reduce(x: Tensor, group: ProcessGroup) -> Tensor:
+    if dist.get_world_size(group) == 1:
+        return x
+    out = x.clone()  # never modify a tensor autograd may have saved
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _all_gather(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim``."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    x = x.movedim(dim, 0).contiguous()  # the collective concatenates along dim 0
+    out = x.new_empty((world * x.size(0), *x.shape[1:]))
+    _all_gather_single(out, x, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
+    """Sum ``x`` over ranks and keep this rank's slice of ``dim``."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    _check_divisible(x, dim, world)
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.size(0) // world, *x.shape[1:]))
+    _reduce_scatter_single(out, x, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _split(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
+    """This rank's equal slice of ``dim``."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    _check_divisible(x, dim, world)
+    return x.chunk(world, dim)[dist.get_rank(group)].contiguous()
+
+
+def _check_divisible(x: Tensor, dim: int, world: int) -> None:
+    if x.size(dim) % world:
+        raise ValueError(
+            f"dimension {dim} of a tensor shaped {tuple(x.shape)} cannot be split over "
+            f"{world} tensor-parallel ranks"
+        )
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather; backward keeps this rank's slice (the gradient is already complete)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _split(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherReduceScatter(torch.autograd.Function):
+    """All-gather; backward reduce-scatters (each rank's gradient is a partial sum)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tensor_parallel_region(x: Tensor, group: ProcessGroup) -> Tensor:
+    """Enter a region where each rank computes part of a sum: gradients are all-reduced.
+
+    Also used on replicated parameters whose local gradient covers only this rank's
+    sequence shard (norms and row-parallel biases under sequence parallelism).
+    """
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: Tensor, group: ProcessGroup) -> Tensor:
+    """Sum the ranks' partial results (the end of a row-parallel linear)."""
+    return _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_tensor_parallel_region(x: Tensor, group: ProcessGroup) -> Tensor:
+    """Keep this rank's slice of the last dimension."""
+    return _Scatter.apply(x, -1, group)
+
+
+def gather_from_tensor_parallel_region(x: Tensor, group: ProcessGroup) -> Tensor:
+    """Concatenate the ranks' slices of the last dimension."""
+    return _Gather.apply(x, -1, group)
+
+
+def scatter_to_sequence_parallel_region(x: Tensor, group: ProcessGroup) -> Tensor:
+    """Keep this rank's slice of the sequence (``x`` is replicated on every rank)."""
+    return _Scatter.apply(x, SEQUENCE_DIM, group)
+
+
+def gather_from_sequence_parallel_region(x: Tensor, group: ProcessGroup) -> Tensor:
+    """All-gather the sequence before a column-parallel linear; backward reduce-scatters."""
+    return _GatherReduceScatter.apply(x, SEQUENCE_DIM, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: Tensor, group: ProcessGroup) -> Tensor:
+    """Sum the ranks' partial results and keep this rank's slice of the sequence."""
+    return _ReduceScatter.apply(x, SEQUENCE_DIM, group)
+
+
+__all__ = [
+    "SEQUENCE_DIM",
+    "copy_to_tensor_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "gather_from_tensor_parallel_region",
+    "reduce_from_tensor_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_tensor_parallel_region",
+]
