@@ -119,6 +119,11 @@ class LayerBackend(ABC):
     def vocab_embedding(self, vocab_size: int, hidden_size: int, *, init_std: float) -> nn.Module:
         """Token embedding (``tokens -> [.., hidden]``); its ``weight`` is ``[vocab, hidden]``."""
 
+    def sequence_scatter(self) -> nn.Module:
+        """Applied to the embeddings' output ``[B, T, H]`` before the first block: the
+        identity, or under sequence parallelism a split to this rank's sequence shard."""
+        return nn.Identity()
+
     @abstractmethod
     def core_attention(
         self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float

@@ -132,9 +132,10 @@ class Attention(nn.Module):
     def forward(
         self, x: Tensor, rope: Rope | None, kv_cache: KVCache | None, start_pos: int
     ) -> Tensor:
-        batch, length, _ = x.shape
+        qkv = self.qkv(x)
+        batch, length = qkv.shape[:2]  # x may be a sequence shard; qkv is the whole sequence
         per_group = self.num_heads // self.num_groups
-        qkv = self.qkv(x).view(batch, length, self.num_groups, per_group + 2, self.head_dim)
+        qkv = qkv.view(batch, length, self.num_groups, per_group + 2, self.head_dim)
         q, k, v = qkv.split([per_group, 1, 1], dim=3)
         k, v = k.squeeze(3), v.squeeze(3)
         if rope is not None:
@@ -197,6 +198,7 @@ class Embeddings(nn.Module):
             self.position = Embedding(
                 config.max_position_embeddings, config.hidden_size, init_std=config.init_std
             )
+        self.to_sequence_shards = backend.sequence_scatter()
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, tokens: Tensor, start_pos: int) -> Tensor:
@@ -204,7 +206,7 @@ class Embeddings(nn.Module):
         if self.position is not None:
             positions = torch.arange(start_pos, start_pos + tokens.size(1), device=tokens.device)
             x = x + self.position(positions)
-        return self.dropout(x)
+        return self.dropout(self.to_sequence_shards(x))
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
