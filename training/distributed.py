@@ -1,0 +1,125 @@
+"""torch.distributed from torchrun's environment: init, device per local rank, teardown.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT for every worker. Without them (a plain ``python`` or ``megalith train``
+without ``--nproc-per-node``) everything runs in one process and torch.distributed is
+never initialised.
+
+Every collective has a timeout (``MEGALITH_DIST_TIMEOUT_S``, default 600 s) so that a
+rank that died or hangs fails the job instead of leaving the others waiting forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from training.device import resolve_device
+from training.errors import MegalithError
+from training.launch import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    """This process's place in the job, as torchrun describes it."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_from_torchrun(environ: Mapping[str, str] | None = None) -> DistributedEnv:
+    """Read torchrun's variables; the single-process default when they are absent."""
+    environ = os.environ if environ is None else environ
+    if "WORLD_SIZE" not in environ:
+        return DistributedEnv()
+    try:
+        world = int(environ["WORLD_SIZE"])
+        env = DistributedEnv(
+            rank=int(environ["RANK"]),
+            world_size=world,
+            local_rank=int(environ.get("LOCAL_RANK", "0")),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", str(world))),
+        )
+    except (KeyError, ValueError) as error:
+        raise MegalithError(
+            f"torchrun environment is incomplete or malformed ({error}): RANK and WORLD_SIZE "
+            "must be integers"
+        ) from error
+    if not 0 <= env.rank < env.world_size:
+        raise MegalithError(f"RANK {env.rank} is outside WORLD_SIZE {env.world_size}")
+    return env
+
+
+def timeout_s(environ: Mapping[str, str] | None = None) -> float:
+    environ = os.environ if environ is None else environ
+    value = environ.get(TIMEOUT_ENV)
+    try:
+        seconds = float(value) if value else DEFAULT_TIMEOUT_S
+    except ValueError as error:
+        raise MegalithError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from error
+    if seconds <= 0:
+        raise MegalithError(f"{TIMEOUT_ENV} must be positive, got {seconds}")
+    return seconds
+
+
+def local_device(env: DistributedEnv, name: str = "auto") -> torch.device:
+    """``cuda:LOCAL_RANK`` when training on CUDA, else the CPU."""
+    device = resolve_device(name)
+    if device.type != "cuda":
+        return device
+    if env.local_rank >= torch.cuda.device_count():
+        raise MegalithError(
+            f"LOCAL_RANK {env.local_rank} has no GPU: this node has {torch.cuda.device_count()} "
+            "(--nproc-per-node must not exceed the GPUs per node)"
+        )
+    return torch.device("cuda", env.local_rank)
+
+
+def init_distributed(device_name: str = "auto") -> tuple[DistributedEnv, torch.device]:
+    """Join the job's process group (NCCL on CUDA, else gloo); a no-op in one process."""
+    env = env_from_torchrun()
+    device = local_device(env, device_name)
+    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        return env, device
+    if dist.is_initialized():
+        return env, device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        timeout=timedelta(seconds=timeout_s()),
+        device_id=device if device.type == "cuda" else None,
+    )
+    logger.debug("rank %d/%d joined (%s on %s)", env.rank, env.world_size, backend, device)
+    return env, device
+
+
+def teardown() -> None:
+    """Leave the process group; safe to call when none was joined."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def distributed(device_name: str = "auto") -> Iterator[tuple[DistributedEnv, torch.device]]:
+    """``init_distributed`` for the duration of a block, torn down however it ends."""
+    try:
+        yield init_distributed(device_name)
+    finally:
+        teardown()

@@ -1,0 +1,150 @@
+"""Launching training on many processes: torchrun for one or more nodes, Slurm scripts.
+
+``megalith train --nproc-per-node N`` re-runs itself as ``python -m
+torch.distributed.run ... -m pipelines.cli train ...``; each worker then sees
+torchrun's RANK/WORLD_SIZE and joins the job (``training.distributed``). torchrun
+stops every worker as soon as one fails, and exits non-zero. Commands are argument
+lists, never shell strings.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from training.errors import MegalithError
+
+DEFAULT_RDZV_PORT = 29500
+TIMEOUT_ENV = "MEGALITH_DIST_TIMEOUT_S"  # seconds before a stuck collective fails the job
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Where the workers run: processes per node, nodes, and how they meet."""
+
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "megalith"
+
+    def check(self) -> None:
+        if self.nproc_per_node < 1:
+            raise MegalithError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
+        if self.nnodes < 1:
+            raise MegalithError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise MegalithError(
+                f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (the first node's address)"
+            )
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise MegalithError(f"--node-rank {self.node_rank} is outside --nnodes {self.nnodes}")
+
+
+def torchrun_command(spec: LaunchSpec, module_args: Sequence[str]) -> list[str]:
+    """``python -m torch.distributed.run`` with the rendezvous flags, then ``-m`` module args.
+
+    One node without an endpoint uses ``--standalone`` (a private rendezvous on a free
+    port, so concurrent jobs never collide). Several nodes meet through a c10d store at
+    the endpoint; the node with ``node_rank`` 0 hosts it.
+    """
+    spec.check()
+    command = [sys.executable, "-m", "torch.distributed.run"]
+    if spec.nnodes == 1 and not spec.rdzv_endpoint:
+        command.append("--standalone")
+    else:
+        command += [
+            "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", spec.rdzv_endpoint or "",
+            "--rdzv-id", spec.rdzv_id,
+        ]  # fmt: skip
+        if spec.node_rank is not None:
+            command += ["--node-rank", str(spec.node_rank)]
+            command += ["--rdzv-conf", f"is_host={int(spec.node_rank == 0)}"]
+    command += [
+        "--nnodes", str(spec.nnodes),
+        "--nproc-per-node", str(spec.nproc_per_node),
+        "--max-restarts", "0",  # a failed rank fails the job; resume is a new launch
+        "-m", *module_args,
+    ]  # fmt: skip
+    return command
+
+
+def worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Unbuffered workers, so each log line reaches a pipe (Prefect) as it is written."""
+    env = dict(os.environ if environ is None else environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_torchrun(command: list[str]) -> int:
+    """Run torchrun in this process group (a cancelled parent takes it down) and wait."""
+    return subprocess.run(command, env=worker_env(), check=False).returncode
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ
+
+
+# --- Slurm -------------------------------------------------------------------------------
+
+
+def slurm_script(
+    config: str,
+    nodes: int,
+    gpus_per_node: int,
+    *,
+    sets: Sequence[str] = (),
+    output: str | None = None,
+    job_name: str = "megalith",
+    partition: str | None = None,
+    time_limit: str | None = None,
+    port: int = DEFAULT_RDZV_PORT,
+    megalith: str = "megalith",
+) -> str:
+    """An sbatch script: one ``megalith train`` launcher per node (srun), each running
+    ``gpus_per_node`` workers through torchrun, meeting at the first node."""
+    if nodes < 1 or gpus_per_node < 1:
+        raise MegalithError(f"--nodes ({nodes}) and --gpus-per-node ({gpus_per_node}) must be >= 1")
+    header = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={gpus_per_node}",
+        f"#SBATCH --cpus-per-task={8 * gpus_per_node}",
+        "#SBATCH --output=%x-%j.out",
+    ]
+    if partition:
+        header.append(f"#SBATCH --partition={partition}")
+    if time_limit:
+        header.append(f"#SBATCH --time={time_limit}")
+    train = [megalith, "train", "--config", config]
+    for setting in sets:
+        train += ["--set", setting]
+    if output:
+        train += ["--output", output]
+    train += [
+        "--quiet", "--resume",
+        "--nnodes", str(nodes), "--nproc-per-node", str(gpus_per_node),
+    ]  # fmt: skip
+    quoted = " ".join(shlex.quote(arg) for arg in train)
+    body = [
+        "set -euo pipefail",
+        "",
+        "# The first node of the allocation hosts the c10d rendezvous.",
+        'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f'RDZV_ENDPOINT="$HEAD_NODE:{port}"',
+        "",
+        "# One launcher per node; each starts its GPUs' workers with torchrun. If any rank",
+        "# fails, its node's torchrun exits non-zero and srun ends the job.",
+        "srun --kill-on-bad-exit=1 \\",
+        f"  {quoted} \\",
+        '  --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$SLURM_JOB_ID"',
+    ]
+    return "\n".join(header + [""] + body) + "\n"
