@@ -329,10 +329,19 @@ def _load_optimizer(optimizer, tensors, state, param_names, path) -> None:
         name, _, state_key = key.rpartition("/")
         per_param.setdefault(position[name], {})[state_key] = tensor
     groups = state["optimizer"]["param_groups"]
-    current = optimizer.state_dict()["param_groups"]
-    if [g["params"] for g in groups] != [g["params"] for g in current]:
+    if [g["params"] for g in groups] != _group_indices(optimizer):
         raise CheckpointError(f"{path}: optimizer parameter groups differ from the model's")
     optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+
+
+def _group_indices(optimizer) -> list[list[int]]:
+    """Each group's parameter positions as ``state_dict()`` numbers them, without calling it
+    (a sharded optimizer's ``state_dict`` is collective)."""
+    indices, start = [], 0
+    for group in optimizer.param_groups:
+        indices.append(list(range(start, start + len(group["params"]))))
+        start += len(group["params"])
+    return indices
 
 
 def _restore_rng(tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:

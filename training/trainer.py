@@ -1,10 +1,17 @@
-"""The single-device training loop.
+"""The training loop, on one device or data-parallel over many.
 
 ``train(config, output)`` builds the model, data and optimizer from the config,
 trains for ``training.train_iters`` optimizer steps with gradient accumulation,
 validates periodically, checkpoints, and writes ``metrics.jsonl``. With
 ``checkpoint.resume`` it continues from the latest checkpoint so that the loss
 curve equals that of an uninterrupted run.
+
+Under torchrun (torch.distributed initialised by the caller, see
+``training.distributed``) each data-parallel rank reads its own slice of every
+global batch, gradients are averaged by DDP (``training.parallel.data_parallel``),
+and rank 0 alone writes metrics, checkpoints and the model package and talks to
+MLflow. Tensor, pipeline, context and expert parallelism are refused until they
+are integrated here.
 """
 
 from __future__ import annotations
@@ -14,25 +21,33 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
 from preprocessing.storage import atomic_write_json
-from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from training.config import MegalithConfig, ModelConfig, ParallelConfig, dump_config
+from training.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    step_dir_name,
+)
+from training.config import MegalithConfig, ModelConfig, dump_config
 from training.data import build_gpt_datasets
 from training.data.shard_set import open_shard_set
-from training.device import resolve_device
+from training.distributed import env_from_torchrun, local_device
 from training.errors import MegalithError
 from training.models import GPTModel
 from training.models.flops import flops_per_token
 from training.models.package import save_model_package
-from training.optim import build_optimizer
+from training.parallel import data_parallel as dp
+from training.parallel.groups import ParallelState, build_parallel_state
 from training.precision import Precision, resolve_precision
 from training.schedule import learning_rate
 from training.tracking import MetricsFile, NullLogger, RunLogger, read_metrics
@@ -79,16 +94,31 @@ def format_record(record: dict[str, Any], total_steps: int) -> str:
 
 
 class ResumableSampler(Sampler[int]):
-    """Global sample indices ``start, start + 1, ...``: the datasets already shuffle."""
+    """Global sample indices ``start, start + 1, ...``: the datasets already shuffle.
 
-    def __init__(self, start: int, stop: int):
+    With ``size`` data-parallel ranks, each span of ``micro_batch_size · size`` indices
+    is one micro-batch per rank (Megatron's order): rank ``r`` reads the ``r``-th
+    ``micro_batch_size`` of them, so the ranks' union is the single-process batch.
+    """
+
+    def __init__(
+        self, start: int, stop: int, micro_batch_size: int = 1, rank: int = 0, size: int = 1
+    ):
+        if (stop - start) % (micro_batch_size * size):
+            raise ValueError(
+                f"samples {start}..{stop} do not split into micro-batches of "
+                f"{micro_batch_size} over {size} ranks"
+            )
         self.start, self.stop = start, stop
+        self.micro, self.rank, self.size = micro_batch_size, rank, size
 
     def __iter__(self):
-        return iter(range(self.start, self.stop))
+        span = self.micro * self.size
+        for first in range(self.start + self.rank * self.micro, self.stop, span):
+            yield from range(first, first + self.micro)
 
     def __len__(self) -> int:
-        return self.stop - self.start
+        return (self.stop - self.start) // self.size
 
 
 def resolve_model_config(config: MegalithConfig) -> ModelConfig:
@@ -121,30 +151,52 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def refuse_unintegrated(state: ParallelState) -> None:
+    """Model-parallel sizes the trainer cannot run yet fail before any work."""
+    sizes = state.sizes
+    asked = {"tensor": sizes.tp, "pipeline": sizes.pp, "context": sizes.cp, "expert": sizes.ep}
+    pending = [f"parallel.{name}={size}" for name, size in asked.items() if size > 1]
+    if pending:
+        raise MegalithError(
+            f"{', '.join(pending)}: not integrated into the trainer yet (data parallelism "
+            "is: ddp and distributed_optimizer over any number of ranks)"
+        )
+
+
 class Trainer:
     def __init__(
-        self, config: MegalithConfig, output: str | Path, run_logger: RunLogger | None = None
+        self,
+        config: MegalithConfig,
+        output: str | Path,
+        run_logger: RunLogger | None = None,
+        parallel_state: ParallelState | None = None,
     ):
         self.config = config
         self.output = Path(output)
-        self.output.mkdir(parents=True, exist_ok=True)
-        if config.parallel != ParallelConfig():
-            raise MegalithError(
-                "parallel.* layouts (tensor, pipeline, context, expert, data-parallel modes) "
-                "are not supported by this single-device trainer yet"
-            )
         self.run_logger = run_logger or NullLogger()
-        self.device = resolve_device(config.training.device)
+        # torchrun's LOCAL_RANK picks the GPU; one process: training.device as given.
+        self.device = local_device(env_from_torchrun(), config.training.device)
+        self.parallel = parallel_state or build_parallel_state(config, self.device.type)
+        refuse_unintegrated(self.parallel)
+        dp.check_mode(config.parallel)
+        self.is_main = self.parallel.rank == 0
+        if self.is_main:
+            self.output.mkdir(parents=True, exist_ok=True)
         self.precision: Precision = resolve_precision(config.mixed_precision, self.device)
         self.checkpoint_dir = Path(config.checkpoint.directory or self.output / "checkpoints")
         seed_everything(config.training.seed)
 
         self.model_config = resolve_model_config(config)
+        # Hook for tensor/sequence parallelism: GPTModel(config, TensorParallelBackend(...)).
         self.model = GPTModel(self.model_config).to(self.device)
-        self.optimizer, self.param_names = build_optimizer(
-            self.model, config.optimizer, self.device
+        self.optimizer, self.param_names = dp.build_optimizer(
+            self.model, config.optimizer, self.device, self.parallel, config.parallel
         )
-        self.forward_model = torch.compile(self.model) if config.training.compile else self.model
+        # DDP broadcasts rank 0's weights at construction; every rank seeded alike anyway.
+        self.dp_model = dp.wrap_model(self.model, self.parallel, config.parallel, self.device)
+        self.forward_model = (
+            torch.compile(self.dp_model) if config.training.compile else self.dp_model
+        )
         # The output head is a real matmul: counting it matches the reference MFU figures
         # (HF Llama 65.5k tokens/s ≈ 47% at the 1B shape). Only the embedding lookup is left out.
         self.flops_per_token = flops_per_token(
@@ -172,11 +224,19 @@ class Trainer:
         return train, valid
 
     def _loader(self, dataset: Dataset, start: int, stop: int) -> DataLoader:
+        """This rank's micro-batches of global samples ``start..stop``."""
+        training = self.config.training
+        sampler = ResumableSampler(
+            start, stop, training.micro_batch_size, self.parallel.dp_rank, self.parallel.sizes.dp
+        )
+        return self._sampled_loader(dataset, sampler)
+
+    def _sampled_loader(self, dataset: Dataset, sampler: Iterable[int]) -> DataLoader:
         workers = self.config.training.num_workers
         return DataLoader(
             dataset,
             batch_size=self.config.training.micro_batch_size,
-            sampler=ResumableSampler(start, stop),
+            sampler=sampler,
             num_workers=workers,
             pin_memory=self.device.type == "cuda",
             prefetch_factor=4 if workers else None,
@@ -184,6 +244,12 @@ class Trainer:
             # or a resumed run would see different dropout masks.
             generator=torch.Generator().manual_seed(self.config.training.seed),
         )
+
+    def train_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's micro-batches from the current position to the end of training."""
+        training = self.config.training
+        stop = training.train_iters * training.global_batch_size
+        return iter(self._loader(self.train_data, self.consumed_samples, stop))
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -197,7 +263,8 @@ class Trainer:
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
         self.checkpoint = path
-        self._truncate_metrics(self.step)
+        if self.is_main:
+            self._truncate_metrics(self.step)
         logger.info("resumed from %s at step %d", path, self.step)
         return True
 
@@ -219,22 +286,32 @@ class Trainer:
         os.replace(tmp, path)
 
     def save(self) -> Path:
+        """Rank 0 writes the whole state (a sharded optimizer consolidated to it first)."""
         state = {
             "consumed_samples": self.consumed_samples,
             "config": self.config.model_dump(mode="json"),
             "model_config": self.model_config.model_dump(mode="json"),
+            "layout": self.parallel.layout(),
         }
-        self.checkpoint = save_checkpoint(
-            self.checkpoint_dir,
-            self.step,
-            self.model,
-            self.optimizer,
-            self.param_names,
-            state,
-            self.precision.scaler,
-            self.config.checkpoint.keep_last,
-        )
+        with dp.consolidated(self.optimizer) as optimizer:
+            if self.is_main:
+                save_checkpoint(
+                    self.checkpoint_dir,
+                    self.step,
+                    self.model,
+                    optimizer,
+                    self.param_names,
+                    state,
+                    self.precision.scaler,
+                    self.config.checkpoint.keep_last,
+                )
+        self._barrier()  # nobody runs ahead of a checkpoint that is not yet on disk
+        self.checkpoint = self.checkpoint_dir / step_dir_name(self.step)
         return self.checkpoint
+
+    def _barrier(self) -> None:
+        if self.parallel.distributed:
+            dist.barrier()
 
     # ------------------------------------------------------------------ steps
 
@@ -245,7 +322,9 @@ class Trainer:
 
     def train_step(self, batches) -> dict[str, float]:
         training = self.config.training
-        accumulation = training.global_batch_size // training.micro_batch_size
+        accumulation = training.global_batch_size // (
+            training.micro_batch_size * self.parallel.sizes.dp
+        )
         lr = learning_rate(
             self.step, self.config.scheduler, self.config.optimizer, training.train_iters
         )
@@ -254,14 +333,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         scaler = self.precision.scaler
         total_loss = torch.zeros((), device=self.device)
-        for _ in range(accumulation):
-            loss = self._micro_batch_loss(next(batches)) / accumulation
-            (scaler.scale(loss) if scaler else loss).backward()
+        for micro_step in range(accumulation):
+            # Gradients are averaged over data-parallel ranks on the last micro-step only.
+            with dp.no_sync(self.dp_model, skip=micro_step < accumulation - 1):
+                loss = self._micro_batch_loss(next(batches)) / accumulation
+                (scaler.scale(loss) if scaler else loss).backward()
             total_loss += loss.detach()
+        total_loss = dp.all_reduce_mean(total_loss, self.parallel)
         if scaler:
             scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), training.grad_clip if training.grad_clip > 0 else math.inf
+        grad_norm = dp.clip_grad_norm(
+            list(self.model.parameters()), training.grad_clip, self.parallel
         )
         if scaler:
             scaler.step(self.optimizer)
@@ -278,36 +360,57 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
+        """Mean loss over the validation micro-batches, dealt round-robin to the DP ranks."""
         if self.valid_data is None:
             return None
+        micro, samples = self.config.training.micro_batch_size, len(self.valid_data)
+        batches = range(math.ceil(samples / micro))
+        mine = batches[self.parallel.dp_rank :: self.parallel.sizes.dp]
+        indices = [i for b in mine for i in range(b * micro, min((b + 1) * micro, samples))]
         self.model.eval()
-        losses = []
-        for batch in self._loader(self.valid_data, 0, len(self.valid_data)):
-            losses.append(self._micro_batch_loss(batch).float().item())
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for batch in self._sampled_loader(self.valid_data, indices):
+            total[0] += self._micro_batch_loss(batch).double()
+            total[1] += 1
         self.model.train()
-        return sum(losses) / len(losses)
+        total = dp.all_reduce_mean(total, self.parallel)
+        return (total[0] / total[1]).item()
 
     # ------------------------------------------------------------------ loop
 
-    def fit(self, show_progress: bool = True) -> TrainResult:
-        training = self.config.training
+    def _start_run_records(self) -> MetricsFile | None:
+        """Rank 0: config.yaml, MLflow params and layout tags, a fresh or truncated metrics.jsonl."""
+        if not self.is_main:
+            return None
         (self.output / "config.yaml").write_text(dump_config(self.config))
         # The model as built: the vocabulary and context length filled from the data.
         params = self.config.model_dump(mode="json")
         params["model"] = self.model_config.model_dump(mode="json")
+        params["layout"] = self.parallel.layout()
         self.run_logger.log_params(params)
+        sizes = self.parallel.sizes
+        self.run_logger.set_tags(
+            {
+                "megalith.world_size": str(sizes.world),
+                "megalith.parallel.layout": f"tp{sizes.tp}-cp{sizes.cp}-pp{sizes.pp}-dp{sizes.dp}",
+                "megalith.parallel.data_parallel_mode": self.config.parallel.data_parallel_mode,
+            }
+        )
         if self.step == 0:
             (self.output / "metrics.jsonl").unlink(missing_ok=True)
-        metrics_file = MetricsFile(self.output / "metrics.jsonl")
-        stop_sample = training.train_iters * training.global_batch_size
-        batches = iter(self._loader(self.train_data, self.consumed_samples, stop_sample))
+        return MetricsFile(self.output / "metrics.jsonl")
+
+    def fit(self, show_progress: bool = True) -> TrainResult:
+        training = self.config.training
+        metrics_file = self._start_run_records()
+        batches = self.train_batches()
         tokens_per_step = training.global_batch_size * self.config.data.seq_length
         bar = tqdm(
             total=training.train_iters,
             initial=self.step,
             desc="training",
             unit="step",
-            disable=not show_progress,
+            disable=not (show_progress and self.is_main),
             dynamic_ncols=True,
         )
         last_checkpoint, val_loss, rates, record = None, None, [], {}
@@ -326,7 +429,8 @@ class Trainer:
                     if val_loss is not None:
                         record["val_loss"] = val_loss
                         record["val_ppl"] = math.exp(min(val_loss, 50.0))
-                metrics_file.write(record)
+                if metrics_file is not None:
+                    metrics_file.write(record)
                 self.run_logger.log_metrics(
                     {k: v for k, v in record.items() if k != "step"}, self.step
                 )
@@ -334,8 +438,10 @@ class Trainer:
                     loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", refresh=False
                 )
                 bar.update(1)
-                if not show_progress and (
-                    self.step % training.log_interval == 0 or "val_loss" in record
+                if (
+                    self.is_main
+                    and not show_progress
+                    and (self.step % training.log_interval == 0 or "val_loss" in record)
                 ):
                     logger.info(format_record(record, training.train_iters))
                 interval = self.config.checkpoint.interval
@@ -345,7 +451,18 @@ class Trainer:
             last_checkpoint = self.checkpoint or self.save()
         finally:
             bar.close()
-            metrics_file.close()
+            if metrics_file is not None:
+                metrics_file.close()
+        if not self.is_main:
+            return TrainResult(
+                output=self.output,
+                steps=self.step,
+                final_loss=record.get("loss", float("nan")),
+                val_loss=val_loss,
+                tokens_per_s=_mean_after_warmup(rates),
+                checkpoint=last_checkpoint,
+                model_package=None,
+            )
         # This run's package, like its metrics.jsonl, replaces one an earlier run left.
         package = save_model_package(
             self.model,
@@ -373,6 +490,8 @@ class Trainer:
     def _speed(self, tokens: int, seconds: float) -> dict[str, float]:
         tokens_per_s = tokens / seconds
         speed = {"tokens_per_s": tokens_per_s, "step_time_s": seconds}
+        if self.parallel.world_size > 1:
+            speed["tokens_per_s_per_device"] = tokens_per_s / self.parallel.world_size
         if self.device.type == "cuda":
             speed["mfu"] = tokens_per_s * self.flops_per_token / PEAK_BF16_FLOPS
             speed["memory_gb"] = torch.cuda.max_memory_allocated() / 1e9

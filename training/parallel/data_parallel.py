@@ -1,0 +1,314 @@
+"""Data parallelism over the data×context ranks: DDP, a ZeRO-1 distributed optimizer.
+
+``ddp``: torch DDP; gradients are all-reduced in buckets of ``ddp_bucket_mb`` while
+backward is still running, and not at all on accumulation micro-steps (``no_sync``).
+
+``distributed_optimizer``: the same DDP gradients, and the AdamW state sharded over
+the data-parallel ranks (ZeRO-1). Each parameter has one owner rank, which keeps
+its moments and updates it; after the step every owner broadcasts what it updated.
+Checkpoints consolidate the state on rank 0 in the single-process format, so a
+checkpoint loads into any data-parallel size. (torch's ZeroRedundancyOptimizer does
+the same but consolidates by pickling; this one only moves tensors.)
+
+``fsdp``: not implemented yet; refused with a clear message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.parallel import DistributedDataParallel
+
+from training.config import OptimizerConfig, ParallelConfig
+from training.errors import MegalithError
+from training.models.flops import param_groups
+from training.parallel.groups import ParallelState
+
+DATA_PARALLEL_MODES = ("ddp", "distributed_optimizer")
+
+
+def data_parallel_size(state: ParallelState) -> int:
+    """How many ranks average their gradients (data × context)."""
+    return state.sizes.dp * state.sizes.cp
+
+
+def check_mode(parallel: ParallelConfig) -> None:
+    if parallel.data_parallel_mode not in DATA_PARALLEL_MODES:
+        raise MegalithError(
+            f"parallel.data_parallel_mode={parallel.data_parallel_mode} is not implemented yet; "
+            f"use one of {', '.join(DATA_PARALLEL_MODES)}"
+        )
+
+
+def wrap_model(
+    model: nn.Module, state: ParallelState, parallel: ParallelConfig, device: torch.device
+) -> nn.Module:
+    """The module to call for forward and backward: DDP over data × context, or the model itself."""
+    check_mode(parallel)
+    if data_parallel_size(state) == 1:
+        return model
+    return DistributedDataParallel(
+        model,
+        device_ids=[device] if device.type == "cuda" else None,
+        process_group=state.dp_cp_group,
+        bucket_cap_mb=parallel.ddp_bucket_mb,
+        forward_sync_buffers=False,  # the only buffers are RoPE tables, equal on every rank
+        gradient_as_bucket_view=True,
+    )
+
+
+def no_sync(model: nn.Module, skip: bool) -> contextlib.AbstractContextManager:
+    """Skip the gradient all-reduce on an accumulation micro-step (not the last one)."""
+    if skip and isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def all_reduce_mean(value: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """The mean of a tensor over the data × context ranks (loss and metrics)."""
+    if data_parallel_size(state) == 1:
+        return value
+    value = value.detach().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=state.dp_cp_group)
+    return value / data_parallel_size(state)
+
+
+def clip_grad_norm(
+    parameters: list[nn.Parameter], max_norm: float, state: ParallelState
+) -> torch.Tensor:
+    """Clip by the norm over the whole model; returns the norm before clipping.
+
+    Under DDP every rank holds the full, averaged gradients, so the local norm is the
+    global one. Model-parallel layouts (TP, PP) add a reduction over their groups here.
+    """
+    if state.sizes.tp > 1 or state.sizes.pp > 1:
+        raise NotImplementedError("grad-norm over tensor/pipeline shards is not integrated yet")
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else math.inf)
+
+
+# --- The distributed optimizer (ZeRO-1) ------------------------------------------------
+
+
+def build_optimizer(
+    model: nn.Module,
+    config: OptimizerConfig,
+    device: torch.device,
+    state: ParallelState,
+    parallel: ParallelConfig,
+) -> tuple[Any, list[str]]:
+    """AdamW (sharded over data-parallel ranks in ``distributed_optimizer`` mode) and the
+    parameter names in its state order (for checkpoints)."""
+    from training.optim import build_optimizer as build_adamw
+
+    check_mode(parallel)
+    if parallel.data_parallel_mode != "distributed_optimizer" or data_parallel_size(state) == 1:
+        return build_adamw(model, config, device)
+    groups = param_groups(model, config.weight_decay)
+    names_by_param = {id(p): name for name, p in model.named_parameters()}
+    names = [names_by_param[id(p)] for group in groups for p in group["params"]]
+    fused = config.fused if config.fused is not None else device.type == "cuda"
+
+    def adamw(local_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            local_groups,
+            lr=config.lr,
+            betas=(config.beta1, config.beta2),
+            eps=config.eps,
+            fused=fused or None,
+        )
+
+    return DistributedOptimizer(groups, adamw, state.dp_cp_group), names
+
+
+def partition(sizes: list[int], ranks: int) -> list[int]:
+    """The owner of each parameter: largest first onto the least-loaded rank (deterministic)."""
+    loads = [0] * ranks
+    owners = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        owners[index] = rank
+        loads[rank] += sizes[index]
+    return owners
+
+
+class DistributedOptimizer:
+    """ZeRO-1 over a process group: each rank steps an inner optimizer on the parameters
+    it owns, then every owner broadcasts its updated parameters.
+
+    Offers what the trainer and GradScaler use of an optimizer: ``param_groups`` (set
+    the learning rate here), ``zero_grad``, ``step``, ``load_state_dict`` (the full,
+    single-process format) and ``consolidated_state_dict`` (collective).
+    """
+
+    STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")  # AdamW's, amsgrad off
+
+    def __init__(
+        self,
+        groups: list[dict[str, Any]],
+        make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+        group: dist.ProcessGroup,
+    ):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.params = [p for g in groups for p in g["params"]]
+        self.owners = partition([p.numel() for p in self.params], self.world)
+        owner_of = {id(p): o for p, o in zip(self.params, self.owners, strict=True)}
+        local_groups = [
+            {**g, "params": [p for p in g["params"] if owner_of[id(p)] == self.rank]}
+            for g in groups
+        ]
+        self.optim = make_optimizer(local_groups)
+        # The global view: the inner groups' hyperparameters over every parameter.
+        self.param_groups = [
+            {**inner, "params": list(outer["params"])}
+            for inner, outer in zip(self.optim.param_groups, groups, strict=True)
+        ]
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        return self.optim.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.params:
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for outer, inner in zip(self.param_groups, self.optim.param_groups, strict=True):
+            inner.update(_hyperparameters(outer))
+        self.optim.step()
+        self._broadcast_params()
+
+    def _broadcast_params(self) -> None:
+        for owner, params in self._buckets():
+            flat = _flatten_dense_tensors([p.data for p in params])
+            dist.broadcast(flat, group_src=owner, group=self.group)
+            if owner != self.rank:
+                for param, value in zip(
+                    params, _unflatten_dense_tensors(flat, params), strict=True
+                ):
+                    param.data.copy_(value)
+
+    def _buckets(self) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        """Parameters grouped by owner and dtype, in an order every rank agrees on."""
+        buckets: dict[tuple[int, str], list[torch.Tensor]] = {}
+        for owner, param in zip(self.owners, self.params, strict=True):
+            buckets.setdefault((owner, str(param.dtype)), []).append(param)
+        for (owner, _), params in sorted(buckets.items(), key=lambda item: item[0]):
+            yield owner, params
+
+    def _group_indices(self) -> list[list[int]]:
+        indices, start = [], 0
+        for group in self.param_groups:
+            indices.append(list(range(start, start + len(group["params"]))))
+            start += len(group["params"])
+        return indices
+
+    # --- checkpoints: the single-process AdamW format ---------------------------------
+
+    def consolidated_state_dict(self) -> dict[str, Any] | None:
+        """Collective: every owner sends its parameters' state to rank 0 of the group,
+        which returns the full state dict; the other ranks return None."""
+        local = self.optim.state
+        stepped = torch.tensor([1.0 if local else 0.0], device=self.params[0].device)
+        dist.all_reduce(stepped, op=dist.ReduceOp.MAX, group=self.group)
+        full: dict[int, dict[str, torch.Tensor]] = {}
+        for index, (param, owner) in enumerate(zip(self.params, self.owners, strict=True)):
+            if not stepped.item():
+                break
+            for key in self.STATE_KEYS:
+                if owner == self.rank == 0:
+                    full.setdefault(index, {})[key] = local[param][key]
+                elif owner == self.rank:
+                    dist.send(_as_tensor(local[param][key], param), group_dst=0, group=self.group)
+                elif self.rank == 0:
+                    buffer = _receive_buffer(key, param)
+                    dist.recv(buffer, group_src=owner, group=self.group)
+                    full.setdefault(index, {})[key] = buffer
+        if self.rank != 0:
+            return None
+        groups = [
+            {**_hyperparameters(g), "params": indices}
+            for g, indices in zip(self.param_groups, self._group_indices(), strict=True)
+        ]
+        return {"state": full, "param_groups": groups}
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError(
+            "DistributedOptimizer.state_dict is collective: call consolidated_state_dict() on "
+            "every rank"
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the full single-process state; each rank keeps the share it owns."""
+        saved_groups = state_dict["param_groups"]
+        if [g["params"] for g in saved_groups] != self._group_indices():
+            raise MegalithError("optimizer state does not match the parameter groups")
+        local_state: dict[int, Any] = {}
+        local_groups: list[dict[str, Any]] = []
+        position = 0
+        for saved in saved_groups:
+            local_indices = []
+            for index in saved["params"]:
+                if self.owners[index] != self.rank:
+                    continue
+                if index in state_dict["state"]:
+                    local_state[position] = state_dict["state"][index]
+                local_indices.append(position)
+                position += 1
+            local_groups.append({**_hyperparameters(saved), "params": local_indices})
+        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        for outer, saved in zip(self.param_groups, saved_groups, strict=True):
+            outer.update(_hyperparameters(saved))
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _as_tensor(value: Any, param: torch.Tensor) -> torch.Tensor:
+    tensor = value if torch.is_tensor(value) else torch.tensor(float(value))
+    return _to_comm(tensor.float() if tensor.dim() == 0 else tensor, param)
+
+
+def _receive_buffer(key: str, param: torch.Tensor) -> torch.Tensor:
+    if key == "step":
+        return _to_comm(torch.zeros((), dtype=torch.float32), param)
+    return torch.empty_like(param, memory_format=torch.contiguous_format)
+
+
+def _to_comm(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """On the parameter's device: NCCL moves only CUDA tensors."""
+    return tensor.to(param.device).contiguous()
+
+
+@contextlib.contextmanager
+def consolidated(optimizer: Any) -> Iterator[Any]:
+    """What ``save_checkpoint`` reads the optimizer through: the full state on rank 0."""
+    if not isinstance(optimizer, DistributedOptimizer):
+        yield optimizer
+        return
+    yield _Frozen(optimizer.consolidated_state_dict())
+
+
+class _Frozen:
+    """A consolidated state dict behind the one method ``save_checkpoint`` calls."""
+
+    def __init__(self, state: dict[str, Any] | None):
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._state is None:
+            raise RuntimeError("only rank 0 holds the consolidated optimizer state")
+        return self._state
