@@ -89,6 +89,19 @@ def prefect_api() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_cpu_thread() -> Iterator[None]:
+    """The tests' tensors are tiny: intra-op threads only add synchronisation, and on a
+    busy two-core machine they make steps 4-40x slower. Child processes inherit it."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` run only where CUDA is available."""
     import torch

@@ -39,16 +39,6 @@ FILES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tensors this small gain nothing from intra-op threads, which only stall when the
-    # cores are shared with other work.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Run:
     """A tiny model with its optimizer, trained a step at a time on fixed batches."""
 

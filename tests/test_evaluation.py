@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,16 +41,6 @@ from training.models.package import save_model_package
 CORPUS = Path(corpus_generator.__file__).parent / "sample_corpus" / "stories.jsonl"
 SEQ = 32
 MAX_POSITIONS = 64
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """These tensors are tiny: a second thread only adds synchronisation, and on a busy
-    two-core machine it makes the module several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -30,16 +30,6 @@ VOCAB = 96
 SEQ = 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tensors this small gain nothing from intra-op threads, which only stall when
-    # the cores are shared with other work.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny(style: str = "llama", **overrides) -> ModelConfig:
     values = {
         "style": style,

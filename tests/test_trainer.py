@@ -41,14 +41,6 @@ SEQ = 64
 METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The sample corpus as the tiny-cpu recipe's shard set, with a 1024-piece tokenizer."""
