@@ -11,7 +11,8 @@ K=3 AdamW steps (lr 1e-3), within rtol 1e-5 / atol 1e-5 (measured: 5e-7 at most)
 gradients of one backward within rtol 1e-4 / atol 1e-6 (TP sums partial products in
 another order); after the K steps each weight within 1% (L2) of its total update,
 since AdamW's ``m / sqrt(v)`` turns last-bit differences of near-zero gradients into
-update differences of up to ~lr per element.
+update differences of up to ~lr per element. Under bf16 autocast (one check) the
+loss within 2% and every gradient at cosine similarity > 0.99.
 """
 
 from __future__ import annotations
@@ -45,12 +46,14 @@ from training.parallel.tensor_parallel import (
     tensor_parallel_partition,
     vocab_parallel_cross_entropy,
 )
+from training.parallel.tensor_parallel.sharding import shard_tensor
 
 WORLD = 2
 VOCAB = 96
 SEQ = 16
 STEPS = 3
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-5}
+BF16_LOSS_TOL = {"rtol": 2e-2, "atol": 0.0}
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 STEP_UPDATE_RTOL = 1e-2
 
@@ -206,6 +209,30 @@ def _check_adamw_steps(layout: Layout, group: dist.ProcessGroup) -> dict[str, li
     return {"steps": failures}
 
 
+def _check_autocast(group: dist.ProcessGroup) -> dict[str, list[str]]:
+    """bf16 autocast (CPU) through the sequence-parallel linears' custom backward."""
+    layout = Layout("llama", True)
+    config, full, tp = _models(layout, group)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    where = f"{layout.id} rank {rank} under bf16 autocast"
+    tokens, labels = _batch(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = full(tokens, labels), tp(tokens, labels)
+    failures = _mismatch(f"{where}: forward loss", got, expected, BF16_LOSS_TOL)
+    expected.backward()
+    got.backward()
+    full_grads = {name: param.grad for name, param in full.named_parameters()}
+    expected_grads = shard_full_state_dict(full_grads, config, rank, world)
+    for name, param in tp.named_parameters():
+        cosine = F.cosine_similarity(param.grad.flatten(), expected_grads[name].flatten(), dim=0)
+        if param.grad.dtype != torch.float32 or not cosine > 0.99:
+            failures.append(
+                f"{where}: gradient of {name} is {param.grad.dtype} with cosine similarity "
+                f"{cosine:.4f} to the unsharded one"
+            )
+    return {"autocast": failures}
+
+
 def _check_cross_entropy(group: dist.ProcessGroup) -> dict[str, list[str]]:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     generator = torch.Generator().manual_seed(7)
@@ -214,8 +241,8 @@ def _check_cross_entropy(group: dist.ProcessGroup) -> dict[str, list[str]]:
     labels[1, :2] = -100
     grad_out = torch.randn(3, 5, generator=generator)
     failures = []
-    for ignore in (False, True):
-        target = labels if ignore else labels.clamp(min=0)
+    for with_ignored in (False, True):
+        target = labels if with_ignored else labels.clamp(min=0)
         full = logits.clone().requires_grad_()
         expected = F.cross_entropy(full.view(-1, VOCAB), target.view(-1), reduction="none")
         expected = expected.view(target.shape)
@@ -224,9 +251,7 @@ def _check_cross_entropy(group: dist.ProcessGroup) -> dict[str, list[str]]:
         local = logits.chunk(world, -1)[rank].clone().requires_grad_()
         got = vocab_parallel_cross_entropy(local, target, group)
         (got * grad_out).sum().backward()
-        what = (
-            f"vocab-parallel cross-entropy rank {rank} ({'with' if ignore else 'no'} ignore_index)"
-        )
+        what = f"vocab-parallel cross-entropy rank {rank} ({'with' if with_ignored else 'no'} ignore_index)"
         failures += _mismatch(f"{what}: per-token loss", got, expected, LOSS_TOL)
         failures += _mismatch(
             f"{what}: mean loss",
@@ -241,7 +266,8 @@ def _check_cross_entropy(group: dist.ProcessGroup) -> dict[str, list[str]]:
 
 
 def _check_layers(group: dist.ProcessGroup) -> dict[str, list[str]]:
-    """Options the backend does not use: gathered chunked output, reduce-scattered embedding."""
+    """Layer options the backend does not use (gathered chunked output, reduce-scattered
+    embedding) and what the sequence-parallel linear keeps for backward."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     torch.manual_seed(3)
     failures = []
@@ -252,11 +278,7 @@ def _check_layers(group: dist.ProcessGroup) -> dict[str, list[str]]:
         6, 16, group=group, bias=False, init_std=0.02, output_chunks=2, gather_output=True
     )
     with torch.no_grad():
-        column.weight.copy_(
-            shard_full_state_dict({"mlp.fc1.linear.weight": weight}, tiny(), rank, world)[
-                "mlp.fc1.linear.weight"
-            ]
-        )
+        column.weight.copy_(shard_tensor(weight, 0, 2, rank, world))
     failures += _mismatch(
         f"rank {rank}: ColumnParallelLinear(output_chunks=2, gather_output=True)",
         column(x),
@@ -276,6 +298,20 @@ def _check_layers(group: dist.ProcessGroup) -> dict[str, list[str]]:
         expected,
         LOSS_TOL,
     )
+
+    sequence_parallel = ColumnParallelLinear(
+        6, 8, group=group, bias=True, init_std=0.02, sequence_parallel=True
+    )
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.shape) or t, lambda t: t
+    ):
+        sequence_parallel(x.chunk(world, 1)[rank].requires_grad_())
+    if (2, 4, 6) in saved:
+        failures.append(
+            f"rank {rank}: sequence-parallel ColumnParallelLinear saved the gathered input "
+            f"for backward (saved {saved}), not its sequence shard"
+        )
     return {"layers": failures}
 
 
@@ -312,6 +348,7 @@ def _run_all(group: dist.ProcessGroup) -> dict[str, dict]:
     for layout in LAYOUTS:
         cases[layout.id] = lambda layout=layout: _check_forward_and_grads(layout, group)
         cases[f"{layout.id} steps"] = lambda layout=layout: _check_adamw_steps(layout, group)
+    cases["autocast"] = lambda: _check_autocast(group)
     cases["cross_entropy"] = lambda: _check_cross_entropy(group)
     cases["layers"] = lambda: _check_layers(group)
     cases["refusals"] = lambda: _check_refusals(group)
@@ -388,11 +425,15 @@ def test_adamw_steps_match_single_process(results, layout):
     assert not (failures := _failures(results, f"{layout} steps", "steps")), failures
 
 
+def test_sequence_parallel_under_bf16_autocast(results):
+    assert not (failures := _failures(results, "autocast", "autocast")), failures
+
+
 def test_vocab_parallel_cross_entropy_equals_cross_entropy(results):
     assert not (failures := _failures(results, "cross_entropy", "cross_entropy")), failures
 
 
-def test_gathered_column_output_and_reduce_scattered_embedding(results):
+def test_column_output_gather_sp_saved_shard_and_reduce_scattered_embedding(results):
     assert not (failures := _failures(results, "layers", "layers")), failures
 
 

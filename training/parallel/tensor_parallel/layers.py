@@ -29,10 +29,12 @@ from torch.distributed import ProcessGroup
 from training.models.layers import NormSpec
 from training.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from training.parallel.tensor_parallel.mappings import (
+    SEQUENCE_DIM,
+    all_gather,
     copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
+    reduce_scatter,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
@@ -44,6 +46,39 @@ def _divide(total: int, parts: int, what: str) -> int:
     if total % parts:
         raise ValueError(f"{what} ({total}) is not divisible by the tensor-parallel size {parts}")
     return total // parts
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """``linear(all_gather_sequence(x), W, b)`` that saves only the sequence shard ``x``
+    and all-gathers it again in backward (Megatron's choice): the activation kept for
+    the weight gradient is ``T/tp`` long instead of ``T``, at the cost of one more
+    all-gather. The input gradient is reduce-scattered back to the shard."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, group: ProcessGroup):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(all_gather(x, SEQUENCE_DIM, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        total = all_gather(x, SEQUENCE_DIM, ctx.group)
+        grad_input = reduce_scatter(grad.matmul(weight), SEQUENCE_DIM, ctx.group)
+        grad_2d = grad.reshape(-1, grad.size(-1))
+        grad_weight = grad_2d.t().matmul(total.reshape(-1, total.size(-1)))
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None
+
+
+def _autocast(*tensors: Tensor | None) -> list[Tensor | None]:
+    """Cast to the autocast dtype, as ``F.linear`` would, outside a custom autograd
+    Function (whose backward runs without autocast)."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return list(tensors)
+    dtype = torch.get_autocast_dtype(device)
+    return [None if t is None else t.to(dtype) for t in tensors]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -89,10 +124,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)
+            y = _SequenceParallelLinear.apply(*_autocast(x, self.weight, self.bias), self.group)
         else:
-            x = copy_to_tensor_parallel_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+            y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
         if not self.gather_output:
             return y
         chunks = y.chunk(self.output_chunks, dim=-1)
@@ -231,10 +265,8 @@ class VocabParallelOutputHead(nn.Module):
     def local_logits(self, hidden: Tensor) -> Tensor:
         """Logits of this rank's vocabulary range, ``[B, T, V/tp]``."""
         if self.sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden, self.group)
-        else:
-            hidden = copy_to_tensor_parallel_region(hidden, self.group)
-        return F.linear(hidden, self.weight)
+            return _SequenceParallelLinear.apply(*_autocast(hidden, self.weight, None), self.group)
+        return F.linear(copy_to_tensor_parallel_region(hidden, self.group), self.weight)
 
     def forward(self, hidden: Tensor) -> Tensor:
         return gather_from_tensor_parallel_region(self.local_logits(hidden), self.group)

@@ -31,8 +31,8 @@ from torch.distributed import ProcessGroup
 SEQUENCE_DIM = 1
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older versions have only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _all_reduce(x: Tensor, group: ProcessGroup) -> Tensor:
@@ -43,26 +43,26 @@ def _all_reduce(x: Tensor, group: ProcessGroup) -> Tensor:
     return out
 
 
-def _all_gather(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
-    """Concatenate every rank's ``x`` along ``dim``."""
+def all_gather(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (no autograd; see the mappings)."""
     world = dist.get_world_size(group)
     if world == 1:
         return x
     x = x.movedim(dim, 0).contiguous()  # the collective concatenates along dim 0
     out = x.new_empty((world * x.size(0), *x.shape[1:]))
-    _all_gather_single(out, x, group=group)
+    _ALL_GATHER(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
-    """Sum ``x`` over ranks and keep this rank's slice of ``dim``."""
+def reduce_scatter(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
+    """Sum ``x`` over ranks and keep this rank's slice of ``dim`` (no autograd)."""
     world = dist.get_world_size(group)
     if world == 1:
         return x
     _check_divisible(x, dim, world)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.size(0) // world, *x.shape[1:]))
-    _reduce_scatter_single(out, x, group=group)
+    _REDUCE_SCATTER(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -112,7 +112,7 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return all_gather(grad, ctx.dim, ctx.group), None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -121,7 +121,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
         ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
+        return all_gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -134,22 +134,22 @@ class _GatherReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
         ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
+        return all_gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
         ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
+        return reduce_scatter(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return all_gather(grad, ctx.dim, ctx.group), None, None
 
 
 def copy_to_tensor_parallel_region(x: Tensor, group: ProcessGroup) -> Tensor:
@@ -193,10 +193,12 @@ def reduce_scatter_to_sequence_parallel_region(x: Tensor, group: ProcessGroup) -
 
 __all__ = [
     "SEQUENCE_DIM",
+    "all_gather",
     "copy_to_tensor_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",
     "reduce_from_tensor_parallel_region",
+    "reduce_scatter",
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_parallel_region",
