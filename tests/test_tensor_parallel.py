@@ -58,14 +58,6 @@ GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 STEP_UPDATE_RTOL = 1e-2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny(style: str = "llama", **overrides) -> ModelConfig:
     values = {
         "style": style,
