@@ -22,6 +22,11 @@ Under SP every forward needs the sequence length divisible by the TP size, so
 incremental decoding with a KV cache should build the model without SP (the
 weights are the same).
 
+Dropout: the residual stream is replicated across TP ranks without SP, so every TP
+rank must draw the same dropout masks (seed TP peers identically, as Megatron's
+default generator is). Attention dropout and dropout on SP shards then reuse one mask
+pattern on different heads or tokens; Megatron's per-rank RNG tracker is not built.
+
 Weights: parameter names equal the single-device model's; ``shard_full_state_dict``
 and ``gather_tp_state_dict`` convert between the two.
 """
