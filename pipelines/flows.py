@@ -21,9 +21,12 @@ SAMPLE_TASKS = ["sample_facts"]
 
 
 @flow(name="pretrain", log_prints=True)
-def pretrain(config: MegalithConfig, output: str) -> dict[str, Any]:
-    """Train a GPT on prepared shards; the run's logs stream here, metrics go to MLflow."""
-    result = pretrain_task(config, output)
+def pretrain(config: MegalithConfig, output: str, nproc_per_node: int = 1) -> dict[str, Any]:
+    """Train a GPT on prepared shards; the run's logs stream here, metrics go to MLflow.
+
+    ``nproc_per_node`` > 1 launches that many ranks on this machine through torchrun.
+    """
+    result = pretrain_task(config, output, nproc_per_node=nproc_per_node)
     publish_training_summary(result)
     return result
 
@@ -53,15 +56,17 @@ def register_model_flow(
 
 
 @flow(name="end-to-end", log_prints=True)
-def end_to_end(config: MegalithConfig, workdir: str) -> dict[str, Any]:
-    """Tokenize → pretrain → evaluate → register. A rerun skips unchanged stages."""
+def end_to_end(config: MegalithConfig, workdir: str, nproc_per_node: int = 1) -> dict[str, Any]:
+    """Tokenize → pretrain → evaluate → register. A rerun skips unchanged stages.
+
+    ``nproc_per_node`` > 1 pretrains on that many ranks of this machine (torchrun)."""
     logger = get_run_logger()
     root = Path(workdir)
     model_path = train_tokenizer_task(config.data, config.tokenizer)
     shards = write_shards_task(config.data, config.tokenizer, model_path)
     create_markdown_artifact(key="shard-manifest", markdown=manifest_markdown(shards))
 
-    trained = pretrain_task(config, str(root / "run"))
+    trained = pretrain_task(config, str(root / "run"), nproc_per_node=nproc_per_node)
     publish_training_summary(trained)
     run_id = trained.get("mlflow_run_id")
 

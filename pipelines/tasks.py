@@ -11,6 +11,7 @@ cache never unpickles anything.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import deque
@@ -44,18 +45,29 @@ def retry_if_killed(task, task_run, state) -> bool:
     return isinstance(error, TrainingProcessError) and error.returncode < 0
 
 
-def train_command(recipe: Path, output: Path) -> list[str]:
-    return [
+def train_command(recipe: Path, output: Path, nproc_per_node: int = 1) -> list[str]:
+    """``megalith train``; with several processes it relaunches itself through torchrun,
+    which stops every rank and exits non-zero as soon as one fails."""
+    command = [
         sys.executable, "-m", "pipelines.cli", "train",
         "--config", str(recipe), "--output", str(output), "--quiet", "--resume",
     ]  # fmt: skip
+    if nproc_per_node > 1:
+        command += ["--nproc-per-node", str(nproc_per_node)]
+    return command
 
 
 def stream_process(command: list[str], logger) -> int:
-    """Run a command, sending each line of its output to the Prefect run logger."""
+    """Run a command, sending each line of its output to the Prefect run logger.
+
+    The child stays in this process group (no new session), so cancelling the flow run
+    takes it and its torchrun workers down too. Only rank 0 logs progress; the other
+    ranks print warnings and errors only.
+    """
     tail: deque[str] = deque(maxlen=40)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # lines as they happen, not per 8 KB
     with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env
     ) as process:
         for line in process.stdout:
             line = line.rstrip()
@@ -72,16 +84,22 @@ def stream_process(command: list[str], logger) -> int:
 @task(
     name="pretrain", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_if_killed, **CACHED
 )
-def pretrain_task(config: MegalithConfig, output: str, shards_id: str = "") -> dict[str, Any]:
+def pretrain_task(
+    config: MegalithConfig, output: str, shards_id: str = "", nproc_per_node: int = 1
+) -> dict[str, Any]:
     """Train in a child process (logs streamed here); ``shards_id`` ties the cache to the data.
 
-    The child resumes from the latest checkpoint in ``output``, so a retry continues.
+    ``nproc_per_node`` > 1 runs that many ranks through torchrun (data parallelism fills
+    what the ``parallel`` sizes leave); rank 0 records the layout in MLflow. The child
+    resumes from the latest checkpoint in ``output``, so a retry continues.
     """
+    if nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
     output_dir = Path(output)
     output_dir.mkdir(parents=True, exist_ok=True)
     recipe = output_dir / "recipe.yaml"
     recipe.write_text(dump_config(config))
-    stream_process(train_command(recipe, output_dir), get_run_logger())
+    stream_process(train_command(recipe, output_dir, nproc_per_node), get_run_logger())
     result = json.loads((output_dir / "result.json").read_text())
     return {**result, "package_id": package_id(result["model_package"])}
 

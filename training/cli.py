@@ -9,7 +9,18 @@ import sys
 from pathlib import Path
 
 from preprocessing.storage import atomic_write_json
-from training.config import load_config
+from training.config import MegalithConfig, load_config
+from training.launch import (
+    DEFAULT_RDZV_PORT,
+    DEFAULT_TIMEOUT_S,
+    TIMEOUT_ENV,
+    LaunchSpec,
+    run_torchrun,
+    slurm_script,
+    torchrun_command,
+    under_torchrun,
+)
+from training.parallel.groups import validate_layout
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -19,8 +30,18 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         description="Train a GPT on prepared shards. Writes OUTPUT/metrics.jsonl (one JSON "
         "object per optimizer step), OUTPUT/checkpoints/step-*/ (safetensors + JSON) and "
         "OUTPUT/model/ (the final model package); tracks the run in MLflow unless "
-        "logging.mlflow=false.",
-        epilog="example: megalith train --config configs/tiny-cpu.yaml --set training.train_iters=50",
+        "logging.mlflow=false. With --nproc-per-node it relaunches itself through torchrun: "
+        "data parallelism fills the world (nproc-per-node x nnodes) after parallel.tensor, "
+        "parallel.context and parallel.pipeline; rank 0 alone writes files and talks to MLflow. "
+        f"{TIMEOUT_ENV} (seconds, default {DEFAULT_TIMEOUT_S:.0f}) bounds every collective, so a "
+        "dead rank fails the job instead of hanging it.",
+        epilog="examples:\n"
+        "  megalith train --config configs/tiny-cpu.yaml --set training.train_iters=50\n"
+        "  megalith train --config X --nproc-per-node 8 --set parallel.data_parallel_mode="
+        "distributed_optimizer\n"
+        "  megalith train --config X --nproc-per-node 8 --nnodes 2 --node-rank 0 "
+        "--rdzv-endpoint node0:29500   (and --node-rank 1 on the second node)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", required=True, metavar="YAML", help="recipe")
     train.add_argument(
@@ -29,35 +50,146 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     train.add_argument("--output", metavar="DIR", help="run directory (default runs/NAME)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     train.add_argument("--quiet", action="store_true", help="log lines instead of a progress bar")
+    launch = train.add_argument_group("multi-process launch (torchrun)")
+    launch.add_argument(
+        "--nproc-per-node", type=int, metavar="N", help="worker processes (GPUs) on this node"
+    )
+    launch.add_argument("--nnodes", type=int, default=1, metavar="M", help="nodes in the job")
+    launch.add_argument(
+        "--node-rank", type=int, metavar="R", help="this node's rank (0 hosts the rendezvous)"
+    )
+    launch.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous on the first node"
+    )
+    launch.add_argument("--rdzv-id", default="megalith", metavar="ID", help="job id for rendezvous")
     train.set_defaults(handler=_train)
+    _register_launch(subcommands)
+
+
+def _register_launch(subcommands: argparse._SubParsersAction) -> None:
+    group = subcommands.add_parser(
+        "launch",
+        help="write job scripts for cluster schedulers (slurm)",
+        description="Write a job script that runs megalith train on a cluster.",
+    )
+    group.set_defaults(group_parser=group)
+    commands = group.add_subparsers(dest="launch_command", metavar="COMMAND")
+    slurm = commands.add_parser(
+        "slurm",
+        help="write an sbatch script for a multi-node training job",
+        description="Write an sbatch script for a multi-node job: srun starts one "
+        "`megalith train` per node (--ntasks-per-node=1), which starts --gpus-per-node "
+        "workers through torchrun; all nodes meet in a c10d rendezvous on the first node of "
+        "the allocation (HOST:PORT from scontrol). --max-restarts is 0 and srun runs with "
+        "--kill-on-bad-exit, so one failed rank ends the whole job; resubmit to resume (the "
+        "script passes --resume). The output directory must be on a filesystem every node "
+        "shares (checkpoints are written by rank 0 and read by every rank on resume).",
+        epilog="example: megalith launch slurm --config configs/llama-1b.yaml --nodes 4 "
+        "--gpus-per-node 8 --output train.sbatch && sbatch train.sbatch",
+    )
+    slurm.add_argument("--config", required=True, metavar="YAML", help="recipe")
+    slurm.add_argument("--nodes", type=int, required=True, metavar="M")
+    slurm.add_argument("--gpus-per-node", type=int, required=True, metavar="N")
+    slurm.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    slurm.add_argument("--run-dir", metavar="DIR", help="the training run's output directory")
+    slurm.add_argument("--job-name", default="megalith")
+    slurm.add_argument("--partition", metavar="NAME")
+    slurm.add_argument("--time", metavar="HH:MM:SS", help="wall-clock limit")
+    slurm.add_argument("--port", type=int, default=DEFAULT_RDZV_PORT, help="rendezvous port")
+    slurm.add_argument("--output", metavar="FILE", help="write the script here (default: stdout)")
+    slurm.set_defaults(handler=_launch_slurm)
+
+
+def _launch_slurm(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.set)
+    validate_layout(config, args.nodes * args.gpus_per_node)
+    script = slurm_script(
+        str(Path(args.config).resolve()),
+        args.nodes,
+        args.gpus_per_node,
+        sets=args.set,
+        output=args.run_dir,
+        job_name=args.job_name,
+        partition=args.partition,
+        time_limit=args.time,
+        port=args.port,
+    )
+    if args.output:
+        Path(args.output).write_text(script)
+        print(f"wrote {args.output}: sbatch {args.output}")
+    else:
+        print(script, end="")
+    return 0
+
+
+def _worker_args(args: argparse.Namespace) -> list[str]:
+    """The train command each torchrun worker runs: this one without the launch options."""
+    command = ["pipelines.cli", "train", "--config", args.config]
+    for setting in args.set:
+        command += ["--set", setting]
+    if args.output:
+        command += ["--output", args.output]
+    command += ["--resume"] * args.resume + ["--quiet"] * args.quiet
+    return command
+
+
+def _launch(args: argparse.Namespace, config: MegalithConfig) -> int:
+    spec = LaunchSpec(
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+    )
+    spec.check()
+    validate_layout(config, spec.nproc_per_node * spec.nnodes)  # fail before any process starts
+    returncode = run_torchrun(torchrun_command(spec, _worker_args(args)))
+    if returncode:
+        print(
+            f"error: training failed on at least one rank (torchrun exit code {returncode})",
+            file=sys.stderr,
+        )
+    return returncode
 
 
 def _train(args: argparse.Namespace) -> int:
     values = {"checkpoint.resume": True} if args.resume else {}
     config = load_config(args.config, args.set, values)
+    if args.nproc_per_node is not None and not under_torchrun():
+        return _launch(args, config)
     # Only now the heavy imports (torch, ~seconds): a bad config fails at once.
     from registry.tracking import lineage_tags, open_run_logger
+    from training.distributed import distributed
     from training.trainer import train
 
-    output = Path(args.output or Path("runs") / config.name)
-    sources = [source.path for source in config.data.training_sources()]
-    run_logger = open_run_logger(
-        config.logging,
-        run_name=config.logging.run_name or config.name,
-        rank=0,
-        workdir=Path.cwd(),
-        tags=lineage_tags(sources, storage_options=config.data.storage_options),
-    )
-    if args.quiet:
-        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout, force=True)
-    status = "FAILED"
-    try:
-        result = train(config, output, run_logger, show_progress=not args.quiet)
-        if hasattr(run_logger, "log_loss_curve"):
-            run_logger.log_loss_curve(output / "metrics.jsonl")
-        status = "FINISHED"
-    finally:
-        run_logger.close(status)
+    with distributed(config.training.device) as (env, _device):
+        output = Path(args.output or Path("runs") / config.name)
+        tags = {}
+        if env.is_main:
+            sources = [source.path for source in config.data.training_sources()]
+            tags = lineage_tags(sources, storage_options=config.data.storage_options)
+        run_logger = open_run_logger(
+            config.logging,
+            run_name=config.logging.run_name or config.name,
+            rank=env.rank,
+            workdir=Path.cwd(),
+            tags=tags,
+        )
+        if args.quiet or not env.is_main:
+            level = logging.INFO if env.is_main else logging.WARNING
+            logging.basicConfig(level=level, format="%(message)s", stream=sys.stdout, force=True)
+        status = "FAILED"
+        try:
+            result = train(config, output, run_logger, show_progress=not args.quiet)
+            if hasattr(run_logger, "log_loss_curve"):
+                run_logger.log_loss_curve(output / "metrics.jsonl")
+            status = "FINISHED"
+        finally:
+            run_logger.close(status)
+    if not env.is_main:
+        return 0
     run_id = getattr(run_logger, "run_id", None)
     if run_id:
         summary = json.loads((output / "result.json").read_text())
