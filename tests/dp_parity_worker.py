@@ -16,10 +16,18 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 from training.config import load_config
 from training.distributed import distributed
 from training.trainer import Trainer
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain copy; FSDP's sharded DTensors are gathered (collective)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    return tensor.detach().clone()
 
 
 def run_mode(spec: dict, mode: str, state) -> object:
@@ -33,9 +41,9 @@ def run_mode(spec: dict, mode: str, state) -> object:
     for step in range(spec["steps"]):
         records.append(trainer.train_step(batches))
         if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+            grads = {n: whole(p.grad) for n, p in trainer.model.named_parameters()}
             save_file(grads, str(out / f"grads-rank{rank}.safetensors"))
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    params = {n: whole(p) for n, p in trainer.model.named_parameters()}
     save_file(params, str(out / f"params-rank{rank}.safetensors"))
     trainer.save()
     after = [trainer.train_step(batches) for _ in range(2)]

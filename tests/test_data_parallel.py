@@ -28,7 +28,7 @@ from training.checkpoint import latest_checkpoint
 from training.config import load_config
 from training.trainer import ResumableSampler, Trainer
 
-MODES = ["ddp", "distributed_optimizer"]
+MODES = ["ddp", "distributed_optimizer", "fsdp"]
 STEPS = 3
 WORLD = 2
 LOSS_ATOL = 2e-5

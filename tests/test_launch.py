@@ -21,6 +21,7 @@ from parallel_helpers import RECIPE, child_env, megalith, set_args, tiny_setting
 
 from pipelines.cli import main
 from training.launch import LaunchSpec, slurm_script, torchrun_command
+from training.models.package import verify_model_package
 from training.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -107,6 +108,17 @@ def test_a_failing_rank_fails_the_whole_command(shards: Path, tmp_path: Path) ->
     assert [r["step"] for r in read_metrics(output / "metrics.jsonl")] == [1]
 
 
+def test_a_layout_the_trainer_cannot_run_yet_is_refused_before_launch(
+    shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    args = train_args(shards, tmp_path / "run", {"parallel.pipeline": 2})
+    assert main([*args, "--nproc-per-node", "2"]) == 1
+    assert "parallel.pipeline=2: not integrated into the trainer yet" in capsys.readouterr().err
+    settings = {"parallel.data_parallel_mode": "fsdp", "mixed_precision.dtype": "fp16"}
+    assert main([*train_args(shards, tmp_path / "run", settings), "--nproc-per-node", "2"]) == 1
+    assert "fsdp with mixed_precision.dtype=fp16" in capsys.readouterr().err
+
+
 def test_a_bad_layout_fails_before_any_process_starts(
     shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -121,13 +133,14 @@ def test_a_bad_layout_fails_before_any_process_starts(
 
 
 def test_two_nodes_meet_at_a_c10d_rendezvous_on_loopback(shards: Path, tmp_path: Path) -> None:
+    # FSDP here, so the full-weight gathers for checkpoint and package run across "nodes".
     output = tmp_path / "run"
     endpoint = f"127.0.0.1:{free_port()}"
     rdzv_id = f"test-{uuid.uuid4().hex[:8]}"
     agents = []
     for node_rank in (0, 1):
         command = megalith(
-            *train_args(shards, output),
+            *train_args(shards, output, {"parallel.data_parallel_mode": "fsdp"}),
             "--quiet",
             "--nproc-per-node", "1",
             "--nnodes", "2",
@@ -151,6 +164,8 @@ def test_two_nodes_meet_at_a_c10d_rendezvous_on_loopback(shards: Path, tmp_path:
     assert [r["step"] for r in read_metrics(output / "metrics.jsonl")] == list(range(1, STEPS + 1))
     state = json.loads((output / "checkpoints" / "step-00000004" / "state.json").read_text())
     assert state["layout"]["world_size"] == 2
+    package = json.loads((output / "result.json").read_text())["model_package"]
+    verify_model_package(package)
 
 
 # --- the Prefect flow -----------------------------------------------------------------

@@ -316,7 +316,7 @@ def _load_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], path: 
             )
     with torch.no_grad():
         for name, tensor in tensors.items():
-            targets[name].copy_(tensor)
+            targets[name].copy_(_like(targets[name], tensor))
 
 
 def _load_optimizer(optimizer, tensors, state, param_names, path) -> None:
@@ -331,7 +331,24 @@ def _load_optimizer(optimizer, tensors, state, param_names, path) -> None:
     groups = state["optimizer"]["param_groups"]
     if [g["params"] for g in groups] != _group_indices(optimizer):
         raise CheckpointError(f"{path}: optimizer parameter groups differ from the model's")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, values in per_param.items():
+        for key, tensor in values.items():
+            if tensor.shape == params[index].shape:  # moments, not the step count
+                values[key] = _like(params[index], tensor)
     optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+
+
+def _like(target: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """A whole saved tensor in the target's layout: this rank's shard when the target is
+    a DTensor (FSDP), computed locally from the whole tensor every rank has read."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(target, DTensor):
+        return tensor
+    return distribute_tensor(
+        tensor.to(target.device), target.device_mesh, target.placements, src_data_rank=None
+    )
 
 
 def _group_indices(optimizer) -> list[list[int]]:

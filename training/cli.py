@@ -21,6 +21,7 @@ from training.launch import (
     under_torchrun,
 )
 from training.parallel.groups import validate_layout
+from training.parallel.support import check_trainer_support
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -144,7 +145,8 @@ def _launch(args: argparse.Namespace, config: MegalithConfig) -> int:
         rdzv_id=args.rdzv_id,
     )
     spec.check()
-    validate_layout(config, spec.nproc_per_node * spec.nnodes)  # fail before any process starts
+    # Fail before any process starts.
+    check_trainer_support(config, validate_layout(config, spec.nproc_per_node * spec.nnodes))
     returncode = run_torchrun(torchrun_command(spec, _worker_args(args)))
     if returncode:
         print(

@@ -11,7 +11,7 @@ Under torchrun (torch.distributed initialised by the caller, see
 global batch, gradients are averaged by DDP (``training.parallel.data_parallel``),
 and rank 0 alone writes metrics, checkpoints and the model package and talks to
 MLflow. Tensor, pipeline, context and expert parallelism are refused until they
-are integrated here.
+are integrated here (``training.parallel.support`` lists what is pending).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from training.models.flops import flops_per_token
 from training.models.package import save_model_package
 from training.parallel import data_parallel as dp
 from training.parallel.groups import ParallelState, build_parallel_state
+from training.parallel.support import check_trainer_support
 from training.precision import Precision, resolve_precision
 from training.schedule import learning_rate
 from training.tracking import MetricsFile, NullLogger, RunLogger, read_metrics
@@ -151,18 +152,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def refuse_unintegrated(state: ParallelState) -> None:
-    """Model-parallel sizes the trainer cannot run yet fail before any work."""
-    sizes = state.sizes
-    asked = {"tensor": sizes.tp, "pipeline": sizes.pp, "context": sizes.cp, "expert": sizes.ep}
-    pending = [f"parallel.{name}={size}" for name, size in asked.items() if size > 1]
-    if pending:
-        raise MegalithError(
-            f"{', '.join(pending)}: not integrated into the trainer yet (data parallelism "
-            "is: ddp and distributed_optimizer over any number of ranks)"
-        )
-
-
 class Trainer:
     def __init__(
         self,
@@ -177,8 +166,7 @@ class Trainer:
         # torchrun's LOCAL_RANK picks the GPU; one process: training.device as given.
         self.device = local_device(env_from_torchrun(), config.training.device)
         self.parallel = parallel_state or build_parallel_state(config, self.device.type)
-        refuse_unintegrated(self.parallel)
-        dp.check_mode(config.parallel)
+        check_trainer_support(config, self.parallel.sizes)
         self.is_main = self.parallel.rank == 0
         if self.is_main:
             self.output.mkdir(parents=True, exist_ok=True)
@@ -189,11 +177,12 @@ class Trainer:
         self.model_config = resolve_model_config(config)
         # Hook for tensor/sequence parallelism: GPTModel(config, TensorParallelBackend(...)).
         self.model = GPTModel(self.model_config).to(self.device)
+        # DDP broadcasts rank 0's weights at construction; every rank is seeded alike anyway.
+        # FSDP shards self.model in place, so the optimizer comes after.
+        self.dp_model = dp.wrap_model(self.model, self.parallel, config.parallel, self.device)
         self.optimizer, self.param_names = dp.build_optimizer(
             self.model, config.optimizer, self.device, self.parallel, config.parallel
         )
-        # DDP broadcasts rank 0's weights at construction; every rank seeded alike anyway.
-        self.dp_model = dp.wrap_model(self.model, self.parallel, config.parallel, self.device)
         self.forward_model = (
             torch.compile(self.dp_model) if config.training.compile else self.dp_model
         )
@@ -293,12 +282,15 @@ class Trainer:
             "model_config": self.model_config.model_dump(mode="json"),
             "layout": self.parallel.layout(),
         }
-        with dp.consolidated(self.optimizer) as optimizer:
+        with (
+            dp.full_model(self.model, self.is_main) as model,
+            dp.consolidated(self.optimizer, self.is_main) as optimizer,
+        ):
             if self.is_main:
                 save_checkpoint(
                     self.checkpoint_dir,
                     self.step,
-                    self.model,
+                    model,
                     optimizer,
                     self.param_names,
                     state,
@@ -453,6 +445,17 @@ class Trainer:
             bar.close()
             if metrics_file is not None:
                 metrics_file.close()
+        package = None
+        with dp.full_model(self.model, self.is_main) as model:  # collective under FSDP
+            if self.is_main:
+                # This run's package, like its metrics.jsonl, replaces one an earlier run left.
+                package = save_model_package(
+                    model,
+                    self.model_config,
+                    self._tokenizer_path(),
+                    self.output / "model",
+                    overwrite=True,
+                )
         if not self.is_main:
             return TrainResult(
                 output=self.output,
@@ -463,14 +466,6 @@ class Trainer:
                 checkpoint=last_checkpoint,
                 model_package=None,
             )
-        # This run's package, like its metrics.jsonl, replaces one an earlier run left.
-        package = save_model_package(
-            self.model,
-            self.model_config,
-            self._tokenizer_path(),
-            self.output / "model",
-            overwrite=True,
-        )
         # From the file, not this process's steps: a run resumed at its end took none.
         metrics = read_metrics(self.output / "metrics.jsonl")
         val_losses = [r["val_loss"] for r in metrics if "val_loss" in r]

@@ -1,4 +1,4 @@
-"""Data parallelism over the data×context ranks: DDP, a ZeRO-1 distributed optimizer.
+"""Data parallelism over the data×context ranks: DDP, a ZeRO-1 distributed optimizer, FSDP2.
 
 ``ddp``: torch DDP; gradients are all-reduced in buckets of ``ddp_bucket_mb`` while
 backward is still running, and not at all on accumulation micro-steps (``no_sync``).
@@ -10,7 +10,10 @@ Checkpoints consolidate the state on rank 0 in the single-process format, so a
 checkpoint loads into any data-parallel size. (torch's ZeroRedundancyOptimizer does
 the same but consolidates by pickling; this one only moves tensors.)
 
-``fsdp``: not implemented yet; refused with a clear message.
+``fsdp``: FSDP2 (``fully_shard`` per transformer block, then the root): parameters,
+gradients and optimizer state sharded (ZeRO-3), all-gathered for each block's forward
+and backward, gradients reduce-scattered. Checkpoints and the model package gather
+the full weights to rank 0 (sharded checkpoints are a later step).
 """
 
 from __future__ import annotations
@@ -24,14 +27,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from training.config import OptimizerConfig, ParallelConfig
 from training.errors import MegalithError
+from training.models import GPTModel
 from training.models.flops import param_groups
 from training.parallel.groups import ParallelState
 
-DATA_PARALLEL_MODES = ("ddp", "distributed_optimizer")
+DATA_PARALLEL_MODES = ("ddp", "distributed_optimizer", "fsdp")
 
 
 def data_parallel_size(state: ParallelState) -> int:
@@ -50,10 +56,14 @@ def check_mode(parallel: ParallelConfig) -> None:
 def wrap_model(
     model: nn.Module, state: ParallelState, parallel: ParallelConfig, device: torch.device
 ) -> nn.Module:
-    """The module to call for forward and backward: DDP over data × context, or the model itself."""
+    """The module to call for forward and backward: DDP over data × context, the model
+    sharded in place by FSDP2, or the model itself. Build the optimizer afterwards
+    (FSDP2 replaces the parameters)."""
     check_mode(parallel)
     if data_parallel_size(state) == 1:
         return model
+    if parallel.data_parallel_mode == "fsdp":
+        return shard_model(model, state)
     return DistributedDataParallel(
         model,
         device_ids=[device] if device.type == "cuda" else None,
@@ -65,10 +75,21 @@ def wrap_model(
 
 
 def no_sync(model: nn.Module, skip: bool) -> contextlib.AbstractContextManager:
-    """Skip the gradient all-reduce on an accumulation micro-step (not the last one)."""
+    """Skip the gradient reduction on an accumulation micro-step (not the last one)."""
     if skip and isinstance(model, DistributedDataParallel):
         return model.no_sync()
+    if skip and isinstance(model, FSDPModule):
+        return _fsdp_no_sync(model)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def all_reduce_mean(value: torch.Tensor, state: ParallelState) -> torch.Tensor:
@@ -90,7 +111,69 @@ def clip_grad_norm(
     """
     if state.sizes.tp > 1 or state.sizes.pp > 1:
         raise NotImplementedError("grad-norm over tensor/pipeline shards is not integrated yet")
-    return torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else math.inf)
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else math.inf)
+    # FSDP: the norm of sharded gradients is a DTensor (already reduced over the shards).
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+# --- FSDP2 ------------------------------------------------------------------------------
+
+
+def shard_model(model: nn.Module, state: ParallelState) -> nn.Module:
+    """FSDP2 over data × context: one unit per transformer block, the rest in the root
+    (embedding, final norm and a tied output head share the root's all-gather)."""
+    mesh = state.dp_cp_mesh
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@contextlib.contextmanager
+def full_model(model: nn.Module, is_main: bool) -> Iterator[nn.Module | None]:
+    """The model with whole weights, for checkpoints and the model package.
+
+    Unsharded models are yielded as they are. For FSDP this is collective: every rank
+    gathers each parameter, and rank 0 gets a CPU copy of the model (None elsewhere).
+    """
+    if not _is_sharded(model):
+        yield model
+        return
+    full = {n: _gather(p, is_main) for n, p in model.named_parameters()}
+    if not is_main:
+        yield None
+        return
+    with torch.device("meta"):
+        copy = GPTModel(model.config, backend=model.backend)
+    copy.to_empty(device="cpu")
+    copy.tie_weights()
+    with torch.no_grad():
+        for name, param in copy.named_parameters():
+            param.copy_(full[name])
+        source_buffers = dict(model.named_buffers())
+        for name, buffer in copy.named_buffers():
+            buffer.copy_(source_buffers[name])
+    yield copy
+
+
+def _gather(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    """Collective for a DTensor: the whole tensor on CPU where ``keep``."""
+    whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return whole.detach().cpu() if keep else None
+
+
+def _full_optimizer_state(optimizer: torch.optim.Optimizer, is_main: bool) -> dict | None:
+    """Collective: the optimizer state with every sharded tensor gathered, on rank 0."""
+    local = optimizer.state_dict()
+    state = {
+        index: {key: _gather(value, is_main) for key, value in values.items()}
+        for index, values in local["state"].items()
+    }
+    return {"state": state, "param_groups": local["param_groups"]} if is_main else None
 
 
 # --- The distributed optimizer (ZeRO-1) ------------------------------------------------
@@ -294,12 +377,16 @@ def _to_comm(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def consolidated(optimizer: Any) -> Iterator[Any]:
-    """What ``save_checkpoint`` reads the optimizer through: the full state on rank 0."""
-    if not isinstance(optimizer, DistributedOptimizer):
+def consolidated(optimizer: Any, is_main: bool) -> Iterator[Any]:
+    """What ``save_checkpoint`` reads the optimizer through: the full state on rank 0.
+
+    Collective for sharded optimizer state (distributed_optimizer, FSDP)."""
+    if isinstance(optimizer, DistributedOptimizer):
+        yield _Frozen(optimizer.consolidated_state_dict())
+    elif any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
+        yield _Frozen(_full_optimizer_state(optimizer, is_main))
+    else:
         yield optimizer
-        return
-    yield _Frozen(optimizer.consolidated_state_dict())
 
 
 class _Frozen:
