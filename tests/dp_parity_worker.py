@@ -66,7 +66,7 @@ def run_mode(spec: dict, mode: str, state) -> object:
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
-    with distributed("cpu"):
+    with distributed(spec["settings"]["training.device"]):
         state = None
         for mode in spec["modes"]:
             state = run_mode(spec, mode, state)

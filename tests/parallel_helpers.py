@@ -20,6 +20,8 @@ RECIPE = REPO / "configs" / "tiny-cpu.yaml"
 CORPUS = REPO / "preprocessing" / "sample_corpus" / "stories.jsonl"
 VOCAB = 1024
 SEQ = 32
+# The parity tests run on GPUs (NCCL) too: MEGALITH_TEST_DEVICE=cuda.
+DEVICE = os.environ.get("MEGALITH_TEST_DEVICE", "cpu")
 
 
 def tiny_shard_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -59,7 +61,8 @@ def tiny_settings(shards: Path, values: dict[str, Any] | None = None) -> dict[st
         "training.train_iters": 4,
         "training.eval_interval": 2,
         "training.eval_iters": 2,
-        "training.device": "cpu",
+        "training.device": DEVICE,
+        "mixed_precision.dtype": "fp32",
         "scheduler.warmup_iters": 1,
         "checkpoint.interval": 0,
         "logging.mlflow": "false",

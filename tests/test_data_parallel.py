@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from parallel_helpers import RECIPE, REPO, child_env, tiny_settings, tiny_shard_set
+from parallel_helpers import DEVICE, RECIPE, REPO, child_env, tiny_settings, tiny_shard_set
 from safetensors.torch import load_file
 
 from training.checkpoint import latest_checkpoint
@@ -32,7 +32,7 @@ MODES = ["ddp", "distributed_optimizer", "fsdp"]
 STEPS = 3
 WORLD = 2
 LOSS_ATOL = 2e-5
-LAYOUT = f"DP={WORLD} (gloo, {WORLD} processes)"
+LAYOUT = f"DP={WORLD} ({'nccl' if DEVICE == 'cuda' else 'gloo'}, {WORLD} processes)"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -88,10 +88,10 @@ def reference(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     for step in range(STEPS):
         records.append(trainer.train_step(batches))
         if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+            grads = {n: p.grad.detach().clone().cpu() for n, p in trainer.model.named_parameters()}
+    params = {n: p.detach().clone().cpu() for n, p in trainer.model.named_parameters()}
     moments = {
-        (trainer.param_names[i], key): value.clone()
+        (trainer.param_names[i], key): value.cpu().clone()
         for i, state in trainer.optimizer.state_dict()["state"].items()
         for key, value in state.items()
     }

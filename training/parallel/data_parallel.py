@@ -19,6 +19,7 @@ the full weights to rank 0 (sharded checkpoints are a later step).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -69,9 +70,18 @@ def wrap_model(
         device_ids=[device] if device.type == "cuda" else None,
         process_group=state.dp_cp_group,
         bucket_cap_mb=parallel.ddp_bucket_mb,
-        forward_sync_buffers=False,  # the only buffers are RoPE tables, equal on every rank
         gradient_as_bucket_view=True,
+        **_no_buffer_sync(),
     )
+
+
+def _no_buffer_sync() -> dict[str, bool]:
+    """No buffer broadcast before each forward: the only buffers are RoPE tables, equal on
+    every rank. torch 2.13 renamed the option (the old name warns)."""
+    parameters = inspect.signature(DistributedDataParallel.__init__).parameters
+    if "forward_sync_buffers" in parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def no_sync(model: nn.Module, skip: bool) -> contextlib.AbstractContextManager:
