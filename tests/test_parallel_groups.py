@@ -170,3 +170,21 @@ def test_kv_groups_and_sequence_parallel_messages() -> None:
 def test_good_layout_passes() -> None:
     sizes = validate_layout(config(tensor=2, pipeline=2, context=2, sequence_parallel=True), 16)
     assert sizes.dp == 2 and sizes.world == 16
+
+
+@pytest.mark.slow
+def test_device_mesh_groups_match_the_layout_on_four_processes() -> None:
+    """The groups torch.distributed builds hold exactly the ranks the helpers compute."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).parent / "groups_worker.py"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", "4", "--max-restarts", "0", str(worker),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGALITH_DIST_TIMEOUT_S": "60"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
