@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -251,17 +252,27 @@ def load_checkpoint(
     param_names: list[str],
     scaler: torch.amp.GradScaler | None = None,
     restore_rng: bool = True,
+    shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, Any]:
-    """Restore model, optimizer, loss scaler and RNG from a verified checkpoint; returns state.json."""
+    """Restore model, optimizer, loss scaler and RNG from a verified checkpoint; returns state.json.
+
+    ``shard(param_name, whole_tensor)`` gives this rank's part of a saved tensor (a
+    parameter or one of its optimizer moments), for a model split by tensor parallelism.
+    """
     path = Path(path)
     index = verify_checkpoint(path)
     state = json.loads((path / "state.json").read_text())
     model_tensors = _read_tensors(path / "model.safetensors", index)
+    if shard is not None:
+        model_tensors = {name: shard(name, t) for name, t in model_tensors.items()}
     _load_model(model, model_tensors, path)
     if optimizer is not None:
+        moments = _read_tensors(path / "optimizer.safetensors", index)
+        if shard is not None:
+            moments = {key: shard(key.rpartition("/")[0], t) for key, t in moments.items()}
         _load_optimizer(
             optimizer,
-            _read_tensors(path / "optimizer.safetensors", index),
+            moments,
             state,
             param_names,
             path,

@@ -10,8 +10,10 @@ Under torchrun (torch.distributed initialised by the caller, see
 ``training.distributed``) each data-parallel rank reads its own slice of every
 global batch, gradients are averaged by DDP (``training.parallel.data_parallel``),
 and rank 0 alone writes metrics, checkpoints and the model package and talks to
-MLflow. Tensor, pipeline, context and expert parallelism are refused until they
-are integrated here (``training.parallel.support`` lists what is pending).
+MLflow. Tensor (and sequence) parallel peers read the same batches and hold shards of
+the model (``training.parallel.tensor_parallel_training``); checkpoints and the package
+still hold whole tensors. Pipeline, context and expert parallelism are refused until
+they are integrated here (``training.parallel.support`` lists what is pending).
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ from training.data import build_gpt_datasets
 from training.data.shard_set import open_shard_set
 from training.distributed import env_from_torchrun, local_device
 from training.errors import MegalithError
-from training.models import GPTModel
 from training.models.flops import flops_per_token
 from training.models.package import save_model_package
 from training.parallel import data_parallel as dp
+from training.parallel import tensor_parallel_training as tp
 from training.parallel.groups import ParallelState, build_parallel_state
 from training.parallel.support import check_trainer_support
 from training.precision import Precision, resolve_precision
@@ -175,8 +177,9 @@ class Trainer:
         seed_everything(config.training.seed)
 
         self.model_config = resolve_model_config(config)
-        # Hook for tensor/sequence parallelism: GPTModel(config, TensorParallelBackend(...)).
-        self.model = GPTModel(self.model_config).to(self.device)
+        self.model = tp.build_model(
+            self.model_config, self.parallel, config.parallel.sequence_parallel, self.device
+        )
         # DDP broadcasts rank 0's weights at construction; every rank is seeded alike anyway.
         # FSDP shards self.model in place, so the optimizer comes after.
         self.dp_model = dp.wrap_model(self.model, self.parallel, config.parallel, self.device)
@@ -247,7 +250,12 @@ class Trainer:
         if path is None:
             return False
         state = load_checkpoint(
-            path, self.model, self.optimizer, self.param_names, self.precision.scaler
+            path,
+            self.model,
+            self.optimizer,
+            self.param_names,
+            self.precision.scaler,
+            shard=lambda name, t: tp.shard_loaded(name, t, self.model_config, self.parallel),
         )
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
@@ -283,8 +291,10 @@ class Trainer:
             "layout": self.parallel.layout(),
         }
         with (
-            dp.full_model(self.model, self.is_main) as model,
-            dp.consolidated(self.optimizer, self.is_main) as optimizer,
+            tp.full_model(self.model, self.parallel, self.is_main) as model,
+            tp.consolidated(
+                self.optimizer, self.param_names, self.model_config, self.parallel, self.is_main
+            ) as optimizer,
         ):
             if self.is_main:
                 save_checkpoint(
@@ -334,9 +344,7 @@ class Trainer:
         total_loss = dp.all_reduce_mean(total_loss, self.parallel)
         if scaler:
             scaler.unscale_(self.optimizer)
-        grad_norm = dp.clip_grad_norm(
-            list(self.model.parameters()), training.grad_clip, self.parallel
-        )
+        grad_norm = tp.clip_grad_norm(self.model, training.grad_clip, self.parallel)
         if scaler:
             scaler.step(self.optimizer)
             scaler.update()
@@ -446,7 +454,8 @@ class Trainer:
             if metrics_file is not None:
                 metrics_file.close()
         package = None
-        with dp.full_model(self.model, self.is_main) as model:  # collective under FSDP
+        # Collective under FSDP and TP.
+        with tp.full_model(self.model, self.parallel, self.is_main) as model:
             if self.is_main:
                 # This run's package, like its metrics.jsonl, replaces one an earlier run left.
                 package = save_model_package(

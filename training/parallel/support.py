@@ -11,7 +11,7 @@ from training.errors import MegalithError
 from training.parallel.groups import ParallelSizes
 
 # parallel.<key> -> the ParallelSizes field; each must stay 1 until integrated.
-PENDING = {"tensor": "tp", "pipeline": "pp", "context": "cp", "expert": "ep"}
+PENDING = {"pipeline": "pp", "context": "cp", "expert": "ep"}
 
 
 def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
@@ -23,10 +23,16 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
     ]
     if problems:
         problems[-1] += (
-            ": not integrated into the trainer yet (data parallelism is: ddp, "
-            "distributed_optimizer and fsdp over any number of ranks)"
+            ": not integrated into the trainer yet (it runs data parallelism: ddp, "
+            "distributed_optimizer, fsdp; and tensor parallelism with ddp or "
+            "distributed_optimizer)"
         )
     mode = config.parallel.data_parallel_mode
+    if mode == "fsdp" and sizes.tp > 1:
+        problems.append(
+            f"parallel.data_parallel_mode=fsdp with parallel.tensor={sizes.tp}: FSDP over "
+            "tensor-parallel shards is not integrated yet; use ddp or distributed_optimizer"
+        )
     if mode == "fsdp" and config.mixed_precision.dtype == "fp16":
         problems.append(
             "parallel.data_parallel_mode=fsdp with mixed_precision.dtype=fp16: the loss scaler "

@@ -1,0 +1,53 @@
+"""A torchrun worker for tests/test_trainer_parallel.py (not a test module itself).
+
+For each case: ``Trainer.fit`` over the whole run (metrics, checkpoints every
+``checkpoint.interval`` steps, the model package), then rank 0 copies the first
+checkpoint into a fresh directory and a second trainer resumes from it to the end.
+
+    torchrun --nproc-per-node 2 tests/tp_trainer_worker.py SPEC.json
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from training.config import load_config
+from training.distributed import distributed
+from training.trainer import Trainer
+
+
+def run_case(spec: dict, name: str, settings: dict, state) -> object:
+    config = load_config(spec["recipe"], [f"{k}={v}" for k, v in settings.items()])
+    out = Path(spec["out"]) / name
+    trainer = Trainer(config, out, parallel_state=state)
+    trainer.fit(show_progress=False)
+
+    resumed_out = Path(spec["out"]) / f"{name}-resumed"
+    first = f"step-{spec['resume_step']:08d}"
+    if trainer.is_main:
+        shutil.copytree(out / "checkpoints" / first, resumed_out / "checkpoints" / first)
+    dist.barrier()
+    config.checkpoint.directory = str(resumed_out / "checkpoints")
+    resumed = Trainer(config, resumed_out, parallel_state=trainer.parallel)
+    assert resumed.resume(), "no checkpoint to resume from"
+    resumed.fit(show_progress=False)
+    return trainer.parallel
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    with distributed(spec["device"]):
+        state = None
+        for name, settings in spec["cases"].items():
+            state = run_case(spec, name, settings, state)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

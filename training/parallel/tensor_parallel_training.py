@@ -1,0 +1,164 @@
+"""Tensor (and sequence) parallelism in the trainer: build, clip, gather, shard.
+
+- :func:`build_model`: the single-device model is built from the seed on every rank
+  (so the initial weights equal one device's), then each TP rank keeps its shard in a
+  model built with :class:`TensorParallelBackend`.
+- :func:`full_model` / :func:`consolidated`: checkpoints and the model package hold
+  whole tensors in the single-process format; TP shards (weights and AdamW moments) are
+  gathered to rank 0.
+- :func:`shard_loaded`: the inverse for loading, so a checkpoint written at any TP size
+  loads at any other.
+
+Data parallelism (ddp, distributed_optimizer) runs over the data × context group as
+without TP; FSDP with TP is refused by :mod:`training.parallel.support`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from training.config import ModelConfig
+from training.models import GPTModel
+from training.models.tp_backend import TensorParallelBackend
+from training.parallel import data_parallel as dp
+from training.parallel.groups import ParallelState
+from training.parallel.tensor_parallel.sharding import (
+    check_tensor_parallel,
+    partition_spec,
+    shard_full_state_dict,
+    shard_tensor,
+    unshard_tensor,
+)
+
+
+def build_model(
+    config: ModelConfig, state: ParallelState, sequence_parallel: bool, device: torch.device
+) -> GPTModel:
+    """This rank's model: the whole one without TP, else its TP shard of it."""
+    full = GPTModel(config)  # consumes the RNG exactly as one device does
+    if state.sizes.tp == 1:
+        return full.to(device)
+    check_tensor_parallel(config, state.sizes.tp)
+    # Built on meta so that the shard's own init draws nothing from the RNG.
+    with torch.device("meta"):
+        model = GPTModel(config, TensorParallelBackend(state.tp_group, sequence_parallel))
+    model.to_empty(device=device)
+    model.tie_weights()
+    shard = shard_full_state_dict(full.state_dict(), config, state.tp_rank, state.sizes.tp)
+    model.load_state_dict(shard)
+    full_buffers = dict(full.named_buffers())
+    with torch.no_grad():  # non-persistent buffers (RoPE tables) are not in the state dict
+        for name, buffer in model.named_buffers():
+            buffer.copy_(full_buffers[name])
+    return model
+
+
+def shard_loaded(
+    name: str, tensor: torch.Tensor, config: ModelConfig, state: ParallelState
+) -> torch.Tensor:
+    """This TP rank's part of a whole saved tensor (a parameter or one of its moments)."""
+    spec = partition_spec(name, config)
+    if state.sizes.tp == 1 or spec is None or tensor.dim() == 0:
+        return tensor
+    return shard_tensor(tensor, *spec, state.tp_rank, state.sizes.tp)
+
+
+def _gather_whole(name: str, tensor: torch.Tensor, config: ModelConfig, state: ParallelState):
+    """Collective over the TP group: the whole tensor on CPU (every TP rank)."""
+    spec = partition_spec(name, config)
+    if spec is None or tensor.dim() == 0:
+        return tensor.detach().cpu()
+    local = tensor.detach().contiguous()
+    shards = [torch.empty_like(local) for _ in range(state.sizes.tp)]
+    dist.all_gather(shards, local, group=state.tp_group)
+    return unshard_tensor([s.cpu() for s in shards], *spec)
+
+
+def _on_first_tp_group(state: ParallelState) -> bool:
+    """Whether this rank's TP group holds global rank 0 (TP is innermost: dp/cp/pp rank 0)."""
+    return dist.get_rank() < state.sizes.tp
+
+
+@contextlib.contextmanager
+def full_model(model: nn.Module, state: ParallelState, is_main: bool) -> Iterator[Any]:
+    """The whole model on rank 0 (None elsewhere); without TP, ``dp.full_model``.
+
+    Collective over the first TP group."""
+    if state.sizes.tp == 1:
+        with dp.full_model(model, is_main) as whole:
+            yield whole
+        return
+    if not _on_first_tp_group(state):
+        yield None
+        return
+    config = model.config
+    params = {n: _gather_whole(n, p, config, state) for n, p in model.named_parameters()}
+    if not is_main:
+        yield None
+        return
+    with torch.device("meta"):
+        copy = GPTModel(config)
+    copy.to_empty(device="cpu")
+    copy.tie_weights()
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, param in copy.named_parameters():
+            param.copy_(params[name])
+        for name, buffer in copy.named_buffers():
+            buffer.copy_(buffers[name])
+    yield copy
+
+
+@contextlib.contextmanager
+def consolidated(
+    optimizer: Any,
+    param_names: list[str],
+    config: ModelConfig,
+    state: ParallelState,
+    is_main: bool,
+) -> Iterator[Any]:
+    """The optimizer state in the single-process format on rank 0: first consolidated
+    over data parallelism (collective there), then TP shards gathered (first TP group)."""
+    with dp.consolidated(optimizer, is_main) as local:
+        if state.sizes.tp == 1 or not _on_first_tp_group(state):
+            yield local
+            return
+        full = local.state_dict()
+        moments = {
+            index: {
+                key: _gather_whole(param_names[index], value, config, state)
+                if torch.is_tensor(value)
+                else value
+                for key, value in values.items()
+            }
+            for index, values in full["state"].items()
+        }
+        yield dp._Frozen({"state": moments, "param_groups": full["param_groups"]})
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, state: ParallelState) -> torch.Tensor:
+    """Clip by the norm of the whole (unsharded) model's gradients; returns it unclipped.
+
+    Split parameters count their shard on every TP rank, replicated ones once. The
+    gradients are already averaged over data parallelism, so only TP reduces here.
+    """
+    if state.sizes.tp == 1:
+        return dp.clip_grad_norm(list(model.parameters()), max_norm, state)
+    if state.sizes.pp > 1:
+        raise NotImplementedError("grad-norm over pipeline stages is not integrated yet")
+    from training.parallel.tensor_parallel.layers import squared_grad_norm
+
+    norm = squared_grad_norm(model, state.tp_group).sqrt()
+    if max_norm > 0:
+        # torch.nn.utils.clip_grad_norm_'s rule, so TP=1 and TP>1 clip alike.
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scale)
+    return norm
