@@ -5,7 +5,8 @@ with a checkpoint at step 2 and must match the single-process run with the same
 config, seed and data: losses, validation losses and grad norms step by step, the
 whole (gathered) weights and AdamW moments in the final checkpoint, and the logits
 of the model package loaded in one process. Resuming the TP=2 checkpoint of step 2
-at TP=2 is exact; resuming it in one process matches within the tolerance.
+at TP=2 is exact; resuming it in one process matches within the tolerance. A slow
+test runs TP=2 × DP=2 (4 processes) in both data-parallel modes the same way.
 
 Tolerance: TP sums the row-parallel matmuls and the vocab-parallel softmax in a
 different order (fp32, ~1e-7 relative per op); Adam amplifies that little over 4
@@ -78,28 +79,34 @@ def config_of(values: dict[str, Any]):
     return load_config(RECIPE, [f"{k}={v}" for k, v in values.items()])
 
 
-@pytest.fixture(scope="module")
-def parallel_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every case in one torchrun job (one start-up cost)."""
-    out = tmp_path_factory.mktemp("tp-runs")
+def run_worker(out: Path, cases: dict[str, dict[str, Any]], world: int) -> Path:
+    """Every case in one torchrun job of ``world`` processes (one start-up cost)."""
     spec = {
         "recipe": str(RECIPE),
         "device": DEVICE,
-        "cases": {name: settings(shards, extra) for name, extra in CASES.items()},
+        "cases": cases,
         "resume_step": RESUME_STEP,
         "out": str(out),
     }
     (out / "spec.json").write_text(json.dumps(spec))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(WORLD), "--max-restarts", "0",
+        "--nproc-per-node", str(world), "--max-restarts", "0",
         str(REPO / "tests" / "tp_trainer_worker.py"), str(out / "spec.json"),
     ]  # fmt: skip
     done = subprocess.run(
         command, env=child_env(), capture_output=True, text=True, timeout=300, check=False
     )
-    assert done.returncode == 0, f"TP worker failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, (
+        f"TP worker ({world} processes) failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
     return out
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cases = {name: settings(shards, extra) for name, extra in CASES.items()}
+    return run_worker(tmp_path_factory.mktemp("tp-runs"), cases, WORLD)
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +212,38 @@ def test_fsdp_with_tensor_parallelism_is_refused(shards: Path) -> None:
     sizes = ParallelSizes(tp=2, dp=2)
     with pytest.raises(MegalithError, match="fsdp with parallel.tensor=2"):
         check_trainer_support(config, sizes)
+
+
+@pytest.mark.slow
+def test_tensor_times_data_parallel_matches_one_process(
+    shards: Path, reference: Path, tmp_path: Path
+) -> None:
+    """TP=2 × DP=2 (4 processes) in both data-parallel modes: losses, grad norms, whole
+    checkpoint tensors, and an exact resume."""
+    modes = ("ddp", "distributed_optimizer")
+    cases = {
+        mode: settings(shards, {"parallel.tensor": 2, "parallel.data_parallel_mode": mode})
+        for mode in modes
+    }
+    runs = run_worker(tmp_path, cases, 4)
+    want = metrics(reference)
+    for mode in modes:
+        name = f"TP=2 x DP=2 {mode} ({BACKEND}, 4 processes)"
+        got = metrics(runs / mode)
+        for g, w in zip(got, want, strict=True):
+            assert g["loss"] == pytest.approx(w["loss"], abs=LOSS_ATOL), (
+                f"{name}: loss diverged at step {g['step']}: {g['loss']} vs {w['loss']}"
+            )
+            assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), (
+                f"{name}: grad_norm diverged at step {g['step']}"
+            )
+        straight = {r["step"]: r["loss"] for r in got}
+        for record in metrics(runs / f"{mode}-resumed"):
+            assert record["loss"] == straight[record["step"]], (
+                f"{name}: resumed loss differs at step {record['step']}"
+            )
+        step = f"step-{STEPS:08d}"
+        for file in ("model.safetensors", "optimizer.safetensors"):
+            got_tensors = load_file(str(runs / mode / "checkpoints" / step / file))
+            want_tensors = load_file(str(reference / "checkpoints" / step / file))
+            assert_close_tensors(got_tensors, want_tensors, f"{name} step {STEPS} {file}")
