@@ -7,6 +7,8 @@ whole (gathered) weights and AdamW moments in the final checkpoint, and the logi
 of the model package loaded in one process. Resuming the TP=2 checkpoint of step 2
 at TP=2 is exact; resuming it in one process matches within the tolerance. A slow
 test runs TP=2 × DP=2 (4 processes) in both data-parallel modes the same way.
+On GPUs: MEGALITH_TEST_DEVICE=cuda (NCCL); the 2-process tests passed on 2x H200
+(torch 2.11) with the same tolerances.
 
 Tolerance: TP sums the row-parallel matmuls and the vocab-parallel softmax in a
 different order (fp32, ~1e-7 relative per op); Adam amplifies that little over 4
