@@ -85,3 +85,25 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def megalith(*args: str) -> list[str]:
     return [sys.executable, "-m", "pipelines.cli", *args]
+
+
+def run_torchrun_worker(
+    worker: str, spec: dict[str, Any], out: Path, world: int, label: str
+) -> Path:
+    """Write ``spec`` to OUT/spec.json and run tests/WORKER under torchrun with WORLD ranks."""
+    import json
+    import subprocess
+
+    (out / "spec.json").write_text(json.dumps(spec))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(world), "--max-restarts", "0",
+        str(REPO / "tests" / worker), str(out / "spec.json"),
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, env=child_env(), capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, (
+        f"{label} worker failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
+    return out

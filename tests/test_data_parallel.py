@@ -14,14 +14,12 @@ that little over K=3 steps. Losses within 2e-5 absolute, tensors within rtol 1e-
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from parallel_helpers import DEVICE, RECIPE, REPO, child_env, tiny_settings, tiny_shard_set
+from parallel_helpers import DEVICE, RECIPE, run_torchrun_worker, tiny_settings, tiny_shard_set
 from safetensors.torch import load_file
 
 from training.checkpoint import latest_checkpoint
@@ -63,19 +61,7 @@ def distributed_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "steps": STEPS,
         "out": str(out),
     }
-    (out / "spec.json").write_text(json.dumps(spec))
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(WORLD), "--max-restarts", "0",
-        str(REPO / "tests" / "dp_parity_worker.py"), str(out / "spec.json"),
-    ]  # fmt: skip
-    done = subprocess.run(
-        command, env=child_env(), capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, (
-        f"{LAYOUT} worker failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    )
-    return out
+    return run_torchrun_worker("dp_parity_worker.py", spec, out, WORLD, LAYOUT)
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 import torch
+from parallel_helpers import tiny_shard_set
 from safetensors.torch import load_file
 
 from pipelines.cli import main
-from preprocessing.stage import run_tokenize_stage
 from training.config import MegalithConfig, ModelConfig, OptimizerConfig, load_config
 from training.config import SchedulerConfig as Schedule
 from training.models import GPTModel
@@ -43,15 +43,8 @@ METRIC_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
 
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The sample corpus as the tiny-cpu recipe's shard set, with a 1024-piece tokenizer."""
-    output = tmp_path_factory.mktemp("trainer-data") / "shards"
-    config = load_config(
-        RECIPE,
-        [f"data.output={output}", f"tokenizer.vocab_size={VOCAB}", "data.workers=1"],
-        {"data.inputs": [str(CORPUS)]},
-    )
-    run_tokenize_stage(config, show_progress=False)
-    return output
+    """The sample corpus as the tiny-cpu recipe's shard set, shared with the parallel tests."""
+    return tiny_shard_set(tmp_path_factory)
 
 
 def overrides(shards: Path, values: dict[str, Any] | None = None) -> list[str]:

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from parallel_helpers import DEVICE, RECIPE, REPO, child_env, tiny_settings, tiny_shard_set
+from parallel_helpers import DEVICE, RECIPE, run_torchrun_worker, tiny_settings, tiny_shard_set
 from safetensors.torch import load_file
 
 from training.config import load_config
@@ -90,19 +88,7 @@ def run_worker(out: Path, cases: dict[str, dict[str, Any]], world: int) -> Path:
         "resume_step": RESUME_STEP,
         "out": str(out),
     }
-    (out / "spec.json").write_text(json.dumps(spec))
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(world), "--max-restarts", "0",
-        str(REPO / "tests" / "tp_trainer_worker.py"), str(out / "spec.json"),
-    ]  # fmt: skip
-    done = subprocess.run(
-        command, env=child_env(), capture_output=True, text=True, timeout=300, check=False
-    )
-    assert done.returncode == 0, (
-        f"TP worker ({world} processes) failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    )
-    return out
+    return run_torchrun_worker("tp_trainer_worker.py", spec, out, world, f"TP ({world} processes)")
 
 
 @pytest.fixture(scope="module")

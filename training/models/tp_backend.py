@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from training.models import layers
-from training.models.backend import BackendError, LayerBackend
+from training.models.backend import BackendError, TorchBackend
 from training.models.layers import NormSpec
 from training.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -50,7 +50,8 @@ from training.parallel.tensor_parallel.layers import (
 )
 
 
-class TensorParallelBackend(LayerBackend):
+class TensorParallelBackend(TorchBackend):
+    # Attention runs on this rank's whole heads, exactly as on one device (inherited).
     """Megatron-style tensor (and optionally sequence) parallel layers over ``group``."""
 
     name = "tensor_parallel"
@@ -145,11 +146,6 @@ class TensorParallelBackend(LayerBackend):
         if self.sequence_parallel:
             return ScatterToSequenceParallel(self.group)
         return nn.Identity()
-
-    def core_attention(
-        self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
-    ) -> nn.Module:
-        return layers.SDPAttention(num_heads, num_groups, head_dim, dropout=dropout)
 
     def output_head(
         self,
