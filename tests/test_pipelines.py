@@ -111,11 +111,17 @@ def test_the_flow_published_its_artifacts(first_run: dict) -> None:
                 artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
             )
             assert found, f"artifact {key} missing"
-    summary = client_markdown(keys[1])
+    package = first_run["training"]["model_package"]
+    summary = client_markdown(keys[1], containing=f"`{package}`")
     assert f"| steps | {first_run['training']['steps']} |" in summary
 
 
-def client_markdown(key: str) -> str:
+def client_markdown(key: str, containing: str) -> str:
+    """The markdown of the artifact `key` that mentions `containing`.
+
+    Other tests in the session publish artifacts under the same keys to the same
+    Prefect API, so the newest one need not be this run's.
+    """
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
@@ -123,7 +129,9 @@ def client_markdown(key: str) -> str:
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
         )
-    return artifacts[-1].data
+    matching = [a.data for a in artifacts if containing in (a.data or "")]
+    assert matching, f"no {key} artifact mentions {containing}"
+    return matching[-1]
 
 
 def test_rerun_skips_evaluation_and_registration(
