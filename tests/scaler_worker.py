@@ -1,0 +1,52 @@
+"""A torchrun worker for tests/test_precision.py (not a test module itself).
+
+Every rank holds its own weight (as tensor-parallel ranks hold different shards);
+rank 1's gradient overflows. Writes, per rank and scaler kind, whether the weight
+moved and the loss scale after the step.
+
+    torchrun --nproc-per-node 2 tests/scaler_worker.py SPEC.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from training.config import MixedPrecisionConfig
+from training.precision import resolve_precision
+
+
+def one_step(scaler: torch.amp.GradScaler, rank: int) -> dict:
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    loss = (weight * torch.arange(4.0)).sum()
+    scaler.scale(loss).backward()
+    if rank == 1:
+        weight.grad[0] = float("inf")
+    scaler.step(optimizer)
+    scaler.update()
+    return {"moved": not torch.equal(weight.detach(), torch.ones(4)), "scale": scaler.get_scale()}
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    config = MixedPrecisionConfig(dtype="fp16", initial_loss_scale=1024.0)
+    agreed = resolve_precision(config, torch.device("cpu")).scaler
+    local = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    result = {
+        "agreed_class": type(agreed).__name__,
+        "agreed": one_step(agreed, rank),
+        "local": one_step(local, rank),
+    }
+    (Path(spec["out"]) / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
