@@ -119,6 +119,10 @@ class LayerBackend(ABC):
     def vocab_embedding(self, vocab_size: int, hidden_size: int, *, init_std: float) -> nn.Module:
         """Token embedding (``tokens -> [.., hidden]``); its ``weight`` is ``[vocab, hidden]``."""
 
+    def dropout(self, p: float) -> nn.Module:
+        """Dropout on activations ``[B, T, H]`` of the residual stream (or its sequence shard)."""
+        return nn.Dropout(p)
+
     def sequence_scatter(self) -> nn.Module:
         """Applied to the embeddings' output ``[B, T, H]`` before the first block: the
         identity, or under sequence parallelism a split to this rank's sequence shard."""

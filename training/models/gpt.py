@@ -127,7 +127,7 @@ class Attention(nn.Module):
             bias=config.bias,
             init_std=scaled_init_std(config.init_std, config.num_layers),
         )
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = backend.dropout(config.dropout)
 
     def forward(
         self, x: Tensor, rope: Rope | None, kv_cache: KVCache | None, start_pos: int
@@ -166,7 +166,7 @@ class MLP(nn.Module):
             bias=config.bias,
             init_std=scaled_init_std(config.init_std, config.num_layers),
         )
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = backend.dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.fc2(self.activation(self.fc1(x))))
@@ -199,7 +199,7 @@ class Embeddings(nn.Module):
                 config.max_position_embeddings, config.hidden_size, init_std=config.init_std
             )
         self.to_sequence_shards = backend.sequence_scatter()
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = backend.dropout(config.dropout)
 
     def forward(self, tokens: Tensor, start_pos: int) -> Tensor:
         x = self.word(tokens)

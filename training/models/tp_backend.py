@@ -23,9 +23,9 @@ incremental decoding with a KV cache should build the model without SP (the
 weights are the same).
 
 Dropout: the residual stream is replicated across TP ranks without SP, so every TP
-rank must draw the same dropout masks (seed TP peers identically, as Megatron's
-default generator is). Attention dropout and dropout on SP shards then reuse one mask
-pattern on different heads or tokens; Megatron's per-rank RNG tracker is not built.
+rank must draw the same dropout masks (TP peers are seeded identically, as Megatron's
+default generator is). Attention dropout (each rank's own heads) and, under SP,
+dropout on sequence shards draw per-rank masks (:mod:`training.parallel.random`).
 
 Weights: parameter names equal the single-device model's; ``shard_full_state_dict``
 and ``gather_tp_state_dict`` convert between the two.
@@ -40,6 +40,7 @@ from torch.distributed import ProcessGroup
 from training.models import layers
 from training.models.backend import BackendError, TorchBackend
 from training.models.layers import NormSpec
+from training.parallel.random import RankDropout, RankForkedAttention
 from training.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -51,7 +52,6 @@ from training.parallel.tensor_parallel.layers import (
 
 
 class TensorParallelBackend(TorchBackend):
-    # Attention runs on this rank's whole heads, exactly as on one device (inherited).
     """Megatron-style tensor (and optionally sequence) parallel layers over ``group``."""
 
     name = "tensor_parallel"
@@ -141,6 +141,17 @@ class TensorParallelBackend(TorchBackend):
         # All-reduce, not reduce-scatter, even under SP: the model may add learned
         # positions to the full sequence before sequence_scatter splits it.
         return VocabParallelEmbedding(vocab_size, hidden_size, group=self.group, init_std=init_std)
+
+    def dropout(self, p: float) -> nn.Module:
+        if self.sequence_parallel:
+            return RankDropout(p, self.group)
+        return nn.Dropout(p)
+
+    def core_attention(
+        self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
+    ) -> nn.Module:
+        attention = super().core_attention(num_heads, num_groups, head_dim, dropout=dropout)
+        return RankForkedAttention(attention, self.group)
 
     def sequence_scatter(self) -> nn.Module:
         if self.sequence_parallel:
