@@ -1,0 +1,246 @@
+"""Multi-GPU scaling of the real trainer: tokens/s per GPU for each layout against one GPU.
+
+Each layout runs under ``torchrun`` in its own job (NCCL, one process per GPU) with the
+same per-GPU work as the one-GPU run (weak scaling): every model replica processes
+``--accumulation`` micro-batches of ``micro_batch_size`` per optimizer step. The timed
+step is ``Trainer.train_step``: real shards and DataLoader, bf16 autocast, fused AdamW,
+clipping, the layout's collectives. Eager mode (no ``torch.compile``), so the
+comparison is between layouts, not a peak figure (``train_throughput.py`` has those).
+
+    python benchmarks/parallel_scaling.py --shape 1b --layouts 1gpu,dp2,tp2 --out results/
+
+Efficiency = (tokens/s ÷ GPUs) ÷ (one GPU's tokens/s). For pipeline layouts the
+report also gives the measured bubble, 1 − efficiency (it includes the stages'
+communication), beside the (p − 1)/(v·m) theory with m = ``--accumulation``.
+
+Shapes: ``1b`` is configs/llama-1b.yaml; ``7b-layers`` has the layer shape of a Llama-2
+7B (hidden 4096, 32 heads, FFN 11008) with 8 layers instead of 32 so that one GPU can
+hold the model and its AdamW state; tensor-parallel efficiency depends on the layer
+shape, not the depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES: dict[str, dict] = {
+    "1b": {},
+    "7b-layers": {
+        "model.hidden_size": 4096,
+        "model.num_attention_heads": 32,
+        "model.num_query_groups": 32,
+        "model.ffn_hidden_size": 11008,
+        "model.num_layers": 8,
+        "training.micro_batch_size": 4,
+    },
+    # A smoke test of this script on CPU (gloo): --shape tiny --device cpu
+    "tiny": {
+        "model.hidden_size": 64,
+        "model.num_attention_heads": 4,
+        "model.num_query_groups": 2,
+        "model.ffn_hidden_size": 128,
+        "model.num_layers": 4,
+        "model.vocab_size": 2048,
+        "model.max_position_embeddings": 128,
+        "data.seq_length": 128,
+        "training.micro_batch_size": 2,
+        "mixed_precision.dtype": "fp32",
+    },
+}
+
+# name -> (GPUs, config overrides)
+LAYOUTS: dict[str, tuple[int, dict]] = {
+    "1gpu": (1, {}),
+    "dp2": (2, {"parallel.data_parallel_mode": "ddp"}),
+    "dp2-zero1": (2, {"parallel.data_parallel_mode": "distributed_optimizer"}),
+    "tp2": (2, {"parallel.tensor": 2}),
+    "tp2-sp": (2, {"parallel.tensor": 2, "parallel.sequence_parallel": True}),
+    "pp2": (2, {"parallel.pipeline": 2, "parallel.pipeline_schedule": "1f1b"}),
+    "pp2-v2": (
+        2,
+        {
+            "parallel.pipeline": 2,
+            "parallel.virtual_pipeline": 2,
+            "parallel.pipeline_schedule": "interleaved",
+        },
+    ),
+    "cp2": (2, {"parallel.context": 2}),
+}
+
+
+def build_config(shape: str, layout: str, shards: str, steps: int, accumulation: int):
+    from training.config import load_config
+
+    gpus, overrides = LAYOUTS[layout]
+    values = {
+        "data.inputs": [],
+        "data.output": shards,
+        "training.train_iters": steps,
+        "training.eval_interval": 0,
+        "training.compile": False,
+        "training.num_workers": 2,
+        "logging.mlflow": False,
+        "checkpoint.interval": 0,
+        **SHAPES[shape],
+        **overrides,
+    }
+    config = load_config(ROOT / "configs" / "llama-1b.yaml", values=values)
+    sizes = config.parallel
+    data_parallel = gpus // (sizes.tensor * sizes.pipeline * sizes.context)
+    micro = config.training.micro_batch_size
+    config.training = config.training.model_copy(
+        update={"global_batch_size": micro * accumulation * data_parallel}
+    )
+    return config
+
+
+def worker(args) -> None:
+    import torch
+
+    from training.distributed import distributed
+    from training.trainer import Trainer
+
+    config = build_config(
+        args.shape, args.layout, args.shards, args.warmup + args.steps, args.accumulation
+    )
+    config.training.device = args.device
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with distributed(args.device) as (_, device):
+        trainer = Trainer(config, Path(args.out) / f"run-{args.shape}-{args.layout}")
+        batches = trainer.train_batches()
+        for _ in range(args.warmup):
+            trainer.train_step(batches)
+        sync()
+        started = time.perf_counter()
+        losses = [trainer.train_step(batches)["loss"] for _ in range(args.steps)]
+        sync()
+        seconds = time.perf_counter() - started
+        peak = torch.cuda.max_memory_allocated() if cuda else 0
+        memory = torch.tensor(float(peak), device=device)
+        torch.distributed.all_reduce(memory, op=torch.distributed.ReduceOp.MAX)
+        if trainer.is_main:
+            tokens = args.steps * config.training.global_batch_size * config.data.seq_length
+            result = {
+                "tokens_per_s": tokens / seconds,
+                "flops_per_token": trainer.flops_per_token,
+                "losses": losses,
+                "peak_memory_gb": memory.item() / 2**30,
+            }
+            print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_layout(args, layout: str, shards: str) -> dict:
+    gpus = LAYOUTS[layout][0]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(gpus), __file__, "--worker", "--layout", layout,
+        "--shape", args.shape, "--shards", shards, "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--accumulation", str(args.accumulation), "--device", args.device,
+        "--out", args.out,
+    ]  # fmt: skip
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        result = {"error": (done.stdout[-2000:] + "\n" + done.stderr[-3000:]).strip()}
+    else:
+        result = json.loads(lines[-1].removeprefix("RESULT "))
+        result["gpus"] = gpus
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def bubble_theory(layout: str, accumulation: int) -> float | None:
+    overrides = LAYOUTS[layout][1]
+    stages = overrides.get("parallel.pipeline", 1)
+    if stages == 1:
+        return None
+    virtual = overrides.get("parallel.virtual_pipeline") or 1
+    return (stages - 1) / (virtual * accumulation)
+
+
+def table(report: dict) -> str:
+    results = report["results"]
+    base = results.get("1gpu", {}).get("tokens_per_s")
+    peak = report.get("matmul_tflops") or float("nan")
+    lines = [
+        f"{report['device']}, shape {report['shape']}, {report['accumulation']} micro-batches "
+        f"per replica per step, eager; bf16 matmul peak {peak:.0f} TFLOP/s",
+        "| layout | GPUs | tokens/s | tokens/s per GPU | efficiency vs 1 GPU | MFU (989) | "
+        "of matmul peak | peak mem GiB | bubble measured / theory |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        if "tokens_per_s" not in r:
+            lines.append(f"| {name} | failed: {r['error'].splitlines()[-1][:120]} |")
+            continue
+        per_gpu = r["tokens_per_s"] / r["gpus"]
+        efficiency = per_gpu / base if base else float("nan")
+        achieved = per_gpu * r["flops_per_token"]
+        theory = bubble_theory(name, report["accumulation"])
+        bubble = f"{100 * (1 - efficiency):.1f}% / {100 * theory:.1f}%" if theory else "-"
+        lines.append(
+            f"| {name} | {r['gpus']} | {r['tokens_per_s']:,.0f} | {per_gpu:,.0f} | "
+            f"{100 * efficiency:.1f}% | {100 * achieved / 989e12:.1f}% | "
+            f"{100 * achieved / (peak * 1e12):.1f}% | {r['peak_memory_gb']:.1f} | {bubble} |"
+        )
+    return "\n".join(lines)
+
+
+def drive(args) -> None:
+    import torch
+
+    from benchmarks.train_throughput import prepare_shards, run_matmul
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = prepare_shards(out)
+    cuda = args.device == "cuda"
+    gpu = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if cuda else "CPU"
+    report = {
+        "date": str(date.today()),
+        "shape": args.shape,
+        "accumulation": args.accumulation,
+        "device": f"{gpu} (torch {torch.__version__})",
+        "matmul_tflops": run_matmul()["tflops"] if cuda else None,
+        "results": {},
+    }
+    for layout in args.layouts.split(","):
+        report["results"][layout] = run_layout(args, layout, shards)
+        print(layout, json.dumps(report["results"][layout])[:400], flush=True)
+    (out / f"scaling-{args.shape}.json").write_text(json.dumps(report, indent=2))
+    print(table(report), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    parser.add_argument("--layouts", default="1gpu,dp2,tp2")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--accumulation", type=int, default=4)
+    parser.add_argument("--timeout", type=int, default=240, help="Seconds per layout.")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmark-out"))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layout", help=argparse.SUPPRESS)
+    parser.add_argument("--shards", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    worker(args) if args.worker else drive(args)
+
+
+if __name__ == "__main__":
+    main()
