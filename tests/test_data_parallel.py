@@ -181,6 +181,32 @@ def test_one_process_resumes_a_data_parallel_checkpoint(
     assert got == pytest.approx(want, abs=LOSS_ATOL), f"{LAYOUT} mode={mode} resumed in one process"
 
 
+def test_selective_checkpointing_in_every_data_parallel_mode(
+    shards: Path, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """Selective activation checkpointing recomputes blocks inside DDP's and FSDP's
+    hooks: the losses and grad norms stay the single-process ones (no checkpointing)."""
+    spec = {
+        "recipe": str(RECIPE),
+        "settings": {**settings(shards), "model.activation_checkpointing": "selective"},
+        "modes": MODES,
+        "steps": STEPS,
+        "out": str(tmp_path),
+    }
+    run_torchrun_worker("dp_parity_worker.py", spec, tmp_path, WORLD, f"{LAYOUT} selective")
+    for mode in MODES:
+        result = json.loads((tmp_path / mode / "result.json").read_text())
+        pairs = zip(result["records"], reference["records"], strict=True)
+        for step, (g, w) in enumerate(pairs, start=1):
+            name = f"{LAYOUT} mode={mode} activation_checkpointing=selective"
+            assert g["loss"] == pytest.approx(w["loss"], abs=LOSS_ATOL), (
+                f"{name}: loss diverged at step {step}"
+            )
+            assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), (
+                f"{name}: grad_norm diverged at step {step}"
+            )
+
+
 # --- the data slices, without processes ----------------------------------------------
 
 
