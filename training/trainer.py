@@ -47,6 +47,7 @@ from training.distributed import env_from_torchrun, local_device
 from training.errors import MegalithError
 from training.models.flops import flops_per_token
 from training.models.package import save_model_package
+from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
 from training.parallel.groups import ParallelState, build_parallel_state
@@ -320,6 +321,10 @@ class Trainer:
     def _micro_batch_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         tokens = batch["tokens"].to(self.device, non_blocking=True)
         with self.precision.autocast():
+            if self.parallel.sizes.cp > 1:  # this rank's part of the sequence, loss scaled
+                return cp.micro_batch_loss(
+                    self.forward_model, tokens[:, :-1], tokens[:, 1:], self.parallel
+                )
             return self.forward_model(tokens[:, :-1], labels=tokens[:, 1:])
 
     def train_step(self, batches) -> dict[str, float]:
