@@ -12,6 +12,7 @@ MEGALITH_TEST_DEVICE=cuda): CP=2 (ddp), CP=2 with selective activation checkpoin
 (distributed_optimizer) and TP=2 × CP=2 (4 processes) against the single-process run
 of the same config: losses, validation losses and grad norms per step, the whole
 weights and AdamW moments of the last checkpoint, and an exact resume from step 2.
+A slow test runs CP=2 under FSDP2 and TP=2 × CP=2 with sequence parallelism likewise.
 
 Tolerances (fp32): attention outputs and q/k/v gradients rtol 1e-5 / atol 1e-6; model
 losses rtol/atol 1e-5 and gradients rtol 1e-4 / atol 1e-6 (CP sums the loss and the
@@ -349,3 +350,24 @@ def test_tensor_times_context_parallel_trainer_matches_one_process(
     tp_cp_runs: Path, reference: Path
 ) -> None:
     check_matches_one_process(tp_cp_runs, "tp2-cp2", reference, 4)
+
+
+@pytest.mark.slow
+def test_context_parallel_with_fsdp_and_with_sequence_parallelism(
+    shards: Path, reference: Path, tmp_path: Path
+) -> None:
+    """CP=2 under FSDP2 (2 processes) and TP=2 × CP=2 with sequence parallelism (4)."""
+    fsdp = {"cp2-fsdp": {"parallel.context": 2, "parallel.data_parallel_mode": "fsdp"}}
+    sp = {
+        "tp2-cp2-sp": {
+            "parallel.tensor": 2,
+            "parallel.context": 2,
+            "parallel.sequence_parallel": "true",
+        }
+    }
+    for cases, world in ((fsdp, 2), (sp, 4)):
+        out = tmp_path / f"world{world}"
+        out.mkdir()
+        runs = run_worker(out, {n: settings(shards, e) for n, e in cases.items()}, world)
+        for name in cases:
+            check_matches_one_process(runs, name, reference, world)

@@ -12,8 +12,10 @@ global batch, gradients are averaged by DDP (``training.parallel.data_parallel``
 and rank 0 alone writes metrics, checkpoints and the model package and talks to
 MLflow. Tensor (and sequence) parallel peers read the same batches and hold shards of
 the model (``training.parallel.tensor_parallel_training``); checkpoints and the package
-still hold whole tensors. Pipeline, context and expert parallelism are refused until
-they are integrated here (``training.parallel.support`` lists what is pending).
+still hold whole tensors. Context-parallel peers read the same batches too and each
+keeps its load-balanced part of every sequence (``training.parallel.context_parallel``).
+Pipeline and expert parallelism are refused until they are integrated here
+(``training.parallel.support`` lists what is pending).
 """
 
 from __future__ import annotations
