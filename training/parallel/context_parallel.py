@@ -18,7 +18,10 @@ the ranks, overlapped with compute) is not built. Per layer:
   collect the gradient from every rank whose queries saw them).
 
 Every rank holds the whole sequence's K/V of one layer at a time (``2·groups·D`` per
-token), which is small next to the activations CP splits.
+token), which is small next to the activations CP splits. Activation checkpointing
+(full or selective) repeats the all-gather when it recomputes a block. With sequence
+parallelism each TP rank holds ``1/TP`` of its CP part between the attention and MLP
+blocks; the attention sees the CP part whole, so the two compose unchanged.
 
 Positions: RoPE and learned positions use each token's *global* position
 (:func:`positions`), since a rank's chunks are not contiguous.
