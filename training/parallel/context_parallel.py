@@ -168,6 +168,11 @@ class ContextParallelBackend(LayerBackend):
     def sequence_scatter(self) -> nn.Module:
         return self.inner.sequence_scatter()
 
+    def dropout(self, p: float) -> nn.Module:
+        # For backends with per-rank dropout (LayerBackend.dropout, on main since this
+        # branch started); every layer but the core attention is the wrapped backend's.
+        return self.inner.dropout(p)
+
     def core_attention(
         self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
     ) -> nn.Module:
