@@ -12,8 +12,10 @@ global batch, gradients are averaged by DDP (``training.parallel.data_parallel``
 and rank 0 alone writes metrics, checkpoints and the model package and talks to
 MLflow. Tensor (and sequence) parallel peers read the same batches and hold shards of
 the model (``training.parallel.tensor_parallel_training``); checkpoints and the package
-still hold whole tensors. Pipeline, context and expert parallelism are refused until
-they are integrated here (``training.parallel.support`` lists what is pending).
+still hold whole tensors. Context-parallel peers read the same batches too and each
+keeps its load-balanced part of every sequence (``training.parallel.context_parallel``).
+Pipeline and expert parallelism are refused until they are integrated here
+(``training.parallel.support`` lists what is pending).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from training.distributed import env_from_torchrun, local_device
 from training.errors import MegalithError
 from training.models.flops import flops_per_token
 from training.models.package import save_model_package
+from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
 from training.parallel.groups import ParallelState, build_parallel_state
@@ -320,6 +323,10 @@ class Trainer:
     def _micro_batch_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         tokens = batch["tokens"].to(self.device, non_blocking=True)
         with self.precision.autocast():
+            if self.parallel.sizes.cp > 1:  # this rank's part of the sequence, loss scaled
+                return cp.micro_batch_loss(
+                    self.forward_model, tokens[:, :-1], tokens[:, 1:], self.parallel
+                )
             return self.forward_model(tokens[:, :-1], labels=tokens[:, 1:])
 
     def train_step(self, batches) -> dict[str, float]:

@@ -201,10 +201,13 @@ class Embeddings(nn.Module):
         self.to_sequence_shards = backend.sequence_scatter()
         self.dropout = backend.dropout(config.dropout)
 
-    def forward(self, tokens: Tensor, start_pos: int) -> Tensor:
+    def forward(self, tokens: Tensor, start_pos: int, positions: Tensor | None = None) -> Tensor:
         x = self.word(tokens)
         if self.position is not None:
-            positions = torch.arange(start_pos, start_pos + tokens.size(1), device=tokens.device)
+            if positions is None:
+                positions = torch.arange(
+                    start_pos, start_pos + tokens.size(1), device=tokens.device
+                )
             x = x + self.position(positions)
         return self.dropout(self.to_sequence_shards(x))
 
@@ -317,16 +320,22 @@ class GPTModel(nn.Module):
         loss_reduction: Literal["mean", "none"] = "mean",
         kv_cache: KVCache | None = None,
         start_pos: int = 0,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         """``tokens [B, T]`` -> fp32 logits ``[B, T, V]``, or with ``labels [B, T]`` the
         cross-entropy (mean over labels != -100, or ``[B, T]`` with ``loss_reduction="none"``).
 
         With ``kv_cache``, ``tokens`` are positions ``start_pos .. start_pos+T-1`` and attend
         to the cached positions before them; the cache is updated in place.
+        ``position_ids [T]`` gives the tokens' positions instead (for RoPE or learned
+        positions), for a sequence part that is not contiguous (context parallelism).
         """
         self._check_positions(tokens, kv_cache, start_pos)
-        x = self.embedding(tokens, start_pos)
-        rope = self.rope(start_pos, tokens.size(1), x.device) if self.rope is not None else None
+        self._check_position_ids(tokens, position_ids, kv_cache)
+        x = self.embedding(tokens, start_pos, position_ids)
+        rope = None
+        if self.rope is not None:
+            rope = self.rope(start_pos, tokens.size(1), x.device, position_ids)
         for block in self.layers:
             x = self._run_block(block, x, rope, kv_cache, start_pos)
         x = self.final_norm(x)
@@ -348,6 +357,17 @@ class GPTModel(nn.Module):
         if mode == "full":
             return checkpoint(block, x, rope, use_reentrant=False)
         return checkpoint(block, x, rope, use_reentrant=False, context_fn=_selective_context)
+
+    def _check_position_ids(
+        self, tokens: Tensor, position_ids: Tensor | None, kv_cache: KVCache | None
+    ) -> None:
+        if position_ids is None:
+            return
+        if kv_cache is not None or position_ids.shape != tokens.shape[1:]:
+            raise ValueError(
+                f"position_ids must be [length] = [{tokens.size(1)}] and without a kv_cache, "
+                f"got shape {tuple(position_ids.shape)}"
+            )
 
     def _check_positions(self, tokens: Tensor, kv_cache: KVCache | None, start_pos: int) -> None:
         if tokens.dim() != 2:

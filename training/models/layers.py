@@ -197,11 +197,16 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos(), angles.sin()
 
-    def forward(self, start_pos: int, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """cos and sin for positions ``start_pos .. start_pos+length-1``, each ``[length, D]``."""
+    def forward(
+        self, start_pos: int, length: int, device: torch.device, positions: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """cos and sin for positions ``start_pos .. start_pos+length-1``, or for the given
+        ``positions [length]``; each ``[length, D]``."""
         if self._table is None or self._table[0].device != device:
             self._table = self._build(device)
         cos, sin = self._table
+        if positions is not None:
+            return cos[positions], sin[positions]
         return cos[start_pos : start_pos + length], sin[start_pos : start_pos + length]
 
 

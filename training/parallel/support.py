@@ -11,7 +11,7 @@ from training.errors import MegalithError
 from training.parallel.groups import ParallelSizes
 
 # parallel.<key> -> the ParallelSizes field; each must stay 1 until integrated.
-PENDING = {"pipeline": "pp", "context": "cp", "expert": "ep"}
+PENDING = {"pipeline": "pp", "expert": "ep"}
 
 
 def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
@@ -24,8 +24,8 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
     if problems:
         problems[-1] += (
             ": not integrated into the trainer yet (it runs data parallelism: ddp, "
-            "distributed_optimizer, fsdp; and tensor parallelism with ddp or "
-            "distributed_optimizer)"
+            "distributed_optimizer, fsdp; tensor parallelism with ddp or "
+            "distributed_optimizer; and context parallelism)"
         )
     mode = config.parallel.data_parallel_mode
     if mode == "fsdp" and sizes.tp > 1:
