@@ -48,3 +48,16 @@ def test_activation_checkpointing_replays_the_forked_masks() -> None:
         out.square().sum().backward()
         grads.append(block.linear.weight.grad.clone())
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+def test_nested_forks_give_every_pair_of_ranks_its_own_masks() -> None:
+    """A CP fork around a TP fork: (cp, tp) rank pairs all draw different masks."""
+    masks = []
+    for cp_rank in range(2):
+        for tp_rank in range(2):
+            torch.manual_seed(11)
+            with rank_forked_rng(cp_rank, CPU), rank_forked_rng(tp_rank, CPU):
+                masks.append(F.dropout(torch.ones(256), 0.5, training=True))
+    for i in range(len(masks)):
+        for j in range(i):
+            assert not torch.equal(masks[i], masks[j]), f"rank pairs {i} and {j} share a mask"

@@ -40,7 +40,7 @@ from torch.distributed import ProcessGroup
 from training.models import layers
 from training.models.backend import BackendError, TorchBackend
 from training.models.layers import NormSpec
-from training.parallel.random import RankDropout, RankForkedAttention
+from training.parallel.random import RankForked, rank_dropout
 from training.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -144,14 +144,14 @@ class TensorParallelBackend(TorchBackend):
 
     def dropout(self, p: float) -> nn.Module:
         if self.sequence_parallel:
-            return RankDropout(p, self.group)
+            return rank_dropout(p, self.group)
         return nn.Dropout(p)
 
     def core_attention(
         self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
     ) -> nn.Module:
         attention = super().core_attention(num_heads, num_groups, head_dim, dropout=dropout)
-        return RankForkedAttention(attention, self.group)
+        return RankForked(attention, self.group, random=dropout > 0.0)
 
     def sequence_scatter(self) -> nn.Module:
         if self.sequence_parallel:

@@ -34,6 +34,10 @@ distributed optimizer and FSDP average gradients over data × context (dividing 
 loss by the CP size for the same reason.) The trainer's mean of the loss over data ×
 context is then the single-device loss as well, in training and evaluation.
 
+Dropout: CP ranks hold different tokens, so their dropout masks (hidden and
+attention) come from per-rank streams (:mod:`training.parallel.random`), nested inside
+the TP backend's where it forks too.
+
 Weights are replicated over CP like over DP: checkpoints and the model package are
 unchanged. KV-cache decoding is not context-parallel (build the model without CP).
 """
@@ -49,6 +53,7 @@ from training.errors import MegalithError
 from training.models.backend import LayerBackend
 from training.models.layers import IGNORE_INDEX, NormSpec
 from training.parallel.groups import ParallelState
+from training.parallel.random import RankForked
 from training.parallel.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 SEQUENCE_DIM = 1
@@ -169,15 +174,15 @@ class ContextParallelBackend(LayerBackend):
         return self.inner.sequence_scatter()
 
     def dropout(self, p: float) -> nn.Module:
-        # For backends with per-rank dropout (LayerBackend.dropout, on main since this
-        # branch started); every layer but the core attention is the wrapped backend's.
-        return self.inner.dropout(p)
+        # CP ranks hold different tokens: their masks must differ (within the TP fork
+        # of the wrapped backend, if any).
+        return RankForked(self.inner.dropout(p), self.group, random=p > 0.0)
 
     def core_attention(
         self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
     ) -> nn.Module:
         inner = self.inner.core_attention(num_heads, num_groups, head_dim, dropout=dropout)
-        return ContextParallelAttention(inner, self.group)
+        return RankForked(ContextParallelAttention(inner, self.group), self.group, dropout > 0.0)
 
     def output_head(self, hidden_size: int, vocab_size: int, **kwargs) -> nn.Module:
         return self.inner.output_head(hidden_size, vocab_size, **kwargs)

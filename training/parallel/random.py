@@ -23,7 +23,6 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -44,36 +43,25 @@ def rank_forked_rng(rank: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-class RankDropout(nn.Module):
-    """Dropout with masks independent across the ranks of ``group`` (for activations
-    that differ across them, such as sequence shards)."""
+class RankForked(nn.Module):
+    """``module`` run, while training, on an RNG stream of this rank's own in ``group``:
+    for dropout on activations that differ across the group's ranks (their heads, their
+    sequence parts). Forks nest: inside another group's fork the stream is unique to the
+    pair of ranks."""
 
-    def __init__(self, p: float, group: ProcessGroup):
+    def __init__(self, module: nn.Module, group: ProcessGroup, random: bool):
         super().__init__()
-        self.p = p
+        self.module = module
         self.group = group
+        self.random = random
 
-    def forward(self, x: Tensor) -> Tensor:
-        if not self.training or self.p == 0.0:
-            return x
+    def forward(self, x: Tensor, *args: Tensor) -> Tensor:
+        if not (self.training and self.random):
+            return self.module(x, *args)
         with rank_forked_rng(dist.get_rank(self.group), x.device):
-            return F.dropout(x, self.p, training=True)
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}"
+            return self.module(x, *args)
 
 
-class RankForkedAttention(nn.Module):
-    """Core attention whose dropout masks are independent across the ranks of ``group``
-    (each rank attends with different heads)."""
-
-    def __init__(self, attention: nn.Module, group: ProcessGroup):
-        super().__init__()
-        self.attention = attention
-        self.group = group
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if not self.training or not getattr(self.attention, "dropout", 0.0):
-            return self.attention(q, k, v)
-        with rank_forked_rng(dist.get_rank(self.group), q.device):
-            return self.attention(q, k, v)
+def rank_dropout(p: float, group: ProcessGroup) -> nn.Module:
+    """Dropout whose masks are independent across the ranks of ``group``."""
+    return RankForked(nn.Dropout(p), group, random=p > 0.0)
