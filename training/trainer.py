@@ -51,8 +51,8 @@ from training.models.flops import flops_per_token
 from training.models.package import save_model_package
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
-from training.parallel.pipeline import PipelineParallel
 from training.parallel.groups import ParallelState, build_parallel_state
+from training.parallel.pipeline import PipelineParallel
 from training.parallel.support import check_trainer_support
 from training.precision import Precision, resolve_precision
 from training.schedule import learning_rate

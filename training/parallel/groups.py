@@ -128,9 +128,7 @@ def validate_layout(config: MegalithConfig, world_size: int) -> ParallelSizes:
         )
     if model.ffn_hidden_size % tp:
         problems.append(f"ffn_hidden_size {model.ffn_hidden_size} is not divisible by tensor {tp}")
-    problems += layout_problems(
-        model.num_layers, pp, sizes.vpp, config.parallel.pipeline_layers
-    )
+    problems += layout_problems(model.num_layers, pp, sizes.vpp, config.parallel.pipeline_layers)
     seq = config.data.seq_length
     if cp > 1 and seq % (2 * cp):
         problems.append(

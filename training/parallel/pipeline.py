@@ -472,7 +472,9 @@ class PipelineParallel:
             coords = self.state.coords
             if not (coords.dp or coords.cp):
                 full = local_optimizer.state_dict()
-                hyper = [{k: v for k, v in g.items() if k != "params"} for g in full["param_groups"]]
+                hyper = [
+                    {k: v for k, v in g.items() if k != "params"} for g in full["param_groups"]
+                ]
                 for index, values in sorted(full["state"].items()):
                     name = param_names[index]
                     if self._owned(name):
