@@ -6,7 +6,8 @@ seed and data: losses, validation losses and grad norms step by step, the whole
 (gathered) weights and AdamW moments in the final checkpoint, and the logits of the
 model package. Layouts: PP=2 with 1F1B; PP=2 interleaved (virtual_pipeline 2, one
 layer per virtual stage) with selective activation checkpointing; PP=2 with an uneven
-split ``pipeline_layers=[1, 3]``. Resuming a PP checkpoint in the same layout is exact;
+split ``pipeline_layers=[1, 3]``; PP=2 in bf16 with an untied output head (against a
+single-process bf16 run). Resuming a PP checkpoint in the same layout is exact;
 a PP=2 checkpoint resumes in one process and a single-process checkpoint at PP=2. One
 step's gradients (gathered from the stages) equal the unsharded gradients. A slow
 test runs TP=2 × PP=2 × DP=2 (8 processes). On GPUs: MEGALITH_TEST_DEVICE=cuda (NCCL).
@@ -57,6 +58,9 @@ CASES = {
     "pp2-interleaved-selective": {**INTERLEAVED, "model.activation_checkpointing": "selective"},
     "pp2-layers-1-3": {"parallel.pipeline": 2, "parallel.pipeline_layers": "[1,3]"},
 }
+# Untied output head (its own weight on the last stage) in bf16 autocast, against a
+# single-process run of the same settings.
+BF16_UNTIED = {"mixed_precision.dtype": "bf16", "model.tie_embeddings": "false"}
 BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
 
 
@@ -113,7 +117,10 @@ def parallel_runs(shards: Path, reference: Path, tmp_path_factory: pytest.TempPa
     return run_worker(
         tmp_path_factory.mktemp("pp-runs"),
         WORLD,
-        cases={name: settings(shards, extra) for name, extra in CASES.items()},
+        cases={
+            **{name: settings(shards, extra) for name, extra in CASES.items()},
+            "pp2-bf16-untied": settings(shards, {**CASES["pp2"], **BF16_UNTIED}),
+        },
         grad_cases={
             f"grads-{name}": settings(shards, CASES[name])
             for name in ("pp2", "pp2-interleaved-selective")
@@ -231,8 +238,22 @@ def test_gradients_of_one_step_match_one_process(
     accumulation = training.global_batch_size // training.micro_batch_size
     for _ in range(accumulation):
         (trainer._micro_batch_loss(next(batches)) / accumulation).backward()
-    want = {n: p.grad for n, p in trainer.model.named_parameters()}
+    want = {n: p.grad.cpu() for n, p in trainer.model.named_parameters()}
     assert_close_tensors(got, want, f"{layout(case)} step 1 gradients")
+
+
+def test_bf16_with_untied_output_head_matches_one_process(
+    parallel_runs: Path, shards: Path, tmp_path: Path
+) -> None:
+    case, name = "pp2-bf16-untied", layout("pp2 bf16 untied output head")
+    Trainer(config_of(settings(shards, BF16_UNTIED)), tmp_path).fit(show_progress=False)
+    assert_same_curve(metrics(parallel_runs / case), metrics(tmp_path), name)
+    assert_whole_checkpoint(parallel_runs / case, tmp_path, name)
+    straight = {r["step"]: r["loss"] for r in metrics(parallel_runs / case)}
+    for record in metrics(parallel_runs / f"{case}-resumed"):
+        assert record["loss"] == straight[record["step"]], (
+            f"{name}: resumed loss differs at step {record['step']}"
+        )
 
 
 @pytest.mark.parametrize("case", CASES)
