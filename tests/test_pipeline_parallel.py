@@ -330,6 +330,20 @@ def test_balanced_and_explicit_splits() -> None:
         layer_counts(5, pp=2, vpp=1, split="balanced")
 
 
+def test_schedules_need_enough_micro_batches(shards: Path) -> None:
+    # global 8 / (micro 2 · data 2) = 2 micro-batches per step.
+    few = {**settings(shards), "parallel.pipeline": 4}
+    with pytest.raises(
+        ParallelLayoutError, match="2 micro-batches per step .* fewer than pipeline 4"
+    ):
+        validate_layout(config_of(few), 8)
+    interleaved = {**settings(shards), **INTERLEAVED, "training.global_batch_size": 6}
+    with pytest.raises(
+        ParallelLayoutError, match="3 micro-batches .* not a multiple of pipeline 2"
+    ):
+        validate_layout(config_of(interleaved), 2)
+
+
 def test_bubble_fraction() -> None:
     assert bubble_fraction(pp=4, vpp=1, micro_batches=8) == pytest.approx(3 / 8)
     assert bubble_fraction(pp=4, vpp=2, micro_batches=8) == pytest.approx(3 / 16)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from training.config import ConfigError, MegalithConfig, ParallelConfig
-from training.parallel.pipeline_layout import layout_problems
+from training.parallel.pipeline_layout import layout_problems, schedule_problems
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -147,6 +147,8 @@ def validate_layout(config: MegalithConfig, world_size: int) -> ParallelSizes:
             f"global_batch_size {training.global_batch_size} is not divisible by "
             f"micro_batch_size {training.micro_batch_size} · data {sizes.dp} = {per_step}"
         )
+    else:
+        problems += schedule_problems(pp, sizes.vpp, training.global_batch_size // per_step)
     if problems:
         raise ParallelLayoutError(_message(problems, sizes))
     return sizes

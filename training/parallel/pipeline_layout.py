@@ -113,6 +113,19 @@ def bubble_fraction(pp: int, vpp: int, micro_batches: int) -> float:
     return (pp - 1) / (vpp * micro_batches)
 
 
+def schedule_problems(pp: int, vpp: int, micro_batches: int) -> list[str]:
+    """The micro-batch counts the schedules take: 1F1B needs at least one per stage,
+    the interleaved schedule a multiple of the pipeline size (Megatron's rule)."""
+    where = (
+        f"{micro_batches} micro-batches per step (global_batch_size / (micro_batch_size · data))"
+    )
+    if pp > 1 and vpp == 1 and micro_batches < pp:
+        return [f"{where} are fewer than pipeline {pp}: 1F1B needs at least one per stage"]
+    if pp > 1 and vpp > 1 and micro_batches % pp:
+        return [f"{where} are not a multiple of pipeline {pp} (interleaved schedule)"]
+    return []
+
+
 def layout_problems(num_layers: int, pp: int, vpp: int, split: Split) -> list[str]:
     """What ``validate_layout`` reports about the layer split (nothing with pipeline 1)."""
     if pp == 1:
