@@ -38,15 +38,19 @@ Measuring the bubble (GPU): every step logs ``pipeline_bubble_theory`` =
 ``1 - busy / step``, where ``busy`` is the time this rank spent in its chunks' forward
 and backward and in the loss (CUDA events, no extra synchronisation; wall clock on
 CPU) and ``step`` the whole schedule (so waiting for peers and point-to-point transfers
-count as bubble). For example, PP=2 on 2 GPUs at the 1B shape with m micro-batches::
+count as bubble). For example, PP=2 on 2 GPUs at the 1B shape (16 layers) with
+m = global_batch_size / micro_batch_size micro-batches per step (here m = 8)::
 
-    megalith train --recipe configs/<1b recipe>.yaml --nproc-per-node 2 \\
-      --set parallel.pipeline=2 --set training.micro_batch_size=1 \\
-      --set training.global_batch_size=<m> --set training.train_iters=20
+    megalith train --config configs/llama-1b.yaml --nproc-per-node 2 --output runs/pp2 \\
+      --set parallel.pipeline=2 --set training.micro_batch_size=4 \\
+      --set training.global_batch_size=32 --set training.train_iters=20 \\
+      --set training.eval_interval=0 --set checkpoint.interval=0
     # interleaved: --set parallel.virtual_pipeline=2 --set parallel.pipeline_schedule=interleaved
+    # balanced split (embedding and head as a layer each): --set parallel.pipeline_layers=balanced
 
-and read ``step_time_s``, ``pipeline_bubble`` and ``pipeline_bubble_theory`` from
-``metrics.jsonl`` (``pipeline_stats(records)`` averages them after warm-up).
+then ``pipeline_stats(read_metrics("runs/pp2/metrics.jsonl"))`` gives the mean
+``step_time_s``, ``pipeline_bubble`` and ``pipeline_bubble_theory`` after warm-up.
+Vary m (global_batch_size) to see the bubble fall as (p - 1) / (v · m).
 """
 
 from __future__ import annotations
@@ -264,14 +268,6 @@ class PipelineParallel:
             loss = self.chunks[-1].output.loss(hidden, labels)
         return loss / self.micro_batches
 
-    @property
-    def _holds_first(self) -> bool:
-        return self.state.is_first_stage
-
-    @property
-    def _holds_last(self) -> bool:
-        return self.state.is_last_stage
-
     def forward_backward(self, batches: Iterator[dict[str, Tensor]]) -> tuple[Tensor, dict]:
         """Run one optimizer step's micro-batches through the schedule and average the
         gradients over data parallelism (and the tied embedding over its copies).
@@ -280,11 +276,11 @@ class PipelineParallel:
         rank) and the bubble metrics."""
         tokens = torch.cat([next(batches)["tokens"] for _ in range(self.micro_batches)])
         tokens = tokens.to(self.device, non_blocking=True)
-        args = (tokens[:, :-1],) if self._holds_first else ()
+        args = (tokens[:, :-1],) if self.state.is_first_stage else ()
         losses: list[Tensor] = []
         self.busy.reset()
         started = time.perf_counter()
-        if self._holds_last:
+        if self.state.is_last_stage:
             self.schedule.step(*args, target=tokens[:, 1:], losses=losses, return_outputs=False)
         else:
             self.schedule.step(*args, return_outputs=False)
@@ -348,7 +344,9 @@ class PipelineParallel:
         split_names = set(tensor_parallel_partition(self.model)) if self.state.sizes.tp > 1 else ()
         totals = torch.zeros(2, dtype=torch.float32, device=self.device)  # split, replicated
         for name, param in self.model.named_parameters():
-            if param.grad is None or (name.startswith("embedding.") and not self._holds_first):
+            if param.grad is None or (
+                name.startswith("embedding.") and not self.state.is_first_stage
+            ):
                 continue
             totals[0 if name in split_names else 1] += param.grad.detach().float().square().sum()
         if self.state.sizes.tp > 1:
@@ -425,19 +423,16 @@ class PipelineParallel:
             src = self._global_rank(owner)
             if rank0:
                 shape, dtype = shape_dtype
-                buffer = torch.empty(shape, dtype=dtype, device=self._comm_device())
+                buffer = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.recv(buffer, src=src)
                 result[name] = buffer.cpu()
             elif self.state.pp_rank == owner:
-                dist.send(whole[name].to(self._comm_device()).contiguous(), dst=0)
+                dist.send(whole[name].to(self.device).contiguous(), dst=0)
         return result if rank0 else None
 
     def _global_rank(self, pp_rank: int) -> int:
         s = self.state.sizes
         return pp_rank * s.dp * s.cp * s.tp
-
-    def _comm_device(self) -> torch.device:
-        return self.device  # NCCL moves only CUDA tensors
 
     def _owned(self, name: str) -> bool:
         return self._owner(name) == self.state.pp_rank
