@@ -243,6 +243,11 @@ class ParallelConfig(StrictModel):
     )
     ddp_bucket_mb: float = Field(default=25.0, gt=0, description="Gradient bucket size.")
     pipeline_schedule: Literal["1f1b", "interleaved"] = "1f1b"
+    pipeline_layers: Literal["even", "balanced"] | list[int] = Field(
+        default="even",
+        description="Layers per virtual pipeline stage: even; balanced (embedding and output "
+        "head count as a layer each); or a list of counts (training.parallel.pipeline_layout).",
+    )
 
 
 class TrainingConfig(StrictModel):

@@ -14,12 +14,14 @@ MLflow. Tensor (and sequence) parallel peers read the same batches and hold shar
 the model (``training.parallel.tensor_parallel_training``); checkpoints and the package
 still hold whole tensors. Context-parallel peers read the same batches too and each
 keeps its load-balanced part of every sequence (``training.parallel.context_parallel``).
-Pipeline and expert parallelism are refused until they are integrated here
-(``training.parallel.support`` lists what is pending).
+Pipeline stages run the micro-batches through a 1F1B schedule
+(``training.parallel.pipeline``). Expert parallelism is refused until it is integrated
+here (``training.parallel.support`` lists what is pending).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -53,6 +55,7 @@ from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
 from training.parallel.groups import ParallelState, build_parallel_state
+from training.parallel.pipeline import PipelineParallel
 from training.parallel.support import check_trainer_support
 from training.precision import Precision, resolve_precision
 from training.schedule import learning_rate
@@ -180,12 +183,19 @@ class Trainer:
         seed_everything(config.training.seed)
 
         self.model_config = resolve_model_config(config)
-        self.model = tp.build_model(
-            self.model_config, self.parallel, config.parallel.sequence_parallel, self.device
-        )
-        # DDP broadcasts rank 0's weights at construction; every rank is seeded alike anyway.
-        # FSDP shards self.model in place, so the optimizer comes after.
-        self.dp_model = dp.wrap_model(self.model, self.parallel, config.parallel, self.device)
+        self.pipeline: PipelineParallel | None = None
+        if self.parallel.sizes.pp > 1:  # this rank's stages; gradients averaged after the schedule
+            self.pipeline = PipelineParallel(
+                config, self.model_config, self.parallel, self.device, self.precision
+            )
+            self.model = self.dp_model = self.pipeline.model
+        else:
+            self.model = tp.build_model(
+                self.model_config, self.parallel, config.parallel.sequence_parallel, self.device
+            )
+            # DDP broadcasts rank 0's weights at construction; every rank is seeded alike anyway.
+            # FSDP shards self.model in place, so the optimizer comes after.
+            self.dp_model = dp.wrap_model(self.model, self.parallel, config.parallel, self.device)
         self.optimizer, self.param_names = dp.build_optimizer(
             self.model, config.optimizer, self.device, self.parallel, config.parallel
         )
@@ -252,14 +262,17 @@ class Trainer:
         path = latest_checkpoint(self.checkpoint_dir)
         if path is None:
             return False
-        state = load_checkpoint(
-            path,
-            self.model,
-            self.optimizer,
-            self.param_names,
-            self.precision.scaler,
-            shard=lambda name, t: tp.shard_loaded(name, t, self.model_config, self.parallel),
-        )
+        if self.pipeline is not None:
+            state = self.pipeline.load(path, self.optimizer, self.param_names)
+        else:
+            state = load_checkpoint(
+                path,
+                self.model,
+                self.optimizer,
+                self.param_names,
+                self.precision.scaler,
+                shard=lambda name, t: tp.shard_loaded(name, t, self.model_config, self.parallel),
+            )
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
         self.checkpoint = path
@@ -293,19 +306,24 @@ class Trainer:
             "model_config": self.model_config.model_dump(mode="json"),
             "layout": self.parallel.layout(),
         }
-        with (
-            tp.full_model(self.model, self.parallel, self.is_main) as model,
-            tp.consolidated(
+        if self.pipeline is not None:
+            whole_optimizer = self.pipeline.whole_optimizer(
+                self.optimizer, self.param_names, self.is_main
+            )
+            names = self.pipeline.whole_param_names
+        else:
+            whole_optimizer = tp.consolidated(
                 self.optimizer, self.param_names, self.model_config, self.parallel, self.is_main
-            ) as optimizer,
-        ):
+            )
+            names = self.param_names
+        with self._whole_model() as model, whole_optimizer as optimizer:
             if self.is_main:
                 save_checkpoint(
                     self.checkpoint_dir,
                     self.step,
                     model,
                     optimizer,
-                    self.param_names,
+                    names,
                     state,
                     self.precision.scaler,
                     self.config.checkpoint.keep_last,
@@ -314,6 +332,12 @@ class Trainer:
         self.checkpoint = self.checkpoint_dir / step_dir_name(self.step)
         return self.checkpoint
 
+    def _whole_model(self) -> contextlib.AbstractContextManager:
+        """The whole model on rank 0 (collective under FSDP, TP and PP)."""
+        if self.pipeline is not None:
+            return self.pipeline.whole_model(self.is_main)
+        return tp.full_model(self.model, self.parallel, self.is_main)
+
     def _barrier(self) -> None:
         if self.parallel.distributed:
             dist.barrier()
@@ -321,6 +345,8 @@ class Trainer:
     # ------------------------------------------------------------------ steps
 
     def _micro_batch_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.pipeline is not None:  # forward only (validation); the last stage's loss
+            return self.pipeline.forward_loss(batch)
         tokens = batch["tokens"].to(self.device, non_blocking=True)
         with self.precision.autocast():
             if self.parallel.sizes.cp > 1:  # this rank's part of the sequence, loss scaled
@@ -341,17 +367,24 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         scaler = self.precision.scaler
-        total_loss = torch.zeros((), device=self.device)
-        for micro_step in range(accumulation):
-            # Gradients are averaged over data-parallel ranks on the last micro-step only.
-            with dp.no_sync(self.dp_model, skip=micro_step < accumulation - 1):
-                loss = self._micro_batch_loss(next(batches)) / accumulation
-                (scaler.scale(loss) if scaler else loss).backward()
-            total_loss += loss.detach()
-        total_loss = dp.all_reduce_mean(total_loss, self.parallel)
+        pipeline_metrics = {}
+        if self.pipeline is not None:  # the schedule runs the accumulation micro-batches
+            total_loss, pipeline_metrics = self.pipeline.forward_backward(batches)
+        else:
+            total_loss = torch.zeros((), device=self.device)
+            for micro_step in range(accumulation):
+                # Gradients are averaged over data-parallel ranks on the last micro-step only.
+                with dp.no_sync(self.dp_model, skip=micro_step < accumulation - 1):
+                    loss = self._micro_batch_loss(next(batches)) / accumulation
+                    (scaler.scale(loss) if scaler else loss).backward()
+                total_loss += loss.detach()
+            total_loss = dp.all_reduce_mean(total_loss, self.parallel)
         if scaler:
             scaler.unscale_(self.optimizer)
-        grad_norm = tp.clip_grad_norm(self.model, training.grad_clip, self.parallel)
+        if self.pipeline is not None:
+            grad_norm = self.pipeline.clip_grad_norm(training.grad_clip)
+        else:
+            grad_norm = tp.clip_grad_norm(self.model, training.grad_clip, self.parallel)
         if scaler:
             scaler.step(self.optimizer)
             scaler.update()
@@ -361,6 +394,7 @@ class Trainer:
         self.checkpoint = None
         self.consumed_samples += training.global_batch_size
         metrics = {"loss": total_loss.item(), "lr": lr, "grad_norm": grad_norm.item()}
+        metrics.update(pipeline_metrics)
         if scaler:
             metrics["loss_scale"] = scaler.get_scale()
         return metrics
@@ -381,6 +415,8 @@ class Trainer:
             total[1] += 1
         self.model.train()
         total = dp.all_reduce_mean(total, self.parallel)
+        if self.pipeline is not None:
+            total = self.pipeline.from_last_stage(total)
         return (total[0] / total[1]).item()
 
     # ------------------------------------------------------------------ loop
@@ -461,8 +497,8 @@ class Trainer:
             if metrics_file is not None:
                 metrics_file.close()
         package = None
-        # Collective under FSDP and TP.
-        with tp.full_model(self.model, self.parallel, self.is_main) as model:
+        # Collective under FSDP, TP and PP.
+        with self._whole_model() as model:
             if self.is_main:
                 # This run's package, like its metrics.jsonl, replaces one an earlier run left.
                 package = save_model_package(

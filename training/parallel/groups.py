@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from training.config import ConfigError, MegalithConfig, ParallelConfig
+from training.parallel.pipeline_layout import layout_problems, schedule_problems
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -127,11 +128,7 @@ def validate_layout(config: MegalithConfig, world_size: int) -> ParallelSizes:
         )
     if model.ffn_hidden_size % tp:
         problems.append(f"ffn_hidden_size {model.ffn_hidden_size} is not divisible by tensor {tp}")
-    if model.num_layers % (pp * sizes.vpp):
-        problems.append(
-            f"num_layers {model.num_layers} is not divisible by pipeline {pp} · "
-            f"virtual_pipeline {sizes.vpp} = {pp * sizes.vpp}"
-        )
+    problems += layout_problems(model.num_layers, pp, sizes.vpp, config.parallel.pipeline_layers)
     seq = config.data.seq_length
     if cp > 1 and seq % (2 * cp):
         problems.append(
@@ -150,6 +147,8 @@ def validate_layout(config: MegalithConfig, world_size: int) -> ParallelSizes:
             f"global_batch_size {training.global_batch_size} is not divisible by "
             f"micro_batch_size {training.micro_batch_size} · data {sizes.dp} = {per_step}"
         )
+    else:
+        problems += schedule_problems(pp, sizes.vpp, training.global_batch_size // per_step)
     if problems:
         raise ParallelLayoutError(_message(problems, sizes))
     return sizes

@@ -1,0 +1,376 @@
+"""Pipeline parallelism through the real Trainer on CPU with gloo: 2 processes against one.
+
+Each layout runs ``Trainer.fit`` for 4 steps (4 layers, 4 micro-batches per step) with
+a checkpoint at step 2 and must match the single-process run with the same config,
+seed and data: losses, validation losses and grad norms step by step, the whole
+(gathered) weights and AdamW moments in the final checkpoint, and the logits of the
+model package. Layouts: PP=2 with 1F1B; PP=2 interleaved (virtual_pipeline 2, one
+layer per virtual stage) with selective activation checkpointing; PP=2 with an uneven
+split ``pipeline_layers=[1, 3]``; PP=2 in bf16 with an untied output head (against a
+single-process bf16 run). Resuming a PP checkpoint in the same layout is exact;
+a PP=2 checkpoint resumes in one process and a single-process checkpoint at PP=2. One
+step's gradients (gathered from the stages) equal the unsharded gradients. A slow
+test runs TP=2 × PP=2 × DP=2 (8 processes). On GPUs: MEGALITH_TEST_DEVICE=cuda (NCCL).
+
+Tolerance: pipeline stages run the same ops in the same order as one process, so
+losses agree to float32 rounding (measured: identical on gloo); the grad norm is summed
+per stage (measured 1e-6 relative). Losses within 1e-5 absolute, grad norms within
+1e-4 relative, tensors, gradients and logits within rtol 1e-4 / atol 1e-5; TP × PP also
+sums TP partial products in another order.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from parallel_helpers import DEVICE, RECIPE, run_torchrun_worker, tiny_settings, tiny_shard_set
+from safetensors.torch import load_file
+
+from training.config import load_config
+from training.errors import MegalithError
+from training.models.package import load_model_package
+from training.parallel.groups import ParallelLayoutError, ParallelSizes, validate_layout
+from training.parallel.pipeline_layout import (
+    bubble_fraction,
+    layer_counts,
+    owner_of_parameter,
+    stage_layers,
+    virtual_stages_of,
+)
+from training.parallel.support import check_trainer_support
+from training.trainer import Trainer
+
+WORLD = 2
+STEPS = 4
+RESUME_STEP = 2
+LOSS_ATOL = 1e-5
+INTERLEAVED = {
+    "parallel.pipeline": 2,
+    "parallel.virtual_pipeline": 2,
+    "parallel.pipeline_schedule": "interleaved",
+}
+CASES = {
+    "pp2": {"parallel.pipeline": 2},
+    "pp2-interleaved-selective": {**INTERLEAVED, "model.activation_checkpointing": "selective"},
+    "pp2-layers-1-3": {"parallel.pipeline": 2, "parallel.pipeline_layers": "[1,3]"},
+}
+# Untied output head (its own weight on the last stage) in bf16 autocast, against a
+# single-process run of the same settings.
+BF16_UNTIED = {"mixed_precision.dtype": "bf16", "model.tie_embeddings": "false"}
+BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
+
+
+def layout(case: str, world: int = WORLD) -> str:
+    return f"{case} ({BACKEND}, {world} processes)"
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_shard_set(tmp_path_factory)
+
+
+def settings(shards: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    return tiny_settings(
+        shards,
+        {
+            "model.num_layers": 4,
+            "training.train_iters": STEPS,
+            "checkpoint.interval": RESUME_STEP,
+            "checkpoint.keep_last": 3,
+            **(extra or {}),
+        },
+    )
+
+
+def config_of(values: dict[str, Any]):
+    return load_config(RECIPE, [f"{k}={v}" for k, v in values.items()])
+
+
+@pytest.fixture(scope="module")
+def reference(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The single-process run of the same config."""
+    out = tmp_path_factory.mktemp("pp-reference")
+    Trainer(config_of(settings(shards)), out).fit(show_progress=False)
+    return out
+
+
+def run_worker(out: Path, world: int, **parts: Any) -> Path:
+    spec = {
+        "recipe": str(RECIPE),
+        "device": DEVICE,
+        "resume_step": RESUME_STEP,
+        "out": str(out),
+        **parts,
+    }
+    return run_torchrun_worker("pp_worker.py", spec, out, world, f"PP ({world} processes)")
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(shards: Path, reference: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every 2-process job at once (one start-up): the fits and resumes, one step's
+    gradients at PP=2 (1F1B and interleaved), and PP=2 resuming the single-process
+    checkpoint."""
+    return run_worker(
+        tmp_path_factory.mktemp("pp-runs"),
+        WORLD,
+        cases={
+            **{name: settings(shards, extra) for name, extra in CASES.items()},
+            "pp2-bf16-untied": settings(shards, {**CASES["pp2"], **BF16_UNTIED}),
+        },
+        grad_cases={
+            f"grads-{name}": settings(shards, CASES[name])
+            for name in ("pp2", "pp2-interleaved-selective")
+        },
+        resume_cases={"pp2-from-one-process": settings(shards, CASES["pp2"])},
+        checkpoint_root=str(reference / "checkpoints"),
+    )
+
+
+def metrics(run: Path) -> list[dict[str, Any]]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def assert_close_tensors(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), f"{what}: names differ: {sorted(got.keys() ^ want.keys())}"
+    for name in want:
+        torch.testing.assert_close(
+            got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{what} {n}: {m}"
+        )
+
+
+def assert_same_curve(got: list[dict], want: list[dict], name: str) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want], f"{name}: steps differ"
+    for g, w in zip(got, want, strict=True):
+        step = g["step"]
+        assert g["loss"] == pytest.approx(w["loss"], abs=LOSS_ATOL), (
+            f"{name}: loss diverged at step {step}: {g['loss']} vs one process {w['loss']}"
+        )
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), (
+            f"{name}: grad_norm diverged at step {step}: {g['grad_norm']} vs {w['grad_norm']}"
+        )
+        assert g.get("val_loss", 0.0) == pytest.approx(w.get("val_loss", 0.0), abs=LOSS_ATOL), (
+            f"{name}: val_loss diverged at step {step}"
+        )
+
+
+def assert_whole_checkpoint(run: Path, reference: Path, name: str) -> None:
+    step = f"step-{STEPS:08d}"
+    for file in ("model.safetensors", "optimizer.safetensors"):
+        got = load_file(str(run / "checkpoints" / step / file))
+        want = load_file(str(reference / "checkpoints" / step / file))
+        assert_close_tensors(got, want, f"{name} step {STEPS} {file}")
+
+
+# --- through the trainer -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_losses_match_one_process(case: str, parallel_runs: Path, reference: Path) -> None:
+    got = metrics(parallel_runs / case)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert_same_curve(got, metrics(reference), layout(case))
+    vpp = 2 if "interleaved" in case else 1
+    for record in got:
+        assert record["pipeline_bubble_theory"] == pytest.approx((2 - 1) / (vpp * 4))
+        assert 0.0 <= record["pipeline_bubble"] < 1.0, f"{layout(case)}: bubble {record}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_checkpoint_holds_whole_single_process_tensors(
+    case: str, parallel_runs: Path, reference: Path
+) -> None:
+    assert_whole_checkpoint(parallel_runs / case, reference, layout(case))
+    step = f"step-{STEPS:08d}"
+    state = json.loads((parallel_runs / case / "checkpoints" / step / "state.json").read_text())
+    assert state["layout"]["parallel.pipeline"] == WORLD
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resume_in_the_same_layout_is_exact(case: str, parallel_runs: Path) -> None:
+    straight = {r["step"]: r["loss"] for r in metrics(parallel_runs / case)}
+    resumed = metrics(parallel_runs / f"{case}-resumed")
+    assert [r["step"] for r in resumed] == list(range(RESUME_STEP + 1, STEPS + 1))
+    for record in resumed:
+        assert record["loss"] == straight[record["step"]], (
+            f"{layout(case)}: resumed loss differs at step {record['step']}"
+        )
+
+
+@pytest.mark.parametrize("case", ["pp2", "pp2-interleaved-selective"])
+def test_one_process_resumes_a_pipeline_checkpoint(
+    case: str, parallel_runs: Path, shards: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    first = f"step-{RESUME_STEP:08d}"
+    shutil.copytree(parallel_runs / case / "checkpoints" / first, tmp_path / "ckpt" / first)
+    config = config_of({**settings(shards), "checkpoint.directory": str(tmp_path / "ckpt")})
+    trainer = Trainer(config, tmp_path / "run")
+    assert trainer.resume() and trainer.step == RESUME_STEP
+    trainer.fit(show_progress=False)
+    straight = {r["step"]: r["loss"] for r in metrics(parallel_runs / case)}
+    for record in metrics(tmp_path / "run"):
+        assert record["loss"] == pytest.approx(straight[record["step"]], abs=LOSS_ATOL), (
+            f"{layout(case)} checkpoint resumed in one process: loss differs at step "
+            f"{record['step']}"
+        )
+
+
+def test_pipeline_resumes_a_one_process_checkpoint(parallel_runs: Path, reference: Path) -> None:
+    name = layout("pp2 resuming the single-process step-2 checkpoint")
+    want = [r for r in metrics(reference) if r["step"] > RESUME_STEP]
+    assert_same_curve(metrics(parallel_runs / "pp2-from-one-process"), want, name)
+    assert_whole_checkpoint(parallel_runs / "pp2-from-one-process", reference, name)
+
+
+@pytest.mark.parametrize("case", ["pp2", "pp2-interleaved-selective"])
+def test_gradients_of_one_step_match_one_process(
+    case: str, parallel_runs: Path, shards: Path, tmp_path: Path
+) -> None:
+    got = load_file(str(parallel_runs / f"grads-{case}" / "grads.safetensors"))
+    trainer = Trainer(config_of(settings(shards)), tmp_path)
+    training, batches = trainer.config.training, trainer.train_batches()
+    accumulation = training.global_batch_size // training.micro_batch_size
+    for _ in range(accumulation):
+        (trainer._micro_batch_loss(next(batches)) / accumulation).backward()
+    want = {n: p.grad.cpu() for n, p in trainer.model.named_parameters()}
+    assert_close_tensors(got, want, f"{layout(case)} step 1 gradients")
+
+
+def test_bf16_with_untied_output_head_matches_one_process(
+    parallel_runs: Path, shards: Path, tmp_path: Path
+) -> None:
+    case, name = "pp2-bf16-untied", layout("pp2 bf16 untied output head")
+    Trainer(config_of(settings(shards, BF16_UNTIED)), tmp_path).fit(show_progress=False)
+    assert_same_curve(metrics(parallel_runs / case), metrics(tmp_path), name)
+    assert_whole_checkpoint(parallel_runs / case, tmp_path, name)
+    straight = {r["step"]: r["loss"] for r in metrics(parallel_runs / case)}
+    for record in metrics(parallel_runs / f"{case}-resumed"):
+        assert record["loss"] == straight[record["step"]], (
+            f"{name}: resumed loss differs at step {record['step']}"
+        )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_model_package_loads_in_one_process(
+    case: str, parallel_runs: Path, reference: Path
+) -> None:
+    model, config, _ = load_model_package(parallel_runs / case / "model")
+    want_model, _, _ = load_model_package(reference / "model")
+    tokens = torch.randint(
+        0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(tokens), want_model(tokens), rtol=1e-4, atol=1e-5,
+            msg=lambda m: f"{layout(case)} package logits: {m}",
+        )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_tensor_pipeline_data_parallel_matches_one_process(
+    shards: Path, reference: Path, tmp_path: Path
+) -> None:
+    """TP=2 × PP=2 × DP=2 (8 processes) with sequence parallelism and the distributed
+    optimizer: losses, grad norms, whole checkpoint tensors, an exact resume."""
+    case = "tp2-pp2-dp2"
+    extra = {
+        "parallel.tensor": 2,
+        "parallel.pipeline": 2,
+        "parallel.sequence_parallel": "true",
+        "parallel.data_parallel_mode": "distributed_optimizer",
+    }
+    runs = run_worker(tmp_path, 8, cases={case: settings(shards, extra)})
+    name = layout("TP=2 x PP=2 x DP=2 distributed_optimizer", 8)
+    got = metrics(runs / case)
+    assert_same_curve(got, metrics(reference), name)
+    straight = {r["step"]: r["loss"] for r in got}
+    for record in metrics(runs / f"{case}-resumed"):
+        assert record["loss"] == straight[record["step"]], (
+            f"{name}: resumed loss differs at step {record['step']}"
+        )
+    assert_whole_checkpoint(runs / case, reference, name)
+
+
+# --- the layer split, the bubble and what is refused ----------------------------------------
+
+
+def test_even_split_and_megatron_chunk_assignment() -> None:
+    counts = layer_counts(8, pp=2, vpp=2)
+    assert counts == [2, 2, 2, 2]
+    ranges = stage_layers(counts)
+    # Chunk c of rank r is virtual stage c * pp + r.
+    assert virtual_stages_of(0, 2, 2) == [0, 2] and virtual_stages_of(1, 2, 2) == [1, 3]
+    assert [list(ranges[s]) for s in virtual_stages_of(0, 2, 2)] == [[0, 1], [4, 5]]
+    assert [list(ranges[s]) for s in virtual_stages_of(1, 2, 2)] == [[2, 3], [6, 7]]
+    assert owner_of_parameter("layers.5.mlp.fc2.weight", counts, 2) == 0
+    assert owner_of_parameter("layers.6.mlp.fc2.weight", counts, 2) == 1
+    assert owner_of_parameter("embedding.word.weight", counts, 2) == 0
+    assert owner_of_parameter("output.weight", counts, 2) == 1
+    assert owner_of_parameter("final_norm.weight", counts, 2) == 1
+
+
+def test_balanced_and_explicit_splits() -> None:
+    # Embedding and output head count as a layer each: (6 + 2) / 4 = 2 per stage.
+    assert layer_counts(6, pp=4, vpp=1, split="balanced") == [1, 2, 2, 1]
+    assert layer_counts(10, pp=2, vpp=2, split="balanced") == [2, 3, 3, 2]
+    assert layer_counts(4, pp=2, vpp=1, split=[1, 3]) == [1, 3]
+    with pytest.raises(ValueError, match="sum to 5, num_layers is 4"):
+        layer_counts(4, pp=2, vpp=1, split=[2, 3])
+    with pytest.raises(ValueError, match="3 entries, needs pipeline 2 · virtual_pipeline 1"):
+        layer_counts(4, pp=2, vpp=1, split=[1, 1, 2])
+    with pytest.raises(ValueError, match="without layers"):
+        layer_counts(4, pp=2, vpp=1, split=[0, 4])
+    with pytest.raises(ValueError, match="balanced: num_layers 5 \\+ 2"):
+        layer_counts(5, pp=2, vpp=1, split="balanced")
+
+
+def test_schedules_need_enough_micro_batches(shards: Path) -> None:
+    # global 8 / (micro 2 · data 2) = 2 micro-batches per step.
+    few = {**settings(shards), "parallel.pipeline": 4}
+    with pytest.raises(
+        ParallelLayoutError, match="2 micro-batches per step .* fewer than pipeline 4"
+    ):
+        validate_layout(config_of(few), 8)
+    interleaved = {**settings(shards), **INTERLEAVED, "training.global_batch_size": 6}
+    with pytest.raises(
+        ParallelLayoutError, match="3 micro-batches .* not a multiple of pipeline 2"
+    ):
+        validate_layout(config_of(interleaved), 2)
+
+
+def test_bubble_fraction() -> None:
+    assert bubble_fraction(pp=4, vpp=1, micro_batches=8) == pytest.approx(3 / 8)
+    assert bubble_fraction(pp=4, vpp=2, micro_batches=8) == pytest.approx(3 / 16)
+    assert bubble_fraction(pp=1, vpp=1, micro_batches=8) == 0.0
+
+
+def test_layout_validation_names_the_split(shards: Path) -> None:
+    config = config_of(
+        {**settings(shards), "parallel.pipeline": 2, "parallel.pipeline_layers": "[1,2]"}
+    )
+    with pytest.raises(
+        ParallelLayoutError, match=r"pipeline_layers \[1, 2\] sum to 3, num_layers is 4"
+    ):
+        validate_layout(config, 2)
+    # Ignored without pipeline parallelism, so the same config resumes at PP=1.
+    validate_layout(config_of({**settings(shards), "parallel.pipeline_layers": "[1,2]"}), 1)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"parallel.data_parallel_mode": "fsdp"}, "fsdp with parallel.pipeline=2"),
+        ({"mixed_precision.dtype": "fp16"}, "fp16 with parallel.pipeline=2"),
+        ({"training.compile": "true"}, "training.compile with parallel.pipeline=2"),
+    ],
+)
+def test_what_pipeline_parallelism_refuses(shards: Path, values: dict, message: str) -> None:
+    config = config_of({**settings(shards), "parallel.pipeline": 2, **values})
+    with pytest.raises(MegalithError, match=message):
+        check_trainer_support(config, ParallelSizes(pp=2, dp=2))

@@ -1,0 +1,569 @@
+"""Pipeline parallelism in the trainer: stage models, 1F1B schedules, gradients, I/O.
+
+Layout (``training.parallel.pipeline_layout``): ``parallel.pipeline`` ranks, each with
+``parallel.virtual_pipeline`` model chunks; chunk ``c`` of rank ``r`` is virtual stage
+``c · pp + r`` (Megatron's assignment). The embedding runs on the first virtual stage,
+the final norm, output head and loss on the last; ``parallel.pipeline_layers`` sets
+how many layers each virtual stage holds.
+
+- Stage model: the single-device model is built from the seed on every rank (then TP
+  sharded as in :mod:`tensor_parallel_training`), and each rank keeps only its layers,
+  so the initial weights equal one device's. Parameter names stay the single-process
+  ones (``layers.{i}`` with global ``i``), which keeps AdamW's weight-decay groups,
+  checkpoints and TP partition specs unchanged.
+- Tied embeddings: the last stage holds a copy of ``embedding.word.weight`` for its
+  output head; both copies start equal and, as in Megatron, their gradients are summed
+  over ``ParallelState.embedding_group`` (first + last stage) before the optimizer step,
+  so they stay equal. The grad norm counts the copy once.
+- Schedule: ``torch.distributed.pipelining`` (``Schedule1F1B``, or
+  ``ScheduleInterleaved1F1B`` with virtual stages) over the ``pp`` group. The
+  micro-batches are the gradient-accumulation micro-batches of one optimizer step
+  (``global_batch / (micro_batch · dp)``); each micro-batch's loss is the output head's
+  mean loss divided by their number, as the non-pipelined trainer does, so losses and
+  gradients equal one device's. Gradients are averaged over data parallelism after the
+  schedule (one flat all-reduce per dtype; no overlap with backward), then the
+  distributed optimizer (ZeRO-1) or AdamW steps each stage's parameters.
+- Validation runs forward only, one micro-batch at a time through the virtual stages.
+- Checkpoints and the model package hold whole single-process tensors: stages (and TP
+  shards) send their parameters and AdamW moments to rank 0; loading picks this
+  rank's parameters out of a whole checkpoint and shards them, so any pipeline size
+  resumes any other.
+
+Not integrated: fp16 (the loss scaler would need its inf checks over every stage),
+FSDP with pipeline stages, and ``training.compile``; :mod:`training.parallel.support`
+refuses them.
+
+Measuring the bubble (GPU): every step logs ``pipeline_bubble_theory`` =
+``(p - 1) / (v · m)`` and ``pipeline_bubble`` = the mean over pipeline ranks of
+``1 - busy / step``, where ``busy`` is the time this rank spent in its chunks' forward
+and backward and in the loss (CUDA events, no extra synchronisation; wall clock on
+CPU) and ``step`` the whole schedule (so waiting for peers and point-to-point transfers
+count as bubble). For example, PP=2 on 2 GPUs at the 1B shape (16 layers) with
+m = global_batch_size / micro_batch_size micro-batches per step (here m = 8)::
+
+    megalith train --config configs/llama-1b.yaml --nproc-per-node 2 --output runs/pp2 \\
+      --set parallel.pipeline=2 --set training.micro_batch_size=4 \\
+      --set training.global_batch_size=32 --set training.train_iters=20 \\
+      --set training.eval_interval=0 --set checkpoint.interval=0
+    # interleaved: --set parallel.virtual_pipeline=2 --set parallel.pipeline_schedule=interleaved
+    # balanced split (embedding and head as a layer each): --set parallel.pipeline_layers=balanced
+
+then ``pipeline_stats(read_metrics("runs/pp2/metrics.jsonl"))`` gives the mean
+``step_time_s``, ``pipeline_bubble`` and ``pipeline_bubble_theory`` after warm-up.
+Vary m (global_batch_size) to see the bubble fall as (p - 1) / (v · m).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleaved1F1B,
+)
+
+from training.checkpoint import (
+    _group_indices,
+    _load_model,
+    _read_tensors,
+    _restore_rng,
+    verify_checkpoint,
+)
+from training.config import MegalithConfig, ModelConfig
+from training.models import GPTModel
+from training.models.flops import param_groups
+from training.parallel import data_parallel as dp
+from training.parallel import tensor_parallel_training as tp
+from training.parallel.groups import ParallelState
+from training.parallel.pipeline_layout import (
+    bubble_fraction,
+    layer_counts,
+    owner_of_parameter,
+    stage_layers,
+    virtual_stages_of,
+)
+from training.precision import Precision
+
+STATE_KEYS = dp.DistributedOptimizer.STATE_KEYS  # AdamW's moments and step count
+
+
+# --- stage model and chunks --------------------------------------------------------------
+
+
+def build_stage_model(
+    model: GPTModel, state: ParallelState, counts: list[int]
+) -> tuple[GPTModel, list[list[int]]]:
+    """Keep this rank's layers, embedding and head of a whole (or TP-sharded) model, in
+    place; returns it and the global layer indices of each of its chunks."""
+    sizes = state.sizes
+    ranges = stage_layers(counts)
+    chunks = [list(ranges[s]) for s in virtual_stages_of(state.pp_rank, sizes.pp, sizes.vpp)]
+    keep = sorted(i for chunk in chunks for i in chunk)
+    # A ModuleDict keyed by the global index keeps the single-process names layers.{i}.
+    model.layers = nn.ModuleDict({str(i): model.layers[i] for i in keep})
+    if not state.is_first_stage:
+        if state.is_last_stage and model.config.tie_embeddings:
+            model.embedding.position = None  # only the word embedding, for the tied head
+        else:
+            model.embedding = None
+    if not state.is_last_stage:
+        model.final_norm = None
+        model.output = None
+    return model, chunks
+
+
+class StageChunk(nn.Module):
+    """One virtual stage: [embedding] → its blocks → [final norm]; the loss is the
+    schedule's ``loss_fn`` (through ``output``). Shares its modules with the stage model."""
+
+    def __init__(
+        self,
+        model: GPTModel,
+        layers: list[int],
+        first: bool,
+        last: bool,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+        sequence_shards: int,
+    ):
+        super().__init__()
+        self.embedding = model.embedding if first else None
+        self.rope = model.rope
+        self.blocks = nn.ModuleList(model.layers[str(i)] for i in layers)
+        self.final_norm = model.final_norm if last else None
+        self.output = model.output if last else None
+        self._run_block = model._run_block  # activation checkpointing as configured
+        self._autocast = autocast
+        self._sequence_shards = sequence_shards  # TP size under sequence parallelism
+
+    def forward(self, x: Tensor) -> Tensor:
+        with self._autocast():
+            if self.embedding is not None:
+                length = x.size(1)
+                x = self.embedding(x, 0)
+            else:
+                length = x.size(1) * self._sequence_shards
+            rope = self.rope(0, length, x.device) if self.rope is not None else None
+            for block in self.blocks:
+                x = self._run_block(block, x, rope, None, 0)
+            if self.final_norm is not None:
+                x = self.final_norm(x)
+        return x
+
+
+class _Busy:
+    """Time spent computing (forward, backward, loss) on this rank during one step:
+    CUDA events on the current stream (read after the step's synchronisation), else
+    wall clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds, self.events = 0.0, []
+
+    @contextlib.contextmanager
+    def span(self) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+        else:
+            started = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - started
+
+    def total(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return self.seconds + sum(s.elapsed_time(e) for s, e in self.events) / 1e3
+        return self.seconds
+
+
+class TimedStage(PipelineStage):
+    """A PipelineStage that adds its forward and backward time to a :class:`_Busy`."""
+
+    def __init__(self, *args, busy: _Busy, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.busy = busy
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with self.busy.span():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        with self.busy.span():
+            return super().backward_one_chunk(*args, **kwargs)
+
+
+# --- the runner --------------------------------------------------------------------------
+
+
+class PipelineParallel:
+    """This rank's stage model, its chunks and schedule, and what the trainer asks of
+    them: a training step's forward/backward, gradient sync and clipping, validation
+    losses, whole-tensor checkpoints and loading."""
+
+    def __init__(
+        self,
+        config: MegalithConfig,
+        model_config: ModelConfig,
+        state: ParallelState,
+        device: torch.device,
+        precision: Precision,
+    ):
+        sizes = state.sizes
+        self.config, self.model_config, self.state = config, model_config, state
+        self.device, self.precision = device, precision
+        self.counts = layer_counts(
+            model_config.num_layers, sizes.pp, sizes.vpp, config.parallel.pipeline_layers
+        )
+        whole = tp.build_model(model_config, state, config.parallel.sequence_parallel, device)
+        self.model, chunk_layers = build_stage_model(whole, state, self.counts)
+        self.virtual_stages = virtual_stages_of(state.pp_rank, sizes.pp, sizes.vpp)
+        self.num_virtual = sizes.pp * sizes.vpp
+        shards = sizes.tp if config.parallel.sequence_parallel else 1
+        self.chunks = [
+            StageChunk(
+                self.model, layers, stage == 0, stage == self.num_virtual - 1,
+                precision.autocast, shards,
+            )
+            for stage, layers in zip(self.virtual_stages, chunk_layers, strict=True)
+        ]  # fmt: skip
+        training = config.training
+        self.micro_batches = training.global_batch_size // (training.micro_batch_size * sizes.dp)
+        self.busy = _Busy(device)
+        self.schedule = self._schedule()
+        self.whole_param_names = whole_param_names(model_config)
+
+    # ---------------------------------------------------------------- schedule
+
+    def _schedule(self):
+        stages = [
+            TimedStage(
+                chunk, stage, self.num_virtual, self.device, group=self.state.pp_group,
+                busy=self.busy,
+            )
+            for stage, chunk in zip(self.virtual_stages, self.chunks, strict=True)
+        ]  # fmt: skip
+        # scale_grads=False: the loss is already divided by the micro-batch count.
+        if self.state.sizes.vpp == 1:
+            return Schedule1F1B(stages[0], self.micro_batches, self._loss, scale_grads=False)
+        return ScheduleInterleaved1F1B(stages, self.micro_batches, self._loss, scale_grads=False)
+
+    def _loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
+        with self.busy.span(), self.precision.autocast():
+            loss = self.chunks[-1].output.loss(hidden, labels)
+        return loss / self.micro_batches
+
+    def forward_backward(self, batches: Iterator[dict[str, Tensor]]) -> tuple[Tensor, dict]:
+        """Run one optimizer step's micro-batches through the schedule and average the
+        gradients over data parallelism (and the tied embedding over its copies).
+
+        Returns the step's loss (mean over micro-batches and data-parallel ranks, on every
+        rank) and the bubble metrics."""
+        tokens = torch.cat([next(batches)["tokens"] for _ in range(self.micro_batches)])
+        tokens = tokens.to(self.device, non_blocking=True)
+        args = (tokens[:, :-1],) if self.state.is_first_stage else ()
+        losses: list[Tensor] = []
+        self.busy.reset()
+        started = time.perf_counter()
+        if self.state.is_last_stage:
+            self.schedule.step(*args, target=tokens[:, 1:], losses=losses, return_outputs=False)
+        else:
+            self.schedule.step(*args, return_outputs=False)
+        loss = torch.stack([x.detach() for x in losses]).sum() if losses else self._zero()
+        busy = self.busy.total()  # synchronises on CUDA
+        elapsed = time.perf_counter() - started
+        self.sync_grads()
+        loss = self.from_last_stage(dp.all_reduce_mean(loss.float(), self.state))
+        measured = torch.tensor([1.0 - busy / elapsed], device=self.device)
+        dist.all_reduce(measured, group=self.state.pp_group)
+        return loss, {
+            "pipeline_bubble": measured.item() / self.state.sizes.pp,
+            "pipeline_bubble_theory": bubble_fraction(
+                self.state.sizes.pp, self.state.sizes.vpp, self.micro_batches
+            ),
+        }
+
+    def _zero(self) -> Tensor:
+        return torch.zeros((), device=self.device)
+
+    def from_last_stage(self, value: Tensor) -> Tensor:
+        """The last stage's value on every rank of the pipeline (collective over pp)."""
+        value = value.detach().clone().contiguous()
+        dist.broadcast(value, group_src=self.state.sizes.pp - 1, group=self.state.pp_group)
+        return value
+
+    # ---------------------------------------------------------------- gradients
+
+    def sync_grads(self) -> None:
+        """Average over data × context (as DDP would), then sum the tied embedding's
+        gradient over its first- and last-stage copies (Megatron's embedding group)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        size = dp.data_parallel_size(self.state)
+        if size > 1:
+            by_dtype: dict[torch.dtype, list[Tensor]] = {}
+            for grad in grads:
+                by_dtype.setdefault(grad.dtype, []).append(grad)
+            for group in by_dtype.values():
+                flat = _flatten_dense_tensors(group)
+                dist.all_reduce(flat, group=self.state.dp_cp_group)
+                flat /= size
+                for grad, value in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+                    grad.copy_(value)
+        if self._tied_copy() is not None:
+            grad = self._tied_copy().grad
+            if grad is None:
+                grad = self._tied_copy().grad = torch.zeros_like(self._tied_copy())
+            dist.all_reduce(grad, group=self.state.embedding_group)
+
+    def _tied_copy(self) -> nn.Parameter | None:
+        """The word embedding where it is tied and held by a first or last stage."""
+        if not self.model_config.tie_embeddings or self.model.embedding is None:
+            return None
+        return self.model.embedding.word.weight
+
+    def clip_grad_norm(self, max_norm: float) -> Tensor:
+        """Clip by the norm over every stage and TP shard (the tied embedding counted on
+        the first stage only); returns the norm before clipping."""
+        from training.parallel.tensor_parallel.layers import tensor_parallel_partition
+
+        split_names = set(tensor_parallel_partition(self.model)) if self.state.sizes.tp > 1 else ()
+        totals = torch.zeros(2, dtype=torch.float32, device=self.device)  # split, replicated
+        for name, param in self.model.named_parameters():
+            if param.grad is None or (
+                name.startswith("embedding.") and not self.state.is_first_stage
+            ):
+                continue
+            totals[0 if name in split_names else 1] += param.grad.detach().float().square().sum()
+        if self.state.sizes.tp > 1:
+            split = totals[:1].clone()
+            dist.all_reduce(split, group=self.state.tp_group)
+            totals[0] = split[0]
+        total = totals.sum().reshape(1)
+        dist.all_reduce(total, group=self.state.pp_group)
+        norm = total[0].sqrt()
+        if max_norm > 0:
+            # torch.nn.utils.clip_grad_norm_'s rule, as without pipeline parallelism.
+            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(scale)
+        return norm
+
+    # ---------------------------------------------------------------- validation
+
+    @torch.no_grad()
+    def forward_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        """One micro-batch's mean loss, forward only through every virtual stage; the
+        value is on the last stage (zero elsewhere: combine with :meth:`from_last_stage`)."""
+        tokens = batch["tokens"].to(self.device, non_blocking=True)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        pp, group = self.state.sizes.pp, self.state.pp_group
+        shards = self.state.sizes.tp if self.config.parallel.sequence_parallel else 1
+        shape = (tokens.size(0), inputs.size(1) // shards, self.model_config.hidden_size)
+        dtype = next(self.model.parameters()).dtype
+        loss, x = self._zero(), None
+        for chunk, stage in zip(self.chunks, self.virtual_stages, strict=True):
+            if stage > 0:
+                x = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.recv(x, group_src=(stage - 1) % pp, group=group)
+            x = chunk(inputs if stage == 0 else x)
+            if stage < self.num_virtual - 1:
+                dist.send(x.to(dtype).contiguous(), group_dst=(stage + 1) % pp, group=group)
+            else:
+                with self.precision.autocast():
+                    loss = chunk.output.loss(x, labels)
+        return loss
+
+    # ---------------------------------------------------------------- whole tensors
+
+    def _owner(self, name: str) -> int:
+        return owner_of_parameter(name, self.counts, self.state.sizes.pp)
+
+    def _to_rank0(self, local: dict[str, Tensor], wanted: list[tuple[str, torch.Size]]):
+        """Collective: whole tensors on rank 0 (``None`` elsewhere), TP shards gathered and
+        pipeline stages' tensors sent in the order of ``wanted``.
+
+        ``local`` maps names this rank owns to its (TP-sharded) tensors, in an order
+        its TP peers share; ranks off the first data-parallel replica only return."""
+        coords = self.state.coords
+        if coords.dp or coords.cp:
+            return None
+        if self.state.sizes.tp == 1:
+            whole = {n: t.detach().cpu() for n, t in local.items()}
+        else:
+            whole = {
+                n: tp._gather_whole(n.split("/")[0], t, self.model_config, self.state)
+                for n, t in local.items()
+            }
+        if coords.tp:
+            return None
+        rank0 = self.state.pp_rank == 0
+        result = {}
+        for name, shape_dtype in wanted:
+            owner = self._owner(name.split("/")[0])
+            if owner == 0:
+                if rank0:
+                    result[name] = whole[name]
+                continue
+            src = self._global_rank(owner)
+            if rank0:
+                shape, dtype = shape_dtype
+                buffer = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.recv(buffer, src=src)
+                result[name] = buffer.cpu()
+            elif self.state.pp_rank == owner:
+                dist.send(whole[name].to(self.device).contiguous(), dst=0)
+        return result if rank0 else None
+
+    def _global_rank(self, pp_rank: int) -> int:
+        s = self.state.sizes
+        return pp_rank * s.dp * s.cp * s.tp
+
+    def _owned(self, name: str) -> bool:
+        return self._owner(name) == self.state.pp_rank
+
+    @contextlib.contextmanager
+    def whole_model(self, is_main: bool) -> Iterator[GPTModel | None]:
+        """The whole single-process model on CPU on rank 0 (None elsewhere); collective."""
+        local = {n: p for n, p in self.model.named_parameters() if self._owned(n)}
+        reference = _meta_model(self.model_config)
+        wanted = [(n, (p.shape, p.dtype)) for n, p in reference.named_parameters()]
+        tensors = self._to_rank0(local, wanted)
+        if not is_main:
+            yield None
+            return
+        reference.to_empty(device="cpu")
+        reference.tie_weights()
+        buffers = dict(self.model.named_buffers())
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                param.copy_(tensors[name])
+            for name, buffer in reference.named_buffers():
+                buffer.copy_(buffers[name])  # RoPE tables, on every stage
+        yield reference
+
+    @contextlib.contextmanager
+    def whole_optimizer(self, optimizer: Any, param_names: list[str], is_main: bool):
+        """AdamW's state in the single-process format (``whole_param_names`` order) on
+        rank 0; collective (the distributed optimizer consolidates over DP first)."""
+        with dp.consolidated(optimizer, is_main) as local_optimizer:
+            local: dict[str, Tensor] = {}
+            hyper: list[dict[str, Any]] = []
+            coords = self.state.coords
+            if not (coords.dp or coords.cp):
+                full = local_optimizer.state_dict()
+                hyper = [
+                    {k: v for k, v in g.items() if k != "params"} for g in full["param_groups"]
+                ]
+                for index, values in sorted(full["state"].items()):
+                    name = param_names[index]
+                    if self._owned(name):
+                        for key in STATE_KEYS:
+                            local[f"{name}/{key}"] = _step_tensor(values[key])
+            reference = dict(_meta_model(self.model_config).named_parameters())
+            wanted = []
+            for name in self.whole_param_names:
+                param = reference[name]
+                wanted += [(f"{name}/exp_avg", (param.shape, param.dtype))]
+                wanted += [(f"{name}/exp_avg_sq", (param.shape, param.dtype))]
+                wanted += [(f"{name}/step", ((), torch.float32))]
+            tensors = self._to_rank0(local, wanted)
+            if not is_main:
+                yield dp._Frozen(None)
+                return
+            state = {
+                index: {key: tensors[f"{name}/{key}"] for key in STATE_KEYS}
+                for index, name in enumerate(self.whole_param_names)
+            }
+            groups, start = [], 0
+            for group, size in zip(hyper, self._whole_group_sizes(), strict=True):
+                groups.append({**group, "params": list(range(start, start + size))})
+                start += size
+            yield dp._Frozen({"state": state, "param_groups": groups})
+
+    def _whole_group_sizes(self) -> list[int]:
+        groups = param_groups(_meta_model(self.model_config), self.config.optimizer.weight_decay)
+        return [len(g["params"]) for g in groups]
+
+    def load(self, path: str | Path, optimizer: Any, param_names: list[str]) -> dict[str, Any]:
+        """Load this rank's part of a whole checkpoint (written at any layout) into the
+        stage model and optimizer, and restore the RNG; returns state.json."""
+        path = Path(path)
+        index = verify_checkpoint(path)
+        saved = json.loads((path / "state.json").read_text())
+        tensors = _read_tensors(path / "model.safetensors", index)
+
+        def mine(name: str, tensor: Tensor) -> Tensor:
+            return tp.shard_loaded(name, tensor, self.model_config, self.state)
+
+        model_tensors = {n: mine(n, tensors[n]) for n, _ in self.model.named_parameters()}
+        _load_model(self.model, model_tensors, path)
+        moments = _read_tensors(path / "optimizer.safetensors", index)
+        per_param = {}
+        for position, name in enumerate(param_names):
+            if f"{name}/step" in moments:
+                per_param[position] = {
+                    key: mine(name, moments[f"{name}/{key}"]) for key in STATE_KEYS
+                }
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": indices}
+            for g, indices in zip(
+                saved["optimizer"]["param_groups"], _group_indices(optimizer), strict=True
+            )
+        ]
+        optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+        _restore_rng(_read_tensors(path / "rng.safetensors", index), saved["rng"])
+        return saved
+
+    def gather_grads(self) -> dict[str, Tensor] | None:
+        """The whole model's gradients on rank 0 by single-process name (tests); collective."""
+        local = {n: p.grad for n, p in self.model.named_parameters() if self._owned(n)}
+        reference = _meta_model(self.model_config)
+        wanted = [(n, (p.shape, p.dtype)) for n, p in reference.named_parameters()]
+        return self._to_rank0(local, wanted)
+
+
+def _step_tensor(value: Any) -> Tensor:
+    """A moment as it is; the step count as a float32 scalar (what AdamW keeps)."""
+    if not torch.is_tensor(value):
+        return torch.tensor(float(value))
+    return value.float() if value.dim() == 0 else value
+
+
+def _meta_model(config: ModelConfig) -> GPTModel:
+    with torch.device("meta"):
+        return GPTModel(config)
+
+
+def whole_param_names(config: ModelConfig) -> list[str]:
+    """The single-process optimizer's parameter order (decay group, then no-decay)."""
+    model = _meta_model(config)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in param_groups(model, 0.0) for p in g["params"]]
+
+
+def pipeline_stats(records: list[dict[str, Any]], warmup: int = 2) -> dict[str, float]:
+    """Mean step time and bubble of ``metrics.jsonl`` records after ``warmup`` steps
+    (for GPU measurements)."""
+    steady = records[warmup:] or records
+    mean = lambda key: sum(r[key] for r in steady) / len(steady)  # noqa: E731
+    return {
+        "step_time_s": mean("step_time_s"),
+        "pipeline_bubble": mean("pipeline_bubble"),
+        "pipeline_bubble_theory": steady[0]["pipeline_bubble_theory"],
+    }
