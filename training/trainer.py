@@ -12,8 +12,10 @@ global batch, gradients are averaged by DDP (``training.parallel.data_parallel``
 and rank 0 alone writes metrics, checkpoints and the model package and talks to
 MLflow. Tensor (and sequence) parallel peers read the same batches and hold shards of
 the model (``training.parallel.tensor_parallel_training``); checkpoints and the package
-still hold whole tensors. Pipeline, context and expert parallelism are refused until
-they are integrated here (``training.parallel.support`` lists what is pending).
+still hold whole tensors. Mixture-of-experts models add their load-balancing loss to
+the training loss; expert-parallel ranks hold a share of the experts
+(``training.parallel.expert_parallel_training``). Pipeline and context parallelism are
+refused until they are integrated here (``training.parallel.support`` lists what is pending).
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ from training.data.shard_set import open_shard_set
 from training.distributed import env_from_torchrun, local_device
 from training.errors import MegalithError
 from training.models.flops import flops_per_token
+from training.models.moe import moe_aux_loss
 from training.models.package import save_model_package
 from training.parallel import data_parallel as dp
-from training.parallel import tensor_parallel_training as tp
+from training.parallel import expert_parallel_training as ep
 from training.parallel.groups import ParallelState, build_parallel_state
 from training.parallel.support import check_trainer_support
 from training.precision import Precision, resolve_precision
@@ -177,9 +180,10 @@ class Trainer:
         seed_everything(config.training.seed)
 
         self.model_config = resolve_model_config(config)
-        self.model = tp.build_model(
+        self.model = ep.build_model(
             self.model_config, self.parallel, config.parallel.sequence_parallel, self.device
         )
+        ep.exclude_experts_from_ddp(self.model, self.parallel)
         # DDP broadcasts rank 0's weights at construction; every rank is seeded alike anyway.
         # FSDP shards self.model in place, so the optimizer comes after.
         self.dp_model = dp.wrap_model(self.model, self.parallel, config.parallel, self.device)
@@ -255,7 +259,7 @@ class Trainer:
             self.optimizer,
             self.param_names,
             self.precision.scaler,
-            shard=lambda name, t: tp.shard_loaded(name, t, self.model_config, self.parallel),
+            shard=lambda name, t: ep.shard_loaded(name, t, self.model_config, self.parallel),
         )
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
@@ -291,8 +295,8 @@ class Trainer:
             "layout": self.parallel.layout(),
         }
         with (
-            tp.full_model(self.model, self.parallel, self.is_main) as model,
-            tp.consolidated(
+            ep.full_model(self.model, self.parallel, self.is_main) as model,
+            ep.consolidated(
                 self.optimizer, self.param_names, self.model_config, self.parallel, self.is_main
             ) as optimizer,
         ):
@@ -335,16 +339,21 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         scaler = self.precision.scaler
         total_loss = torch.zeros((), device=self.device)
+        total_aux = torch.zeros((), device=self.device)
         for micro_step in range(accumulation):
             # Gradients are averaged over data-parallel ranks on the last micro-step only.
             with dp.no_sync(self.dp_model, skip=micro_step < accumulation - 1):
                 loss = self._micro_batch_loss(next(batches)) / accumulation
-                (scaler.scale(loss) if scaler else loss).backward()
+                aux = moe_aux_loss(self.model)  # MoE load balancing; None when dense
+                objective = loss if aux is None else loss + aux / accumulation
+                (scaler.scale(objective) if scaler else objective).backward()
             total_loss += loss.detach()
+            total_aux += 0.0 if aux is None else aux.detach() / accumulation
         total_loss = dp.all_reduce_mean(total_loss, self.parallel)
+        ep.reduce_expert_grads(self.model, self.parallel)
         if scaler:
             scaler.unscale_(self.optimizer)
-        grad_norm = tp.clip_grad_norm(self.model, training.grad_clip, self.parallel)
+        grad_norm = ep.clip_grad_norm(self.model, training.grad_clip, self.parallel)
         if scaler:
             scaler.step(self.optimizer)
             scaler.update()
@@ -354,6 +363,8 @@ class Trainer:
         self.checkpoint = None
         self.consumed_samples += training.global_batch_size
         metrics = {"loss": total_loss.item(), "lr": lr, "grad_norm": grad_norm.item()}
+        if self.model_config.num_experts:
+            metrics["moe_aux_loss"] = dp.all_reduce_mean(total_aux, self.parallel).item()
         if scaler:
             metrics["loss_scale"] = scaler.get_scale()
         return metrics
@@ -454,8 +465,8 @@ class Trainer:
             if metrics_file is not None:
                 metrics_file.close()
         package = None
-        # Collective under FSDP and TP.
-        with tp.full_model(self.model, self.parallel, self.is_main) as model:
+        # Collective under FSDP, TP and EP.
+        with ep.full_model(self.model, self.parallel, self.is_main) as model:
             if self.is_main:
                 # This run's package, like its metrics.jsonl, replaces one an earlier run left.
                 package = save_model_package(
