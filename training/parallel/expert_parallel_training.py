@@ -67,7 +67,7 @@ def exclude_experts_from_ddp(model: nn.Module, state: ParallelState) -> None:
     Call before wrapping the model in DDP."""
     if _expert_parallel(state):
         names = list(expert_parameters(model))
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_ddp(model, names)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
 
 
 def reduce_expert_grads(model: nn.Module, state: ParallelState) -> None:
