@@ -5,7 +5,8 @@ dropping, the layer against a plain loop over tokens and experts, parameter and 
 counts, the model package, and the layouts that are refused.
 
 Expert parallelism on CPU with gloo (MEGALITH_TEST_DEVICE=cuda: NCCL): EP=2 carved out
-of DP=2 (2 processes, each holding 2 of 4 experts) runs ``Trainer.fit`` for 4 steps
+of DP=2 (2 processes, each holding 2 of 4 experts; and, as a control, DP=2 with FSDP2
+and every expert on both ranks) runs ``Trainer.fit`` for 4 steps
 with a checkpoint at step 2 and must match the single-process run of the same config,
 seed and data: losses, MoE auxiliary losses, validation losses and grad norms step by
 step, the whole (gathered) weights and AdamW moments of the final checkpoint, the
@@ -78,12 +79,15 @@ CASES = {
         "model.moe_capacity_factor": 0.75,  # drops a quarter of the assignments or more
         "model.moe_layer_frequency": 2,  # block 0 MoE, block 1 dense
     },
+    # No EP: experts replicated, sharded by FSDP2 like any block's weights.
+    "dp2-fsdp": {**MOE, "parallel.data_parallel_mode": "fsdp"},
 }
 BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
 
 
 def layout(case: str) -> str:
-    return f"{case} (EP=2 x DP=2, {BACKEND}, {WORLD} processes)"
+    ep = CASES[case].get("parallel.expert", 1)
+    return f"{case} (EP={ep} x DP=2, {BACKEND}, {WORLD} processes)"
 
 
 def tiny_model_config(**values: Any) -> ModelConfig:
@@ -341,7 +345,8 @@ def settings(shards: Path, extra: dict[str, Any] | None = None) -> dict[str, Any
 
 
 def single_process(values: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in values.items() if k != "parallel.expert"}
+    parallel = ("parallel.expert", "parallel.data_parallel_mode")
+    return {k: v for k, v in values.items() if k not in parallel}
 
 
 def config_of(values: dict[str, Any]):
@@ -366,11 +371,15 @@ def parallel_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 @pytest.fixture(scope="module")
 def references(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The single-process runs of the same configs."""
-    runs = {}
+    runs: dict[str, Path] = {}
+    done: dict[str, Path] = {}
     for name, extra in CASES.items():
-        out = tmp_path_factory.mktemp(f"ep-reference-{name}")
-        Trainer(config_of(settings(shards, single_process(extra))), out).fit(show_progress=False)
-        runs[name] = out
+        values = settings(shards, single_process(extra))
+        key = json.dumps(values, sort_keys=True)
+        if key not in done:
+            done[key] = tmp_path_factory.mktemp(f"ep-reference-{name}")
+            Trainer(config_of(values), done[key]).fit(show_progress=False)
+        runs[name] = done[key]
     return runs
 
 
@@ -401,7 +410,7 @@ def test_losses_match_one_process(case: str, parallel_runs: Path, references: di
             f"{layout(case)}: grad_norm diverged at step {step}: {g['grad_norm']} vs "
             f"{w['grad_norm']}"
         )
-    assert "moe_aux_loss" in got[0]
+    assert "moe_aux_loss" in got[0], f"{layout(case)}: no moe_aux_loss logged"
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -414,7 +423,7 @@ def test_checkpoint_holds_whole_single_process_tensors(
         want = load_file(str(references[case] / "checkpoints" / step / file))
         assert_close_tensors(got, want, f"{layout(case)} step {STEPS} {file}")
     state = json.loads((parallel_runs / case / "checkpoints" / step / "state.json").read_text())
-    assert state["layout"]["parallel.expert"] == WORLD
+    assert state["layout"]["parallel.expert"] == CASES[case].get("parallel.expert", 1)
 
 
 @pytest.mark.parametrize("case", CASES)
