@@ -250,7 +250,8 @@ class MoELayer(nn.Module):
         tokens, weights = tokens[order], weights[order]
         counts = torch.bincount(experts, minlength=self.num_experts)
         out = self._run_experts(hidden[tokens], counts)
-        out = out * weights.unsqueeze(-1).to(out.dtype)
+        # Weighted and summed in fp32 (the weights' dtype), as Megatron's unpermute does.
+        out = out * weights.unsqueeze(-1)
         combined = out.new_zeros(hidden.shape).index_add(0, tokens, out)
         return self.dropout(combined.view(x.shape).to(x.dtype))
 
