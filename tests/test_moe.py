@@ -12,6 +12,7 @@ seed and data: losses, MoE auxiliary losses, validation losses and grad norms st
 step, the whole (gathered) weights and AdamW moments of the final checkpoint, the
 logits of the model package, and one step's gradients against the unsharded ones.
 Resuming the EP=2 checkpoint at EP=2 is exact; resuming it in one process matches.
+A slow test runs EP=2 inside DP=4 (4 processes, two replicas of each expert) the same way.
 
 Tolerance: EP changes only the order of fp32 sums (an expert's gradient sums the
 tokens of both ranks, then DDP-style scaling; the grad norm sums per-rank squares),
@@ -395,22 +396,42 @@ def assert_close_tensors(got: dict, want: dict, what: str, atol: float = 1e-5) -
         )
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_losses_match_one_process(case: str, parallel_runs: Path, references: dict) -> None:
-    got, want = metrics(parallel_runs / case), metrics(references[case])
+def assert_metrics_match(got_run: Path, want_run: Path, name: str) -> None:
+    got, want = metrics(got_run), metrics(want_run)
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
     for g, w in zip(got, want, strict=True):
         step = g["step"]
         for key in ("loss", "moe_aux_loss", "val_loss"):
             assert g.get(key, 0.0) == pytest.approx(w.get(key, 0.0), abs=LOSS_ATOL), (
-                f"{layout(case)}: {key} diverged at step {step}: {g.get(key)} vs one process "
-                f"{w.get(key)}"
+                f"{name}: {key} diverged at step {step}: {g.get(key)} vs one process {w.get(key)}"
             )
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), (
-            f"{layout(case)}: grad_norm diverged at step {step}: {g['grad_norm']} vs "
-            f"{w['grad_norm']}"
+            f"{name}: grad_norm diverged at step {step}: {g['grad_norm']} vs {w['grad_norm']}"
         )
-    assert "moe_aux_loss" in got[0], f"{layout(case)}: no moe_aux_loss logged"
+    assert "moe_aux_loss" in got[0], f"{name}: no moe_aux_loss logged"
+
+
+def assert_resume_exact(run: Path, resumed_run: Path, name: str) -> None:
+    straight = {r["step"]: r["loss"] for r in metrics(run)}
+    resumed = metrics(resumed_run)
+    assert [r["step"] for r in resumed] == list(range(RESUME_STEP + 1, STEPS + 1))
+    for record in resumed:
+        assert record["loss"] == straight[record["step"]], (
+            f"{name}: resumed loss differs at step {record['step']}"
+        )
+
+
+def single_process_grads(values: dict[str, Any], out: Path) -> dict[str, torch.Tensor]:
+    """Step 1's gradients in one process (after clipping), the optimizer step skipped."""
+    trainer = Trainer(config_of(single_process(values)), out)
+    trainer.optimizer.step = lambda: None
+    trainer.train_step(trainer.train_batches())
+    return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_losses_match_one_process(case: str, parallel_runs: Path, references: dict) -> None:
+    assert_metrics_match(parallel_runs / case, references[case], layout(case))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -428,13 +449,7 @@ def test_checkpoint_holds_whole_single_process_tensors(
 
 @pytest.mark.parametrize("case", CASES)
 def test_resume_in_the_same_layout_is_exact(case: str, parallel_runs: Path) -> None:
-    straight = {r["step"]: r["loss"] for r in metrics(parallel_runs / case)}
-    resumed = metrics(parallel_runs / f"{case}-resumed")
-    assert [r["step"] for r in resumed] == list(range(RESUME_STEP + 1, STEPS + 1))
-    for record in resumed:
-        assert record["loss"] == straight[record["step"]], (
-            f"{layout(case)}: resumed loss differs at step {record['step']}"
-        )
+    assert_resume_exact(parallel_runs / case, parallel_runs / f"{case}-resumed", layout(case))
 
 
 def test_one_process_resumes_an_expert_parallel_checkpoint(
@@ -474,9 +489,37 @@ def test_model_package_loads_in_one_process(
 def test_step_gradients_match_unsharded(parallel_runs: Path, shards: Path, tmp_path: Path) -> None:
     """Step 1's gradients (after the EP reduction and clipping), experts gathered,
     against the single-process gradients of the same batch."""
-    trainer = Trainer(config_of(single_process(settings(shards, CASES["ep2"]))), tmp_path)
-    trainer.optimizer.step = lambda: None
-    trainer.train_step(trainer.train_batches())
-    want = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+    want = single_process_grads(settings(shards, CASES["ep2"]), tmp_path)
     got = load_file(str(parallel_runs / "grads" / "grads.safetensors"))
     assert_close_tensors(got, want, f"{layout('ep2')} step 1 gradients", atol=1e-6)
+
+
+@pytest.mark.slow
+def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) -> None:
+    """EP=2 inside DP=4 (4 processes): each expert lives on two expert-data-parallel
+    ranks, whose gradients are summed over the edp group. Losses, grad norms, whole
+    checkpoint tensors, an exact resume and step 1's gradients."""
+    name = f"EP=2 x DP=4 (EDP=2, {BACKEND}, 4 processes)"
+    values = settings(shards, {**MOE, "parallel.expert": 2, "training.eval_iters": 4})
+    spec = {
+        "recipe": str(RECIPE),
+        "device": DEVICE,
+        "cases": {"ep2-dp4": values},
+        "grads": values,
+        "resume_step": RESUME_STEP,
+        "out": str(tmp_path / "runs"),
+    }
+    (tmp_path / "runs").mkdir()
+    runs = run_torchrun_worker("moe_trainer_worker.py", spec, tmp_path / "runs", 4, name)
+    reference = tmp_path / "reference"
+    Trainer(config_of(single_process(values)), reference).fit(show_progress=False)
+    assert_metrics_match(runs / "ep2-dp4", reference, name)
+    assert_resume_exact(runs / "ep2-dp4", runs / "ep2-dp4-resumed", name)
+    step = f"step-{STEPS:08d}"
+    for file in ("model.safetensors", "optimizer.safetensors"):
+        got = load_file(str(runs / "ep2-dp4" / "checkpoints" / step / file))
+        want = load_file(str(reference / "checkpoints" / step / file))
+        assert_close_tensors(got, want, f"{name} step {STEPS} {file}")
+    want_grads = single_process_grads(values, tmp_path / "grads")
+    got_grads = load_file(str(runs / "grads" / "grads.safetensors"))
+    assert_close_tensors(got_grads, want_grads, f"{name} step 1 gradients", atol=1e-6)
