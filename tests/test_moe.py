@@ -79,6 +79,7 @@ CASES = {
         "model.style": "gpt2",  # GELU experts with biases
         "model.moe_capacity_factor": 0.75,  # drops a quarter of the assignments or more
         "model.moe_layer_frequency": 2,  # block 0 MoE, block 1 dense
+        "model.activation_checkpointing": "selective",  # recomputes the all-to-alls
     },
     # No EP: experts replicated, sharded by FSDP2 like any block's weights.
     "dp2-fsdp": {**MOE, "parallel.data_parallel_mode": "fsdp"},
@@ -202,6 +203,22 @@ def test_dropless_keeps_every_token_and_capacity_drops_some() -> None:
     counts = torch.bincount(tight.experts[tight.keep], minlength=4)
     assert counts.max().item() <= expert_capacity(16, 2, 4, 0.5) == 4
     assert tight.keep.sum().item() < 32
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_gradients(mode: str) -> None:
+    grads = {}
+    for checkpointing in ("none", mode):
+        torch.manual_seed(0)
+        model = GPTModel(tiny_model_config(activation_checkpointing=checkpointing))
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        loss = model(tokens, labels=tokens)
+        (loss + moe_aux_loss(model)).backward()
+        grads[checkpointing] = {n: p.grad for n, p in model.named_parameters()}
+    for name, grad in grads["none"].items():
+        torch.testing.assert_close(
+            grads[mode][name], grad, msg=lambda m, n=name: f"{mode} {n}: {m}"
+        )
 
 
 def test_aux_loss_is_recorded_in_training_only() -> None:
