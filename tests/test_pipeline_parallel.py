@@ -374,3 +374,9 @@ def test_what_pipeline_parallelism_refuses(shards: Path, values: dict, message: 
     config = config_of({**settings(shards), "parallel.pipeline": 2, **values})
     with pytest.raises(MegalithError, match=message):
         check_trainer_support(config, ParallelSizes(pp=2, dp=2))
+
+
+def test_pipeline_with_context_parallelism_is_refused(shards: Path) -> None:
+    config = config_of({**settings(shards), "parallel.pipeline": 2, "parallel.context": 2})
+    with pytest.raises(MegalithError, match="parallel.context=2 with parallel.pipeline=2"):
+        check_trainer_support(config, ParallelSizes(pp=2, cp=2))

@@ -187,6 +187,28 @@ class ModelConfig(StrictModel):
         description="Layer backend: Transformer Engine when importable (auto) or plain torch.",
     )
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    # Mixture of experts (training/models/moe.py); None or 0 experts: every MLP is dense.
+    num_experts: int | None = Field(
+        default=None, ge=0, description="Experts per MoE layer; None or 0: dense MLPs."
+    )
+    moe_top_k: int = Field(default=2, ge=1, description="Experts each token is routed to.")
+    moe_ffn_hidden_size: int | None = Field(
+        default=None, ge=1, description="Each expert's FFN width; None: ffn_hidden_size."
+    )
+    moe_aux_loss_coeff: float = Field(
+        default=0.01,
+        ge=0.0,
+        description="Weight of the Switch/GShard load-balancing loss added to the training loss.",
+    )
+    moe_capacity_factor: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="Tokens an expert takes, as a multiple of its fair share (top_k·tokens/"
+        "experts); the lowest-weight assignments beyond it are dropped. None: dropless.",
+    )
+    moe_layer_frequency: int = Field(
+        default=1, ge=1, description="Every k-th block (0, k, 2k, ...) is MoE; 1: every block."
+    )
 
     @model_validator(mode="after")
     def _fill_style(self) -> ModelConfig:
@@ -211,11 +233,22 @@ class ModelConfig(StrictModel):
                 f"num_attention_heads {self.num_attention_heads} is not divisible by "
                 f"num_query_groups {groups}"
             )
+        if self.num_experts:
+            if self.moe_ffn_hidden_size is None:
+                object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+            if self.moe_top_k > self.num_experts:
+                raise ValueError(
+                    f"moe_top_k {self.moe_top_k} exceeds num_experts {self.num_experts}"
+                )
         return self
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` has a mixture-of-experts MLP (Megatron's moe_layer_freq)."""
+        return bool(self.num_experts) and index % self.moe_layer_frequency == 0
 
 
 class ParallelConfig(StrictModel):

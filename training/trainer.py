@@ -15,8 +15,10 @@ the model (``training.parallel.tensor_parallel_training``); checkpoints and the 
 still hold whole tensors. Context-parallel peers read the same batches too and each
 keeps its load-balanced part of every sequence (``training.parallel.context_parallel``).
 Pipeline stages run the micro-batches through a 1F1B schedule
-(``training.parallel.pipeline``). Expert parallelism is refused until it is integrated
-here (``training.parallel.support`` lists what is pending).
+(``training.parallel.pipeline``). Mixture-of-experts models add their load-balancing
+loss to the training loss; expert-parallel ranks hold a share of the experts
+(``training.parallel.expert_parallel_training``). ``training.parallel.support`` lists
+the combinations that are refused.
 """
 
 from __future__ import annotations
@@ -50,10 +52,11 @@ from training.data.shard_set import open_shard_set
 from training.distributed import env_from_torchrun, local_device
 from training.errors import MegalithError
 from training.models.flops import flops_per_token
+from training.models.moe import moe_aux_loss
 from training.models.package import save_model_package
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
-from training.parallel import tensor_parallel_training as tp
+from training.parallel import expert_parallel_training as ep
 from training.parallel.groups import ParallelState, build_parallel_state
 from training.parallel.pipeline import PipelineParallel
 from training.parallel.support import check_trainer_support
@@ -190,9 +193,10 @@ class Trainer:
             )
             self.model = self.dp_model = self.pipeline.model
         else:
-            self.model = tp.build_model(
+            self.model = ep.build_model(
                 self.model_config, self.parallel, config.parallel.sequence_parallel, self.device
             )
+            ep.exclude_experts_from_ddp(self.model, self.parallel)
             # DDP broadcasts rank 0's weights at construction; every rank is seeded alike anyway.
             # FSDP shards self.model in place, so the optimizer comes after.
             self.dp_model = dp.wrap_model(self.model, self.parallel, config.parallel, self.device)
@@ -271,7 +275,7 @@ class Trainer:
                 self.optimizer,
                 self.param_names,
                 self.precision.scaler,
-                shard=lambda name, t: tp.shard_loaded(name, t, self.model_config, self.parallel),
+                shard=lambda name, t: ep.shard_loaded(name, t, self.model_config, self.parallel),
             )
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
@@ -312,7 +316,7 @@ class Trainer:
             )
             names = self.pipeline.whole_param_names
         else:
-            whole_optimizer = tp.consolidated(
+            whole_optimizer = ep.consolidated(
                 self.optimizer, self.param_names, self.model_config, self.parallel, self.is_main
             )
             names = self.param_names
@@ -336,7 +340,7 @@ class Trainer:
         """The whole model on rank 0 (collective under FSDP, TP and PP)."""
         if self.pipeline is not None:
             return self.pipeline.whole_model(self.is_main)
-        return tp.full_model(self.model, self.parallel, self.is_main)
+        return ep.full_model(self.model, self.parallel, self.is_main)
 
     def _barrier(self) -> None:
         if self.parallel.distributed:
@@ -368,6 +372,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         scaler = self.precision.scaler
         pipeline_metrics = {}
+        total_aux = torch.zeros((), device=self.device)
         if self.pipeline is not None:  # the schedule runs the accumulation micro-batches
             total_loss, pipeline_metrics = self.pipeline.forward_backward(batches)
         else:
@@ -376,15 +381,19 @@ class Trainer:
                 # Gradients are averaged over data-parallel ranks on the last micro-step only.
                 with dp.no_sync(self.dp_model, skip=micro_step < accumulation - 1):
                     loss = self._micro_batch_loss(next(batches)) / accumulation
-                    (scaler.scale(loss) if scaler else loss).backward()
+                    aux = moe_aux_loss(self.model)  # MoE load balancing; None when dense
+                    objective = loss if aux is None else loss + aux / accumulation
+                    (scaler.scale(objective) if scaler else objective).backward()
                 total_loss += loss.detach()
+                total_aux += 0.0 if aux is None else aux.detach() / accumulation
             total_loss = dp.all_reduce_mean(total_loss, self.parallel)
+            ep.reduce_expert_grads(self.model, self.parallel)
         if scaler:
             scaler.unscale_(self.optimizer)
         if self.pipeline is not None:
             grad_norm = self.pipeline.clip_grad_norm(training.grad_clip)
         else:
-            grad_norm = tp.clip_grad_norm(self.model, training.grad_clip, self.parallel)
+            grad_norm = ep.clip_grad_norm(self.model, training.grad_clip, self.parallel)
         if scaler:
             scaler.step(self.optimizer)
             scaler.update()
@@ -395,6 +404,8 @@ class Trainer:
         self.consumed_samples += training.global_batch_size
         metrics = {"loss": total_loss.item(), "lr": lr, "grad_norm": grad_norm.item()}
         metrics.update(pipeline_metrics)
+        if self.model_config.num_experts:
+            metrics["moe_aux_loss"] = dp.all_reduce_mean(total_aux, self.parallel).item()
         if scaler:
             metrics["loss_scale"] = scaler.get_scale()
         return metrics
@@ -497,7 +508,7 @@ class Trainer:
             if metrics_file is not None:
                 metrics_file.close()
         package = None
-        # Collective under FSDP, TP and PP.
+        # Collective under FSDP, TP, PP and EP.
         with self._whole_model() as model:
             if self.is_main:
                 # This run's package, like its metrics.jsonl, replaces one an earlier run left.

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from training.config import ModelConfig
 from training.errors import MegalithError
 from training.models import layers
 from training.models.layers import NormSpec
@@ -114,6 +115,18 @@ class LayerBackend(ABC):
             )
         out_features = (num_heads + 2 * num_groups) * head_dim
         return self.norm_linear(hidden_size, out_features, norm=norm, bias=bias, init_std=init_std)
+
+    def moe_mlp(self, config: ModelConfig, norm: NormSpec) -> nn.Module:
+        """A mixture-of-experts MLP with its input norm (:mod:`training.models.moe`);
+        experts are split over expert-parallel ranks after building, not here."""
+        if self.tensor_parallel_size > 1:
+            raise BackendError(
+                "model.num_experts with parallel.tensor > 1: MoE layers are not tensor-parallel "
+                "yet; use parallel.expert (and data parallelism) instead"
+            )
+        from training.models.moe import MoELayer
+
+        return MoELayer(config, self.norm(config.hidden_size, norm))
 
     @abstractmethod
     def vocab_embedding(self, vocab_size: int, hidden_size: int, *, init_std: float) -> nn.Module:

@@ -2,6 +2,8 @@
 
 ``flops_per_token`` is the PaLM (appendix B) form, 6·N + 12·L·H·S, forward plus
 backward, with the attention term for full (not causally halved) score matrices.
+With mixture-of-experts blocks N counts the *active* weights a token meets: the
+router and its ``moe_top_k`` experts, not all of them (``total_params`` counts all).
 """
 
 from __future__ import annotations
@@ -19,12 +21,21 @@ def matmul_params(config: ModelConfig, *, include_output_head: bool = False) -> 
     hidden, head_dim = config.hidden_size, config.head_dim
     qkv = hidden * (config.num_attention_heads + 2 * config.num_query_groups) * head_dim
     proj = config.num_attention_heads * head_dim * hidden
-    fc1 = hidden * config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1)
-    fc2 = config.ffn_hidden_size * hidden
-    n = config.num_layers * (qkv + proj + fc1 + fc2)
+    n = config.num_layers * (qkv + proj)
+    for layer in range(config.num_layers):
+        if config.is_moe_layer(layer):
+            experts = config.moe_top_k * _mlp_params(config, config.moe_ffn_hidden_size)
+            n += hidden * config.num_experts + experts  # router + the active experts
+        else:
+            n += _mlp_params(config, config.ffn_hidden_size)
     if include_output_head:
         n += _vocab_size(config) * hidden
     return n
+
+
+def _mlp_params(config: ModelConfig, ffn: int) -> int:
+    """fc1 (``[gate; up]`` with SwiGLU) and fc2 weights of one MLP of width ``ffn``."""
+    return config.hidden_size * ffn * (3 if config.activation == "swiglu" else 2)
 
 
 def flops_per_token(config: ModelConfig, seq_len: int, *, include_output_head: bool = False) -> int:
@@ -38,11 +49,17 @@ def total_params(config: ModelConfig) -> int:
     hidden, vocab = config.hidden_size, _vocab_size(config)
     norm = hidden * (2 if config.normalization == "layernorm" and config.bias else 1)
     per_layer = 2 * norm
+    chunks = 2 if config.activation == "swiglu" else 1
     if config.bias:
         qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * config.head_dim
-        fc1_out = config.ffn_hidden_size * (2 if config.activation == "swiglu" else 1)
-        per_layer += qkv_out + hidden + fc1_out + hidden
+        per_layer += qkv_out + hidden + chunks * config.ffn_hidden_size + hidden
     n = matmul_params(config) + config.num_layers * per_layer + norm + vocab * hidden
+    for layer in range(config.num_layers):
+        if config.is_moe_layer(layer):  # every expert, not the active ones; biases per expert
+            ffn, experts = config.moe_ffn_hidden_size, config.num_experts
+            n += (experts - config.moe_top_k) * _mlp_params(config, ffn)
+            if config.bias:
+                n += experts * (chunks * ffn + hidden) - (chunks * config.ffn_hidden_size + hidden)
     if config.position_embedding == "learned":
         n += config.max_position_embeddings * hidden
     if not config.tie_embeddings:
@@ -51,13 +68,13 @@ def total_params(config: ModelConfig) -> int:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: decay on matrices, none on norms, biases (any 1-D parameter) and
-    embeddings (``embedding.*``, which includes a tied output head)."""
+    """AdamW groups: decay on matrices, none on norms, biases (any 1-D parameter, and
+    stacked expert biases) and embeddings (``embedding.*``, which includes a tied output head)."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():  # a tied weight is listed once
         if not param.requires_grad:
             continue
-        if param.dim() < 2 or name.startswith("embedding."):
+        if param.dim() < 2 or name.endswith("bias") or name.startswith("embedding."):
             no_decay.append(param)
         else:
             decay.append(param)

@@ -17,6 +17,9 @@ Megatron's Transformer Engine spec. Parameter names (torch backend)::
     final_norm.weight                          [H]           (+ .bias with LayerNorm)
     output.weight                              [V, H]        an alias of embedding.word.weight when tied
 
+With ``model.num_experts``, MoE blocks hold ``layers.{i}.mlp.norm``, ``.router`` and
+stacked ``.experts`` tensors instead of ``fc1``/``fc2`` (see :mod:`training.models.moe`).
+
 (V vocabulary, P positions, H hidden, F ffn_hidden_size, n heads, g KV groups, d head
 dim.) QKV rows are grouped per KV group as in Megatron: for each group j = 0..g-1, the
 n/g query heads of group j, then k_j, then v_j, d rows each; query head h uses group
@@ -176,7 +179,10 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, backend: LayerBackend, layer_index: int):
         super().__init__()
         self.attention = Attention(config, backend, layer_index)
-        self.mlp = MLP(config, backend)
+        if config.is_moe_layer(layer_index):
+            self.mlp = backend.moe_mlp(config, _norm_spec(config))
+        else:
+            self.mlp = MLP(config, backend)
 
     def forward(
         self, x: Tensor, rope: Rope | None, kv_cache: KVCache | None = None, start_pos: int = 0

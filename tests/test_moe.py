@@ -1,0 +1,561 @@
+"""Mixture of experts: the router, the layer, and expert parallelism through the Trainer.
+
+Unit tests: top-k routing, the load-balancing loss on hand-made cases, capacity
+dropping, the layer against a plain loop over tokens and experts, parameter and FLOP
+counts, the model package, and the layouts that are refused.
+
+Expert parallelism on CPU with gloo (MEGALITH_TEST_DEVICE=cuda: NCCL): EP=2 carved out
+of DP=2 (2 processes, each holding 2 of 4 experts; and, as a control, DP=2 with FSDP2
+and every expert on both ranks) runs ``Trainer.fit`` for 4 steps
+with a checkpoint at step 2 and must match the single-process run of the same config,
+seed and data: losses, MoE auxiliary losses, validation losses and grad norms step by
+step, the whole (gathered) weights and AdamW moments of the final checkpoint, the
+logits of the model package, and one step's gradients against the unsharded ones.
+Resuming the EP=2 checkpoint at EP=2 is exact; resuming it in one process matches.
+A slow test runs EP=2 inside DP=4 (4 processes, two replicas of each expert) the same way.
+
+Tolerance: EP changes only the order of fp32 sums (an expert's gradient sums the
+tokens of both ranks, then DDP-style scaling; the grad norm sums per-rank squares),
+~1e-7 relative per op, which Adam amplifies a little over 4 steps. Losses within
+1e-5 absolute, grad norms within 1e-4 relative, tensors within rtol 1e-4 / atol 1e-5
+(gradients atol 1e-6).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from parallel_helpers import (
+    DEVICE,
+    RECIPE,
+    REPO,
+    run_torchrun_worker,
+    tiny_settings,
+    tiny_shard_set,
+)
+from safetensors.torch import load_file
+
+from training.config import ConfigError, ModelConfig, load_config
+from training.errors import MegalithError
+from training.models.flops import matmul_params, param_groups, total_params
+from training.models.gpt import GPTModel
+from training.models.layers import gelu, swiglu
+from training.models.moe import (
+    MoELayer,
+    expert_capacity,
+    load_balancing_loss,
+    moe_aux_loss,
+    route,
+    within_capacity,
+)
+from training.models.package import load_model_package, save_model_package
+from training.parallel.groups import ParallelSizes
+from training.parallel.support import check_trainer_support
+from training.trainer import Trainer
+
+WORLD = 2
+STEPS = 4
+RESUME_STEP = 2
+LOSS_ATOL = 1e-5
+MOE = {
+    "model.num_experts": 4,
+    "model.moe_top_k": 2,
+    "model.moe_ffn_hidden_size": 32,
+    "model.moe_aux_loss_coeff": 0.1,
+}
+# Both EP cases carve EP=2 out of DP=2 (2 processes).
+CASES = {
+    "ep2": {**MOE, "parallel.expert": 2},
+    "ep2-gpt2-capacity": {
+        **MOE,
+        "parallel.expert": 2,
+        "model.style": "gpt2",  # GELU experts with biases
+        "model.moe_capacity_factor": 0.75,  # drops a quarter of the assignments or more
+        "model.moe_layer_frequency": 2,  # block 0 MoE, block 1 dense
+        "model.activation_checkpointing": "selective",  # recomputes the all-to-alls
+    },
+    # No EP: experts replicated, sharded by FSDP2 like any block's weights.
+    "dp2-fsdp": {**MOE, "parallel.data_parallel_mode": "fsdp"},
+}
+BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
+
+
+def layout(case: str) -> str:
+    ep = CASES[case].get("parallel.expert", 1)
+    return f"{case} (EP={ep} x DP=2, {BACKEND}, {WORLD} processes)"
+
+
+def tiny_model_config(**values: Any) -> ModelConfig:
+    base = {
+        "num_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "vocab_size": 64,
+        "max_position_embeddings": 16,
+        "num_experts": 4,
+        "moe_top_k": 2,
+    }
+    return ModelConfig(**{**base, **values})
+
+
+# ---------------------------------------------------------------- router
+
+
+def test_route_picks_the_top_k_and_softmaxes_over_them() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, -1.0, 4.0, 0.0]])
+    routing = route(logits, top_k=2)
+    assert routing.experts.tolist() == [[1, 3], [0, 2]]
+    want = torch.tensor([[3.0, 2.0], [5.0, 4.0]]).softmax(-1)
+    torch.testing.assert_close(routing.weights, want)
+    # Megatron's order (top-k, then softmax) equals softmax, top-k, renormalize.
+    probs = logits.softmax(-1).gather(1, routing.experts)
+    torch.testing.assert_close(routing.weights, probs / probs.sum(-1, keepdim=True))
+    assert routing.keep is None
+
+
+def test_load_balancing_loss_by_hand() -> None:
+    # Balanced: each expert gets half the assignments and half the probability: aux = 1.
+    balanced = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    routing = route(balanced, top_k=1)
+    assert routing.balance_loss.item() == pytest.approx(1.0)
+    # Collapsed: both tokens pick expert 0 with p0 = sigmoid(1): aux = E · (1 · p0) = 2 p0.
+    collapsed = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    p0 = 1 / (1 + math.exp(-1))
+    assert route(collapsed, top_k=1).balance_loss.item() == pytest.approx(2 * p0)
+    # Top-2 of 3: f = (2, 1, 1)/4 by hand, P the mean softmax.
+    logits = torch.tensor([[2.0, 1.0, 0.0], [2.0, 0.0, 1.0]])
+    probs = logits.softmax(-1)
+    want = 3 * sum(f * p for f, p in zip([0.5, 0.25, 0.25], probs.mean(0).tolist(), strict=True))
+    experts = logits.topk(2, -1).indices
+    assert load_balancing_loss(probs, experts, 3).item() == pytest.approx(want)
+
+
+def test_capacity_drops_the_lowest_weights_per_expert() -> None:
+    assert expert_capacity(num_tokens=8, top_k=2, num_experts=4, factor=1.0) == 4
+    assert expert_capacity(num_tokens=5, top_k=1, num_experts=4, factor=1.5) == 2
+    # Five single assignments to expert 0, capacity 2: the two heaviest survive.
+    experts = torch.zeros(5, 1, dtype=torch.long)
+    weights = torch.tensor([[0.1], [0.9], [0.3], [0.8], [0.2]])
+    keep = within_capacity(weights, experts, num_experts=2, capacity=2)
+    assert keep.view(-1).tolist() == [False, True, False, True, False]
+    # Through route(): 4 tokens all preferring expert 0 of 2, k=1, factor 1: capacity 2.
+    logits = torch.tensor([[4.0, 0.0], [1.0, 0.0], [3.0, 0.0], [2.0, 0.0]])
+    routing = route(logits, top_k=1, capacity_factor=1.0)
+    # Top-1 weights are all 1: the ties keep the earlier tokens.
+    assert routing.keep.view(-1).tolist() == [True, True, False, False]
+
+
+def reference_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """Token by token, expert by expert, with the layer's own weights."""
+    hidden = layer.norm(x).reshape(-1, x.size(-1))
+    routing = route(layer.router(hidden), layer.top_k, layer.capacity_factor)
+    experts, activation = layer.experts, swiglu if layer.experts.gated else gelu
+    out = torch.zeros_like(hidden)
+    for t in range(hidden.size(0)):
+        for slot in range(layer.top_k):
+            if routing.keep is not None and not routing.keep[t, slot]:
+                continue
+            e = routing.experts[t, slot]
+            bias1 = None if experts.fc1_bias is None else experts.fc1_bias[e]
+            bias2 = None if experts.fc2_bias is None else experts.fc2_bias[e]
+            h = activation(F.linear(hidden[t], experts.fc1_weight[e], bias1))
+            out[t] += routing.weights[t, slot] * F.linear(h, experts.fc2_weight[e], bias2)
+    return out.view(x.shape)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"style": "gpt2"},
+        {"moe_capacity_factor": 0.5},
+        {"style": "gpt2", "moe_top_k": 1, "moe_capacity_factor": 1.0},
+    ],
+    ids=["llama-dropless", "gpt2-dropless", "llama-capacity", "gpt2-top1-capacity"],
+)
+def test_layer_matches_a_loop_over_experts(values: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    model = GPTModel(tiny_model_config(**values))
+    layer = model.layers[0].mlp
+    assert isinstance(layer, MoELayer)
+    with torch.no_grad():
+        for bias in (layer.experts.fc1_bias, layer.experts.fc2_bias):
+            if bias is not None:
+                bias.normal_()  # zero at init: make them count
+    x = torch.randn(2, 8, 32)
+    torch.testing.assert_close(layer(x), reference_moe(layer, x), rtol=1e-5, atol=1e-6)
+
+
+def test_dropless_keeps_every_token_and_capacity_drops_some() -> None:
+    torch.manual_seed(0)
+    layer = GPTModel(tiny_model_config()).layers[0].mlp
+    x = torch.randn(1, 16, 32)
+    hidden = layer.norm(x).reshape(-1, 32)
+    assert route(layer.router(hidden), 2).keep is None
+    tight = route(layer.router(hidden), 2, capacity_factor=0.5)
+    counts = torch.bincount(tight.experts[tight.keep], minlength=4)
+    assert counts.max().item() <= expert_capacity(16, 2, 4, 0.5) == 4
+    assert tight.keep.sum().item() < 32
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_gradients(mode: str) -> None:
+    grads = {}
+    for checkpointing in ("none", mode):
+        torch.manual_seed(0)
+        model = GPTModel(tiny_model_config(activation_checkpointing=checkpointing))
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        loss = model(tokens, labels=tokens)
+        (loss + moe_aux_loss(model)).backward()
+        grads[checkpointing] = {n: p.grad for n, p in model.named_parameters()}
+    for name, grad in grads["none"].items():
+        torch.testing.assert_close(
+            grads[mode][name], grad, msg=lambda m, n=name: f"{mode} {n}: {m}"
+        )
+
+
+def test_aux_loss_is_recorded_in_training_only() -> None:
+    torch.manual_seed(0)
+    model = GPTModel(tiny_model_config(moe_aux_loss_coeff=0.5))
+    tokens = torch.randint(0, 64, (2, 8))
+    model(tokens, labels=tokens)
+    aux = moe_aux_loss(model)
+    assert aux is not None and aux.requires_grad
+    # Two MoE layers, each 0.5 · (a value >= 1, equal to 1 when perfectly balanced).
+    assert aux.item() >= 0.5 * 2 - 1e-6
+    assert moe_aux_loss(model) is None  # cleared
+    model.eval()
+    model(tokens, labels=tokens)
+    assert moe_aux_loss(model) is None
+    assert moe_aux_loss(GPTModel(tiny_model_config(num_experts=None))) is None
+
+
+# ---------------------------------------------------------------- config, counts, package
+
+
+def test_config_validation_and_layer_frequency() -> None:
+    with pytest.raises(ConfigError, match="moe_top_k 3 exceeds num_experts 2"):
+        load_config(None, ["model.num_experts=2", "model.moe_top_k=3"])
+    config = tiny_model_config(num_layers=4, moe_layer_frequency=2, ffn_hidden_size=48)
+    assert [config.is_moe_layer(i) for i in range(4)] == [True, False, True, False]
+    assert config.moe_ffn_hidden_size == 48  # defaults to ffn_hidden_size
+    assert not ModelConfig(num_experts=0).is_moe_layer(0)
+    model = GPTModel(config)
+    assert [type(b.mlp).__name__ for b in model.layers] == ["MoELayer", "MLP"] * 2
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_parameter_and_active_flop_counts(style: str) -> None:
+    config = tiny_model_config(style=style, num_layers=3, moe_layer_frequency=2, num_experts=8)
+    model = GPTModel(config)
+    assert total_params(config) == sum(p.numel() for p in model.parameters())
+    dense = ModelConfig(**{**config.model_dump(), "num_experts": None})
+    per_expert = 32 * config.moe_ffn_hidden_size * (3 if style == "llama" else 2)
+    # Two MoE blocks: their router plus top-k (2) experts replace the dense MLP.
+    want = matmul_params(dense) + 2 * (32 * 8 + 2 * per_expert - per_expert)
+    assert matmul_params(config) == want
+
+
+def test_stacked_expert_biases_get_no_weight_decay() -> None:
+    model = GPTModel(tiny_model_config(style="gpt2"))
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert "layers.0.mlp.experts.fc1_bias" in {names[id(p)] for p in no_decay["params"]}
+    assert "layers.0.mlp.experts.fc1_weight" in {names[id(p)] for p in decay["params"]}
+
+
+def test_model_package_round_trip(tmp_path: Path) -> None:
+    config = tiny_model_config(moe_capacity_factor=1.0)
+    model = GPTModel(config).eval()
+    tokenizer = tmp_path / "tokenizer.model"
+    tokenizer.write_bytes(b"not a real tokenizer")
+    save_model_package(model, config, tokenizer, tmp_path / "package")
+    loaded, loaded_config, _ = load_model_package(tmp_path / "package")
+    assert loaded_config == config
+    tokens = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens), model(tokens))
+    # Incremental decoding goes through the MoE layers too.
+    cache = loaded.new_kv_cache(2, 16)
+    with torch.no_grad():
+        first = loaded(tokens[:, :8], kv_cache=cache)
+        torch.testing.assert_close(first, model(tokens[:, :8]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["moe-tiny-cpu", "moe-8x350m"])
+def test_moe_recipes_build(name: str) -> None:
+    config = load_config(REPO / "configs" / f"{name}.yaml")
+    with torch.device("meta"):
+        model = GPTModel(config.model)
+    assert len(moe_layers_of(model)) == config.model.num_layers
+    world = config.parallel.expert  # the smallest world the recipe's layout fits
+    sizes = ParallelSizes(dp=world, ep=config.parallel.expert)
+    check_trainer_support(config, sizes)
+
+
+def moe_layers_of(model: GPTModel) -> list[MoELayer]:
+    return [block.mlp for block in model.layers if isinstance(block.mlp, MoELayer)]
+
+
+@pytest.mark.parametrize(
+    ("values", "sizes", "message"),
+    [
+        ({}, ParallelSizes(dp=2, ep=2), "parallel.expert=2 needs model.num_experts"),
+        (
+            {"model.num_experts": 3},
+            ParallelSizes(dp=2, ep=2),
+            "num_experts=3 is not divisible by parallel.expert=2",
+        ),
+        (
+            {"model.num_experts": 4, "parallel.data_parallel_mode": "distributed_optimizer"},
+            ParallelSizes(dp=2, ep=2),
+            "data_parallel_mode=distributed_optimizer: only ddp",
+        ),
+        (
+            {"model.num_experts": 4, "parallel.data_parallel_mode": "fsdp"},
+            ParallelSizes(dp=2, ep=2),
+            "data_parallel_mode=fsdp: only ddp",
+        ),
+        (
+            {"model.num_experts": 4, "training.eval_iters": 3},
+            ParallelSizes(dp=2, ep=2),
+            "eval_iters=3 is not a multiple of data · context = 2",
+        ),
+        (
+            {"model.num_experts": 4},
+            ParallelSizes(tp=2),
+            "num_experts=4 with parallel.tensor=2",
+        ),
+        (
+            {"model.num_experts": 4},
+            ParallelSizes(pp=2),
+            "num_experts=4 with parallel.pipeline=2",
+        ),
+        (
+            {"model.num_experts": 4},
+            ParallelSizes(cp=2),
+            "num_experts=4 with parallel.context=2",
+        ),
+    ],
+    ids=[
+        "dense",
+        "indivisible",
+        "distributed-optimizer",
+        "fsdp",
+        "eval-iters",
+        "tensor",
+        "pipeline",
+        "context",
+    ],  # fmt: skip
+)
+def test_refused_layouts_name_the_keys(values: dict, sizes: ParallelSizes, message: str) -> None:
+    config = load_config(RECIPE, [f"{k}={v}" for k, v in values.items()])
+    with pytest.raises(MegalithError, match=message):
+        check_trainer_support(config, sizes)
+
+
+# ---------------------------------------------------------------- EP through the Trainer
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_shard_set(tmp_path_factory)
+
+
+def settings(shards: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    return tiny_settings(
+        shards,
+        {
+            "training.train_iters": STEPS,
+            "checkpoint.interval": RESUME_STEP,
+            "checkpoint.keep_last": 3,
+            **(extra or {}),
+        },
+    )
+
+
+def single_process(values: dict[str, Any]) -> dict[str, Any]:
+    parallel = ("parallel.expert", "parallel.data_parallel_mode")
+    return {k: v for k, v in values.items() if k not in parallel}
+
+
+def config_of(values: dict[str, Any]):
+    return load_config(RECIPE, [f"{k}={v}" for k, v in values.items()])
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both cases and the gradient capture in one torchrun job (one start-up cost)."""
+    out = tmp_path_factory.mktemp("ep-runs")
+    spec = {
+        "recipe": str(RECIPE),
+        "device": DEVICE,
+        "cases": {name: settings(shards, extra) for name, extra in CASES.items()},
+        "grads": settings(shards, CASES["ep2"]),
+        "resume_step": RESUME_STEP,
+        "out": str(out),
+    }
+    return run_torchrun_worker("moe_trainer_worker.py", spec, out, WORLD, "EP=2 x DP=2")
+
+
+@pytest.fixture(scope="module")
+def references(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The single-process runs of the same configs."""
+    runs: dict[str, Path] = {}
+    done: dict[str, Path] = {}
+    for name, extra in CASES.items():
+        values = settings(shards, single_process(extra))
+        key = json.dumps(values, sort_keys=True)
+        if key not in done:
+            done[key] = tmp_path_factory.mktemp(f"ep-reference-{name}")
+            Trainer(config_of(values), done[key]).fit(show_progress=False)
+        runs[name] = done[key]
+    return runs
+
+
+def metrics(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_close_tensors(got: dict, want: dict, what: str, atol: float = 1e-5) -> None:
+    assert got.keys() == want.keys(), f"{what}: names differ"
+    for name in want:
+        torch.testing.assert_close(
+            got[name], want[name], rtol=1e-4, atol=atol, msg=lambda m, n=name: f"{what} {n}: {m}"
+        )
+
+
+def assert_metrics_match(got_run: Path, want_run: Path, name: str) -> None:
+    got, want = metrics(got_run), metrics(want_run)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    for g, w in zip(got, want, strict=True):
+        step = g["step"]
+        for key in ("loss", "moe_aux_loss", "val_loss"):
+            assert g.get(key, 0.0) == pytest.approx(w.get(key, 0.0), abs=LOSS_ATOL), (
+                f"{name}: {key} diverged at step {step}: {g.get(key)} vs one process {w.get(key)}"
+            )
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), (
+            f"{name}: grad_norm diverged at step {step}: {g['grad_norm']} vs {w['grad_norm']}"
+        )
+    assert "moe_aux_loss" in got[0], f"{name}: no moe_aux_loss logged"
+
+
+def assert_resume_exact(run: Path, resumed_run: Path, name: str) -> None:
+    straight = {r["step"]: r["loss"] for r in metrics(run)}
+    resumed = metrics(resumed_run)
+    assert [r["step"] for r in resumed] == list(range(RESUME_STEP + 1, STEPS + 1))
+    for record in resumed:
+        assert record["loss"] == straight[record["step"]], (
+            f"{name}: resumed loss differs at step {record['step']}"
+        )
+
+
+def single_process_grads(values: dict[str, Any], out: Path) -> dict[str, torch.Tensor]:
+    """Step 1's gradients in one process (after clipping), the optimizer step skipped."""
+    trainer = Trainer(config_of(single_process(values)), out)
+    trainer.optimizer.step = lambda: None
+    trainer.train_step(trainer.train_batches())
+    return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_losses_match_one_process(case: str, parallel_runs: Path, references: dict) -> None:
+    assert_metrics_match(parallel_runs / case, references[case], layout(case))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_checkpoint_holds_whole_single_process_tensors(
+    case: str, parallel_runs: Path, references: dict
+) -> None:
+    step = f"step-{STEPS:08d}"
+    for file in ("model.safetensors", "optimizer.safetensors"):
+        got = load_file(str(parallel_runs / case / "checkpoints" / step / file))
+        want = load_file(str(references[case] / "checkpoints" / step / file))
+        assert_close_tensors(got, want, f"{layout(case)} step {STEPS} {file}")
+    state = json.loads((parallel_runs / case / "checkpoints" / step / "state.json").read_text())
+    assert state["layout"]["parallel.expert"] == CASES[case].get("parallel.expert", 1)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resume_in_the_same_layout_is_exact(case: str, parallel_runs: Path) -> None:
+    assert_resume_exact(parallel_runs / case, parallel_runs / f"{case}-resumed", layout(case))
+
+
+def test_one_process_resumes_an_expert_parallel_checkpoint(
+    parallel_runs: Path, shards: Path, tmp_path: Path
+) -> None:
+    first = f"step-{RESUME_STEP:08d}"
+    shutil.copytree(parallel_runs / "ep2" / "checkpoints" / first, tmp_path / "ckpt" / first)
+    values = {**single_process(settings(shards, CASES["ep2"]))}
+    config = config_of({**values, "checkpoint.directory": str(tmp_path / "ckpt")})
+    trainer = Trainer(config, tmp_path / "run")
+    assert trainer.resume() and trainer.step == RESUME_STEP
+    trainer.fit(show_progress=False)
+    straight = {r["step"]: r["loss"] for r in metrics(parallel_runs / "ep2")}
+    for record in metrics(tmp_path / "run"):
+        assert record["loss"] == pytest.approx(straight[record["step"]], abs=LOSS_ATOL), (
+            f"{layout('ep2')} checkpoint resumed in one process: loss differs at step "
+            f"{record['step']}"
+        )
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_model_package_loads_in_one_process(
+    case: str, parallel_runs: Path, references: dict
+) -> None:
+    model, config, _ = load_model_package(parallel_runs / case / "model")
+    want_model, _, _ = load_model_package(references[case] / "model")
+    tokens = torch.randint(
+        0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(tokens), want_model(tokens), rtol=1e-4, atol=1e-5,
+            msg=lambda m: f"{layout(case)} package logits: {m}",
+        )  # fmt: skip
+
+
+def test_step_gradients_match_unsharded(parallel_runs: Path, shards: Path, tmp_path: Path) -> None:
+    """Step 1's gradients (after the EP reduction and clipping), experts gathered,
+    against the single-process gradients of the same batch."""
+    want = single_process_grads(settings(shards, CASES["ep2"]), tmp_path)
+    got = load_file(str(parallel_runs / "grads" / "grads.safetensors"))
+    assert_close_tensors(got, want, f"{layout('ep2')} step 1 gradients", atol=1e-6)
+
+
+@pytest.mark.slow
+def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) -> None:
+    """EP=2 inside DP=4 (4 processes): each expert lives on two expert-data-parallel
+    ranks, whose gradients are summed over the edp group. Losses, grad norms, whole
+    checkpoint tensors, an exact resume and step 1's gradients."""
+    name = f"EP=2 x DP=4 (EDP=2, {BACKEND}, 4 processes)"
+    values = settings(shards, {**MOE, "parallel.expert": 2, "training.eval_iters": 4})
+    spec = {
+        "recipe": str(RECIPE),
+        "device": DEVICE,
+        "cases": {"ep2-dp4": values},
+        "grads": values,
+        "resume_step": RESUME_STEP,
+        "out": str(tmp_path / "runs"),
+    }
+    (tmp_path / "runs").mkdir()
+    runs = run_torchrun_worker("moe_trainer_worker.py", spec, tmp_path / "runs", 4, name)
+    reference = tmp_path / "reference"
+    Trainer(config_of(single_process(values)), reference).fit(show_progress=False)
+    assert_metrics_match(runs / "ep2-dp4", reference, name)
+    assert_resume_exact(runs / "ep2-dp4", runs / "ep2-dp4-resumed", name)
+    step = f"step-{STEPS:08d}"
+    for file in ("model.safetensors", "optimizer.safetensors"):
+        got = load_file(str(runs / "ep2-dp4" / "checkpoints" / step / file))
+        want = load_file(str(reference / "checkpoints" / step / file))
+        assert_close_tensors(got, want, f"{name} step {STEPS} {file}")
+    want_grads = single_process_grads(values, tmp_path / "grads")
+    got_grads = load_file(str(runs / "grads" / "grads.safetensors"))
+    assert_close_tensors(got_grads, want_grads, f"{name} step 1 gradients", atol=1e-6)

@@ -1,0 +1,194 @@
+"""Expert parallelism in the trainer: build, exclude from DDP, reduce, clip, gather, shard.
+
+EP is carved out of the data × context ranks (:mod:`training.parallel.groups`): the
+``ep`` ranks of an expert-parallel group each hold ``num_experts / ep`` experts of
+every MoE layer and exchange tokens by all-to-all; ranks with the same EP rank form
+the expert-data-parallel (``edp``) group and hold the same experts.
+
+- :func:`build_model`: the whole model is built from the seed on every rank (so the
+  initial weights equal one device's), then each EP rank keeps its experts.
+- Gradients: dense parameters are averaged over data × context by DDP as without EP.
+  Expert parameters are left out of DDP (:func:`exclude_experts_from_ddp`); after
+  backward :func:`reduce_expert_grads` sums them over ``edp`` and divides by
+  data × context, the same scaling DDP applies, because an expert's local gradient
+  already sums the tokens that every rank of its EP group sent it.
+- :func:`clip_grad_norm`: expert gradients count once across EP ranks.
+- :func:`full_model` / :func:`consolidated` / :func:`shard_loaded`: checkpoints and the
+  model package hold whole single-process tensors (experts gathered over the first EP
+  group to rank 0), and load at any EP size.
+
+Without EP (``parallel.expert`` 1) every function defers to
+:mod:`training.parallel.tensor_parallel_training`; an MoE model then trains like a
+dense one (experts replicated, averaged by DDP, sharded by the distributed optimizer
+or FSDP). What EP cannot run with is refused in :mod:`training.parallel.support`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from training.config import ModelConfig
+from training.models import GPTModel
+from training.models.moe import is_expert_param, moe_layers
+from training.parallel import data_parallel as dp
+from training.parallel import tensor_parallel_training as tp
+from training.parallel.groups import ParallelState
+
+
+def _expert_parallel(state: ParallelState) -> bool:
+    return state.sizes.ep > 1
+
+
+def build_model(
+    config: ModelConfig, state: ParallelState, sequence_parallel: bool, device: torch.device
+) -> GPTModel:
+    """This rank's model: the whole model (or its TP shard), with only this EP rank's experts."""
+    model = tp.build_model(config, state, sequence_parallel, device)
+    if _expert_parallel(state):
+        for layer in moe_layers(model):
+            layer.experts.keep_shard(state.ep_rank, state.sizes.ep)
+            layer.ep_group = state.ep_group
+    return model
+
+
+def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if is_expert_param(name)}
+
+
+def exclude_experts_from_ddp(model: nn.Module, state: ParallelState) -> None:
+    """Under EP, DDP must not average the experts: each EP rank holds different ones.
+    Call before wrapping the model in DDP."""
+    if _expert_parallel(state):
+        names = list(expert_parameters(model))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
+def reduce_expert_grads(model: nn.Module, state: ParallelState) -> None:
+    """After the last micro-step's backward: expert gradients summed over the
+    expert-data-parallel ranks and divided by data × context (DDP's scaling)."""
+    if not _expert_parallel(state):
+        return
+    grads = [p.grad for p in expert_parameters(model).values() if p.grad is not None]
+    if state.sizes.edp > 1:
+        for grad in grads:
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=state.edp_group)
+    for grad in grads:
+        grad.div_(dp.data_parallel_size(state))
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, state: ParallelState) -> torch.Tensor:
+    """Clip by the global gradient norm; returns it unclipped. Under EP the experts'
+    squared norms are summed over the EP group, the replicated rest counted once."""
+    if not _expert_parallel(state):
+        return tp.clip_grad_norm(model, max_norm, state)
+    experts = expert_parameters(model)
+    dense_sq = _squared_norm([p for n, p in model.named_parameters() if n not in experts])
+    expert_sq = _squared_norm(list(experts.values()))
+    dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=state.ep_group)
+    norm = (dense_sq + expert_sq).sqrt()
+    if max_norm > 0:
+        # torch.nn.utils.clip_grad_norm_'s rule, as without EP.
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scale)
+    return norm
+
+
+def _squared_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    grads = [p.grad.detach().float() for p in params if p.grad is not None]
+    device = params[0].device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for grad in grads:
+        total += grad.pow(2).sum()
+    return total
+
+
+# --- whole tensors for checkpoints and the model package ---------------------------------
+
+
+def shard_loaded(
+    name: str, tensor: torch.Tensor, config: ModelConfig, state: ParallelState
+) -> torch.Tensor:
+    """This rank's part of a whole saved tensor: its TP shard, and under EP its experts."""
+    tensor = tp.shard_loaded(name, tensor, config, state)
+    if not _expert_parallel(state) or not is_expert_param(name) or tensor.dim() == 0:
+        return tensor
+    return tensor.chunk(state.sizes.ep, dim=0)[state.ep_rank].clone()
+
+
+def _on_first_ep_group(state: ParallelState) -> bool:
+    """Whether this rank's EP group holds global rank 0."""
+    coords = state.coords
+    return coords.edp == 0 and coords.pp == 0 and coords.tp == 0
+
+
+def _gather_experts(tensor: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Collective over the EP group: every rank's experts concatenated, on CPU."""
+    local = tensor.detach().contiguous()
+    parts = [torch.empty_like(local) for _ in range(state.sizes.ep)]
+    dist.all_gather(parts, local, group=state.ep_group)
+    return torch.cat([part.cpu() for part in parts], dim=0)
+
+
+@contextlib.contextmanager
+def full_model(model: nn.Module, state: ParallelState, is_main: bool) -> Iterator[Any]:
+    """The whole model on rank 0 (None elsewhere). Collective over the first EP group."""
+    if not _expert_parallel(state):
+        with tp.full_model(model, state, is_main) as whole:
+            yield whole
+        return
+    if not _on_first_ep_group(state):
+        yield None
+        return
+    experts = {n: _gather_experts(p, state) for n, p in expert_parameters(model).items()}
+    if not is_main:
+        yield None
+        return
+    with torch.device("meta"):
+        copy = GPTModel(model.config)
+    copy.to_empty(device="cpu")
+    copy.tie_weights()
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    with torch.no_grad():
+        for name, param in copy.named_parameters():
+            param.copy_(experts[name] if name in experts else params[name].detach().cpu())
+        for name, buffer in copy.named_buffers():
+            buffer.copy_(buffers[name])
+    yield copy
+
+
+@contextlib.contextmanager
+def consolidated(
+    optimizer: Any,
+    param_names: list[str],
+    config: ModelConfig,
+    state: ParallelState,
+    is_main: bool,
+) -> Iterator[Any]:
+    """The optimizer state in the single-process format on rank 0: the experts' AdamW
+    moments gathered over the first EP group (EP runs with a plain, unsharded AdamW)."""
+    with tp.consolidated(optimizer, param_names, config, state, is_main) as local:
+        if not _expert_parallel(state) or not _on_first_ep_group(state):
+            yield local
+            return
+        full = local.state_dict()
+        moments = {
+            index: {
+                key: _gather_experts(value, state)
+                if torch.is_tensor(value)
+                and value.dim() > 0
+                and is_expert_param(param_names[index])
+                else value
+                for key, value in values.items()
+            }
+            for index, values in full["state"].items()
+        }
+        yield dp._Frozen({"state": moments, "param_groups": full["param_groups"]})
