@@ -34,11 +34,9 @@ from training.parallel.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
+    reduce_scatter,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
-    start_all_gather,
-    start_all_reduce,
-    start_reduce_scatter,
 )
 
 IGNORE_INDEX = -100
@@ -50,32 +48,11 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-class _ColumnParallelLinearFunction(torch.autograd.Function):
-    """``linear(x, W, b)`` on a replicated ``x`` whose backward all-reduces the input
-    gradient while the weight gradient is computed (Megatron's asynchronous gradient
-    all-reduce), instead of after it: the collective is off the critical path."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, group: ProcessGroup):
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, weight = ctx.saved_tensors
-        reduced = start_all_reduce(grad.matmul(weight), ctx.group)
-        grad_weight, grad_bias = _weight_grads(grad, x, ctx.has_bias)
-        return reduced.wait(), grad_weight, grad_bias, None
-
-
 class _SequenceParallelLinear(torch.autograd.Function):
     """``linear(all_gather_sequence(x), W, b)`` that saves only the sequence shard ``x``
     and all-gathers it again in backward (Megatron's choice): the activation kept for
     the weight gradient is ``T/tp`` long instead of ``T``, at the cost of one more
-    all-gather. The input gradient is reduce-scattered back to the shard. In backward
-    the all-gather overlaps the input-gradient matmul and the reduce-scatter overlaps
-    the weight-gradient matmul."""
+    all-gather. The input gradient is reduce-scattered back to the shard."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, group: ProcessGroup):
@@ -86,18 +63,12 @@ class _SequenceParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
-        gathering = start_all_gather(x, SEQUENCE_DIM, ctx.group)
-        grad_input = grad.matmul(weight)
-        total = gathering.wait()
-        scattering = start_reduce_scatter(grad_input, SEQUENCE_DIM, ctx.group)
-        grad_weight, grad_bias = _weight_grads(grad, total, ctx.has_bias)
-        return scattering.wait(), grad_weight, grad_bias, None
-
-
-def _weight_grads(grad: Tensor, x: Tensor, has_bias: bool) -> tuple[Tensor, Tensor | None]:
-    grad_2d = grad.reshape(-1, grad.size(-1))
-    grad_weight = grad_2d.t().matmul(x.reshape(-1, x.size(-1)))
-    return grad_weight, grad_2d.sum(0) if has_bias else None
+        total = all_gather(x, SEQUENCE_DIM, ctx.group)
+        grad_input = reduce_scatter(grad.matmul(weight), SEQUENCE_DIM, ctx.group)
+        grad_2d = grad.reshape(-1, grad.size(-1))
+        grad_weight = grad_2d.t().matmul(total.reshape(-1, total.size(-1)))
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None
 
 
 def _autocast(*tensors: Tensor | None) -> list[Tensor | None]:
@@ -155,9 +126,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = _SequenceParallelLinear.apply(*_autocast(x, self.weight, self.bias), self.group)
         else:
-            y = _ColumnParallelLinearFunction.apply(
-                *_autocast(x, self.weight, self.bias), self.group
-            )
+            y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
         if not self.gather_output:
             return y
         chunks = y.chunk(self.output_chunks, dim=-1)

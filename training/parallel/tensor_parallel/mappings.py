@@ -23,9 +23,6 @@ Activations are ``[batch, sequence, hidden]``, so the sequence dimension is 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -38,64 +35,35 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@dataclass
-class Pending:
-    """A collective in flight (``async_op``): ``wait()`` returns its result. Compute
-    issued before ``wait()`` overlaps the communication (on NCCL's own stream)."""
-
-    work: dist.Work | None
-    finish: Callable[[], Tensor]
-
-    def wait(self) -> Tensor:
-        if self.work is not None:
-            self.work.wait()
-        return self.finish()
-
-
-def start_all_reduce(x: Tensor, group: ProcessGroup) -> Pending:
-    """Sum ``x`` over ranks into a new tensor (``x`` itself is left alone: autograd may
-    have saved it)."""
-    if dist.get_world_size(group) == 1:
-        return Pending(None, lambda: x)
-    out = x.clone()
-    return Pending(dist.all_reduce(out, group=group, async_op=True), lambda: out)
-
-
-def start_all_gather(x: Tensor, dim: int, group: ProcessGroup) -> Pending:
-    """Concatenate every rank's ``x`` along ``dim`` (no autograd; see the mappings)."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return Pending(None, lambda: x)
-    x = x.movedim(dim, 0).contiguous()  # the collective concatenates along dim 0
-    out = x.new_empty((world * x.size(0), *x.shape[1:]))
-    work = _ALL_GATHER(out, x, group=group, async_op=True)
-    return Pending(work, lambda: out.movedim(0, dim).contiguous())
-
-
-def start_reduce_scatter(x: Tensor, dim: int, group: ProcessGroup) -> Pending:
-    """Sum ``x`` over ranks and keep this rank's slice of ``dim`` (no autograd)."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return Pending(None, lambda: x)
-    _check_divisible(x, dim, world)
-    x = x.movedim(dim, 0).contiguous()
-    out = x.new_empty((x.size(0) // world, *x.shape[1:]))
-    work = _REDUCE_SCATTER(out, x, group=group, async_op=True)
-    return Pending(work, lambda: out.movedim(0, dim).contiguous())
-
-
 def _all_reduce(x: Tensor, group: ProcessGroup) -> Tensor:
-    return start_all_reduce(x, group).wait()
+    if dist.get_world_size(group) == 1:
+        return x
+    out = x.clone()  # never modify a tensor autograd may have saved
+    dist.all_reduce(out, group=group)
+    return out
 
 
 def all_gather(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (no autograd; see the mappings)."""
-    return start_all_gather(x, dim, group).wait()
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    x = x.movedim(dim, 0).contiguous()  # the collective concatenates along dim 0
+    out = x.new_empty((world * x.size(0), *x.shape[1:]))
+    _ALL_GATHER(out, x, group=group)
+    return out.movedim(0, dim).contiguous()
 
 
 def reduce_scatter(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
     """Sum ``x`` over ranks and keep this rank's slice of ``dim`` (no autograd)."""
-    return start_reduce_scatter(x, dim, group).wait()
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    _check_divisible(x, dim, world)
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.size(0) // world, *x.shape[1:]))
+    _REDUCE_SCATTER(out, x, group=group)
+    return out.movedim(0, dim).contiguous()
 
 
 def _split(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
