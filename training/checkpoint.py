@@ -262,12 +262,12 @@ def load_checkpoint(
     path = Path(path)
     index = verify_checkpoint(path)
     state = json.loads((path / "state.json").read_text())
-    model_tensors = _read_tensors(path / "model.safetensors", index)
+    model_tensors = read_checkpoint_tensors(path / "model.safetensors", index)
     if shard is not None:
         model_tensors = {name: shard(name, t) for name, t in model_tensors.items()}
-    _load_model(model, model_tensors, path)
+    load_model_tensors(model, model_tensors, path)
     if optimizer is not None:
-        moments = _read_tensors(path / "optimizer.safetensors", index)
+        moments = read_checkpoint_tensors(path / "optimizer.safetensors", index)
         if shard is not None:
             moments = {key: shard(key.rpartition("/")[0], t) for key, t in moments.items()}
         _load_optimizer(
@@ -280,11 +280,11 @@ def load_checkpoint(
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
     if restore_rng:
-        _restore_rng(_read_tensors(path / "rng.safetensors", index), state["rng"])
+        restore_rng_state(read_checkpoint_tensors(path / "rng.safetensors", index), state["rng"])
     return state
 
 
-def _read_tensors(file: Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
+def read_checkpoint_tensors(file: Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
     expected = index["tensors"].get(file.name, {})
     tensors = {}
     with safe_open(str(file), framework="pt") as handle:
@@ -304,7 +304,9 @@ def _read_tensors(file: Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _load_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
+def load_model_tensors(
+    model: torch.nn.Module, tensors: dict[str, torch.Tensor], path: Path
+) -> None:
     params = dict(model.named_parameters())
     expected = set(params) | {
         f"buffer/{n}" for n, _ in model.named_buffers() if _is_persistent(model, n)
@@ -340,7 +342,7 @@ def _load_optimizer(optimizer, tensors, state, param_names, path) -> None:
         name, _, state_key = key.rpartition("/")
         per_param.setdefault(position[name], {})[state_key] = tensor
     groups = state["optimizer"]["param_groups"]
-    if [g["params"] for g in groups] != _group_indices(optimizer):
+    if [g["params"] for g in groups] != optimizer_group_indices(optimizer):
         raise CheckpointError(f"{path}: optimizer parameter groups differ from the model's")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, values in per_param.items():
@@ -362,7 +364,7 @@ def _like(target: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _group_indices(optimizer) -> list[list[int]]:
+def optimizer_group_indices(optimizer) -> list[list[int]]:
     """Each group's parameter positions as ``state_dict()`` numbers them, without calling it
     (a sharded optimizer's ``state_dict`` is collective)."""
     indices, start = [], 0
@@ -372,7 +374,7 @@ def _group_indices(optimizer) -> list[list[int]]:
     return indices
 
 
-def _restore_rng(tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:
+def restore_rng_state(tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
     if torch.cuda.is_available():
         states = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]

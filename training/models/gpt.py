@@ -395,4 +395,22 @@ class GPTModel(nn.Module):
             )
 
 
-__all__ = ["GPTModel", "KVCache", "TransformerBlock"]
+def model_from_tensors(
+    config: ModelConfig, params: dict[str, Tensor], buffers: dict[str, Tensor]
+) -> GPTModel:
+    """A plain single-device model on CPU holding ``params`` and ``buffers`` (whole
+    tensors, single-process names): what the parallel layouts gather for checkpoints
+    and the model package. Built on the meta device, so nothing is initialised twice."""
+    with torch.device("meta"):
+        model = GPTModel(config)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(params[name])
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+    return model
+
+
+__all__ = ["GPTModel", "KVCache", "TransformerBlock", "model_from_tensors"]

@@ -32,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from training.checkpoint import optimizer_group_indices
 from training.config import OptimizerConfig, ParallelConfig
 from training.errors import MegalithError
 from training.models import GPTModel
@@ -301,13 +302,6 @@ class DistributedOptimizer:
         for (owner, _), params in sorted(buckets.items(), key=lambda item: item[0]):
             yield owner, params
 
-    def _group_indices(self) -> list[list[int]]:
-        indices, start = [], 0
-        for group in self.param_groups:
-            indices.append(list(range(start, start + len(group["params"]))))
-            start += len(group["params"])
-        return indices
-
     # --- checkpoints: the single-process AdamW format ---------------------------------
 
     def consolidated_state_dict(self) -> dict[str, Any] | None:
@@ -333,7 +327,7 @@ class DistributedOptimizer:
             return None
         groups = [
             {**_hyperparameters(g), "params": indices}
-            for g, indices in zip(self.param_groups, self._group_indices(), strict=True)
+            for g, indices in zip(self.param_groups, optimizer_group_indices(self), strict=True)
         ]
         return {"state": full, "param_groups": groups}
 
@@ -346,7 +340,7 @@ class DistributedOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the full single-process state; each rank keeps the share it owns."""
         saved_groups = state_dict["param_groups"]
-        if [g["params"] for g in saved_groups] != self._group_indices():
+        if [g["params"] for g in saved_groups] != optimizer_group_indices(self):
             raise MegalithError("optimizer state does not match the parameter groups")
         local_state: dict[int, Any] = {}
         local_groups: list[dict[str, Any]] = []
@@ -392,14 +386,14 @@ def consolidated(optimizer: Any, is_main: bool) -> Iterator[Any]:
 
     Collective for sharded optimizer state (distributed_optimizer, FSDP)."""
     if isinstance(optimizer, DistributedOptimizer):
-        yield _Frozen(optimizer.consolidated_state_dict())
+        yield FrozenOptimizerState(optimizer.consolidated_state_dict())
     elif any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
-        yield _Frozen(_full_optimizer_state(optimizer, is_main))
+        yield FrozenOptimizerState(_full_optimizer_state(optimizer, is_main))
     else:
         yield optimizer
 
 
-class _Frozen:
+class FrozenOptimizerState:
     """A consolidated state dict behind the one method ``save_checkpoint`` calls."""
 
     def __init__(self, state: dict[str, Any] | None):

@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from training.config import ModelConfig
 from training.models import GPTModel
+from training.models.gpt import model_from_tensors
 from training.models.moe import is_expert_param, moe_layers
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
@@ -152,17 +153,8 @@ def full_model(model: nn.Module, state: ParallelState, is_main: bool) -> Iterato
     if not is_main:
         yield None
         return
-    with torch.device("meta"):
-        copy = GPTModel(model.config)
-    copy.to_empty(device="cpu")
-    copy.tie_weights()
-    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-    with torch.no_grad():
-        for name, param in copy.named_parameters():
-            param.copy_(experts[name] if name in experts else params[name].detach().cpu())
-        for name, buffer in copy.named_buffers():
-            buffer.copy_(buffers[name])
-    yield copy
+    params = {n: experts.get(n, p.detach().cpu()) for n, p in model.named_parameters()}
+    yield model_from_tensors(model.config, params, dict(model.named_buffers()))
 
 
 @contextlib.contextmanager
@@ -191,4 +183,4 @@ def consolidated(
             }
             for index, values in full["state"].items()
         }
-        yield dp._Frozen({"state": moments, "param_groups": full["param_groups"]})
+        yield dp.FrozenOptimizerState({"state": moments, "param_groups": full["param_groups"]})

@@ -73,15 +73,16 @@ from torch.distributed.pipelining import (
 )
 
 from training.checkpoint import (
-    _group_indices,
-    _load_model,
-    _read_tensors,
-    _restore_rng,
+    load_model_tensors,
+    optimizer_group_indices,
+    read_checkpoint_tensors,
+    restore_rng_state,
     verify_checkpoint,
 )
 from training.config import MegalithConfig, ModelConfig
 from training.models import GPTModel
 from training.models.flops import param_groups
+from training.models.gpt import model_from_tensors
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
 from training.parallel.groups import ParallelState
@@ -407,7 +408,7 @@ class PipelineParallel:
             whole = {n: t.detach().cpu() for n, t in local.items()}
         else:
             whole = {
-                n: tp._gather_whole(n.split("/")[0], t, self.model_config, self.state)
+                n: tp.gather_whole(n.split("/")[0], t, self.model_config, self.state)
                 for n, t in local.items()
             }
         if coords.tp:
@@ -447,15 +448,8 @@ class PipelineParallel:
         if not is_main:
             yield None
             return
-        reference.to_empty(device="cpu")
-        reference.tie_weights()
-        buffers = dict(self.model.named_buffers())
-        with torch.no_grad():
-            for name, param in reference.named_parameters():
-                param.copy_(tensors[name])
-            for name, buffer in reference.named_buffers():
-                buffer.copy_(buffers[name])  # RoPE tables, on every stage
-        yield reference
+        # RoPE tables (buffers) are on every stage.
+        yield model_from_tensors(self.model_config, tensors, dict(self.model.named_buffers()))
 
     @contextlib.contextmanager
     def whole_optimizer(self, optimizer: Any, param_names: list[str], is_main: bool):
@@ -484,7 +478,7 @@ class PipelineParallel:
                 wanted += [(f"{name}/step", ((), torch.float32))]
             tensors = self._to_rank0(local, wanted)
             if not is_main:
-                yield dp._Frozen(None)
+                yield dp.FrozenOptimizerState(None)
                 return
             state = {
                 index: {key: tensors[f"{name}/{key}"] for key in STATE_KEYS}
@@ -494,7 +488,7 @@ class PipelineParallel:
             for group, size in zip(hyper, self._whole_group_sizes(), strict=True):
                 groups.append({**group, "params": list(range(start, start + size))})
                 start += size
-            yield dp._Frozen({"state": state, "param_groups": groups})
+            yield dp.FrozenOptimizerState({"state": state, "param_groups": groups})
 
     def _whole_group_sizes(self) -> list[int]:
         groups = param_groups(_meta_model(self.model_config), self.config.optimizer.weight_decay)
@@ -506,14 +500,14 @@ class PipelineParallel:
         path = Path(path)
         index = verify_checkpoint(path)
         saved = json.loads((path / "state.json").read_text())
-        tensors = _read_tensors(path / "model.safetensors", index)
+        tensors = read_checkpoint_tensors(path / "model.safetensors", index)
 
         def mine(name: str, tensor: Tensor) -> Tensor:
             return tp.shard_loaded(name, tensor, self.model_config, self.state)
 
         model_tensors = {n: mine(n, tensors[n]) for n, _ in self.model.named_parameters()}
-        _load_model(self.model, model_tensors, path)
-        moments = _read_tensors(path / "optimizer.safetensors", index)
+        load_model_tensors(self.model, model_tensors, path)
+        moments = read_checkpoint_tensors(path / "optimizer.safetensors", index)
         per_param = {}
         for position, name in enumerate(param_names):
             if f"{name}/step" in moments:
@@ -523,11 +517,11 @@ class PipelineParallel:
         groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": indices}
             for g, indices in zip(
-                saved["optimizer"]["param_groups"], _group_indices(optimizer), strict=True
+                saved["optimizer"]["param_groups"], optimizer_group_indices(optimizer), strict=True
             )
         ]
         optimizer.load_state_dict({"state": per_param, "param_groups": groups})
-        _restore_rng(_read_tensors(path / "rng.safetensors", index), saved["rng"])
+        restore_rng_state(read_checkpoint_tensors(path / "rng.safetensors", index), saved["rng"])
         return saved
 
     def gather_grads(self) -> dict[str, Tensor] | None:

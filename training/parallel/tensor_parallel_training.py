@@ -25,6 +25,7 @@ from torch import nn
 
 from training.config import ModelConfig
 from training.models import GPTModel, resolve_backend
+from training.models.gpt import model_from_tensors
 from training.models.tp_backend import TensorParallelBackend
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
@@ -73,7 +74,7 @@ def shard_loaded(
     return shard_tensor(tensor, *spec, state.tp_rank, state.sizes.tp)
 
 
-def _gather_whole(name: str, tensor: torch.Tensor, config: ModelConfig, state: ParallelState):
+def gather_whole(name: str, tensor: torch.Tensor, config: ModelConfig, state: ParallelState):
     """Collective over the TP group: the whole tensor on CPU (every TP rank)."""
     spec = partition_spec(name, config)
     if spec is None or tensor.dim() == 0:
@@ -102,21 +103,11 @@ def full_model(model: nn.Module, state: ParallelState, is_main: bool) -> Iterato
         yield None
         return
     config = model.config
-    params = {n: _gather_whole(n, p, config, state) for n, p in model.named_parameters()}
+    params = {n: gather_whole(n, p, config, state) for n, p in model.named_parameters()}
     if not is_main:
         yield None
         return
-    with torch.device("meta"):
-        copy = GPTModel(config)
-    copy.to_empty(device="cpu")
-    copy.tie_weights()
-    buffers = dict(model.named_buffers())
-    with torch.no_grad():
-        for name, param in copy.named_parameters():
-            param.copy_(params[name])
-        for name, buffer in copy.named_buffers():
-            buffer.copy_(buffers[name])
-    yield copy
+    yield model_from_tensors(config, params, dict(model.named_buffers()))
 
 
 @contextlib.contextmanager
@@ -136,14 +127,14 @@ def consolidated(
         full = local.state_dict()
         moments = {
             index: {
-                key: _gather_whole(param_names[index], value, config, state)
+                key: gather_whole(param_names[index], value, config, state)
                 if torch.is_tensor(value)
                 else value
                 for key, value in values.items()
             }
             for index, values in full["state"].items()
         }
-        yield dp._Frozen({"state": moments, "param_groups": full["param_groups"]})
+        yield dp.FrozenOptimizerState({"state": moments, "param_groups": full["param_groups"]})
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, state: ParallelState) -> torch.Tensor:
