@@ -11,7 +11,8 @@ comparison is between layouts, not a peak figure (``train_throughput.py`` has th
 
 Efficiency = (tokens/s ÷ GPUs) ÷ (one GPU's tokens/s). For pipeline layouts the
 report also gives the measured bubble, 1 − efficiency (it includes the stages'
-communication), beside the (p − 1)/(v·m) theory with m = ``--accumulation``.
+communication), beside the (p − 1)/(v·m) theory with m = ``--accumulation``, and the
+trainer's own ``pipeline_bubble`` (the stages' idle share of the step).
 
 Shapes: ``1b`` is configs/llama-1b.yaml; ``7b-layers`` has the layer shape of a Llama-2
 7B (hidden 4096, 32 heads, FFN 11008) with 8 layers instead of 32 so that one GPU can
@@ -123,7 +124,7 @@ def worker(args) -> None:
             trainer.train_step(batches)
         sync()
         started = time.perf_counter()
-        losses = [trainer.train_step(batches)["loss"] for _ in range(args.steps)]
+        records = [trainer.train_step(batches) for _ in range(args.steps)]
         sync()
         seconds = time.perf_counter() - started
         peak = torch.cuda.max_memory_allocated() if cuda else 0
@@ -134,10 +135,17 @@ def worker(args) -> None:
             result = {
                 "tokens_per_s": tokens / seconds,
                 "flops_per_token": trainer.flops_per_token,
-                "losses": losses,
+                "losses": [r["loss"] for r in records],
+                # The trainer's own measure: 1 - compute time / step time per stage.
+                "pipeline_bubble": _mean([r.get("pipeline_bubble") for r in records]),
                 "peak_memory_gb": memory.item() / 2**30,
             }
             print("RESULT " + json.dumps(result), flush=True)
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
 
 
 def run_layout(args, layout: str, shards: str) -> dict:
@@ -150,7 +158,12 @@ def run_layout(args, layout: str, shards: str) -> dict:
         "--out", args.out,
     ]  # fmt: skip
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as timeout:
+        tail = (timeout.stderr or b"")[-2000:]
+        text = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return {"error": f"timed out after {args.timeout} s\n{text}", "wall_s": args.timeout}
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
         result = {"error": (done.stdout[-2000:] + "\n" + done.stderr[-3000:]).strip()}
@@ -183,13 +196,17 @@ def table(report: dict) -> str:
     ]
     for name, r in results.items():
         if "tokens_per_s" not in r:
-            lines.append(f"| {name} | failed: {r['error'].splitlines()[-1][:120]} |")
+            lines.append(f"| {name} | failed: {r['error'].splitlines()[0][:120]} |")
             continue
         per_gpu = r["tokens_per_s"] / r["gpus"]
         efficiency = per_gpu / base if base else float("nan")
         achieved = per_gpu * r["flops_per_token"]
         theory = bubble_theory(name, report["accumulation"])
-        bubble = f"{100 * (1 - efficiency):.1f}% / {100 * theory:.1f}%" if theory else "-"
+        bubble = "-"
+        if theory:
+            stages = r.get("pipeline_bubble")
+            bubble = f"{100 * (1 - efficiency):.1f}% / {100 * theory:.1f}%"
+            bubble += f" (stage idle {100 * stages:.1f}%)" if stages is not None else ""
         lines.append(
             f"| {name} | {r['gpus']} | {r['tokens_per_s']:,.0f} | {per_gpu:,.0f} | "
             f"{100 * efficiency:.1f}% | {100 * achieved / 989e12:.1f}% | "
@@ -219,7 +236,8 @@ def drive(args) -> None:
     for layout in args.layouts.split(","):
         report["results"][layout] = run_layout(args, layout, shards)
         print(layout, json.dumps(report["results"][layout])[:400], flush=True)
-    (out / f"scaling-{args.shape}.json").write_text(json.dumps(report, indent=2))
+        # After every layout: a later one that stalls must not lose the earlier figures.
+        (out / f"scaling-{args.shape}.json").write_text(json.dumps(report, indent=2))
     print(table(report), flush=True)
 
 
