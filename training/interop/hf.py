@@ -1,0 +1,582 @@
+"""Hugging Face interop: model packages <-> ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` directories.
+
+Which HF architecture a model becomes follows from its architecture, not its ``style``:
+RMSNorm + SwiGLU + RoPE is Llama (GQA, optional biases, tied or untied); LayerNorm +
+GELU(tanh) + learned positions + biases + one KV group per head is GPT-2. MoE models
+and other mixtures are refused. Tensor names (ours as in :mod:`training.models.gpt`):
+
+=====================================  =============================================
+ours (layer i)                         Llama (``model.layers.{i}.``) / GPT-2 (``transformer.h.{i}.``)
+=====================================  =============================================
+attention.qkv.norm                     input_layernorm / ln_1
+attention.qkv.linear  (grouped q,k,v)  self_attn.{q,k,v}_proj / attn.c_attn (Conv1D, [q; k; v])
+attention.proj                         self_attn.o_proj / attn.c_proj (Conv1D)
+mlp.fc1.norm                           post_attention_layernorm / ln_2
+mlp.fc1.linear  ([gate; up] / fc)      mlp.gate_proj + mlp.up_proj / mlp.c_fc (Conv1D)
+mlp.fc2                                mlp.down_proj / mlp.c_proj (Conv1D)
+=====================================  =============================================
+
+GPT-2's Conv1D stores ``[in, out]``: the transpose of our ``nn.Linear`` weight. Every
+mapping is a pure permutation of values, so a round trip is bit-exact.
+
+Export writes ``config.json``, ``generation_config.json``, ``model.safetensors``, the
+SentencePiece ``tokenizer.model`` and a ``tokenizer_config.json`` for ``LlamaTokenizer``
+(see :func:`tokenizer_files`), into a temporary sibling directory renamed into place.
+Import reads ``config.json`` (JSON) and safetensors (``model.safetensors``, a sharded
+``model.safetensors.index.json``, or every ``*.safetensors``); PyTorch ``.bin`` files
+only with ``allow_torch_bin=True`` and then through ``torch.load(weights_only=True)``.
+Nothing is unpickled otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import sentencepiece as spm
+import torch
+from pydantic import ValidationError
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from training.config import ModelConfig, format_validation_error
+from training.errors import MegalithError
+from training.models.gpt import GPTModel
+from training.models.package import (
+    DTYPES,
+    MAX_JSON_BYTES,
+    load_model_package,
+    model_tensors,
+    save_model_package,
+)
+
+HF_WEIGHTS = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+BIN_WEIGHTS = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+TOKENIZER_MODEL = "tokenizer.model"
+EOD_TOKEN, PAD_TOKEN = "<|eod|>", "<|pad|>"
+# Buffers older HF checkpoints saved beside the weights; they carry no learned values.
+IGNORED_HF_KEYS = re.compile(r".*(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
+
+Split = Callable[[Tensor], list[Tensor]]
+Merge = Callable[[list[Tensor]], Tensor]
+Entry = tuple[str, tuple[str, ...], Split, Merge]
+
+
+class HFInteropError(MegalithError):
+    """A model or directory that cannot be converted; the message names the file or key."""
+
+
+# Architectures.
+
+
+def hf_model_type(config: ModelConfig) -> str:
+    """``"llama"`` or ``"gpt2"``: the HF architecture that computes exactly what ``config`` does."""
+    if config.num_experts:
+        raise HFInteropError("mixture-of-experts models cannot be exported to Llama or GPT-2")
+    kinds = {
+        "llama": {"normalization": "rmsnorm", "activation": "swiglu", "position_embedding": "rope"},
+        "gpt2": {
+            "normalization": "layernorm",
+            "activation": "gelu",
+            "position_embedding": "learned",
+            "bias": True,
+            "num_query_groups": config.num_attention_heads,
+        },
+    }
+    for kind, wanted in kinds.items():
+        if all(getattr(config, key) == value for key, value in wanted.items()):
+            return kind
+    found = {key: getattr(config, key) for key in {**kinds["llama"], **kinds["gpt2"]}}
+    raise HFInteropError(
+        f"model {found} is neither Llama-style {kinds['llama']} nor GPT-2-style {kinds['gpt2']}"
+    )
+
+
+def hf_config(config: ModelConfig, dtype: str, special_ids: dict[str, int]) -> dict[str, Any]:
+    """The HF ``config.json`` for ``config`` (``special_ids``: bos/eos/pad token ids)."""
+    common = {
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": config.tie_embeddings,
+        "initializer_range": config.init_std,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "use_cache": True,
+        **{f"{k}_token_id": v for k, v in special_ids.items()},
+    }
+    if hf_model_type(config) == "gpt2":
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "n_embd": config.hidden_size,
+            "n_layer": config.num_layers,
+            "n_head": config.num_attention_heads,
+            "n_inner": config.ffn_hidden_size,
+            "n_positions": config.max_position_embeddings,
+            "n_ctx": config.max_position_embeddings,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": config.norm_eps,
+            **dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), config.dropout),
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+            **common,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_query_groups,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
+        "rope_scaling": None,
+        "attention_bias": config.bias,
+        "mlp_bias": config.bias,
+        "attention_dropout": config.dropout,
+        **common,
+    }
+
+
+def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Our :class:`ModelConfig` for an HF Llama or GPT-2 ``config.json``; refuses what we
+    cannot compute exactly (other model types, activations, RoPE scaling, ...)."""
+
+    def get(key: str, default: Any = ...) -> Any:
+        if key not in hf and default is ...:
+            raise HFInteropError(f"{source}: missing key {key!r}")
+        return hf.get(key, default)
+
+    def need(key: str, allowed: tuple[Any, ...], default: Any) -> None:
+        if get(key, default) not in allowed:
+            raise HFInteropError(
+                f"{source}: {key}={get(key, default)!r} is not supported (only {list(allowed)})"
+            )
+
+    if not isinstance(hf, dict):
+        raise HFInteropError(f"{source}: expected a JSON object")
+    kind = hf.get("model_type")
+    if kind == "llama":
+        heads, hidden = get("num_attention_heads"), get("hidden_size")
+        need("hidden_act", ("silu",), "silu")
+        need("head_dim", (None, hidden // heads), None)
+        need("mlp_bias", (get("attention_bias", False),), False)
+        rope = get("rope_parameters", None) or get("rope_scaling", None) or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise HFInteropError(
+                f"{source}: RoPE scaling {rope} is not supported (only rope_type 'default')"
+            )
+        values = {
+            "style": "llama",
+            "num_layers": get("num_hidden_layers"),
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_query_groups": get("num_key_value_heads", None) or heads,
+            "ffn_hidden_size": get("intermediate_size"),
+            "max_position_embeddings": get("max_position_embeddings"),
+            "norm_eps": get("rms_norm_eps", 1e-6),
+            "rope_base": rope.get("rope_theta", get("rope_theta", 10000.0)),
+            "bias": get("attention_bias", False),
+            "tie_embeddings": get("tie_word_embeddings", False),
+            "dropout": get("attention_dropout", 0.0),
+        }
+    elif kind == "gpt2":
+        need("activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
+        need("scale_attn_weights", (True,), True)
+        need("scale_attn_by_inverse_layer_idx", (False,), False)
+        need("add_cross_attention", (False,), False)
+        hidden = get("n_embd")
+        values = {
+            "style": "gpt2",
+            "num_layers": get("n_layer"),
+            "hidden_size": hidden,
+            "num_attention_heads": get("n_head"),
+            "ffn_hidden_size": get("n_inner", None) or 4 * hidden,
+            "max_position_embeddings": get("n_positions"),
+            "norm_eps": get("layer_norm_epsilon", 1e-5),
+            "tie_embeddings": get("tie_word_embeddings", True),
+            "dropout": get("resid_pdrop", 0.1),
+        }
+    else:
+        raise HFInteropError(
+            f"{source}: model_type {kind!r} is not supported (only 'llama' and 'gpt2')"
+        )
+    values["vocab_size"] = get("vocab_size")
+    values["init_std"] = get("initializer_range", 0.02)
+    try:
+        return ModelConfig(**values)
+    except ValidationError as exc:
+        raise HFInteropError(format_validation_error(exc, source)) from None
+
+
+# Tensors.
+
+
+def _qkv_split(config: ModelConfig) -> tuple[Split, Merge]:
+    """Our grouped rows (per KV group: its query heads, then k, then v) <-> q, k, v."""
+    groups, dim = config.num_query_groups, config.head_dim
+    per_group = config.num_attention_heads // groups
+
+    def split(t: Tensor) -> list[Tensor]:
+        rest = t.shape[1:]
+        g = t.view(groups, per_group + 2, dim, *rest)
+        parts = (g[:, :per_group], g[:, per_group], g[:, per_group + 1])
+        return [part.reshape(-1, *rest) for part in parts]
+
+    def merge(parts: list[Tensor]) -> Tensor:
+        q, k, v = (p.reshape(groups, -1, dim, *p.shape[1:]) for p in parts)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *parts[0].shape[1:])
+
+    return split, merge
+
+
+def _same(t: Tensor) -> list[Tensor]:
+    return [t]
+
+
+def _first(parts: list[Tensor]) -> Tensor:
+    return parts[0]
+
+
+def _conv1d(weight: bool) -> tuple[Split, Merge]:
+    """GPT-2's Conv1D holds ``weight.T``; biases are unchanged."""
+    if not weight:
+        return _same, _first
+    return (lambda t: [t.t()]), (lambda parts: parts[0].t())
+
+
+def tensor_map(config: ModelConfig) -> list[Entry]:
+    """``(our name, HF names, split ours -> HF, merge HF -> ours)`` for every saved tensor
+    (tied aliases left out, as in :func:`~training.models.package.model_tensors`)."""
+    kind = hf_model_type(config)
+    qkv_split, qkv_merge = _qkv_split(config)
+    entries: list[Entry] = []
+
+    def add(ours: str, hf: str | tuple[str, ...], split: Split = _same, merge: Merge = _first):
+        entries.append((ours, (hf,) if isinstance(hf, str) else hf, split, merge))
+
+    if kind == "llama":
+        add("embedding.word.weight", "model.embed_tokens.weight")
+        for i in range(config.num_layers):
+            ours, hf = f"layers.{i}.", f"model.layers.{i}."
+            add(ours + "attention.qkv.norm.weight", hf + "input_layernorm.weight")
+            add(ours + "mlp.fc1.norm.weight", hf + "post_attention_layernorm.weight")
+            for p in ("weight", "bias") if config.bias else ("weight",):
+                names = tuple(f"{hf}self_attn.{x}_proj.{p}" for x in "qkv")
+                add(f"{ours}attention.qkv.linear.{p}", names, qkv_split, qkv_merge)
+                add(f"{ours}attention.proj.{p}", f"{hf}self_attn.o_proj.{p}")
+                add(
+                    f"{ours}mlp.fc1.linear.{p}",
+                    (f"{hf}mlp.gate_proj.{p}", f"{hf}mlp.up_proj.{p}"),
+                    lambda t: list(t.chunk(2)),
+                    torch.cat,
+                )
+                add(f"{ours}mlp.fc2.{p}", f"{hf}mlp.down_proj.{p}")
+        add("final_norm.weight", "model.norm.weight")
+        if not config.tie_embeddings:
+            add("output.weight", "lm_head.weight")
+        return entries
+
+    add("embedding.word.weight", "transformer.wte.weight")
+    add("embedding.position.weight", "transformer.wpe.weight")
+    for i in range(config.num_layers):
+        ours, hf = f"layers.{i}.", f"transformer.h.{i}."
+        for p in ("weight", "bias"):
+            t_split, t_merge = _conv1d(p == "weight")
+            add(f"{ours}attention.qkv.norm.{p}", f"{hf}ln_1.{p}")
+            add(
+                f"{ours}attention.qkv.linear.{p}",
+                f"{hf}attn.c_attn.{p}",
+                lambda t, s=t_split: s(torch.cat(qkv_split(t))),
+                lambda parts, m=t_merge: qkv_merge(list(m(parts).chunk(3))),
+            )
+            add(f"{ours}attention.proj.{p}", f"{hf}attn.c_proj.{p}", t_split, t_merge)
+            add(f"{ours}mlp.fc1.norm.{p}", f"{hf}ln_2.{p}")
+            add(f"{ours}mlp.fc1.linear.{p}", f"{hf}mlp.c_fc.{p}", t_split, t_merge)
+            add(f"{ours}mlp.fc2.{p}", f"{hf}mlp.c_proj.{p}", t_split, t_merge)
+    for p in ("weight", "bias"):
+        add(f"final_norm.{p}", f"transformer.ln_f.{p}")
+    if not config.tie_embeddings:
+        add("output.weight", "lm_head.weight")
+    return entries
+
+
+def to_hf_tensors(config: ModelConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Our state dict (tied aliases left out) -> HF names, every tensor contiguous."""
+    out: dict[str, Tensor] = {}
+    for ours, hf_names, split, _ in tensor_map(config):
+        if ours not in tensors:
+            raise HFInteropError(f"tensor {ours} is missing from the model")
+        for name, value in zip(hf_names, split(tensors[ours]), strict=True):
+            out[name] = value.contiguous()
+    return out
+
+
+def from_hf_tensors(config: ModelConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """HF tensors -> our names (tied aliases left out)."""
+    return {
+        ours: merge([tensors[name] for name in hf_names]).contiguous()
+        for ours, hf_names, _, merge in tensor_map(config)
+    }
+
+
+# Tokenizer.
+
+
+def tokenizer_files(tokenizer_model: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """``tokenizer_config.json`` for ``LlamaTokenizer`` over our SentencePiece model, and the
+    special token ids for ``config.json``.
+
+    ``<|eod|>`` (our document separator) is both ``bos_token`` and ``eos_token``, added in
+    front of every encoding as Megalith's evaluation does (``[eod, *encode(text)]``) and the
+    token generation stops at; ``<|pad|>`` is the pad token when the model has one, ``<unk>``
+    the unknown token. Without ``<|eod|>``, SentencePiece's own ``<s>``/``</s>`` are used.
+    """
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_model))
+    pieces = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    bos = EOD_TOKEN if EOD_TOKEN in pieces else sp.id_to_piece(max(sp.bos_id(), 0))
+    eos = EOD_TOKEN if EOD_TOKEN in pieces else sp.id_to_piece(max(sp.eos_id(), 0))
+    tokens = {"bos_token": bos, "eos_token": eos, "unk_token": sp.id_to_piece(sp.unk_id())}
+    if PAD_TOKEN in pieces:
+        tokens["pad_token"] = PAD_TOKEN
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        **tokens,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "legacy": True,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": None,
+    }
+    ids = {name.removesuffix("_token"): pieces[piece] for name, piece in tokens.items()}
+    ids.pop("unk")
+    return config, ids
+
+
+# Export.
+
+
+def export_hf(package_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
+    """Write the model package at ``package_dir`` as an HF model directory ``out_dir``."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+        raise HFInteropError(f"{out_dir} exists and is not empty (pass --overwrite to replace it)")
+    model, config, tokenizer = load_model_package(package_dir)
+    dtype = next(name for name, dt in DTYPES.items() if dt == model.embedding.word.weight.dtype)
+    tensors = to_hf_tensors(config, model_tensors(model))
+    tok_config, special_ids = tokenizer_files(tokenizer)
+    config_json = hf_config(config, dtype, special_ids)
+    tok_config["model_max_length"] = config.max_position_embeddings
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / HF_WEIGHTS), metadata={"format": "pt"})
+        shutil.copyfile(tokenizer, tmp / TOKENIZER_MODEL)
+        _write_json(tmp / "config.json", config_json)
+        _write_json(
+            tmp / "generation_config.json", {f"{k}_token_id": v for k, v in special_ids.items()}
+        )
+        _write_json(tmp / "tokenizer_config.json", tok_config)
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+# Import.
+
+
+def import_hf(
+    hf_dir: str | Path,
+    out_package: str | Path,
+    *,
+    allow_torch_bin: bool = False,
+    tokenizer: str | Path | None = None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Convert the HF Llama or GPT-2 directory ``hf_dir`` into a model package.
+
+    ``tokenizer``: a SentencePiece ``.model`` to use instead of ``hf_dir/tokenizer.model``;
+    ``dtype``: float32, bfloat16 or float16 (default: the dtype of the HF embedding).
+    """
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise HFInteropError(f"{hf_dir} is not a directory")
+    config = model_config_from_hf(_read_json(hf_dir / "config.json"), str(hf_dir / "config.json"))
+    tokenizer = Path(tokenizer) if tokenizer else hf_dir / TOKENIZER_MODEL
+    if not tokenizer.is_file():
+        raise HFInteropError(
+            f"{tokenizer} not found: Megalith packages need a SentencePiece tokenizer.model "
+            "(tokenizer.json / vocab.json + merges.txt tokenizers cannot be used); "
+            "pass --tokenizer FILE.model"
+        )
+    try:
+        pieces = spm.SentencePieceProcessor(model_file=str(tokenizer)).get_piece_size()
+    except (OSError, RuntimeError) as exc:
+        raise HFInteropError(f"{tokenizer}: not a SentencePiece model: {exc}") from None
+    if pieces > config.vocab_size:
+        raise HFInteropError(
+            f"{tokenizer} has {pieces} pieces, more than the model's vocab_size {config.vocab_size}"
+        )
+    if dtype is not None and dtype not in DTYPES:
+        raise HFInteropError(f"dtype {dtype!r} is not one of {list(DTYPES)}")
+
+    with torch.device("meta"):
+        model = GPTModel(config)
+    expected = to_hf_tensors(config, model_tensors(model))
+    hf_tensors = _read_hf_tensors(hf_dir, config, expected, allow_torch_bin)
+    if dtype is None:
+        dtype = _dtype_name(hf_tensors[tensor_map(config)[0][1][0]].dtype, hf_dir)
+    ours = from_hf_tensors(config, {k: v.to(DTYPES[dtype]) for k, v in hf_tensors.items()})
+    model = model.to(DTYPES[dtype]).to_empty(device="cpu")
+    model.tie_weights()
+    for alias, source in model.tied_weights.items():
+        ours[alias] = ours[source]
+    model.load_state_dict(ours, strict=True)
+    return save_model_package(model, config, tokenizer, out_package, overwrite=overwrite)
+
+
+def _read_hf_tensors(
+    hf_dir: Path, config: ModelConfig, expected: dict[str, Tensor], allow_torch_bin: bool
+) -> dict[str, Tensor]:
+    files = _weight_files(hf_dir, allow_torch_bin)
+    found: dict[str, tuple[Path, list[int]]] = {}
+    tensors: dict[str, Tensor] = {}
+    for path in files:
+        if path.suffix == ".safetensors":
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+            except SafetensorError as exc:
+                raise HFInteropError(f"{path}: not a readable safetensors file: {exc}") from None
+        else:
+            loaded = _torch_load(path)
+            shapes = {k: list(v.shape) for k, v in loaded.items()}
+        for key, shape in shapes.items():
+            name = _hf_name(config, key)
+            if IGNORED_HF_KEYS.match(name) or (config.tie_embeddings and name == "lm_head.weight"):
+                continue
+            if name in found:
+                raise HFInteropError(f"{path}: tensor {key} is also in {found[name][0]}")
+            if name not in expected:
+                raise HFInteropError(
+                    f"{path}: unexpected tensor {key} for a {config.num_layers}-layer "
+                    f"{hf_model_type(config)} model"
+                )
+            if shape != list(expected[name].shape):
+                raise HFInteropError(
+                    f"{path}: tensor {key} has shape {shape}, config.json implies "
+                    f"{list(expected[name].shape)}"
+                )
+            found[name] = (path, shape)
+            if path.suffix != ".safetensors":
+                tensors[name] = loaded[key]
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise HFInteropError(
+            f"{hf_dir}: tensors missing from {[p.name for p in files]}: {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}"
+        )
+    for path in files:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118
+                    name = _hf_name(config, key)
+                    if found.get(name, (None,))[0] == path:
+                        tensors[name] = f.get_tensor(key)
+    return tensors
+
+
+def _hf_name(config: ModelConfig, key: str) -> str:
+    """Original GPT-2 checkpoints name tensors without the ``transformer.`` prefix."""
+    if config.style == "gpt2" and not key.startswith(("transformer.", "lm_head.")):
+        return "transformer." + key
+    return key
+
+
+def _weight_files(hf_dir: Path, allow_torch_bin: bool) -> list[Path]:
+    for index, single, suffix in (
+        (HF_INDEX, HF_WEIGHTS, ".safetensors"),
+        (BIN_INDEX, BIN_WEIGHTS, ".bin"),
+    ):
+        if (hf_dir / index).is_file():
+            weight_map = (_read_json(hf_dir / index) or {}).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise HFInteropError(f"{hf_dir / index}: expected a 'weight_map' object")
+            names = sorted(set(weight_map.values()))
+        elif (hf_dir / single).is_file():
+            names = [single]
+        else:
+            names = sorted(p.name for p in hf_dir.glob(f"*{suffix}"))
+        if not names:
+            continue
+        for name in names:
+            if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+                raise HFInteropError(f"{hf_dir}: weight file {name!r} is not a plain file name")
+            if not (hf_dir / name).is_file():
+                raise HFInteropError(f"{hf_dir / name}: missing (named by {index})")
+            if not name.endswith(suffix):
+                raise HFInteropError(f"{hf_dir / name}: expected a {suffix} file")
+        if suffix == ".bin" and not allow_torch_bin:
+            raise HFInteropError(
+                f"{hf_dir} holds PyTorch pickle weights ({', '.join(names)}) and no safetensors; "
+                "they are read only with --allow-torch-bin (then through torch.load with "
+                "weights_only=True)"
+            )
+        return [hf_dir / name for name in names]
+    raise HFInteropError(f"{hf_dir}: no {HF_WEIGHTS}, {HF_INDEX} or *.safetensors files")
+
+
+def _torch_load(path: Path) -> dict[str, Tensor]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # weights_only refuses anything but tensors and plain containers
+        raise HFInteropError(f"{path}: cannot be loaded with weights_only=True: {exc}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise HFInteropError(f"{path}: expected a dict of tensors (a state dict)")
+    return state
+
+
+def _dtype_name(dtype: torch.dtype, source: Path) -> str:
+    for name, dt in DTYPES.items():
+        if dt == dtype:
+            return name
+    raise HFInteropError(f"{source}: weights are {dtype}; pass --dtype float32|bfloat16|float16")
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise HFInteropError(f"{path} not found")
+    if path.stat().st_size > MAX_JSON_BYTES * 16:
+        raise HFInteropError(f"{path}: too large for a JSON config")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HFInteropError(f"{path}: not valid JSON: {exc}") from None
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
