@@ -19,6 +19,7 @@ from training.errors import MegalithError
 COMMAND_MODULES = [
     "preprocessing.cli",
     "training.cli",
+    "training.interop.cli",
     "evaluation.cli",
     "pipelines.commands",
 ]

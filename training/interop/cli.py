@@ -1,0 +1,92 @@
+"""``megalith export hf`` and ``megalith import hf``: model packages <-> Hugging Face directories."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    export = subcommands.add_parser(
+        "export",
+        help="convert a model package to another format (hf)",
+        description="Convert a Megalith model package to another ecosystem's format.",
+    )
+    export.set_defaults(group_parser=export)
+    export_hf = export.add_subparsers(dest="export_command", metavar="FORMAT").add_parser(
+        "hf",
+        help="write a Hugging Face model directory (LlamaForCausalLM or GPT2LMHeadModel)",
+        description="Convert MODEL_PACKAGE (the model/ directory `megalith train` writes) into "
+        "a Hugging Face directory: config.json, generation_config.json, model.safetensors, "
+        "tokenizer.model and tokenizer_config.json (LlamaTokenizer). RMSNorm+SwiGLU+RoPE models "
+        "become LlamaForCausalLM, LayerNorm+GELU+learned-position models GPT2LMHeadModel; "
+        "MoE models are refused. <|eod|> is the tokenizer's bos and eos token, <|pad|> its pad "
+        "token. The directory is written under a temporary name and renamed when complete.",
+        epilog="example: megalith export hf runs/tiny/model hf-tiny && python -c "
+        "\"import transformers as t; t.AutoModelForCausalLM.from_pretrained('hf-tiny')\"",
+    )
+    export_hf.add_argument("package", metavar="MODEL_PACKAGE", help="model package directory")
+    export_hf.add_argument("output", metavar="OUT_DIR", help="Hugging Face directory to write")
+    export_hf.add_argument(
+        "--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty"
+    )
+    export_hf.set_defaults(handler=_export_hf)
+
+    imp = subcommands.add_parser(
+        "import",
+        help="convert another format into a model package (hf)",
+        description="Convert another ecosystem's model into a Megalith model package.",
+    )
+    imp.set_defaults(group_parser=imp)
+    import_hf = imp.add_subparsers(dest="import_command", metavar="FORMAT").add_parser(
+        "hf",
+        help="read a Hugging Face Llama or GPT-2 directory into a model package",
+        description="Convert HF_DIR (config.json with model_type llama or gpt2, and "
+        "model.safetensors, a sharded model.safetensors.index.json or *.safetensors) into a "
+        "model package at OUT_PACKAGE, to fine-tune or evaluate with Megalith. PyTorch .bin "
+        "(pickle) weights are refused unless --allow-torch-bin, and then read only with "
+        "torch.load(weights_only=True). The tokenizer must be SentencePiece: HF_DIR/"
+        "tokenizer.model or --tokenizer. RoPE scaling (Llama 3 style) and untied q/k/v "
+        "head_dim are refused.",
+        epilog="example: megalith import hf ./TinyLlama-hf models/tinyllama",
+    )
+    import_hf.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face model directory")
+    import_hf.add_argument("output", metavar="OUT_PACKAGE", help="model package to write")
+    import_hf.add_argument(
+        "--allow-torch-bin",
+        action="store_true",
+        help="read pytorch_model*.bin when there are no safetensors (torch.load, "
+        "weights_only=True)",
+    )
+    import_hf.add_argument(
+        "--tokenizer", metavar="FILE", help="SentencePiece .model (default HF_DIR/tokenizer.model)"
+    )
+    import_hf.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the package (default: that of the HF weights)",
+    )
+    import_hf.add_argument("--overwrite", action="store_true", help="replace OUT_PACKAGE")
+    import_hf.set_defaults(handler=_import_hf)
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from training.interop.hf import export_hf
+
+    out = export_hf(args.package, args.output, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
+def _import_hf(args: argparse.Namespace) -> int:
+    from training.interop.hf import import_hf
+
+    out = import_hf(
+        args.hf_dir,
+        args.output,
+        allow_torch_bin=args.allow_torch_bin,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+    )
+    print(f"wrote {out}")
+    return 0
