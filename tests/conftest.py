@@ -3,6 +3,8 @@
 ``s3_endpoint`` runs moto's S3 server in a thread for the whole session; tests talk
 to it over HTTP through s3fs exactly as they would to a real bucket. Use
 ``s3_bucket`` for a fresh empty bucket, or ``make_s3_bucket()`` for several.
+``shards`` is the tiny shard set of the trainer and parallelism tests; every test
+runs with one intra-op thread (``one_cpu_thread``).
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ def prefect_api() -> Iterator[None]:
 
     with prefect_test_harness(server_startup_timeout=60):
         yield
+
+
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory: pytest.TempPathFactory):
+    """The sample corpus as tiny shards (tests/parallel_helpers.py), built once per session."""
+    from parallel_helpers import tiny_shard_set
+
+    return tiny_shard_set(tmp_path_factory)
 
 
 @pytest.fixture(autouse=True, scope="session")

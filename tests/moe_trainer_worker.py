@@ -16,18 +16,16 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tp_trainer_worker import run_case
+from tp_trainer_worker import config_of, run_case
 
-from training.config import load_config
 from training.distributed import distributed
 from training.parallel import expert_parallel_training as ep
 from training.trainer import Trainer
 
 
 def capture_grads(spec: dict, settings: dict, state) -> None:
-    config = load_config(spec["recipe"], [f"{k}={v}" for k, v in settings.items()])
     out = Path(spec["out"]) / "grads"
-    trainer = Trainer(config, out, parallel_state=state)
+    trainer = Trainer(config_of(spec, settings), out, parallel_state=state)
     trainer.optimizer.step = lambda: None  # keep the weights: only the gradients matter
     trainer.train_step(trainer.train_batches())
     experts = ep.expert_parameters(trainer.model)

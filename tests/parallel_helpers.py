@@ -1,19 +1,31 @@
 """Shared by the multi-process tests: one tiny shard set per session, tiny configs,
-and torchrun command lines.
+torchrun command lines, and the comparisons of a parallel run with one process.
 
 The shard set is built once per pytest session (a directory under the session's base
-temp dir, guarded by a lock), whichever test module asks first.
+temp dir, guarded by a lock), whichever test module asks first; tests/conftest.py
+serves it as the ``shards`` fixture.
+
+The trainer parity tests run ``STEPS`` steps with a checkpoint every ``RESUME_STEP``
+steps, and compare with the single-process run: metrics step by step
+(``assert_metrics_match``), the whole tensors of the last checkpoint
+(``assert_whole_checkpoint``), resumes (``assert_resume_exact``,
+``assert_one_process_resume``) and the model package's logits
+(``assert_package_logits_match``). Every failure names the layout, and the step.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "tiny-cpu.yaml"
@@ -22,6 +34,11 @@ VOCAB = 1024
 SEQ = 32
 # The parity tests run on GPUs (NCCL) too: MEGALITH_TEST_DEVICE=cuda.
 DEVICE = os.environ.get("MEGALITH_TEST_DEVICE", "cpu")
+BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
+# The trainer parity runs: STEPS steps, checkpoints every RESUME_STEP steps.
+STEPS = 4
+RESUME_STEP = 2
+LOSS_ATOL = 1e-5
 
 
 def tiny_shard_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -70,6 +87,33 @@ def tiny_settings(shards: Path, values: dict[str, Any] | None = None) -> dict[st
     }
 
 
+def trainer_settings(shards: Path, values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``tiny_settings`` for STEPS steps with a checkpoint every RESUME_STEP steps."""
+    return tiny_settings(
+        shards,
+        {
+            "training.train_iters": STEPS,
+            "checkpoint.interval": RESUME_STEP,
+            "checkpoint.keep_last": 3,
+            **(values or {}),
+        },
+    )
+
+
+def config_of(settings: dict[str, Any]):
+    from training.config import load_config
+
+    return load_config(RECIPE, [f"{k}={v}" for k, v in settings.items()])
+
+
+def fit_one_process(settings: dict[str, Any], out: Path) -> Path:
+    """``Trainer.fit`` in this process; returns OUT."""
+    from training.trainer import Trainer
+
+    Trainer(config_of(settings), out).fit(show_progress=False)
+    return out
+
+
 def set_args(settings: dict[str, Any]) -> list[str]:
     return [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
 
@@ -91,7 +135,6 @@ def run_torchrun_worker(
     worker: str, spec: dict[str, Any], out: Path, world: int, label: str
 ) -> Path:
     """Write ``spec`` to OUT/spec.json and run tests/WORKER under torchrun with WORLD ranks."""
-    import json
     import subprocess
 
     (out / "spec.json").write_text(json.dumps(spec))
@@ -107,3 +150,145 @@ def run_torchrun_worker(
         f"{label} worker failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     )
     return out
+
+
+def run_trainer_worker(out: Path, cases: dict[str, dict[str, Any]], world: int, label: str) -> Path:
+    """Every case through tests/tp_trainer_worker.py (fit, then resume from RESUME_STEP)
+    in one torchrun job of ``world`` processes (one start-up cost)."""
+    spec = {
+        "recipe": str(RECIPE),
+        "device": DEVICE,
+        "cases": cases,
+        "resume_step": RESUME_STEP,
+        "out": str(out),
+    }
+    return run_torchrun_worker("tp_trainer_worker.py", spec, out, world, label)
+
+
+def init_gloo(rank: int, world: int, out_dir: str) -> None:
+    """In a process of ``torch.multiprocessing.spawn``: one thread, and a gloo group on
+    loopback through a file rendezvous in OUT_DIR."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out_dir}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+
+
+# --- comparisons -------------------------------------------------------------------------
+
+
+def mismatch(what: str, got: torch.Tensor, expected: torch.Tensor, tol: dict) -> list[str]:
+    """``assert_close`` as a list of failure lines (empty when close), for worker processes."""
+    try:
+        torch.testing.assert_close(got, expected, **tol)
+    except AssertionError as error:
+        detail = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        return [f"{what}: {detail}"]
+    return []
+
+
+def metrics(run: Path) -> list[dict[str, Any]]:
+    """The records of RUN/metrics.jsonl."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_close_tensors(
+    got: dict, want: dict, what: str, rtol: float = 1e-4, atol: float = 1e-5
+) -> None:
+    assert got.keys() == want.keys(), f"{what}: names differ: {sorted(got.keys() ^ want.keys())}"
+    for name in want:
+        torch.testing.assert_close(
+            got[name], want[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{what} {n}: {m}"
+        )
+
+
+def assert_metrics_match(
+    got: list[dict],
+    want: list[dict],
+    layout: str,
+    loss_atol: float = LOSS_ATOL,
+    grad_rtol: float = 1e-4,
+    losses: tuple[str, ...] = ("loss", "val_loss"),
+    against: str = "one process",
+) -> None:
+    """Step by step: each of ``losses`` (0 in a record without it) within ``loss_atol``,
+    the grad norm within ``grad_rtol`` relative."""
+    assert [r["step"] for r in got] == [r["step"] for r in want], f"{layout}: steps differ"
+    for g, w in zip(got, want, strict=True):
+        step = g["step"]
+        for key in losses:
+            assert g.get(key, 0.0) == pytest.approx(w.get(key, 0.0), abs=loss_atol), (
+                f"{layout}: {key} diverged at step {step}: {g.get(key)} vs {against} {w.get(key)}"
+            )
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=grad_rtol), (
+            f"{layout}: grad_norm diverged at step {step}: {g['grad_norm']} vs {against} "
+            f"{w['grad_norm']}"
+        )
+
+
+def assert_whole_checkpoint(run: Path, reference: Path, layout: str) -> None:
+    """The weights and AdamW moments of the last checkpoint, whole, against REFERENCE's."""
+    step = f"step-{STEPS:08d}"
+    for file in ("model.safetensors", "optimizer.safetensors"):
+        got = load_file(str(run / "checkpoints" / step / file))
+        want = load_file(str(reference / "checkpoints" / step / file))
+        assert_close_tensors(got, want, f"{layout} step {STEPS} {file}")
+
+
+def last_checkpoint_state(run: Path) -> dict[str, Any]:
+    return json.loads((run / "checkpoints" / f"step-{STEPS:08d}" / "state.json").read_text())
+
+
+def assert_resume_exact(run: Path, resumed_run: Path, layout: str) -> None:
+    """RESUMED_RUN (resumed from RUN's checkpoint of RESUME_STEP) repeats RUN's losses."""
+    straight = {r["step"]: r["loss"] for r in metrics(run)}
+    resumed = metrics(resumed_run)
+    assert [r["step"] for r in resumed] == list(range(RESUME_STEP + 1, STEPS + 1))
+    for record in resumed:
+        assert record["loss"] == straight[record["step"]], (
+            f"{layout}: resumed loss differs at step {record['step']}"
+        )
+
+
+def assert_one_process_resume(
+    run: Path, settings: dict[str, Any], tmp_path: Path, layout: str
+) -> None:
+    """One process resumes RUN's checkpoint of RESUME_STEP and matches RUN's losses."""
+    from training.trainer import Trainer
+
+    first = f"step-{RESUME_STEP:08d}"
+    shutil.copytree(run / "checkpoints" / first, tmp_path / "ckpt" / first)
+    config = config_of({**settings, "checkpoint.directory": str(tmp_path / "ckpt")})
+    trainer = Trainer(config, tmp_path / "run")
+    assert trainer.resume() and trainer.step == RESUME_STEP
+    trainer.fit(show_progress=False)
+    straight = {r["step"]: r["loss"] for r in metrics(run)}
+    for record in metrics(tmp_path / "run"):
+        assert record["loss"] == pytest.approx(straight[record["step"]], abs=LOSS_ATOL), (
+            f"{layout} checkpoint resumed in one process: loss differs at step {record['step']}"
+        )
+
+
+def assert_package_logits_match(run: Path, reference: Path, layout: str) -> None:
+    """RUN's model package, loaded in one process, gives REFERENCE's logits."""
+    from training.models.package import load_model_package
+
+    model, config, _ = load_model_package(run / "model")
+    want_model, _, _ = load_model_package(reference / "model")
+    tokens = torch.randint(
+        0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(tokens), want_model(tokens), rtol=1e-4, atol=1e-5,
+            msg=lambda m: f"{layout} package logits: {m}",
+        )  # fmt: skip

@@ -1,7 +1,8 @@
 """A torchrun worker for tests/test_pipeline_parallel.py (not a test module itself).
 
-- ``cases``: ``Trainer.fit`` over the whole run, then a second trainer resumes from
-  the checkpoint of ``resume_step`` (copied to NAME-resumed) to the end.
+- ``cases``: as tests/tp_trainer_worker.py, ``Trainer.fit`` over the whole run, then a
+  second trainer resumes from the checkpoint of ``resume_step`` (copied to NAME-resumed)
+  to the end.
 - ``grad_cases``: one training step's gradients through the pipeline schedule (after the
   data-parallel average and the tied-embedding sum, before clipping), gathered to whole
   single-process tensors; rank 0 writes OUT/NAME/grads.safetensors.
@@ -21,30 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+from tp_trainer_worker import config_of, run_case
 
-from training.config import load_config
 from training.distributed import distributed
 from training.trainer import Trainer
-
-
-def config_of(spec: dict, settings: dict):
-    return load_config(spec["recipe"], [f"{k}={v}" for k, v in settings.items()])
-
-
-def fit_and_resume(spec: dict, name: str, settings: dict) -> None:
-    config = config_of(spec, settings)
-    out = Path(spec["out"]) / name
-    trainer = Trainer(config, out)
-    trainer.fit(show_progress=False)
-    resumed_out = Path(spec["out"]) / f"{name}-resumed"
-    step = f"step-{spec['resume_step']:08d}"
-    if trainer.is_main:
-        shutil.copytree(out / "checkpoints" / step, resumed_out / "checkpoints" / step)
-    dist.barrier()
-    config.checkpoint.directory = str(resumed_out / "checkpoints")
-    resumed = Trainer(config, resumed_out, parallel_state=trainer.parallel)
-    assert resumed.resume(), "no checkpoint to resume from"
-    resumed.fit(show_progress=False)
 
 
 def gradients(spec: dict, name: str, settings: dict) -> None:
@@ -77,7 +58,7 @@ def main(spec_path: str) -> None:
     with distributed(spec["device"]):
         # A fresh ParallelState per case: the cases differ in virtual_pipeline.
         for name, settings in spec.get("cases", {}).items():
-            fit_and_resume(spec, name, settings)
+            run_case(spec, name, settings, None)
         for name, settings in spec.get("grad_cases", {}).items():
             gradients(spec, name, settings)
         for name, settings in spec.get("resume_cases", {}).items():

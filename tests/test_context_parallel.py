@@ -23,9 +23,7 @@ grad norms 1e-4 relative, tensors rtol 1e-4 / atol 1e-5).
 from __future__ import annotations
 
 import json
-import os
 import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +31,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from parallel_helpers import DEVICE, RECIPE, run_torchrun_worker, tiny_settings, tiny_shard_set
-from safetensors.torch import load_file
+from parallel_helpers import (
+    BACKEND,
+    RECIPE,
+    STEPS,
+    assert_metrics_match,
+    assert_resume_exact,
+    assert_whole_checkpoint,
+    fit_one_process,
+    init_gloo,
+    metrics,
+    mismatch,
+    run_trainer_worker,
+    trainer_settings,
+)
 
 from training.config import ModelConfig, load_config
 from training.errors import MegalithError
@@ -42,7 +52,6 @@ from training.models import GPTModel, TorchBackend
 from training.models.layers import SDPAttention
 from training.parallel import context_parallel as cp
 from training.parallel.groups import ParallelLayoutError, ParallelSizes, validate_layout
-from training.trainer import Trainer
 
 CP = 2
 SEQ = 16
@@ -93,15 +102,6 @@ def test_indivisible_sequence_is_refused() -> None:
 # --- two processes ------------------------------------------------------------------------
 
 
-def _mismatch(what: str, got: torch.Tensor, expected: torch.Tensor, tol: dict) -> list[str]:
-    try:
-        torch.testing.assert_close(got, expected, **tol)
-    except AssertionError as error:
-        detail = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
-        return [f"{what}: {detail}"]
-    return []
-
-
 def _check_attention(group: dist.ProcessGroup) -> list[str]:
     rank = dist.get_rank(group)
     generator = torch.Generator().manual_seed(0)
@@ -118,11 +118,11 @@ def _check_attention(group: dist.ProcessGroup) -> list[str]:
     out = attention(*parts)
     out.backward(cp.split_sequence(upstream, CP, rank))
     where = f"CP={CP} attention (GQA 4 heads / 2 groups) rank {rank}"
-    failures = _mismatch(
+    failures = mismatch(
         f"{where}: output", out, cp.split_sequence(expected, CP, rank), ATTENTION_TOL
     )
     for name, part, whole in zip("qkv", parts, (q, k, v), strict=True):
-        failures += _mismatch(
+        failures += mismatch(
             f"{where}: gradient of {name}",
             part.grad,
             cp.split_sequence(whole.grad, CP, rank),
@@ -167,14 +167,12 @@ def _check_model(name: str, group: dist.ProcessGroup) -> list[str]:
     where = f"CP={CP} {name} rank {rank}"
     reported = loss.detach().clone()
     dist.all_reduce(reported, group=group)
-    failures = _mismatch(
-        f"{where}: loss (mean over CP)", reported / CP, expected.detach(), LOSS_TOL
-    )
+    failures = mismatch(f"{where}: loss (mean over CP)", reported / CP, expected.detach(), LOSS_TOL)
     full_grads = dict(full.named_parameters())
     for param_name, param in model.named_parameters():
         grad = param.grad.clone()
         dist.all_reduce(grad, group=group)  # what DDP does over data × context: sum / CP
-        failures += _mismatch(
+        failures += mismatch(
             f"{where}: gradient of {param_name} after one step",
             grad / CP,
             full_grads[param_name].grad,
@@ -184,15 +182,7 @@ def _check_model(name: str, group: dist.ProcessGroup) -> list[str]:
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{out_dir}/rendezvous",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    init_gloo(rank, world, out_dir)
     cases = {"attention": lambda: _check_attention(dist.group.WORLD)}
     for name in MODELS:
         cases[name] = lambda name=name: _check_model(name, dist.group.WORLD)
@@ -230,10 +220,6 @@ def test_loss_and_one_step_gradients_match_unsharded(results, model: str) -> Non
 
 # --- the trainer ----------------------------------------------------------------------------
 
-STEPS = 4
-RESUME_STEP = 2
-LOSS_ATOL = 1e-5
-BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
 CASES = {
     "cp2": {"parallel.context": 2},
     "cp2-selective": {
@@ -245,98 +231,34 @@ CASES = {
 TP_CP_CASES = {"tp2-cp2": {"parallel.tensor": 2, "parallel.context": 2}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_shard_set(tmp_path_factory)
-
-
-def settings(shards: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    return tiny_settings(
-        shards,
-        {
-            "training.train_iters": STEPS,
-            "checkpoint.interval": RESUME_STEP,
-            "checkpoint.keep_last": 3,
-            **(extra or {}),
-        },
-    )
-
-
 def run_worker(out: Path, cases: dict[str, dict[str, Any]], world: int) -> Path:
-    spec = {
-        "recipe": str(RECIPE),
-        "device": DEVICE,
-        "cases": cases,
-        "resume_step": RESUME_STEP,
-        "out": str(out),
-    }
-    return run_torchrun_worker("tp_trainer_worker.py", spec, out, world, f"CP ({world} processes)")
+    return run_trainer_worker(out, cases, world, f"CP ({world} processes)")
 
 
 @pytest.fixture(scope="module")
 def cp_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cases = {name: settings(shards, extra) for name, extra in CASES.items()}
+    cases = {name: trainer_settings(shards, extra) for name, extra in CASES.items()}
     return run_worker(tmp_path_factory.mktemp("cp-runs"), cases, CP)
 
 
 @pytest.fixture(scope="module")
 def tp_cp_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cases = {name: settings(shards, extra) for name, extra in TP_CP_CASES.items()}
+    cases = {name: trainer_settings(shards, extra) for name, extra in TP_CP_CASES.items()}
     return run_worker(tmp_path_factory.mktemp("tp-cp-runs"), cases, 4)
 
 
 @pytest.fixture(scope="module")
 def reference(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("cp-reference")
-    config = load_config(RECIPE, [f"{k}={v}" for k, v in settings(shards).items()])
-    Trainer(config, out).fit(show_progress=False)
-    return out
-
-
-def metrics(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return fit_one_process(trainer_settings(shards), tmp_path_factory.mktemp("cp-reference"))
 
 
 def check_matches_one_process(runs: Path, case: str, reference: Path, world: int) -> None:
     layout = f"{case} ({BACKEND}, {world} processes)"
-    got, want = metrics(runs / case), metrics(reference)
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
-    for g, w in zip(got, want, strict=True):
-        step = g["step"]
-        assert g["loss"] == pytest.approx(w["loss"], abs=LOSS_ATOL), (
-            f"{layout}: loss diverged at step {step}: {g['loss']} vs one process {w['loss']}"
-        )
-        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), (
-            f"{layout}: grad_norm diverged at step {step}: {g['grad_norm']} vs {w['grad_norm']}"
-        )
-        assert g.get("val_loss", 0.0) == pytest.approx(w.get("val_loss", 0.0), abs=LOSS_ATOL), (
-            f"{layout}: val_loss diverged at step {step}"
-        )
-    step_dir = f"step-{STEPS:08d}"
-    for file in ("model.safetensors", "optimizer.safetensors"):
-        got_tensors = load_file(str(runs / case / "checkpoints" / step_dir / file))
-        want_tensors = load_file(str(reference / "checkpoints" / step_dir / file))
-        assert got_tensors.keys() == want_tensors.keys(), f"{layout} {file}: names differ"
-        for name, want_tensor in want_tensors.items():
-            torch.testing.assert_close(
-                got_tensors[name], want_tensor, rtol=1e-4, atol=1e-5,
-                msg=lambda m, n=name, f=file: f"{layout} step {STEPS} {f} {n}: {m}",
-            )  # fmt: skip
-    straight = {r["step"]: r["loss"] for r in got}
-    resumed = metrics(runs / f"{case}-resumed")
-    assert [r["step"] for r in resumed] == list(range(RESUME_STEP + 1, STEPS + 1))
-    for record in resumed:
-        assert record["loss"] == straight[record["step"]], (
-            f"{layout}: resumed loss differs at step {record['step']}"
-        )
+    got = metrics(runs / case)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert_metrics_match(got, metrics(reference), layout)
+    assert_whole_checkpoint(runs / case, reference, layout)
+    assert_resume_exact(runs / case, runs / f"{case}-resumed", layout)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -368,6 +290,6 @@ def test_context_parallel_with_fsdp_and_with_sequence_parallelism(
     for cases, world in ((fsdp, 2), (sp, 4)):
         out = tmp_path / f"world{world}"
         out.mkdir()
-        runs = run_worker(out, {n: settings(shards, e) for n, e in cases.items()}, world)
+        runs = run_worker(out, {n: trainer_settings(shards, e) for n, e in cases.items()}, world)
         for name in cases:
             check_matches_one_process(runs, name, reference, world)

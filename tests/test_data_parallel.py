@@ -18,36 +18,34 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from parallel_helpers import DEVICE, RECIPE, run_torchrun_worker, tiny_settings, tiny_shard_set
+from parallel_helpers import (
+    BACKEND,
+    RECIPE,
+    assert_close_tensors,
+    assert_metrics_match,
+    config_of,
+    run_torchrun_worker,
+    tiny_settings,
+)
 from safetensors.torch import load_file
 
 from training.checkpoint import latest_checkpoint
-from training.config import load_config
 from training.trainer import ResumableSampler, Trainer
 
 MODES = ["ddp", "distributed_optimizer", "fsdp"]
 STEPS = 3
 WORLD = 2
 LOSS_ATOL = 2e-5
-LAYOUT = f"DP={WORLD} ({'nccl' if DEVICE == 'cuda' else 'gloo'}, {WORLD} processes)"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_shard_set(tmp_path_factory)
+LAYOUT = f"DP={WORLD} ({BACKEND}, {WORLD} processes)"
 
 
 def settings(shards: Path) -> dict[str, Any]:
     return tiny_settings(shards, {"training.train_iters": STEPS + 2})
+
+
+def numbered(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``Trainer.train_step`` records, with the step numbers of metrics.jsonl."""
+    return [{"step": step, **record} for step, record in enumerate(records, start=1)]
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +65,7 @@ def distributed_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="module")
 def reference(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One process, the same global batch of 8: losses, step-1 gradients, parameters."""
-    config = load_config(RECIPE, [f"{k}={v}" for k, v in settings(shards).items()])
-    trainer = Trainer(config, tmp_path_factory.mktemp("dp-reference"))
+    trainer = Trainer(config_of(settings(shards)), tmp_path_factory.mktemp("dp-reference"))
     batches = trainer.train_batches()
     records, grads = [], {}
     for step in range(STEPS):
@@ -91,14 +88,6 @@ def reference(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     }
 
 
-def assert_close_tensors(got: dict, want: dict, what: str, rtol: float, atol: float) -> None:
-    assert got.keys() == want.keys(), f"{LAYOUT} {what}: names differ"
-    for name in want:
-        torch.testing.assert_close(
-            got[name], want[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{what} {n}: {m}"
-        )
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_first_step_gradients_match_one_process(
     mode: str, distributed_runs: Path, reference: dict[str, Any]
@@ -115,16 +104,9 @@ def test_losses_match_one_process_for_k_steps(
 ) -> None:
     result = json.loads((distributed_runs / mode / "result.json").read_text())
     assert result["layout"]["parallel.data"] == WORLD
-    got = result["records"] + result["after"]
-    want = reference["records"] + reference["after"]
-    for step, (g, w) in enumerate(zip(got, want, strict=True), start=1):
-        assert g["loss"] == pytest.approx(w["loss"], abs=LOSS_ATOL), (
-            f"{LAYOUT} mode={mode}: loss diverged at step {step}: {g['loss']} vs one process "
-            f"{w['loss']}"
-        )
-        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), (
-            f"{LAYOUT} mode={mode}: grad_norm diverged at step {step}"
-        )
+    got = numbered(result["records"] + result["after"])
+    want = numbered(reference["records"] + reference["after"])
+    assert_metrics_match(got, want, f"{LAYOUT} mode={mode}", LOSS_ATOL, losses=("loss",))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -168,7 +150,7 @@ def test_resume_in_the_same_layout_is_exact(mode: str, distributed_runs: Path) -
 def test_one_process_resumes_a_data_parallel_checkpoint(
     mode: str, distributed_runs: Path, shards: Path, tmp_path: Path
 ) -> None:
-    config = load_config(RECIPE, [f"{k}={v}" for k, v in settings(shards).items()])
+    config = config_of(settings(shards))
     config.checkpoint.directory = str(distributed_runs / mode / "checkpoints")
     trainer = Trainer(config, tmp_path)
     assert trainer.resume() and trainer.step == STEPS
@@ -196,15 +178,9 @@ def test_selective_checkpointing_in_every_data_parallel_mode(
     run_torchrun_worker("dp_parity_worker.py", spec, tmp_path, WORLD, f"{LAYOUT} selective")
     for mode in MODES:
         result = json.loads((tmp_path / mode / "result.json").read_text())
-        pairs = zip(result["records"], reference["records"], strict=True)
-        for step, (g, w) in enumerate(pairs, start=1):
-            name = f"{LAYOUT} mode={mode} activation_checkpointing=selective"
-            assert g["loss"] == pytest.approx(w["loss"], abs=LOSS_ATOL), (
-                f"{name}: loss diverged at step {step}"
-            )
-            assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), (
-                f"{name}: grad_norm diverged at step {step}"
-            )
+        name = f"{LAYOUT} mode={mode} activation_checkpointing=selective"
+        got, want = numbered(result["records"]), numbered(reference["records"])
+        assert_metrics_match(got, want, name, LOSS_ATOL, losses=("loss",))
 
 
 # --- the data slices, without processes ----------------------------------------------

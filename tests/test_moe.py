@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +32,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 from parallel_helpers import (
+    BACKEND,
     DEVICE,
     RECIPE,
     REPO,
+    RESUME_STEP,
+    STEPS,
+    assert_close_tensors,
+    assert_metrics_match,
+    assert_one_process_resume,
+    assert_package_logits_match,
+    assert_resume_exact,
+    assert_whole_checkpoint,
+    config_of,
+    fit_one_process,
+    last_checkpoint_state,
+    metrics,
     run_torchrun_worker,
-    tiny_settings,
-    tiny_shard_set,
+    trainer_settings,
 )
 from safetensors.torch import load_file
 
@@ -61,9 +72,6 @@ from training.parallel.support import check_trainer_support
 from training.trainer import Trainer
 
 WORLD = 2
-STEPS = 4
-RESUME_STEP = 2
-LOSS_ATOL = 1e-5
 MOE = {
     "model.num_experts": 4,
     "model.moe_top_k": 2,
@@ -84,7 +92,6 @@ CASES = {
     # No EP: experts replicated, sharded by FSDP2 like any block's weights.
     "dp2-fsdp": {**MOE, "parallel.data_parallel_mode": "fsdp"},
 }
-BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
 
 
 def layout(case: str) -> str:
@@ -364,30 +371,9 @@ def test_refused_layouts_name_the_keys(values: dict, sizes: ParallelSizes, messa
 # ---------------------------------------------------------------- EP through the Trainer
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_shard_set(tmp_path_factory)
-
-
-def settings(shards: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    return tiny_settings(
-        shards,
-        {
-            "training.train_iters": STEPS,
-            "checkpoint.interval": RESUME_STEP,
-            "checkpoint.keep_last": 3,
-            **(extra or {}),
-        },
-    )
-
-
 def single_process(values: dict[str, Any]) -> dict[str, Any]:
     parallel = ("parallel.expert", "parallel.data_parallel_mode")
     return {k: v for k, v in values.items() if k not in parallel}
-
-
-def config_of(values: dict[str, Any]):
-    return load_config(RECIPE, [f"{k}={v}" for k, v in values.items()])
 
 
 @pytest.fixture(scope="module")
@@ -397,8 +383,8 @@ def parallel_runs(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     spec = {
         "recipe": str(RECIPE),
         "device": DEVICE,
-        "cases": {name: settings(shards, extra) for name, extra in CASES.items()},
-        "grads": settings(shards, CASES["ep2"]),
+        "cases": {name: trainer_settings(shards, extra) for name, extra in CASES.items()},
+        "grads": trainer_settings(shards, CASES["ep2"]),
         "resume_step": RESUME_STEP,
         "out": str(out),
     }
@@ -411,50 +397,20 @@ def references(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     runs: dict[str, Path] = {}
     done: dict[str, Path] = {}
     for name, extra in CASES.items():
-        values = settings(shards, single_process(extra))
+        values = trainer_settings(shards, single_process(extra))
         key = json.dumps(values, sort_keys=True)
         if key not in done:
-            done[key] = tmp_path_factory.mktemp(f"ep-reference-{name}")
-            Trainer(config_of(values), done[key]).fit(show_progress=False)
+            done[key] = fit_one_process(values, tmp_path_factory.mktemp(f"ep-reference-{name}"))
         runs[name] = done[key]
     return runs
 
 
-def metrics(run: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def assert_close_tensors(got: dict, want: dict, what: str, atol: float = 1e-5) -> None:
-    assert got.keys() == want.keys(), f"{what}: names differ"
-    for name in want:
-        torch.testing.assert_close(
-            got[name], want[name], rtol=1e-4, atol=atol, msg=lambda m, n=name: f"{what} {n}: {m}"
-        )
-
-
-def assert_metrics_match(got_run: Path, want_run: Path, name: str) -> None:
-    got, want = metrics(got_run), metrics(want_run)
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
-    for g, w in zip(got, want, strict=True):
-        step = g["step"]
-        for key in ("loss", "moe_aux_loss", "val_loss"):
-            assert g.get(key, 0.0) == pytest.approx(w.get(key, 0.0), abs=LOSS_ATOL), (
-                f"{name}: {key} diverged at step {step}: {g.get(key)} vs one process {w.get(key)}"
-            )
-        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), (
-            f"{name}: grad_norm diverged at step {step}: {g['grad_norm']} vs {w['grad_norm']}"
-        )
+def check_metrics(got_run: Path, want_run: Path, name: str) -> None:
+    """Losses, MoE auxiliary losses, validation losses and grad norms step by step."""
+    got = metrics(got_run)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert_metrics_match(got, metrics(want_run), name, losses=("loss", "moe_aux_loss", "val_loss"))
     assert "moe_aux_loss" in got[0], f"{name}: no moe_aux_loss logged"
-
-
-def assert_resume_exact(run: Path, resumed_run: Path, name: str) -> None:
-    straight = {r["step"]: r["loss"] for r in metrics(run)}
-    resumed = metrics(resumed_run)
-    assert [r["step"] for r in resumed] == list(range(RESUME_STEP + 1, STEPS + 1))
-    for record in resumed:
-        assert record["loss"] == straight[record["step"]], (
-            f"{name}: resumed loss differs at step {record['step']}"
-        )
 
 
 def single_process_grads(values: dict[str, Any], out: Path) -> dict[str, torch.Tensor]:
@@ -467,19 +423,15 @@ def single_process_grads(values: dict[str, Any], out: Path) -> dict[str, torch.T
 
 @pytest.mark.parametrize("case", CASES)
 def test_losses_match_one_process(case: str, parallel_runs: Path, references: dict) -> None:
-    assert_metrics_match(parallel_runs / case, references[case], layout(case))
+    check_metrics(parallel_runs / case, references[case], layout(case))
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_checkpoint_holds_whole_single_process_tensors(
     case: str, parallel_runs: Path, references: dict
 ) -> None:
-    step = f"step-{STEPS:08d}"
-    for file in ("model.safetensors", "optimizer.safetensors"):
-        got = load_file(str(parallel_runs / case / "checkpoints" / step / file))
-        want = load_file(str(references[case] / "checkpoints" / step / file))
-        assert_close_tensors(got, want, f"{layout(case)} step {STEPS} {file}")
-    state = json.loads((parallel_runs / case / "checkpoints" / step / "state.json").read_text())
+    assert_whole_checkpoint(parallel_runs / case, references[case], layout(case))
+    state = last_checkpoint_state(parallel_runs / case)
     assert state["layout"]["parallel.expert"] == CASES[case].get("parallel.expert", 1)
 
 
@@ -491,41 +443,21 @@ def test_resume_in_the_same_layout_is_exact(case: str, parallel_runs: Path) -> N
 def test_one_process_resumes_an_expert_parallel_checkpoint(
     parallel_runs: Path, shards: Path, tmp_path: Path
 ) -> None:
-    first = f"step-{RESUME_STEP:08d}"
-    shutil.copytree(parallel_runs / "ep2" / "checkpoints" / first, tmp_path / "ckpt" / first)
-    values = {**single_process(settings(shards, CASES["ep2"]))}
-    config = config_of({**values, "checkpoint.directory": str(tmp_path / "ckpt")})
-    trainer = Trainer(config, tmp_path / "run")
-    assert trainer.resume() and trainer.step == RESUME_STEP
-    trainer.fit(show_progress=False)
-    straight = {r["step"]: r["loss"] for r in metrics(parallel_runs / "ep2")}
-    for record in metrics(tmp_path / "run"):
-        assert record["loss"] == pytest.approx(straight[record["step"]], abs=LOSS_ATOL), (
-            f"{layout('ep2')} checkpoint resumed in one process: loss differs at step "
-            f"{record['step']}"
-        )
+    values = single_process(trainer_settings(shards, CASES["ep2"]))
+    assert_one_process_resume(parallel_runs / "ep2", values, tmp_path, layout("ep2"))
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_model_package_loads_in_one_process(
     case: str, parallel_runs: Path, references: dict
 ) -> None:
-    model, config, _ = load_model_package(parallel_runs / case / "model")
-    want_model, _, _ = load_model_package(references[case] / "model")
-    tokens = torch.randint(
-        0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
-    )
-    with torch.no_grad():
-        torch.testing.assert_close(
-            model(tokens), want_model(tokens), rtol=1e-4, atol=1e-5,
-            msg=lambda m: f"{layout(case)} package logits: {m}",
-        )  # fmt: skip
+    assert_package_logits_match(parallel_runs / case, references[case], layout(case))
 
 
 def test_step_gradients_match_unsharded(parallel_runs: Path, shards: Path, tmp_path: Path) -> None:
     """Step 1's gradients (after the EP reduction and clipping), experts gathered,
     against the single-process gradients of the same batch."""
-    want = single_process_grads(settings(shards, CASES["ep2"]), tmp_path)
+    want = single_process_grads(trainer_settings(shards, CASES["ep2"]), tmp_path)
     got = load_file(str(parallel_runs / "grads" / "grads.safetensors"))
     assert_close_tensors(got, want, f"{layout('ep2')} step 1 gradients", atol=1e-6)
 
@@ -536,7 +468,7 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
     ranks, whose gradients are summed over the edp group. Losses, grad norms, whole
     checkpoint tensors, an exact resume and step 1's gradients."""
     name = f"EP=2 x DP=4 (EDP=2, {BACKEND}, 4 processes)"
-    values = settings(shards, {**MOE, "parallel.expert": 2, "training.eval_iters": 4})
+    values = trainer_settings(shards, {**MOE, "parallel.expert": 2, "training.eval_iters": 4})
     spec = {
         "recipe": str(RECIPE),
         "device": DEVICE,
@@ -547,15 +479,10 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
     }
     (tmp_path / "runs").mkdir()
     runs = run_torchrun_worker("moe_trainer_worker.py", spec, tmp_path / "runs", 4, name)
-    reference = tmp_path / "reference"
-    Trainer(config_of(single_process(values)), reference).fit(show_progress=False)
-    assert_metrics_match(runs / "ep2-dp4", reference, name)
+    reference = fit_one_process(single_process(values), tmp_path / "reference")
+    check_metrics(runs / "ep2-dp4", reference, name)
     assert_resume_exact(runs / "ep2-dp4", runs / "ep2-dp4-resumed", name)
-    step = f"step-{STEPS:08d}"
-    for file in ("model.safetensors", "optimizer.safetensors"):
-        got = load_file(str(runs / "ep2-dp4" / "checkpoints" / step / file))
-        want = load_file(str(reference / "checkpoints" / step / file))
-        assert_close_tensors(got, want, f"{name} step {STEPS} {file}")
+    assert_whole_checkpoint(runs / "ep2-dp4", reference, name)
     want_grads = single_process_grads(values, tmp_path / "grads")
     got_grads = load_file(str(runs / "grads" / "grads.safetensors"))
     assert_close_tensors(got_grads, want_grads, f"{name} step 1 gradients", atol=1e-6)

@@ -21,18 +21,32 @@ sums TP partial products in another order.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from parallel_helpers import DEVICE, RECIPE, run_torchrun_worker, tiny_settings, tiny_shard_set
+from parallel_helpers import (
+    BACKEND,
+    DEVICE,
+    RECIPE,
+    RESUME_STEP,
+    STEPS,
+    assert_close_tensors,
+    assert_metrics_match,
+    assert_one_process_resume,
+    assert_package_logits_match,
+    assert_resume_exact,
+    assert_whole_checkpoint,
+    config_of,
+    fit_one_process,
+    last_checkpoint_state,
+    metrics,
+    run_torchrun_worker,
+    trainer_settings,
+)
 from safetensors.torch import load_file
 
-from training.config import load_config
 from training.errors import MegalithError
-from training.models.package import load_model_package
 from training.parallel.groups import ParallelLayoutError, ParallelSizes, validate_layout
 from training.parallel.pipeline_layout import (
     bubble_fraction,
@@ -45,9 +59,6 @@ from training.parallel.support import check_trainer_support
 from training.trainer import Trainer
 
 WORLD = 2
-STEPS = 4
-RESUME_STEP = 2
-LOSS_ATOL = 1e-5
 INTERLEAVED = {
     "parallel.pipeline": 2,
     "parallel.virtual_pipeline": 2,
@@ -61,41 +72,21 @@ CASES = {
 # Untied output head (its own weight on the last stage) in bf16 autocast, against a
 # single-process run of the same settings.
 BF16_UNTIED = {"mixed_precision.dtype": "bf16", "model.tie_embeddings": "false"}
-BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
 
 
 def layout(case: str, world: int = WORLD) -> str:
     return f"{case} ({BACKEND}, {world} processes)"
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_shard_set(tmp_path_factory)
-
-
 def settings(shards: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    return tiny_settings(
-        shards,
-        {
-            "model.num_layers": 4,
-            "training.train_iters": STEPS,
-            "checkpoint.interval": RESUME_STEP,
-            "checkpoint.keep_last": 3,
-            **(extra or {}),
-        },
-    )
-
-
-def config_of(values: dict[str, Any]):
-    return load_config(RECIPE, [f"{k}={v}" for k, v in values.items()])
+    """4 layers, so that each of 2 stages (or 4 virtual stages) holds some."""
+    return trainer_settings(shards, {"model.num_layers": 4, **(extra or {})})
 
 
 @pytest.fixture(scope="module")
 def reference(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The single-process run of the same config."""
-    out = tmp_path_factory.mktemp("pp-reference")
-    Trainer(config_of(settings(shards)), out).fit(show_progress=False)
-    return out
+    return fit_one_process(settings(shards), tmp_path_factory.mktemp("pp-reference"))
 
 
 def run_worker(out: Path, world: int, **parts: Any) -> Path:
@@ -130,42 +121,6 @@ def parallel_runs(shards: Path, reference: Path, tmp_path_factory: pytest.TempPa
     )
 
 
-def metrics(run: Path) -> list[dict[str, Any]]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
-def assert_close_tensors(got: dict, want: dict, what: str) -> None:
-    assert got.keys() == want.keys(), f"{what}: names differ: {sorted(got.keys() ^ want.keys())}"
-    for name in want:
-        torch.testing.assert_close(
-            got[name], want[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{what} {n}: {m}"
-        )
-
-
-def assert_same_curve(got: list[dict], want: list[dict], name: str) -> None:
-    assert [r["step"] for r in got] == [r["step"] for r in want], f"{name}: steps differ"
-    for g, w in zip(got, want, strict=True):
-        step = g["step"]
-        assert g["loss"] == pytest.approx(w["loss"], abs=LOSS_ATOL), (
-            f"{name}: loss diverged at step {step}: {g['loss']} vs one process {w['loss']}"
-        )
-        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), (
-            f"{name}: grad_norm diverged at step {step}: {g['grad_norm']} vs {w['grad_norm']}"
-        )
-        assert g.get("val_loss", 0.0) == pytest.approx(w.get("val_loss", 0.0), abs=LOSS_ATOL), (
-            f"{name}: val_loss diverged at step {step}"
-        )
-
-
-def assert_whole_checkpoint(run: Path, reference: Path, name: str) -> None:
-    step = f"step-{STEPS:08d}"
-    for file in ("model.safetensors", "optimizer.safetensors"):
-        got = load_file(str(run / "checkpoints" / step / file))
-        want = load_file(str(reference / "checkpoints" / step / file))
-        assert_close_tensors(got, want, f"{name} step {STEPS} {file}")
-
-
 # --- through the trainer -------------------------------------------------------------------
 
 
@@ -173,7 +128,7 @@ def assert_whole_checkpoint(run: Path, reference: Path, name: str) -> None:
 def test_losses_match_one_process(case: str, parallel_runs: Path, reference: Path) -> None:
     got = metrics(parallel_runs / case)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    assert_same_curve(got, metrics(reference), layout(case))
+    assert_metrics_match(got, metrics(reference), layout(case))
     vpp = 2 if "interleaved" in case else 1
     for record in got:
         assert record["pipeline_bubble_theory"] == pytest.approx((2 - 1) / (vpp * 4))
@@ -185,46 +140,25 @@ def test_checkpoint_holds_whole_single_process_tensors(
     case: str, parallel_runs: Path, reference: Path
 ) -> None:
     assert_whole_checkpoint(parallel_runs / case, reference, layout(case))
-    step = f"step-{STEPS:08d}"
-    state = json.loads((parallel_runs / case / "checkpoints" / step / "state.json").read_text())
-    assert state["layout"]["parallel.pipeline"] == WORLD
+    assert last_checkpoint_state(parallel_runs / case)["layout"]["parallel.pipeline"] == WORLD
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_resume_in_the_same_layout_is_exact(case: str, parallel_runs: Path) -> None:
-    straight = {r["step"]: r["loss"] for r in metrics(parallel_runs / case)}
-    resumed = metrics(parallel_runs / f"{case}-resumed")
-    assert [r["step"] for r in resumed] == list(range(RESUME_STEP + 1, STEPS + 1))
-    for record in resumed:
-        assert record["loss"] == straight[record["step"]], (
-            f"{layout(case)}: resumed loss differs at step {record['step']}"
-        )
+    assert_resume_exact(parallel_runs / case, parallel_runs / f"{case}-resumed", layout(case))
 
 
 @pytest.mark.parametrize("case", ["pp2", "pp2-interleaved-selective"])
 def test_one_process_resumes_a_pipeline_checkpoint(
     case: str, parallel_runs: Path, shards: Path, tmp_path: Path
 ) -> None:
-    import shutil
-
-    first = f"step-{RESUME_STEP:08d}"
-    shutil.copytree(parallel_runs / case / "checkpoints" / first, tmp_path / "ckpt" / first)
-    config = config_of({**settings(shards), "checkpoint.directory": str(tmp_path / "ckpt")})
-    trainer = Trainer(config, tmp_path / "run")
-    assert trainer.resume() and trainer.step == RESUME_STEP
-    trainer.fit(show_progress=False)
-    straight = {r["step"]: r["loss"] for r in metrics(parallel_runs / case)}
-    for record in metrics(tmp_path / "run"):
-        assert record["loss"] == pytest.approx(straight[record["step"]], abs=LOSS_ATOL), (
-            f"{layout(case)} checkpoint resumed in one process: loss differs at step "
-            f"{record['step']}"
-        )
+    assert_one_process_resume(parallel_runs / case, settings(shards), tmp_path, layout(case))
 
 
 def test_pipeline_resumes_a_one_process_checkpoint(parallel_runs: Path, reference: Path) -> None:
     name = layout("pp2 resuming the single-process step-2 checkpoint")
     want = [r for r in metrics(reference) if r["step"] > RESUME_STEP]
-    assert_same_curve(metrics(parallel_runs / "pp2-from-one-process"), want, name)
+    assert_metrics_match(metrics(parallel_runs / "pp2-from-one-process"), want, name)
     assert_whole_checkpoint(parallel_runs / "pp2-from-one-process", reference, name)
 
 
@@ -246,30 +180,17 @@ def test_bf16_with_untied_output_head_matches_one_process(
     parallel_runs: Path, shards: Path, tmp_path: Path
 ) -> None:
     case, name = "pp2-bf16-untied", layout("pp2 bf16 untied output head")
-    Trainer(config_of(settings(shards, BF16_UNTIED)), tmp_path).fit(show_progress=False)
-    assert_same_curve(metrics(parallel_runs / case), metrics(tmp_path), name)
+    fit_one_process(settings(shards, BF16_UNTIED), tmp_path)
+    assert_metrics_match(metrics(parallel_runs / case), metrics(tmp_path), name)
     assert_whole_checkpoint(parallel_runs / case, tmp_path, name)
-    straight = {r["step"]: r["loss"] for r in metrics(parallel_runs / case)}
-    for record in metrics(parallel_runs / f"{case}-resumed"):
-        assert record["loss"] == straight[record["step"]], (
-            f"{name}: resumed loss differs at step {record['step']}"
-        )
+    assert_resume_exact(parallel_runs / case, parallel_runs / f"{case}-resumed", name)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_model_package_loads_in_one_process(
     case: str, parallel_runs: Path, reference: Path
 ) -> None:
-    model, config, _ = load_model_package(parallel_runs / case / "model")
-    want_model, _, _ = load_model_package(reference / "model")
-    tokens = torch.randint(
-        0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
-    )
-    with torch.no_grad():
-        torch.testing.assert_close(
-            model(tokens), want_model(tokens), rtol=1e-4, atol=1e-5,
-            msg=lambda m: f"{layout(case)} package logits: {m}",
-        )  # fmt: skip
+    assert_package_logits_match(parallel_runs / case, reference, layout(case))
 
 
 @pytest.mark.slow
@@ -287,13 +208,8 @@ def test_tensor_pipeline_data_parallel_matches_one_process(
     }
     runs = run_worker(tmp_path, 8, cases={case: settings(shards, extra)})
     name = layout("TP=2 x PP=2 x DP=2 distributed_optimizer", 8)
-    got = metrics(runs / case)
-    assert_same_curve(got, metrics(reference), name)
-    straight = {r["step"]: r["loss"] for r in got}
-    for record in metrics(runs / f"{case}-resumed"):
-        assert record["loss"] == straight[record["step"]], (
-            f"{name}: resumed loss differs at step {record['step']}"
-        )
+    assert_metrics_match(metrics(runs / case), metrics(reference), name)
+    assert_resume_exact(runs / case, runs / f"{case}-resumed", name)
     assert_whole_checkpoint(runs / case, reference, name)
 
 

@@ -18,11 +18,9 @@ loss within 2% and every gradient at cosine similarity > 0.99.
 from __future__ import annotations
 
 import json
-import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -30,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from parallel_helpers import init_gloo, mismatch
 
 from training.config import ConfigError, ModelConfig
 from training.models import BackendError, GPTModel, TorchBackend
@@ -97,15 +96,6 @@ LAYOUT_IDS = [layout.id for layout in LAYOUTS]
 # Worker side: runs in each of the WORLD processes.
 
 
-def _mismatch(what: str, got: torch.Tensor, expected: torch.Tensor, tol: dict) -> list[str]:
-    try:
-        torch.testing.assert_close(got, expected, **tol)
-    except AssertionError as error:
-        detail = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
-        return [f"{what}: {detail}"]
-    return []
-
-
 def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
@@ -143,7 +133,7 @@ def _check_forward_and_grads(layout: Layout, group: dist.ProcessGroup) -> dict[s
 
     tokens, labels = _batch(0)
     expected, got = full(tokens, labels), tp(tokens, labels)
-    report["forward"] += _mismatch(f"{where}: forward loss", got, expected, LOSS_TOL)
+    report["forward"] += mismatch(f"{where}: forward loss", got, expected, LOSS_TOL)
 
     expected.backward()
     got.backward()
@@ -151,21 +141,21 @@ def _check_forward_and_grads(layout: Layout, group: dist.ProcessGroup) -> dict[s
     expected_grads = shard_full_state_dict(full_grads, config, rank, world)
     for name, param in tp.named_parameters():
         what = f"{where}: gradient of {name} after one backward"
-        report["grads"] += _mismatch(what, param.grad, expected_grads[name], GRAD_TOL)
+        report["grads"] += mismatch(what, param.grad, expected_grads[name], GRAD_TOL)
     full_norm = sum(g.square().sum() for g in full_grads.values())
-    report["grads"] += _mismatch(
+    report["grads"] += mismatch(
         f"{where}: squared_grad_norm", squared_grad_norm(tp, group), full_norm, GRAD_TOL
     )
 
     with torch.no_grad():
-        report["outputs"] += _mismatch(
+        report["outputs"] += mismatch(
             f"{where}: logits (vocab gathered)", tp(tokens), full(tokens), LOSS_TOL
         )
         per_token = (
             tp(tokens, labels, loss_reduction="none"),
             full(tokens, labels, loss_reduction="none"),
         )
-        report["outputs"] += _mismatch(f"{where}: per-token losses", *per_token, LOSS_TOL)
+        report["outputs"] += mismatch(f"{where}: per-token losses", *per_token, LOSS_TOL)
     return report
 
 
@@ -182,7 +172,7 @@ def _check_adamw_steps(layout: Layout, group: dist.ProcessGroup) -> dict[str, li
     for step in range(STEPS + 1):
         tokens, labels = _batch(step)
         losses = [model(tokens, labels) for model in (full, tp)]
-        failures += _mismatch(f"{where}: loss at step {step}", losses[1], losses[0], LOSS_TOL)
+        failures += mismatch(f"{where}: loss at step {step}", losses[1], losses[0], LOSS_TOL)
         if step == STEPS:
             break
         for loss, optimizer in zip(losses, optimizers, strict=True):
@@ -210,7 +200,7 @@ def _check_autocast(group: dist.ProcessGroup) -> dict[str, list[str]]:
     tokens, labels = _batch(0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected, got = full(tokens, labels), tp(tokens, labels)
-    failures = _mismatch(f"{where}: forward loss", got, expected, BF16_LOSS_TOL)
+    failures = mismatch(f"{where}: forward loss", got, expected, BF16_LOSS_TOL)
     expected.backward()
     got.backward()
     full_grads = {name: param.grad for name, param in full.named_parameters()}
@@ -244,14 +234,14 @@ def _check_cross_entropy(group: dist.ProcessGroup) -> dict[str, list[str]]:
         got = vocab_parallel_cross_entropy(local, target, group)
         (got * grad_out).sum().backward()
         what = f"vocab-parallel cross-entropy rank {rank} ({'with' if with_ignored else 'no'} ignore_index)"
-        failures += _mismatch(f"{what}: per-token loss", got, expected, LOSS_TOL)
-        failures += _mismatch(
+        failures += mismatch(f"{what}: per-token loss", got, expected, LOSS_TOL)
+        failures += mismatch(
             f"{what}: mean loss",
             got.sum() / (target != -100).sum(),
             F.cross_entropy(logits.view(-1, VOCAB), target.view(-1)),
             LOSS_TOL,
         )
-        failures += _mismatch(
+        failures += mismatch(
             f"{what}: logits gradient", local.grad, full.grad.chunk(world, -1)[rank], GRAD_TOL
         )
     return {"cross_entropy": failures}
@@ -271,7 +261,7 @@ def _check_layers(group: dist.ProcessGroup) -> dict[str, list[str]]:
     )
     with torch.no_grad():
         column.weight.copy_(shard_tensor(weight, 0, 2, rank, world))
-    failures += _mismatch(
+    failures += mismatch(
         f"rank {rank}: ColumnParallelLinear(output_chunks=2, gather_output=True)",
         column(x),
         F.linear(x, weight),
@@ -284,7 +274,7 @@ def _check_layers(group: dist.ProcessGroup) -> dict[str, list[str]]:
     with torch.no_grad():
         embedding.weight.copy_(table.chunk(world, 0)[rank])
     expected = F.embedding(tokens, table).chunk(world, 1)[rank]
-    failures += _mismatch(
+    failures += mismatch(
         f"rank {rank}: VocabParallelEmbedding(reduce_scatter=True)",
         embedding(tokens),
         expected,
@@ -354,15 +344,7 @@ def _run_all(group: dist.ProcessGroup) -> dict[str, dict]:
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{out_dir}/rendezvous",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    init_gloo(rank, world, out_dir)
     try:
         results = _run_all(dist.group.WORLD)
     finally:

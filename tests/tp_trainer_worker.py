@@ -22,8 +22,13 @@ from training.distributed import distributed
 from training.trainer import Trainer
 
 
+def config_of(spec: dict, settings: dict):
+    return load_config(spec["recipe"], [f"{k}={v}" for k, v in settings.items()])
+
+
 def run_case(spec: dict, name: str, settings: dict, state) -> object:
-    config = load_config(spec["recipe"], [f"{k}={v}" for k, v in settings.items()])
+    """Fit, then resume a copy of the checkpoint of ``resume_step`` to the end."""
+    config = config_of(spec, settings)
     out = Path(spec["out"]) / name
     trainer = Trainer(config, out, parallel_state=state)
     trainer.fit(show_progress=False)
