@@ -174,11 +174,17 @@ def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Mod
         need("hidden_act", ("silu",), "silu")
         need("head_dim", (None, hidden // heads), None)
         need("mlp_bias", (get("attention_bias", False),), False)
-        rope = get("rope_parameters", None) or get("rope_scaling", None) or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise HFInteropError(
-                f"{source}: RoPE scaling {rope} is not supported (only rope_type 'default')"
-            )
+        rope: dict[str, Any] = {}
+        for key in ("rope_scaling", "rope_parameters"):
+            value = get(key, None) or {}
+            if not isinstance(value, dict):
+                raise HFInteropError(f"{source}: {key} must be an object, got {value!r}")
+            if value.get("rope_type", value.get("type", "default")) != "default":
+                raise HFInteropError(
+                    f"{source}: RoPE scaling {key}={value} is not supported "
+                    "(only rope_type 'default')"
+                )
+            rope.update(value)
         values = {
             "style": "llama",
             "num_layers": get("num_hidden_layers"),

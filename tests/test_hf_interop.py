@@ -1,0 +1,268 @@
+"""Hugging Face interop: export to transformers and import back, with matching logits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+import torch
+
+from pipelines.cli import main
+from preprocessing.tokenizer import train_tokenizer
+from training.config import ModelConfig, TokenizerConfig
+from training.interop.hf import HFInteropError, export_hf, import_hf
+from training.models.gpt import GPTModel
+from training.models.package import load_model_package, model_tensors, save_model_package
+
+transformers = pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 448  # 400 SentencePiece pieces padded to a multiple of 64
+ATOL = 1e-4
+CASES = {
+    "llama-gqa": {"style": "llama", "num_query_groups": 2},
+    "llama-tied-mqa-bias": {
+        "style": "llama",
+        "num_query_groups": 1,
+        "tie_embeddings": True,
+        "bias": True,
+    },
+    "gpt2": {"style": "gpt2"},
+    "gpt2-untied": {"style": "gpt2", "tie_embeddings": False},
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    lines = (REPO / "preprocessing/sample_corpus/stories.jsonl").read_text().splitlines()
+    docs = [json.loads(line)["text"] for line in lines[:300]]
+    prefix = tmp_path_factory.mktemp("tok") / "tok"
+    config = TokenizerConfig(vocab_size=400, pad_vocab_multiple=64, max_training_documents=300)
+    tokenizer = train_tokenizer(docs, config, str(prefix))
+    assert tokenizer.padded_vocab_size == VOCAB
+    return Path(f"{prefix}.model")
+
+
+def tiny_model(case: str, seed: int = 0) -> GPTModel:
+    config = ModelConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=48,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        **CASES[case],
+    )
+    torch.manual_seed(seed)
+    model = GPTModel(config)
+    with torch.no_grad():  # norms and biases away from 1 and 0, so their mapping is tested
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    return model.eval()
+
+
+def tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(hf_dir: Path, x: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model.eval()(x).logits
+
+
+@pytest.fixture(scope="module")
+def exported(tokenizer_file: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Per case: (our model, its package, its HF export)."""
+    root = tmp_path_factory.mktemp("exported")
+    out = {}
+    for case in CASES:
+        model = tiny_model(case)
+        package = save_model_package(model, model.config, tokenizer_file, root / f"pkg-{case}")
+        out[case] = (model, package, export_hf(package, root / f"hf-{case}"))
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_export_loads_in_transformers_with_matching_logits(exported: dict, case: str) -> None:
+    model, _, hf_dir = exported[case]
+    assert sorted(p.name for p in hf_dir.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors",
+        "tokenizer.model", "tokenizer_config.json",
+    ]  # fmt: skip
+    x = tokens()
+    with torch.no_grad():
+        ours = model(x)
+    theirs = hf_logits(hf_dir, x)
+    assert (ours - theirs).abs().max().item() < ATOL
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = "GPT2LMHeadModel" if case.startswith("gpt2") else "LlamaForCausalLM"
+    assert config["architectures"] == [arch]
+    assert config["tie_word_embeddings"] == model.config.tie_embeddings
+    if arch == "LlamaForCausalLM":
+        c = model.config
+        assert (config["hidden_size"], config["intermediate_size"]) == (32, 48)
+        assert (config["num_attention_heads"], config["num_key_value_heads"]) == (
+            4,
+            c.num_query_groups,
+        )
+        assert config["rms_norm_eps"] == c.norm_eps and config["rope_theta"] == c.rope_base
+        assert (config["vocab_size"], config["max_position_embeddings"]) == (VOCAB, 32)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_import_of_export_round_trips_exactly(exported: dict, case: str, tmp_path: Path) -> None:
+    model, _, hf_dir = exported[case]
+    package = import_hf(hf_dir, tmp_path / "back")
+    loaded, config, tokenizer = load_model_package(package)
+    assert config == model.config
+    ours, back = model_tensors(model), model_tensors(loaded)
+    assert ours.keys() == back.keys()
+    assert all(torch.equal(ours[name], back[name]) for name in ours)
+    x = tokens()
+    assert torch.equal(loaded(x), model(x))
+    assert tokenizer.read_bytes() == (hf_dir / "tokenizer.model").read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_import_of_a_transformers_model_matches_its_logits(
+    kind: str, tokenizer_file: Path, tmp_path: Path
+) -> None:
+    """A model made and saved by transformers itself (sharded, with an index) imports with
+    the same logits."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        hf_config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+            rms_norm_eps=1e-6, rope_theta=500.0,
+        )  # fmt: skip
+        hf_model = transformers.LlamaForCausalLM(hf_config)
+    else:
+        hf_config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, n_inner=40
+        )
+        hf_model = transformers.GPT2LMHeadModel(hf_config)
+    hf_dir = tmp_path / "hf"
+    hf_model.save_pretrained(hf_dir, max_shard_size="50KB")
+    assert (hf_dir / "model.safetensors.index.json").is_file()
+    shutil.copyfile(tokenizer_file, hf_dir / "tokenizer.model")
+    x = tokens()
+    with torch.no_grad():
+        theirs = hf_model.eval()(x).logits
+    model, config, _ = load_model_package(import_hf(hf_dir, tmp_path / "pkg"))
+    assert config.ffn_hidden_size == 40 and config.style == kind
+    if kind == "llama":
+        assert (config.rope_base, config.norm_eps, config.num_query_groups) == (500.0, 1e-6, 2)
+    assert (model(x) - theirs).abs().max().item() < ATOL
+
+
+def test_tokenizer_loads_in_transformers(exported: dict, tokenizer_file: Path) -> None:
+    hf_dir = exported["llama-gqa"][2]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_file))
+    eod, pad = sp.piece_to_id("<|eod|>"), sp.piece_to_id("<|pad|>")
+    assert (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) == (
+        eod,
+        eod,
+        pad,
+    )
+    for text in ["Teacher: Good afternoon, class.", "What color is a blueberry?"]:
+        assert tokenizer(text)["input_ids"] == [eod, *sp.encode(text)]
+    generation = json.loads((hf_dir / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": pad}
+
+
+def test_export_refuses_a_non_empty_output_unless_overwrite(exported: dict, tmp_path: Path):
+    _, package, _ = exported["gpt2"]
+    out = tmp_path / "hf"
+    out.mkdir()
+    export_hf(package, out)  # an empty directory is fine
+    with pytest.raises(HFInteropError, match="not empty"):
+        export_hf(package, out)
+    assert main(["export", "hf", str(package), str(out)]) == 1
+    assert main(["export", "hf", str(package), str(out), "--overwrite"]) == 0
+    assert not list(tmp_path.glob(".hf.*"))  # no temporary directory left behind
+
+
+def test_export_refuses_moe(tokenizer_file: Path, tmp_path: Path) -> None:
+    config = ModelConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=32, num_experts=2, moe_top_k=1,
+    )  # fmt: skip
+    package = save_model_package(GPTModel(config), config, tokenizer_file, tmp_path / "pkg")
+    with pytest.raises(HFInteropError, match="mixture-of-experts"):
+        export_hf(package, tmp_path / "hf")
+
+
+def _copy(hf_dir: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(hf_dir, tmp_path / "hf"))
+
+
+def test_import_refuses_torch_bin_unless_allowed(exported: dict, tmp_path: Path) -> None:
+    model, _, source = exported["llama-gqa"]
+    hf_dir = _copy(source, tmp_path)
+    weights = hf_dir / "model.safetensors"
+    from safetensors.torch import load_file
+
+    torch.save(load_file(weights), hf_dir / "pytorch_model.bin")
+    weights.unlink()
+    with pytest.raises(HFInteropError, match="--allow-torch-bin"):
+        import_hf(hf_dir, tmp_path / "pkg")
+    assert main(["import", "hf", str(hf_dir), str(tmp_path / "pkg")]) == 1
+    loaded, _, _ = load_model_package(import_hf(hf_dir, tmp_path / "pkg", allow_torch_bin=True))
+    assert torch.equal(loaded(tokens()), model(tokens()))
+
+
+class _WritesMarker:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_import_never_unpickles_code_even_with_allow_torch_bin(
+    exported: dict, tmp_path: Path
+) -> None:
+    hf_dir = _copy(exported["llama-gqa"][2], tmp_path)
+    (hf_dir / "model.safetensors").unlink()
+    marker = tmp_path / "pwned"
+    torch.save({"model.embed_tokens.weight": _WritesMarker(marker)}, hf_dir / "pytorch_model.bin")
+    with pytest.raises(HFInteropError, match="weights_only=True"):
+        import_hf(hf_dir, tmp_path / "pkg", allow_torch_bin=True)
+    assert not marker.exists()
+
+
+def test_import_refuses_unknown_model_type_and_missing_tokenizer(
+    exported: dict, tmp_path: Path
+) -> None:
+    hf_dir = _copy(exported["gpt2"][2], tmp_path)
+    (hf_dir / "tokenizer.model").unlink()
+    with pytest.raises(HFInteropError, match="SentencePiece tokenizer.model"):
+        import_hf(hf_dir, tmp_path / "pkg")
+    config_path = hf_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "model_type": "mistral"}))
+    with pytest.raises(HFInteropError, match="model_type 'mistral' is not supported"):
+        import_hf(hf_dir, tmp_path / "pkg")
+    assert not (tmp_path / "pkg").exists()
+
+
+def test_import_names_missing_and_misshapen_tensors(exported: dict, tmp_path: Path) -> None:
+    hf_dir = _copy(exported["llama-gqa"][2], tmp_path)
+    config_path = hf_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    with pytest.raises(HFInteropError, match=r"missing .*model\.layers\.2\."):
+        import_hf(hf_dir, tmp_path / "pkg")
+    config_path.write_text(json.dumps({**config, "intermediate_size": 64}))
+    with pytest.raises(HFInteropError, match=r"model\.layers\.0\.mlp\.\w+_proj\.weight has shape"):
+        import_hf(hf_dir, tmp_path / "pkg")
+    config_path.write_text(json.dumps({**config, "rope_scaling": {"rope_type": "llama3"}}))
+    with pytest.raises(HFInteropError, match="RoPE scaling"):
+        import_hf(hf_dir, tmp_path / "pkg")
