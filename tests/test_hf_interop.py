@@ -266,3 +266,41 @@ def test_import_names_missing_and_misshapen_tensors(exported: dict, tmp_path: Pa
     config_path.write_text(json.dumps({**config, "rope_scaling": {"rope_type": "llama3"}}))
     with pytest.raises(HFInteropError, match="RoPE scaling"):
         import_hf(hf_dir, tmp_path / "pkg")
+
+
+def test_import_reads_original_gpt2_names_and_skips_mask_buffers(
+    exported: dict, tmp_path: Path
+) -> None:
+    """openai-community/gpt2 names tensors without ``transformer.`` and saves the causal
+    mask buffers ``h.{i}.attn.bias``."""
+    from safetensors.torch import load_file, save_file
+
+    model, _, source = exported["gpt2"]
+    hf_dir = _copy(source, tmp_path)
+    tensors = {
+        k.removeprefix("transformer."): v
+        for k, v in load_file(source / "model.safetensors").items()
+    }
+    for i in range(model.config.num_layers):
+        tensors[f"h.{i}.attn.bias"] = torch.ones(1, 1, 32, 32).tril()
+    save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    loaded, _, _ = load_model_package(import_hf(hf_dir, tmp_path / "pkg"))
+    assert torch.equal(loaded(tokens()), model(tokens()))
+
+
+def test_bfloat16_export_and_import(tokenizer_file: Path, tmp_path: Path) -> None:
+    model = tiny_model("llama-gqa").to(torch.bfloat16)
+    package = save_model_package(model, model.config, tokenizer_file, tmp_path / "pkg")
+    hf_dir = export_hf(package, tmp_path / "hf")
+    assert json.loads((hf_dir / "config.json").read_text())["dtype"] == "bfloat16"
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)
+    x = tokens()
+    with torch.no_grad():
+        theirs = hf_model.eval()(x).logits.float()
+        ours = model(x)
+    assert (ours - theirs).abs().max().item() < 2e-2  # bf16 rounding, different op order
+    back, _, _ = load_model_package(import_hf(hf_dir, tmp_path / "back"))
+    assert back.embedding.word.weight.dtype == torch.bfloat16
+    assert torch.equal(back(x), ours)
+    fp32, _, _ = load_model_package(import_hf(hf_dir, tmp_path / "fp32", dtype="float32"))
+    assert fp32.embedding.word.weight.dtype == torch.float32

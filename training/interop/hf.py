@@ -529,7 +529,8 @@ def _weight_files(hf_dir: Path, allow_torch_bin: bool) -> list[Path]:
         (BIN_INDEX, BIN_WEIGHTS, ".bin"),
     ):
         if (hf_dir / index).is_file():
-            weight_map = (_read_json(hf_dir / index) or {}).get("weight_map")
+            index_json = _read_json(hf_dir / index)
+            weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
             if not isinstance(weight_map, dict):
                 raise HFInteropError(f"{hf_dir / index}: expected a 'weight_map' object")
             names = sorted(set(weight_map.values()))
