@@ -351,7 +351,10 @@ def tokenizer_files(tokenizer_model: Path) -> tuple[dict[str, Any], dict[str, in
     token generation stops at; ``<|pad|>`` is the pad token when the model has one, ``<unk>``
     the unknown token. Without ``<|eod|>``, SentencePiece's own ``<s>``/``</s>`` are used.
     """
-    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_model))
+    try:
+        sp = spm.SentencePieceProcessor(model_file=str(tokenizer_model))
+    except (OSError, RuntimeError) as exc:
+        raise HFInteropError(f"{tokenizer_model}: not a SentencePiece model: {exc}") from None
     pieces = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     bos = EOD_TOKEN if EOD_TOKEN in pieces else sp.id_to_piece(max(sp.bos_id(), 0))
     eos = EOD_TOKEN if EOD_TOKEN in pieces else sp.id_to_piece(max(sp.eos_id(), 0))
@@ -402,7 +405,10 @@ def export_hf(package_dir: str | Path, out_dir: str | Path, *, overwrite: bool =
             old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
             out_dir.rename(old)
             tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink()
         else:
             tmp.rename(out_dir)
     except BaseException:
