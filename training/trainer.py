@@ -381,7 +381,8 @@ class Trainer:
                 # Gradients are averaged over data-parallel ranks on the last micro-step only.
                 with dp.no_sync(self.dp_model, skip=micro_step < accumulation - 1):
                     loss = self._micro_batch_loss(next(batches)) / accumulation
-                    aux = moe_aux_loss(self.model)  # MoE load balancing; None when dense
+                    # MoE load balancing; dense models skip the walk over their modules.
+                    aux = moe_aux_loss(self.model) if self.model_config.num_experts else None
                     objective = loss if aux is None else loss + aux / accumulation
                     (scaler.scale(objective) if scaler else objective).backward()
                 total_loss += loss.detach()
