@@ -23,6 +23,7 @@ shape, not the depth.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import subprocess
@@ -59,30 +60,53 @@ SHAPES: dict[str, dict] = {
     },
 }
 
-# name -> (GPUs, config overrides)
-LAYOUTS: dict[str, tuple[int, dict]] = {
-    "1gpu": (1, {}),
-    "dp2": (2, {"parallel.data_parallel_mode": "ddp"}),
-    "dp2-zero1": (2, {"parallel.data_parallel_mode": "distributed_optimizer"}),
-    "tp2": (2, {"parallel.tensor": 2}),
-    "tp2-sp": (2, {"parallel.tensor": 2, "parallel.sequence_parallel": True}),
-    "pp2": (2, {"parallel.pipeline": 2, "parallel.pipeline_schedule": "1f1b"}),
-    "pp2-v2": (
-        2,
-        {
-            "parallel.pipeline": 2,
-            "parallel.virtual_pipeline": 2,
-            "parallel.pipeline_schedule": "interleaved",
-        },
-    ),
-    "cp2": (2, {"parallel.context": 2}),
+# Layout names: parts joined by "-", e.g. 1gpu, dp4, dp2-zero1, tp2-sp, pp4-v2, tp2-pp2,
+# tp2-dp2, cp2. dpN/tpN/ppN/cpN set the sizes (GPUs = their product), vN the virtual
+# pipeline stages (interleaved schedule), sp sequence parallelism, zero1/fsdp the
+# data-parallel mode (default ddp).
+_SIZE_KEYS = {
+    "dp": None,
+    "tp": "parallel.tensor",
+    "pp": "parallel.pipeline",
+    "cp": "parallel.context",
+    "v": "parallel.virtual_pipeline",
 }
+_FLAGS = {
+    "sp": {"parallel.sequence_parallel": True},
+    "zero1": {"parallel.data_parallel_mode": "distributed_optimizer"},
+    "fsdp": {"parallel.data_parallel_mode": "fsdp"},
+}
+
+
+def parse_layout(name: str) -> tuple[int, dict]:
+    """``(GPUs, config overrides)`` of a layout name."""
+    if name == "1gpu":
+        return 1, {}
+    gpus, overrides = 1, {"parallel.data_parallel_mode": "ddp"}
+    for part in name.split("-"):
+        if part in _FLAGS:
+            overrides.update(_FLAGS[part])
+            continue
+        prefix = part.rstrip("0123456789")
+        if prefix not in _SIZE_KEYS or prefix == part:
+            raise SystemExit(
+                f"layout {name!r}: unknown part {part!r} (dpN tpN ppN cpN vN sp zero1 fsdp)"
+            )
+        size = int(part[len(prefix) :])
+        if prefix == "v":
+            overrides["parallel.virtual_pipeline"] = size
+            overrides["parallel.pipeline_schedule"] = "interleaved"
+            continue
+        gpus *= size
+        if _SIZE_KEYS[prefix]:
+            overrides[_SIZE_KEYS[prefix]] = size
+    return gpus, overrides
 
 
 def build_config(shape: str, layout: str, shards: str, steps: int, accumulation: int):
     from training.config import load_config
 
-    gpus, overrides = LAYOUTS[layout]
+    gpus, overrides = parse_layout(layout)
     values = {
         "data.inputs": [],
         "data.output": shards,
@@ -117,6 +141,8 @@ def worker(args) -> None:
     config.training.device = args.device
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    # A stalled rank prints every thread's stack before the driver's timeout kills it.
+    faulthandler.dump_traceback_later(max(args.timeout - 15, 10), exit=True)
     with distributed(args.device) as (_, device):
         trainer = Trainer(config, Path(args.out) / f"run-{args.shape}-{args.layout}")
         batches = trainer.train_batches()
@@ -149,24 +175,24 @@ def _mean(values: list[float | None]) -> float | None:
 
 
 def run_layout(args, layout: str, shards: str) -> dict:
-    gpus = LAYOUTS[layout][0]
+    gpus = parse_layout(layout)[0]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", str(gpus), __file__, "--worker", "--layout", layout,
         "--shape", args.shape, "--shards", shards, "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--accumulation", str(args.accumulation), "--device", args.device,
-        "--out", args.out,
+        "--out", args.out, "--timeout", str(args.timeout),
     ]  # fmt: skip
     started = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired as timeout:
-        tail = (timeout.stderr or b"")[-2000:]
+        tail = (timeout.stderr or b"")[-6000:]
         text = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
         return {"error": f"timed out after {args.timeout} s\n{text}", "wall_s": args.timeout}
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
-        result = {"error": (done.stdout[-2000:] + "\n" + done.stderr[-3000:]).strip()}
+        result = {"error": (done.stdout[-2000:] + "\n" + done.stderr[-6000:]).strip()}
     else:
         result = json.loads(lines[-1].removeprefix("RESULT "))
         result["gpus"] = gpus
@@ -175,7 +201,7 @@ def run_layout(args, layout: str, shards: str) -> dict:
 
 
 def bubble_theory(layout: str, accumulation: int) -> float | None:
-    overrides = LAYOUTS[layout][1]
+    overrides = parse_layout(layout)[1]
     stages = overrides.get("parallel.pipeline", 1)
     if stages == 1:
         return None
