@@ -29,14 +29,9 @@ how many layers each virtual stage holds.
   rank's parameters out of a whole checkpoint and shards them, so any pipeline size
   resumes any other.
 
-Kernel warm-up: before its first schedule each rank runs its chunks' forward and
-backward (and the loss) twice on dummy inputs, locally, with the RNG state restored
-afterwards. CUDA loads kernels lazily (``CUDA_MODULE_LOADING=LAZY``, the default) and
-loading one may wait for the kernels already running on the device. The schedule's
-receives are NCCL kernels that spin until the peer sends, so the last stage loading its
-cross-entropy kernel while a receive was queued waited on the first stage, which
-waited on that stage's gradient: the first step never finished (2x H200, torch 2.11).
-With every kernel loaded before any transfer is queued, nothing loads mid-schedule.
+Status on GPUs: every test passes on gloo; the one NCCL trial (2x H200, torch 2.11)
+stalled with the last stage inside the first micro-batch's loss, not yet traced (see
+benchmarks/RESULTS.md), so the trainer warns when pipeline stages run on CUDA.
 
 Not integrated: fp16 (the loss scaler would need its inf checks over every stage),
 FSDP with pipeline stages, and ``training.compile``; :mod:`training.parallel.support`
@@ -66,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -105,6 +101,8 @@ from training.parallel.pipeline_layout import (
 from training.precision import Precision
 
 STATE_KEYS = dp.DistributedOptimizer.STATE_KEYS  # AdamW's moments and step count
+
+logger = logging.getLogger(__name__)
 
 
 # --- stage model and chunks --------------------------------------------------------------
@@ -256,7 +254,13 @@ class PipelineParallel:
         self.micro_batches = training.global_batch_size // (training.micro_batch_size * sizes.dp)
         self.busy = _Busy(device)
         self.schedule = self._schedule()
-        self._kernels_loaded = False
+        if device.type == "cuda" and state.rank == 0:
+            logger.warning(
+                "pipeline parallelism is verified on gloo (CPU) only: its one NCCL trial "
+                "(2x H200, torch 2.11) stalled in the first micro-batch's loss; see "
+                "benchmarks/RESULTS.md. A stalled collective ends the job after "
+                "MEGALITH_DIST_TIMEOUT_S seconds."
+            )
         self.whole_param_names = whole_param_names(model_config)
 
     # ---------------------------------------------------------------- schedule
@@ -274,33 +278,6 @@ class PipelineParallel:
             return Schedule1F1B(stages[0], self.micro_batches, self._loss, scale_grads=False)
         return ScheduleInterleaved1F1B(stages, self.micro_batches, self._loss, scale_grads=False)
 
-    def _load_kernels(self) -> None:
-        """Run each chunk's forward and backward (and the loss) twice on dummy inputs so
-        that CUDA loads every kernel before a transfer is queued (see the module docstring);
-        the RNG state and the gradients are left as they were."""
-        batch, length = self.config.training.micro_batch_size, self.config.data.seq_length
-        shards = self.state.sizes.tp if self.config.parallel.sequence_parallel else 1
-        hidden_shape = (batch, length // shards, self.model_config.hidden_size)
-        dtype = next(self.model.parameters()).dtype
-        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda, device_type="cuda"):
-            for _ in range(2):  # the second pass accumulates into existing gradients
-                for stage, chunk in zip(self.virtual_stages, self.chunks, strict=True):
-                    if stage == 0:
-                        x = torch.zeros(batch, length, dtype=torch.long, device=self.device)
-                    else:
-                        x = torch.zeros(hidden_shape, dtype=dtype, device=self.device)
-                        x.requires_grad_(True)
-                    out = chunk(x)
-                    if chunk.output is not None:
-                        labels = torch.zeros(batch, length, dtype=torch.long, device=self.device)
-                        with self.precision.autocast():
-                            out = chunk.output.loss(out, labels)
-                    out.float().sum().backward()
-        for param in self.model.parameters():
-            param.grad = None
-        self._kernels_loaded = True
-
     def _loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
         with self.busy.span(), self.precision.autocast():
             loss = self.chunks[-1].output.loss(hidden, labels)
@@ -312,8 +289,6 @@ class PipelineParallel:
 
         Returns the step's loss (mean over micro-batches and data-parallel ranks, on every
         rank) and the bubble metrics."""
-        if not self._kernels_loaded:
-            self._load_kernels()
         tokens = torch.cat([next(batches)["tokens"] for _ in range(self.micro_batches)])
         tokens = tokens.to(self.device, non_blocking=True)
         args = (tokens[:, :-1],) if self.state.is_first_stage else ()
