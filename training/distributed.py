@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import traceback
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -118,8 +120,19 @@ def teardown() -> None:
 
 @contextmanager
 def distributed(device_name: str = "auto") -> Iterator[tuple[DistributedEnv, torch.device]]:
-    """``init_distributed`` for the duration of a block, torn down however it ends."""
+    """``init_distributed`` for the duration of a block, torn down however it ends.
+
+    A rank whose block raises while its peers still run prints the traceback and exits
+    at once: tearing down a process group with transfers still queued (NCCL) can wait
+    forever, and a prompt non-zero exit lets torchrun stop the other ranks."""
     try:
         yield init_distributed(device_name)
+    except Exception:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            traceback.print_exc()
+            print(f"rank {dist.get_rank()} failed; exiting without waiting for its peers",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            os._exit(1)
+        raise
     finally:
         teardown()

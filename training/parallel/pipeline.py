@@ -29,9 +29,11 @@ how many layers each virtual stage holds.
   rank's parameters out of a whole checkpoint and shards them, so any pipeline size
   resumes any other.
 
-Status on GPUs: every test passes on gloo; the one NCCL trial (2x H200, torch 2.11)
-stalled with the last stage inside the first micro-batch's loss, not yet traced (see
-benchmarks/RESULTS.md), so the trainer warns when pipeline stages run on CUDA.
+Inputs are made contiguous before the schedule: torch 2.11's ``PipelineStage`` checks
+each micro-batch's strides against those it inferred, and ``tokens[:, :-1]`` is a view
+with the row stride of ``tokens`` (seen as a hang on 2x H200: the first stage raised
+``PipeliningShapeError`` and the last waited for it forever; :func:`training.distributed.distributed`
+now ends a failed rank at once so torchrun stops the job).
 
 Not integrated: fp16 (the loss scaler would need its inf checks over every stage),
 FSDP with pipeline stages, and ``training.compile``; :mod:`training.parallel.support`
@@ -61,7 +63,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -101,8 +102,6 @@ from training.parallel.pipeline_layout import (
 from training.precision import Precision
 
 STATE_KEYS = dp.DistributedOptimizer.STATE_KEYS  # AdamW's moments and step count
-
-logger = logging.getLogger(__name__)
 
 
 # --- stage model and chunks --------------------------------------------------------------
@@ -254,13 +253,6 @@ class PipelineParallel:
         self.micro_batches = training.global_batch_size // (training.micro_batch_size * sizes.dp)
         self.busy = _Busy(device)
         self.schedule = self._schedule()
-        if device.type == "cuda" and state.rank == 0:
-            logger.warning(
-                "pipeline parallelism is verified on gloo (CPU) only: its one NCCL trial "
-                "(2x H200, torch 2.11) stalled in the first micro-batch's loss; see "
-                "benchmarks/RESULTS.md. A stalled collective ends the job after "
-                "MEGALITH_DIST_TIMEOUT_S seconds."
-            )
         self.whole_param_names = whole_param_names(model_config)
 
     # ---------------------------------------------------------------- schedule
@@ -291,12 +283,14 @@ class PipelineParallel:
         rank) and the bubble metrics."""
         tokens = torch.cat([next(batches)["tokens"] for _ in range(self.micro_batches)])
         tokens = tokens.to(self.device, non_blocking=True)
-        args = (tokens[:, :-1],) if self.state.is_first_stage else ()
+        args = (tokens[:, :-1].contiguous(),) if self.state.is_first_stage else ()
         losses: list[Tensor] = []
         self.busy.reset()
         started = time.perf_counter()
         if self.state.is_last_stage:
-            self.schedule.step(*args, target=tokens[:, 1:], losses=losses, return_outputs=False)
+            self.schedule.step(
+                *args, target=tokens[:, 1:].contiguous(), losses=losses, return_outputs=False
+            )
         else:
             self.schedule.step(*args, return_outputs=False)
         loss = torch.stack([x.detach() for x in losses]).sum() if losses else self._zero()
