@@ -418,7 +418,7 @@ def single_process_grads(values: dict[str, Any], out: Path) -> dict[str, torch.T
     trainer = Trainer(config_of(single_process(values)), out)
     trainer.optimizer.step = lambda: None
     trainer.train_step(trainer.train_batches())
-    return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+    return {n: p.grad.detach().cpu() for n, p in trainer.model.named_parameters()}
 
 
 @pytest.mark.parametrize("case", CASES)
