@@ -36,6 +36,7 @@ from training.signing import SignatureError, check_signature, should_sign, sign_
 INDEX_FORMAT = "megalith-checkpoint"
 INDEX_VERSION = 1
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors")
+MAX_INDEX_BYTES = 256 << 20
 
 
 class CheckpointError(MegalithError):
@@ -224,6 +225,8 @@ def verify_checkpoint(path: str | Path, require_signature: bool = False) -> dict
         raise CheckpointError(
             f"{index_path}: a symbolic link; checkpoint files must be regular files"
         )
+    if index_path.is_file() and index_path.stat().st_size > MAX_INDEX_BYTES:
+        raise CheckpointError(f"{index_path}: larger than {MAX_INDEX_BYTES} bytes")
     try:
         index = json.loads(index_path.read_text())
     except FileNotFoundError:
@@ -303,7 +306,9 @@ def load_checkpoint(
     return state
 
 
-def read_checkpoint_tensors(file: Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
+def check_tensor_file(file: Path, index: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
+    """Check ``file``'s safetensors header (sizes bounded, see :mod:`training.safe_tensors`)
+    against index.json's names, shapes and dtypes without reading any tensor."""
     expected = index["tensors"].get(file.name, {})
     try:  # bound every size and compare with the index before anything is allocated
         header = check_safetensors(file)
@@ -320,6 +325,12 @@ def read_checkpoint_tensors(file: Path, index: dict[str, Any]) -> dict[str, torc
             raise CheckpointError(
                 f"{file}: tensor {name} is {dtype}{shape}, index.json says {expected[name]!r}"
             )
+    return header
+
+
+def read_checkpoint_tensors(file: Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
+    expected = index["tensors"].get(file.name, {})
+    check_tensor_file(file, index)
     tensors = {}
     with safe_open(str(file), framework="pt") as handle:
         if set(handle.keys()) != set(expected):

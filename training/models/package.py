@@ -210,6 +210,21 @@ def load_model_package(
     return model.eval(), config, package_dir / TOKENIZER_FILE
 
 
+def verify_package_weights(package_dir: str | Path, meta: dict[str, Any]) -> None:
+    """Check model.safetensors' header (bounded sizes, names, shapes, dtypes) against the
+    model ``meta`` (config.json, from :func:`verify_model_package`) describes, reading no tensor."""
+    package_dir = Path(package_dir)
+    try:
+        config = ModelConfig.model_validate(meta["model"])
+    except ValidationError as exc:
+        raise PackageConfigError(
+            format_validation_error(exc, f"{package_dir / CONFIG_FILE}: model")
+        ) from None
+    with torch.device("meta"):
+        model = GPTModel(config).to(DTYPES[meta["dtype"]])
+    _check_header(package_dir / WEIGHTS_FILE, model)
+
+
 def _check_header(path: Path, model: GPTModel) -> None:
     expected = model_tensors(model)
     try:  # our own bounded header check: nothing is allocated before sizes are known sound
