@@ -112,8 +112,12 @@ def tp_shards(model: torch.nn.Module, tp: int) -> list[dict]:
     and output, column-parallel QKV (whole KV groups) and fc1 (each rank its own slice of
     gate and of up, stored [gate_r; up_r]: megatron-core's fc1 stride 2), row-parallel
     proj and fc2 (along the input dim), norms replicated."""
+    return tp_shards_of(model.state_dict(), tp)
+
+
+def tp_shards_of(state: dict, tp: int) -> list[dict]:
     shards: list[dict] = [{} for _ in range(tp)]
-    for name, value in model.state_dict().items():
+    for name, value in state.items():
         if value is None or name.endswith("_extra_state"):
             parts = [value] * tp
         elif name.endswith("linear_fc1.weight"):
@@ -128,6 +132,21 @@ def tp_shards(model: torch.nn.Module, tp: int) -> list[dict]:
         for rank, part in enumerate(parts):
             shards[rank][name] = part.clone() if isinstance(part, torch.Tensor) else part
     return shards
+
+
+def pp_stages(state: dict, pp: int) -> list[dict]:
+    """Per pipeline stage: its layers renumbered from 0 (megatron-core's local numbering),
+    the embedding on the first stage, the final norm and output layer on the last."""
+    per_stage = LAYERS // pp
+    stages: list[dict] = [{} for _ in range(pp)]
+    for name, value in state.items():
+        if name.startswith("decoder.layers."):
+            index, rest = name.removeprefix("decoder.layers.").split(".", 1)
+            stage, local = divmod(int(index), per_stage)
+            stages[stage][f"decoder.layers.{local}.{rest}"] = value
+        else:
+            stages[0 if name.startswith("embedding.") else pp - 1][name] = value
+    return stages
 
 
 def megatron_args(tp_size: int) -> argparse.Namespace:
@@ -165,14 +184,20 @@ def megatron_args(tp_size: int) -> argparse.Namespace:
     )
 
 
-def save_legacy(root: Path, models: list[dict], iteration: int = 100) -> Path:
-    """What Megatron-LM's save_checkpoint writes with --ckpt-format torch."""
+def save_legacy(
+    root: Path, models: list[dict], iteration: int = 100, stages: list[list[dict]] | None = None
+) -> Path:
+    """What Megatron-LM's save_checkpoint writes with --ckpt-format torch: ``models`` per TP
+    rank (mp_rank_XX), or ``stages[pp][tp]`` (mp_rank_XX_YYY)."""
     (root / "latest_checkpointed_iteration.txt").parent.mkdir(parents=True, exist_ok=True)
-    for rank, model_state in enumerate(models):
-        directory = root / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}"
+    ranks = {f"mp_rank_{t:02d}": m for t, m in enumerate(models)}
+    for p, row in enumerate(stages or []):
+        ranks.update({f"mp_rank_{t:02d}_{p:03d}": m for t, m in enumerate(row)})
+    for rank_dir, model_state in ranks.items():
+        directory = root / f"iter_{iteration:07d}" / rank_dir
         directory.mkdir(parents=True)
         state = {
-            "args": megatron_args(len(models)),
+            "args": megatron_args(len(models) or len(stages[0])),
             "checkpoint_version": 3.0,
             "iteration": iteration,
             "model": model_state,
@@ -205,12 +230,16 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 2)])
 def test_import_matches_megatron_core_logits(
-    megatron, tokenizer_file: Path, tmp_path: Path, tp: int
+    megatron, tokenizer_file: Path, tmp_path: Path, tp: int, pp: int
 ) -> None:
     reference = build_mcore()
-    ckpt = save_legacy(tmp_path / "ckpt", tp_shards(reference, tp))
+    if pp == 1:
+        ckpt = save_legacy(tmp_path / "ckpt", tp_shards(reference, tp))
+    else:
+        stages = [tp_shards_of(s, tp) for s in pp_stages(reference.state_dict(), pp)]
+        ckpt = save_legacy(tmp_path / "ckpt", [], stages=stages)
     out = tmp_path / "pkg"
     assert (
         main(["import", "megatron", str(ckpt), str(out), "--tokenizer", str(tokenizer_file)]) == 0
@@ -220,7 +249,8 @@ def test_import_matches_megatron_core_logits(
     x = tokens()
     ours, theirs = model(x), mcore_logits(reference, x)
     diff = (ours - theirs).abs().max().item()
-    assert diff < ATOL, f"TP={tp}: logits differ from megatron-core's by {diff}"
+    print(f"TP={tp} PP={pp}: max |logit difference| vs megatron-core {diff:.2e}")
+    assert diff < ATOL, f"TP={tp} PP={pp}: logits differ from megatron-core's by {diff}"
 
 
 def test_import_refuses_a_pickle_naming_code_and_never_runs_it(
