@@ -279,3 +279,28 @@ def test_torch_dist_checkpoints_are_refused_with_the_reason(
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("100")
     with pytest.raises(MegatronImportError, match=r"torch_dist .*\.metadata.*sandbox"):
         import_megatron(tmp_path / "ckpt", tmp_path / "pkg", tokenizer=tokenizer_file)
+
+
+class _CallsNumpySave:
+    """Unpickling this calls ``numpy.save(marker, 1)`` -- unless numpy.* names are bound to
+    the inert placeholder, as the import does."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (np.save, (str(self.marker), 1))
+
+
+def test_allow_listed_names_are_inert_placeholders(
+    megatron, tokenizer_file: Path, tmp_path: Path
+) -> None:
+    ckpt = save_legacy(tmp_path / "ckpt", [build_mcore().state_dict()])
+    path = ckpt / "iter_0000100/mp_rank_00/model_optim_rng.pt"
+    marker = tmp_path / "pwned.npy"
+    state = {"args": megatron_args(1), "model": build_mcore().state_dict()}
+    torch.save({**state, "rng_state": [_CallsNumpySave(marker)]}, path)
+    assert "numpy.save" in torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    import_megatron(ckpt, tmp_path / "pkg", tokenizer=tokenizer_file)
+    assert not marker.exists(), "numpy.save ran while unpickling"
+    load_model_package(tmp_path / "pkg")
