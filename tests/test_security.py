@@ -379,3 +379,56 @@ def test_ckpt_cli_inspect_and_verify(sources: dict, tmp_path: Path, capsys, monk
     )
     assert main(["ckpt", "verify", str(root)]) == 1
     assert "not yet supported" in capsys.readouterr().err
+
+
+def _ed25519_pems(directory: Path, name: str) -> tuple[Path, Path]:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    private = ed25519.Ed25519PrivateKey.generate()
+    private_pem, public_pem = directory / f"{name}.pem", directory / f"{name}.pub.pem"
+    private_pem.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    public_pem.write_bytes(
+        private.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return private_pem, public_pem
+
+
+@pytest.mark.parametrize("loader_name", ["v1-load", "package-load"])
+def test_ed25519_signatures_verify_with_the_public_key_only(
+    sources: dict, tmp_path: Path, loader_name: str, monkeypatch
+) -> None:
+    from training.signing import ED25519_PRIVATE_ENV, ED25519_PUBLIC_ENV, sign_directory
+
+    loader = LOADERS[loader_name]
+    private_pem, public_pem = _ed25519_pems(tmp_path, "signer")
+    _, other_public = _ed25519_pems(tmp_path, "other")
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    root = _copy(sources, loader, tmp_path)
+    monkeypatch.setenv(ED25519_PRIVATE_ENV, str(private_pem))
+    sign_directory(root, loader.target.manifest)
+    assert json.loads((root / "signature.json").read_text())["algorithm"] == "ed25519"
+    monkeypatch.delenv(ED25519_PRIVATE_ENV)  # loaders hold only the public key
+
+    with pytest.raises(MegalithError, match=f"{ED25519_PUBLIC_ENV} is not set"):
+        loader.load(root, tmp_path / "out", sources, require_signature=True)
+    monkeypatch.setenv(ED25519_PUBLIC_ENV, str(public_pem))
+    loader.load(root, tmp_path / "out", sources, require_signature=True)
+    assert main(["ckpt", "verify", "--require-signature", str(root)]) == 0
+
+    monkeypatch.setenv(ED25519_PUBLIC_ENV, str(other_public))
+    with pytest.raises(MegalithError, match=r"Ed25519 signature of .* does not verify"):
+        loader.load(root, tmp_path / "out", sources, require_signature=True)
+    monkeypatch.setenv(ED25519_PUBLIC_ENV, str(public_pem))
+    bad.tampered_byte(loader.target, root, tmp_path / "marker")
+    bad.restamp(loader.target, root)
+    with pytest.raises(MegalithError, match=r"Ed25519 signature of .* does not verify"):
+        loader.load(root, tmp_path / "out", sources)

@@ -6,11 +6,18 @@ loaders check each file against it. Signing the manifest's bytes therefore cover
 every byte of the directory: changing a tensor changes its sha256, which must then be
 changed in the manifest, which breaks the signature.
 
-The key is a shared secret from the environment (``MEGALITH_SIGNING_KEY``, at least 32
-bytes), so whoever can sign can also verify. The signature lives beside the manifest
-in ``signature.json``::
+Two algorithms:
 
-    {"algorithm": "hmac-sha256", "manifest": "index.json",
+- ``hmac-sha256`` (default): a shared secret from ``MEGALITH_SIGNING_KEY`` (at least 32
+  bytes), so whoever can verify can also sign;
+- ``ed25519`` (through ``cryptography``): signing needs the private key
+  (``MEGALITH_ED25519_PRIVATE_KEY``: a PEM file path), verifying only the public key
+  (``MEGALITH_ED25519_PUBLIC_KEY``), so loaders never hold a signing secret. When the
+  private key is set it is used for signing instead of HMAC.
+
+The signature lives beside the manifest in ``signature.json``::
+
+    {"algorithm": "hmac-sha256" | "ed25519", "manifest": "index.json",
      "manifest_sha256": "...", "signature": "<hex>"}
 
 The MAC is computed over ``"megalith-signature-v1\\0" + manifest name + "\\0" +
@@ -33,9 +40,12 @@ from preprocessing.storage import atomic_write_json
 from training.errors import MegalithError
 
 KEY_ENV = "MEGALITH_SIGNING_KEY"
+ED25519_PRIVATE_ENV = "MEGALITH_ED25519_PRIVATE_KEY"
+ED25519_PUBLIC_ENV = "MEGALITH_ED25519_PUBLIC_KEY"
 MIN_KEY_BYTES = 32
 SIGNATURE_FILE = "signature.json"
 ALGORITHM = "hmac-sha256"
+ED25519 = "ed25519"
 MAX_MANIFEST_BYTES = 256 << 20  # an index of a very large sharded checkpoint stays far below
 _DOMAIN = b"megalith-signature-v1\0"
 
@@ -64,13 +74,49 @@ def signing_key(required: bool = True) -> bytes | None:
 
 
 def should_sign(sign: bool | None) -> bool:
-    """``checkpoint.sign``: True signs (and needs the key), False never, None when the key is set."""
-    return bool(os.environ.get(KEY_ENV)) if sign is None else sign
+    """``checkpoint.sign``: True signs (and needs a key), False never, None when a signing
+    key (HMAC or Ed25519 private) is set."""
+    if sign is not None:
+        return sign
+    return bool(os.environ.get(KEY_ENV) or os.environ.get(ED25519_PRIVATE_ENV))
+
+
+def _message(manifest_name: str, data: bytes) -> bytes:
+    return _DOMAIN + manifest_name.encode("utf-8") + b"\0" + data
 
 
 def _mac(key: bytes, manifest_name: str, data: bytes) -> str:
-    message = _DOMAIN + manifest_name.encode("utf-8") + b"\0" + data
-    return hmac.new(key, message, hashlib.sha256).hexdigest()
+    return hmac.new(key, _message(manifest_name, data), hashlib.sha256).hexdigest()
+
+
+def _ed25519_key(env: str, private: bool, required: bool):
+    """The Ed25519 key whose PEM file ``env`` names; None when unset and not required."""
+    path = os.environ.get(env)
+    if not path:
+        if required:
+            raise SignatureError(
+                f"{env} is not set: Ed25519 signatures need the path of a PEM "
+                f"{'private' if private else 'public'} key in that environment variable"
+            )
+        return None
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    try:
+        data = Path(path).read_bytes()
+        key = (
+            serialization.load_pem_private_key(data, password=None)
+            if private
+            else serialization.load_pem_public_key(data)
+        )
+    except (OSError, ValueError, TypeError) as exc:
+        raise SignatureError(f"{env}={path}: cannot read a PEM key: {exc}") from None
+    wanted = ed25519.Ed25519PrivateKey if private else ed25519.Ed25519PublicKey
+    if not isinstance(key, wanted):
+        raise SignatureError(
+            f"{env}={path}: not an Ed25519 {'private' if private else 'public'} key"
+        )
+    return key
 
 
 def _read_manifest(directory: Path, manifest_name: str) -> bytes:
@@ -83,15 +129,26 @@ def _read_manifest(directory: Path, manifest_name: str) -> bytes:
 
 
 def sign_directory(directory: str | Path, manifest_name: str, key: bytes | None = None) -> Path:
-    """Write ``signature.json`` for ``directory/manifest_name`` (atomically); returns its path."""
+    """Write ``signature.json`` for ``directory/manifest_name`` (atomically); returns its path.
+
+    Ed25519 when ``MEGALITH_ED25519_PRIVATE_KEY`` is set (and no HMAC ``key`` is passed),
+    otherwise HMAC-SHA256 with ``key`` or ``MEGALITH_SIGNING_KEY``.
+    """
     directory = Path(directory)
-    key = key or signing_key(required=True)
     data = _read_manifest(directory, manifest_name)
+    private = None if key else _ed25519_key(ED25519_PRIVATE_ENV, private=True, required=False)
+    if private is not None:
+        algorithm, signature = ED25519, private.sign(_message(manifest_name, data)).hex()
+    else:
+        algorithm, signature = (
+            ALGORITHM,
+            _mac(key or signing_key(required=True), manifest_name, data),
+        )
     record = {
-        "algorithm": ALGORITHM,
+        "algorithm": algorithm,
         "manifest": manifest_name,
         "manifest_sha256": hashlib.sha256(data).hexdigest(),
-        "signature": _mac(key, manifest_name, data),
+        "signature": signature,
     }
     path = directory / SIGNATURE_FILE
     atomic_write_json(str(path), record)
@@ -105,13 +162,12 @@ def signature_status(directory: str | Path, manifest_name: str) -> str:
     if not (directory / SIGNATURE_FILE).exists():
         return "unsigned"
     try:
-        key = signing_key(required=False)
-        if key is None:
-            return f"signed (not verified: {KEY_ENV} is not set)"
-        check_signature(directory, manifest_name, required=True)
+        if not check_signature(directory, manifest_name, required=False):
+            return "signed (not verified: no verification key is set)"
     except SignatureError as exc:
         return f"INVALID: {exc}"
-    return "valid"
+    algorithm = _read_signature(directory / SIGNATURE_FILE)["algorithm"]
+    return f"valid ({algorithm})"
 
 
 def check_signature(directory: str | Path, manifest_name: str, required: bool) -> bool:
@@ -131,14 +187,29 @@ def check_signature(directory: str | Path, manifest_name: str, required: bool) -
                 "required (checkpoint.require_signature / --require-signature)"
             )
         return False
-    key = signing_key(required=required)
-    if key is None:
-        return False
     record = _read_signature(sig_path)
     if record["manifest"] != manifest_name:
         raise SignatureError(
             f"{sig_path}: signs {record['manifest']!r}, expected a signature of {manifest_name!r}"
         )
+    if record["algorithm"] == ED25519:
+        public = _ed25519_key(ED25519_PUBLIC_ENV, private=False, required=required)
+        if public is None:
+            return False
+        data = _read_manifest(directory, manifest_name)
+        from cryptography.exceptions import InvalidSignature
+
+        try:
+            public.verify(bytes.fromhex(record["signature"]), _message(manifest_name, data))
+        except (InvalidSignature, ValueError):
+            raise SignatureError(
+                f"{sig_path}: the Ed25519 signature of {manifest_name} does not verify with "
+                f"{ED25519_PUBLIC_ENV} (the manifest was changed after signing, or another key)"
+            ) from None
+        return True
+    key = signing_key(required=required)
+    if key is None:
+        return False
     data = _read_manifest(directory, manifest_name)
     if not hmac.compare_digest(record["signature"], _mac(key, manifest_name, data)):
         raise SignatureError(
@@ -155,10 +226,10 @@ def _read_signature(path: Path) -> dict[str, Any]:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SignatureError(f"{path}: not valid JSON: {exc}") from None
-    if not isinstance(record, dict) or record.get("algorithm") != ALGORITHM:
+    if not isinstance(record, dict) or record.get("algorithm") not in (ALGORITHM, ED25519):
         raise SignatureError(
             f"{path}: algorithm {record.get('algorithm') if isinstance(record, dict) else None!r}"
-            f" is not supported (only {ALGORITHM!r})"
+            f" is not supported (only {ALGORITHM!r} and {ED25519!r})"
         )
     for field in ("manifest", "signature"):
         if not isinstance(record.get(field), str):
