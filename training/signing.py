@@ -128,28 +128,31 @@ def _read_manifest(directory: Path, manifest_name: str) -> bytes:
     return path.read_bytes()
 
 
-def sign_directory(directory: str | Path, manifest_name: str, key: bytes | None = None) -> Path:
-    """Write ``signature.json`` for ``directory/manifest_name`` (atomically); returns its path.
+def signature_record(manifest_name: str, data: bytes, key: bytes | None = None) -> dict[str, str]:
+    """The ``signature.json`` content for manifest bytes ``data``: lets a writer that commits
+    by writing the manifest last (object stores) write the signature before it.
 
     Ed25519 when ``MEGALITH_ED25519_PRIVATE_KEY`` is set (and no HMAC ``key`` is passed),
     otherwise HMAC-SHA256 with ``key`` or ``MEGALITH_SIGNING_KEY``.
     """
-    directory = Path(directory)
-    data = _read_manifest(directory, manifest_name)
     private = None if key else _ed25519_key(ED25519_PRIVATE_ENV, private=True, required=False)
     if private is not None:
         algorithm, signature = ED25519, private.sign(_message(manifest_name, data)).hex()
     else:
-        algorithm, signature = (
-            ALGORITHM,
-            _mac(key or signing_key(required=True), manifest_name, data),
-        )
-    record = {
+        key = key or signing_key(required=True)
+        algorithm, signature = ALGORITHM, _mac(key, manifest_name, data)
+    return {
         "algorithm": algorithm,
         "manifest": manifest_name,
         "manifest_sha256": hashlib.sha256(data).hexdigest(),
         "signature": signature,
     }
+
+
+def sign_directory(directory: str | Path, manifest_name: str, key: bytes | None = None) -> Path:
+    """Write ``signature.json`` for ``directory/manifest_name`` (atomically); returns its path."""
+    directory = Path(directory)
+    record = signature_record(manifest_name, _read_manifest(directory, manifest_name), key)
     path = directory / SIGNATURE_FILE
     atomic_write_json(str(path), record)
     return path
