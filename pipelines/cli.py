@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "preprocessing.cli",
     "training.cli",
     "training.interop.cli",
+    "training.checkpoint_cli",
     "evaluation.cli",
     "pipelines.commands",
 ]

@@ -30,10 +30,13 @@ from safetensors.torch import save_file
 
 from preprocessing.storage import atomic_write_json, sha256_of_file
 from training.errors import MegalithError
+from training.safe_tensors import UnsafeTensorFileError, check_safetensors
+from training.signing import SignatureError, check_signature, should_sign, sign_directory
 
 INDEX_FORMAT = "megalith-checkpoint"
 INDEX_VERSION = 1
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors")
+MAX_INDEX_BYTES = 256 << 20
 
 
 class CheckpointError(MegalithError):
@@ -56,8 +59,13 @@ def save_checkpoint(
     state: dict[str, Any],
     scaler: torch.amp.GradScaler | None = None,
     keep_last: int = 3,
+    sign: bool | None = None,
 ) -> Path:
-    """Write a complete checkpoint for ``step`` and prune to the newest ``keep_last``."""
+    """Write a complete checkpoint for ``step`` and prune to the newest ``keep_last``.
+
+    ``sign`` (``checkpoint.sign``): HMAC-sign index.json (see :mod:`training.signing`);
+    None signs when ``MEGALITH_SIGNING_KEY`` is set.
+    """
     root = Path(root)
     final = root / step_dir_name(step)
     staging = root / f"{step_dir_name(step)}.tmp"
@@ -80,6 +88,8 @@ def save_checkpoint(
     }
     (staging / "state.json").write_text(json.dumps(record, indent=2))
     _write_index(staging, tensors)
+    if should_sign(sign):
+        sign_directory(staging, "index.json")
 
     if final.exists():
         shutil.rmtree(final)
@@ -202,10 +212,21 @@ def _newest_complete(root: Path) -> Path | None:
     return max(complete, key=lambda p: int(p.name.removeprefix("step-")), default=None)
 
 
-def verify_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Check every file against index.json; returns the index."""
+def verify_checkpoint(path: str | Path, require_signature: bool = False) -> dict[str, Any]:
+    """Check the signature (when required or present and the key is set), then every
+    file against index.json; returns the index."""
     path = Path(path)
     index_path = path / "index.json"
+    try:
+        check_signature(path, "index.json", required=require_signature)
+    except SignatureError as exc:
+        raise CheckpointError(str(exc)) from None
+    if index_path.is_symlink():
+        raise CheckpointError(
+            f"{index_path}: a symbolic link; checkpoint files must be regular files"
+        )
+    if index_path.is_file() and index_path.stat().st_size > MAX_INDEX_BYTES:
+        raise CheckpointError(f"{index_path}: larger than {MAX_INDEX_BYTES} bytes")
     try:
         index = json.loads(index_path.read_text())
     except FileNotFoundError:
@@ -253,6 +274,7 @@ def load_checkpoint(
     scaler: torch.amp.GradScaler | None = None,
     restore_rng: bool = True,
     shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    require_signature: bool = False,
 ) -> dict[str, Any]:
     """Restore model, optimizer, loss scaler and RNG from a verified checkpoint; returns state.json.
 
@@ -260,7 +282,7 @@ def load_checkpoint(
     parameter or one of its optimizer moments), for a model split by tensor parallelism.
     """
     path = Path(path)
-    index = verify_checkpoint(path)
+    index = verify_checkpoint(path, require_signature=require_signature)
     state = json.loads((path / "state.json").read_text())
     model_tensors = read_checkpoint_tensors(path / "model.safetensors", index)
     if shard is not None:
@@ -284,8 +306,31 @@ def load_checkpoint(
     return state
 
 
+def check_tensor_file(file: Path, index: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
+    """Check ``file``'s safetensors header (sizes bounded, see :mod:`training.safe_tensors`)
+    against index.json's names, shapes and dtypes without reading any tensor."""
+    expected = index["tensors"].get(file.name, {})
+    try:  # bound every size and compare with the index before anything is allocated
+        header = check_safetensors(file)
+    except UnsafeTensorFileError as exc:
+        raise CheckpointError(str(exc)) from None
+    if set(header) != set(expected):
+        raise CheckpointError(
+            f"{file}: tensor names differ from index.json (missing "
+            f"{sorted(set(expected) - set(header))[:5]}, unexpected "
+            f"{sorted(set(header) - set(expected))[:5]})"
+        )
+    for name, (shape, dtype) in header.items():
+        if {"shape": shape, "dtype": dtype} != expected[name]:
+            raise CheckpointError(
+                f"{file}: tensor {name} is {dtype}{shape}, index.json says {expected[name]!r}"
+            )
+    return header
+
+
 def read_checkpoint_tensors(file: Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
     expected = index["tensors"].get(file.name, {})
+    check_tensor_file(file, index)
     tensors = {}
     with safe_open(str(file), framework="pt") as handle:
         if set(handle.keys()) != set(expected):

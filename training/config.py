@@ -351,6 +351,13 @@ class CheckpointConfig(StrictModel):
     keep_last: int = Field(default=3, ge=1)
     directory: str | None = Field(default=None, description="None: OUTPUT/checkpoints.")
     resume: bool = Field(default=False, description="Continue from the latest checkpoint.")
+    sign: bool | None = Field(
+        default=None,
+        description="HMAC-sign each checkpoint with MEGALITH_SIGNING_KEY; None: when it is set.",
+    )
+    require_signature: bool = Field(
+        default=False, description="Refuse to resume from an unsigned or wrongly signed checkpoint."
+    )
 
 
 class LoggingConfig(StrictModel):

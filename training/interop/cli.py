@@ -37,7 +37,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         description="Convert another ecosystem's model into a Megalith model package.",
     )
     imp.set_defaults(group_parser=imp)
-    import_hf = imp.add_subparsers(dest="import_command", metavar="FORMAT").add_parser(
+    import_formats = imp.add_subparsers(dest="import_command", metavar="FORMAT")
+    import_hf = import_formats.add_parser(
         "hf",
         help="read a Hugging Face Llama or GPT-2 directory into a model package",
         description="Convert HF_DIR (config.json with model_type llama or gpt2, and "
@@ -67,6 +68,36 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     )
     import_hf.add_argument("--overwrite", action="store_true", help="replace OUT_PACKAGE")
     import_hf.set_defaults(handler=_import_hf)
+    _register_import_megatron(import_formats)
+
+
+def _register_import_megatron(formats: argparse._SubParsersAction) -> None:
+    megatron = formats.add_parser(
+        "megatron",
+        help="read a Megatron-LM GPT checkpoint (legacy torch format) into a model package",
+        description="Convert a Megatron-LM checkpoint written with --ckpt-format torch "
+        "(CKPT_DIR/latest_checkpointed_iteration.txt and iter_N/mp_rank_XX[_YYY]/"
+        "model_optim_rng.pt, any TP and PP size) into a model package. The .pt files are read "
+        "only through torch.load(weights_only=True) with an allow-list (argparse.Namespace; "
+        "megatron.*, numpy.* and _io.BytesIO as inert placeholders); a file naming any other "
+        "global is refused with the list. Only the model tensors and the architecture in args "
+        "are used. torch_dist (distributed checkpoint) directories are refused: their "
+        ".metadata is a pickle that cannot be read safely; convert them to the torch format in "
+        "a sandbox first (see docs/security.md).",
+        epilog="example: megalith import megatron ./gpt-ckpt models/gpt --tokenizer tok.model",
+    )
+    megatron.add_argument("ckpt_dir", metavar="CKPT_DIR", help="Megatron-LM --save directory")
+    megatron.add_argument("output", metavar="OUT_PACKAGE", help="model package to write")
+    megatron.add_argument(
+        "--tokenizer", required=True, metavar="FILE", help="SentencePiece .model of the model"
+    )
+    megatron.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the package (default: that of the checkpoint's embedding)",
+    )
+    megatron.add_argument("--overwrite", action="store_true", help="replace OUT_PACKAGE")
+    megatron.set_defaults(handler=_import_megatron)
 
 
 def _export_hf(args: argparse.Namespace) -> int:
@@ -84,6 +115,20 @@ def _import_hf(args: argparse.Namespace) -> int:
         args.hf_dir,
         args.output,
         allow_torch_bin=args.allow_torch_bin,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+def _import_megatron(args: argparse.Namespace) -> int:
+    from training.interop.megatron import import_megatron
+
+    out = import_megatron(
+        args.ckpt_dir,
+        args.output,
         tokenizer=args.tokenizer,
         dtype=args.dtype,
         overwrite=args.overwrite,

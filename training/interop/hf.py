@@ -41,7 +41,7 @@ from typing import Any
 import sentencepiece as spm
 import torch
 from pydantic import ValidationError
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -55,6 +55,7 @@ from training.models.package import (
     model_tensors,
     save_model_package,
 )
+from training.safe_tensors import UnsafeTensorFileError, check_safetensors
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -479,11 +480,10 @@ def _read_hf_tensors(
     tensors: dict[str, Tensor] = {}
     for path in files:
         if path.suffix == ".safetensors":
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
-            except SafetensorError as exc:
-                raise HFInteropError(f"{path}: not a readable safetensors file: {exc}") from None
+            try:  # bounded header check before the library allocates anything
+                shapes = {k: shape for k, (shape, _) in check_safetensors(path).items()}
+            except UnsafeTensorFileError as exc:
+                raise HFInteropError(str(exc)) from None
         else:
             loaded = _torch_load(path)
             shapes = {k: list(v.shape) for k, v in loaded.items()}

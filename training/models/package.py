@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from pydantic import ValidationError
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -34,6 +34,8 @@ from training import __version__
 from training.config import ModelConfig, format_validation_error
 from training.errors import MegalithError
 from training.models.gpt import GPTModel
+from training.safe_tensors import UnsafeTensorFileError, check_safetensors
+from training.signing import SignatureError, check_signature, should_sign, sign_directory
 
 PACKAGE_FORMAT = "megalith-model-package"
 FORMAT_VERSION = 1
@@ -50,6 +52,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+SAFETENSORS_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 class ModelPackageError(MegalithError):
@@ -93,8 +96,12 @@ def save_model_package(
     out_dir: str | Path,
     *,
     overwrite: bool = False,
+    sign: bool | None = None,
 ) -> Path:
-    """Write ``model`` as a package at ``out_dir`` (atomically: temp dir, then rename)."""
+    """Write ``model`` as a package at ``out_dir`` (atomically: temp dir, then rename).
+
+    ``sign``: HMAC-sign checksums.json (:mod:`training.signing`); None: when the key is set.
+    """
     out_dir = Path(out_dir)
     tokenizer_path = Path(tokenizer_path)
     if config.model_dump() != model.config.model_dump():
@@ -123,6 +130,8 @@ def save_model_package(
         _write_json(tmp / CONFIG_FILE, meta)
         checksums = {name: sha256_file(tmp / name) for name in REQUIRED_FILES}
         _write_json(tmp / CHECKSUMS_FILE, {"files": checksums})
+        if should_sign(sign):
+            sign_directory(tmp, CHECKSUMS_FILE)
         for name in (*REQUIRED_FILES, CHECKSUMS_FILE):
             _fsync(tmp / name)
         _replace_dir(tmp, out_dir)
@@ -132,11 +141,18 @@ def save_model_package(
     return out_dir
 
 
-def verify_model_package(package_dir: str | Path) -> dict[str, Any]:
-    """Check every file's sha256 and parse config.json; returns config.json's content."""
+def verify_model_package(
+    package_dir: str | Path, require_signature: bool = False
+) -> dict[str, Any]:
+    """Check the signature (see :func:`training.signing.check_signature`), every file's
+    sha256 and config.json; returns config.json's content."""
     package_dir = Path(package_dir)
     if not package_dir.is_dir():
         raise PackageFileError(f"model package {package_dir} is not a directory")
+    try:
+        check_signature(package_dir, CHECKSUMS_FILE, required=require_signature)
+    except SignatureError as exc:
+        raise ModelPackageError(str(exc)) from None
     checksums = _read_checksums(package_dir)
     for name, expected in checksums.items():
         actual = sha256_file(_plain_file(package_dir, name))
@@ -160,13 +176,14 @@ def load_model_package(
     device: torch.device | str = "cpu",
     *,
     dtype: torch.dtype | None = None,
+    require_signature: bool = False,
 ) -> tuple[GPTModel, ModelConfig, Path]:
     """Verify and load a package; returns ``(model in eval mode, config, tokenizer path)``.
 
     The model is built in the dtype it was saved in, then cast to ``dtype`` if given.
     """
     package_dir = Path(package_dir)
-    meta = verify_model_package(package_dir)
+    meta = verify_model_package(package_dir, require_signature=require_signature)
     config_path = package_dir / CONFIG_FILE
     try:
         config = ModelConfig.model_validate(meta["model"])
@@ -193,14 +210,32 @@ def load_model_package(
     return model.eval(), config, package_dir / TOKENIZER_FILE
 
 
+def verify_package_weights(package_dir: str | Path, meta: dict[str, Any]) -> None:
+    """Check model.safetensors' header (bounded sizes, names, shapes, dtypes) against the
+    model ``meta`` (config.json, from :func:`verify_model_package`) describes, reading no tensor."""
+    package_dir = Path(package_dir)
+    try:
+        config = ModelConfig.model_validate(meta["model"])
+    except ValidationError as exc:
+        raise PackageConfigError(
+            format_validation_error(exc, f"{package_dir / CONFIG_FILE}: model")
+        ) from None
+    with torch.device("meta"):
+        model = GPTModel(config).to(DTYPES[meta["dtype"]])
+    _check_header(package_dir / WEIGHTS_FILE, model)
+
+
 def _check_header(path: Path, model: GPTModel) -> None:
     expected = model_tensors(model)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            found = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118
-            header = {name: (list(s.get_shape()), s.get_dtype()) for name, s in found.items()}
-    except SafetensorError as exc:
-        raise PackageTensorError(f"{path}: not a readable safetensors file: {exc}") from None
+    try:  # our own bounded header check: nothing is allocated before sizes are known sound
+        header = {
+            name: (shape, SAFETENSORS_NAMES[dtype])
+            if dtype in SAFETENSORS_NAMES
+            else (shape, dtype)
+            for name, (shape, dtype) in check_safetensors(path).items()
+        }
+    except UnsafeTensorFileError as exc:
+        raise PackageTensorError(str(exc)) from None
     missing = sorted(set(expected) - set(header))
     unexpected = sorted(set(header) - set(expected))
     if missing or unexpected:

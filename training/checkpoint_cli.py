@@ -1,0 +1,238 @@
+"""``megalith ckpt inspect|verify PATH``: what a checkpoint or model package holds, and
+whether every byte of it is sound.
+
+A directory is recognised by its manifest: ``index.json`` (a training checkpoint; its
+``format``/``version`` pick the verifier in :data:`VERIFIERS`) or ``checksums.json`` +
+``config.json`` (a model package). ``verify`` runs every check the loaders run
+(signature, sha256 of every file, names that cannot escape the directory, bounded
+safetensors headers matching the index or the model) without reading any tensor, and
+exits 1 with the reason on the first defect. ``inspect`` only reads JSON and headers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from training.errors import MegalithError
+from training.safe_tensors import ITEMSIZE, TORCH_NAMES, check_safetensors
+from training.signing import check_signature, signature_status
+
+INDEX = "index.json"
+CHECKSUMS = "checksums.json"
+# (index format, version) -> module with ``verify_checkpoint(path, require_signature) -> index``
+# that checks everything short of reading tensors. v2 plugs in here.
+VERIFIERS: dict[tuple[str, int], str] = {
+    ("megalith-checkpoint", 1): "training.checkpoint",
+    ("megalith-sharded-checkpoint", 2): "training.sharded_checkpoint",
+}
+_ITEMSIZE = {TORCH_NAMES[k]: v for k, v in ITEMSIZE.items()}
+
+
+class UnknownCheckpointError(MegalithError):
+    """A directory that is neither a known checkpoint nor a model package."""
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    ckpt = subcommands.add_parser(
+        "ckpt",
+        help="inspect or verify checkpoints and model packages",
+        description="Inspect or verify a training checkpoint (step directory with index.json) "
+        "or a model package (checksums.json). Nothing is unpickled; no tensor is read.",
+    )
+    ckpt.set_defaults(group_parser=ckpt)
+    commands = ckpt.add_subparsers(dest="ckpt_command", metavar="COMMAND")
+    inspect = commands.add_parser(
+        "inspect",
+        help="format, step, layout, tensors, files and signature status",
+        description="Print what PATH holds: format, step, layout, every tensor (shape, dtype, "
+        "bytes), every file (bytes, sha256) and the signature status. Reads only JSON and "
+        "safetensors headers; use `verify` to check the bytes.",
+    )
+    inspect.add_argument("path", metavar="PATH", help="checkpoint step directory or package")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.set_defaults(handler=_inspect)
+    verify = commands.add_parser(
+        "verify",
+        help="check every file; exit 0 when sound, 1 with the reason otherwise",
+        description="Run every check a loader runs, without loading: the signature (verified "
+        "whenever signature.json is present and MEGALITH_SIGNING_KEY is set; required with "
+        "--require-signature), every file's size and sha256 against the manifest, file names "
+        "inside the directory and no symlinks, safetensors headers bounded and matching the "
+        "index (checkpoints) or the model in config.json (packages).",
+    )
+    verify.add_argument("path", metavar="PATH", help="checkpoint step directory or package")
+    verify.add_argument(
+        "--require-signature",
+        action="store_true",
+        help="refuse an unsigned or wrongly signed PATH (needs MEGALITH_SIGNING_KEY)",
+    )
+    verify.set_defaults(handler=_verify)
+
+
+# --------------------------------------------------------------------------- detection
+
+
+def detect(path: Path) -> tuple[str, dict[str, Any]]:
+    """``("checkpoint", index)`` or ``("package", checksums)``, from the manifest's JSON."""
+    if not path.is_dir():
+        raise UnknownCheckpointError(f"{path} is not a directory")
+    for name, kind in ((INDEX, "checkpoint"), (CHECKSUMS, "package")):
+        manifest = path / name
+        if manifest.is_file():
+            if manifest.stat().st_size > 256 << 20:
+                raise UnknownCheckpointError(f"{manifest}: too large for a manifest")
+            try:
+                return kind, json.loads(manifest.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise UnknownCheckpointError(f"{manifest}: not valid JSON: {exc}") from None
+    raise UnknownCheckpointError(
+        f"{path}: neither a checkpoint ({INDEX}) nor a model package ({CHECKSUMS})"
+    )
+
+
+def verifier(path: Path, index: Any):
+    """The ``verify_checkpoint`` for this index's format and version."""
+    key = (index.get("format"), index.get("version")) if isinstance(index, dict) else None
+    if key not in VERIFIERS:
+        raise UnknownCheckpointError(
+            f"{path / INDEX}: format {key} is not one of {sorted(VERIFIERS)}"
+        )
+    try:
+        module = importlib.import_module(VERIFIERS[key])
+    except ModuleNotFoundError:
+        raise UnknownCheckpointError(
+            f"{path}: {key[0]} version {key[1]} is not yet supported by this build "
+            f"({VERIFIERS[key]} is absent)"
+        ) from None
+    return module.verify_checkpoint
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def verify(path: str | Path, require_signature: bool = False) -> str:
+    """Every check short of reading tensors; returns a one-line summary or raises."""
+    from training.checkpoint import TENSOR_FILES, check_tensor_file
+    from training.models.package import verify_model_package, verify_package_weights
+
+    path = Path(path)
+    kind, manifest = detect(path)
+    if kind == "package":
+        meta = verify_model_package(path, require_signature=require_signature)
+        verify_package_weights(path, meta)
+        files = len(manifest.get("files", {}))
+    else:
+        index = verifier(path, manifest)(path, require_signature=require_signature)
+        if index.get("version") == 1:  # v2's verifier checks its own shard headers
+            for name in TENSOR_FILES:
+                check_tensor_file(path / name, index)
+        files = len(index["files"])
+    signed = check_signature(path, INDEX if kind == "checkpoint" else CHECKSUMS, False)
+    return f"{path}: sound ({kind}, {files} files checked{', signature valid' if signed else ''})"
+
+
+def _verify(args: argparse.Namespace) -> int:
+    print(verify(args.path, require_signature=args.require_signature))
+    return 0
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def inspect(path: str | Path) -> dict[str, Any]:
+    """A description of ``path`` from its JSON and safetensors headers (not verified)."""
+    path = Path(path)
+    kind, manifest = detect(path)
+    if kind == "package":
+        return _inspect_package(path, manifest)
+    return _inspect_checkpoint(path, manifest)
+
+
+def _tensor_row(name: str, shape: list[int], dtype: str, **extra: Any) -> dict[str, Any]:
+    size = math.prod(shape) * _ITEMSIZE.get(dtype, 0)
+    return {"name": name, "shape": shape, "dtype": dtype, "bytes": size, **extra}
+
+
+def _inspect_checkpoint(path: Path, index: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(index, dict) or not isinstance(index.get("tensors"), dict):
+        raise UnknownCheckpointError(f"{path / INDEX}: has no 'tensors' table")
+    files = index.get("files") or {}
+    tensors = []
+    if index.get("version") == 2:
+        for name, meta in index["tensors"].items():
+            shards = len(meta.get("shards", []))
+            tensors.append(_tensor_row(name, meta["shape"], meta["dtype"], shards=shards))
+        step, layout = index.get("step"), index.get("layout")
+    else:
+        for file, content in index["tensors"].items():
+            for name, meta in content.items():
+                tensors.append(_tensor_row(name, meta["shape"], meta["dtype"], file=file))
+        step, layout = _v1_step(path), "whole tensors, written by rank 0"
+    return {
+        "path": str(path),
+        "kind": "checkpoint",
+        "format": index.get("format"),
+        "version": index.get("version"),
+        "step": step,
+        "layout": layout,
+        "signature": signature_status(path, INDEX),
+        "files": [{"name": n, **m} for n, m in files.items()],
+        "tensors": tensors,
+    }
+
+
+def _v1_step(path: Path) -> int | None:
+    try:
+        return json.loads((path / "state.json").read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _inspect_package(path: Path, checksums: dict[str, Any]) -> dict[str, Any]:
+    meta = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    header = check_safetensors(path / "model.safetensors")
+    files = [
+        {"name": n, "bytes": (path / n).stat().st_size, "sha256": sha}
+        for n, sha in checksums.get("files", {}).items()
+        if (path / n).is_file()
+    ]
+    return {
+        "path": str(path),
+        "kind": "package",
+        "format": meta.get("format"),
+        "version": meta.get("format_version"),
+        "step": None,
+        "layout": f"one file, {meta.get('dtype')}",
+        "model": meta.get("model"),
+        "signature": signature_status(path, CHECKSUMS),
+        "files": files,
+        "tensors": [_tensor_row(n, s, d) for n, (s, d) in header.items()],
+    }
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    report = inspect(args.path)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    total = sum(t["bytes"] for t in report["tensors"])
+    print(f"{report['path']}: {report['format']} version {report['version']} ({report['kind']})")
+    print(f"  step:      {report['step']}")
+    print(f"  layout:    {report['layout']}")
+    print(f"  signature: {report['signature']}")
+    print(f"  files ({len(report['files'])}):")
+    for f in report["files"]:
+        print(f"    {f['name']:<32} {f.get('bytes', '?'):>12} bytes  sha256 {f['sha256'][:16]}…")
+    print(f"  tensors ({len(report['tensors'])}, {total} bytes):")
+    for t in report["tensors"]:
+        where = f"  [{t['file']}]" if "file" in t else ""
+        shards = f"  {t['shards']} shards" if "shards" in t else ""
+        print(
+            f"    {t['name']:<48} {t['dtype']:<9} {t['shape']!s:<16} {t['bytes']:>10}{where}{shards}"
+        )
+    return 0

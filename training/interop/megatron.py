@@ -1,0 +1,411 @@
+"""Import a Megatron-LM GPT checkpoint (legacy ``model_optim_rng.pt`` format) as a model package.
+
+Layout Megatron-LM writes with ``--ckpt-format torch``::
+
+    CKPT_DIR/latest_checkpointed_iteration.txt      "100" or "release"
+    CKPT_DIR/iter_0000100/mp_rank_00/model_optim_rng.pt          TP rank 0 (no PP)
+    CKPT_DIR/iter_0000100/mp_rank_01_002/model_optim_rng.pt      TP rank 1, PP stage 2
+
+Each ``.pt`` is a ``torch.save`` pickle of ``{"model": state dict, "args": Namespace,
+"checkpoint_version", "iteration", "optimizer", "rng_state", ...}``. Unpickling it
+with plain ``torch.load`` runs whatever code the file names: the class of bug behind
+CVE-2025-23264/23265 and CVE-2026-24150/24152. Here it is read only by
+``torch.load(weights_only=True)``, whose unpickler constructs nothing but tensors,
+plain containers and an explicit allow-list:
+
+- ``argparse.Namespace`` (the ``args``), the real class: it only holds attributes;
+- names under ``megatron.``, ``numpy.`` and ``_io.BytesIO`` (Megatron's enums in
+  ``args``, numpy's RNG state, Transformer Engine's ``_extra_state``) are bound to
+  :class:`Opaque`, an inert stand-in that records its arguments; no Megatron or numpy
+  code runs, and those values are never used;
+- any other global makes the import fail before unpickling, naming every such global
+  (found by ``torch.serialization.get_unsafe_globals_in_checkpoint``, which reads the
+  pickle's opcodes without executing them).
+
+Only ``model`` tensors and a few ``args`` fields are used. Megatron-core names map to
+ours as below; tensor-parallel shards are concatenated (column-parallel along rows,
+row-parallel along columns, SwiGLU's fc1 as ``[gate_0..gate_t; up_0..up_t]``), and
+pipeline stages renumber their local layers. Megatron's QKV rows use the grouped layout
+ours does (per KV group: its query heads, then k, then v), so QKV is copied as is.
+
+==============================================  ====================================
+Megatron-core (``decoder.layers.N.``)          ours (``layers.N.``)
+==============================================  ====================================
+embedding.word_embeddings.weight                embedding.word.weight
+embedding.position_embeddings.weight            embedding.position.weight
+self_attention.linear_qkv.layer_norm_weight     attention.qkv.norm.weight
+  (local spec: input_layernorm.weight)
+self_attention.linear_qkv.{weight,bias}         attention.qkv.linear.{weight,bias}
+self_attention.linear_proj.{weight,bias}        attention.proj.{weight,bias}
+mlp.linear_fc1.layer_norm_weight                mlp.fc1.norm.weight
+  (local spec: pre_mlp_layernorm.weight)
+mlp.linear_fc1.{weight,bias}                    mlp.fc1.linear.{weight,bias}
+mlp.linear_fc2.{weight,bias}                    mlp.fc2.{weight,bias}
+decoder.final_layernorm.weight                  final_norm.weight
+output_layer.weight                             output.weight (absent when tied)
+==============================================  ====================================
+
+(``*_layernorm.bias`` / ``layer_norm_bias`` follow their weights for LayerNorm models.)
+
+The distributed ``torch_dist`` format is refused: see :data:`TORCH_DIST_REFUSAL`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import sentencepiece as spm
+import torch
+from pydantic import ValidationError
+from torch import Tensor
+
+from training.config import ModelConfig, format_validation_error
+from training.errors import MegalithError
+from training.models.gpt import GPTModel
+from training.models.package import DTYPES, model_tensors, save_model_package
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+RANK_FILE = "model_optim_rng.pt"
+RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+# Globals bound to the inert Opaque stand-in (prefixes of "module.qualname").
+OPAQUE_PREFIXES = ("megatron.", "numpy.", "_io.BytesIO")
+TORCH_DIST_REFUSAL = (
+    "is a torch_dist (distributed checkpoint) directory. Its .metadata file and common.pt are "
+    "pickles whose classes (torch.distributed.checkpoint metadata, Megatron's sharded-state "
+    "objects) are not on any weights_only allow-list, and torch.distributed.checkpoint reads "
+    ".metadata with an unrestricted unpickler, so it cannot be read without running code the "
+    "file names. Convert it to the legacy format in a sandbox you can throw away (no "
+    "credentials, no network), e.g. Megatron-LM's `tools/checkpoint/convert.py --loader "
+    "core --saver core --ckpt-format torch` or training one step with `--ckpt-convert-format "
+    "torch`, then run `megalith import megatron` on the result"
+)
+
+
+class MegatronImportError(MegalithError):
+    """A Megatron-LM checkpoint that cannot be imported safely; names the file and reason."""
+
+
+class Opaque:
+    """Inert stand-in for an allow-listed global that must not run: records its arguments."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Opaque:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+# --------------------------------------------------------------------------- files
+
+
+def iteration_dir(ckpt_dir: Path) -> Path:
+    """The iteration directory: CKPT_DIR/iter_N from the tracker file, or CKPT_DIR itself."""
+    if not ckpt_dir.is_dir():
+        raise MegatronImportError(f"{ckpt_dir} is not a directory")
+    tracker = ckpt_dir / TRACKER_FILE
+    if tracker.is_file():
+        if tracker.stat().st_size > 64:
+            raise MegatronImportError(f"{tracker}: too large for an iteration number")
+        text = tracker.read_text(encoding="utf-8", errors="replace").strip()
+        if text == "release":
+            name = "release"
+        elif text.isdigit():
+            name = f"iter_{int(text):07d}"
+        else:
+            raise MegatronImportError(f"{tracker}: expected an iteration number, got {text!r}")
+        path = ckpt_dir / name
+        if not path.is_dir() or path.is_symlink():
+            raise MegatronImportError(f"{path} (named by {tracker}) is not a directory")
+        return path
+    return ckpt_dir
+
+
+def rank_files(iter_dir: Path) -> list[list[Path]]:
+    """``files[pp][tp]``: each rank's ``model_optim_rng.pt``, checked to form a full grid."""
+    if (iter_dir / ".metadata").exists() or (iter_dir / "metadata.json").exists():
+        raise MegatronImportError(f"{iter_dir} {TORCH_DIST_REFUSAL}")
+    grid: dict[tuple[int, int], Path] = {}
+    for sub in iter_dir.iterdir():
+        match = RANK_DIR.fullmatch(sub.name)
+        if not match:
+            continue
+        file = sub / RANK_FILE
+        if sub.is_symlink() or file.is_symlink() or not file.is_file():
+            raise MegatronImportError(f"{file}: missing or not a plain file")
+        grid[(int(match[2] or 0), int(match[1]))] = file
+    if not grid:
+        raise MegatronImportError(
+            f"{iter_dir}: no mp_rank_XX/{RANK_FILE} (not a legacy Megatron-LM checkpoint)"
+        )
+    pp, tp = max(k[0] for k in grid) + 1, max(k[1] for k in grid) + 1
+    missing = [f"tp{t}/pp{p}" for p in range(pp) for t in range(tp) if (p, t) not in grid]
+    if missing:
+        raise MegatronImportError(f"{iter_dir}: rank files missing for {missing}")
+    return [[grid[(p, t)] for t in range(tp)] for p in range(pp)]
+
+
+def load_rank_file(path: Path) -> dict[str, Any]:
+    """One rank's checkpoint through ``torch.load(weights_only=True)`` and the allow-list."""
+    if not zipfile.is_zipfile(path):
+        raise MegatronImportError(
+            f"{path}: not a torch.save zip archive (the pre-1.6 format is not read)"
+        )
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception as exc:  # a malformed archive or pickle stream
+        raise MegatronImportError(f"{path}: cannot inspect its pickle: {exc}") from None
+    refused = sorted(
+        n for n in names if n != "argparse.Namespace" and not n.startswith(OPAQUE_PREFIXES)
+    )
+    if refused:
+        raise MegatronImportError(
+            f"{path}: names globals outside the allow-list, so it is not loaded: {refused}. "
+            "Only tensors, plain containers, argparse.Namespace and (as inert placeholders) "
+            f"{list(OPAQUE_PREFIXES)} are accepted"
+        )
+    allowed = [argparse.Namespace] + [(Opaque, n) for n in names if n.startswith(OPAQUE_PREFIXES)]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # weights_only refuses anything else
+        raise MegatronImportError(
+            f"{path}: cannot be loaded with weights_only=True: {exc}"
+        ) from None
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        keys = sorted(state)[:8] if isinstance(state, dict) else type(state).__name__
+        hint = " (virtual pipeline stages model0, model1, ... are not supported)"
+        raise MegatronImportError(
+            f"{path}: expected a dict with a 'model' state dict, found {keys}"
+            + (hint if isinstance(state, dict) and "model0" in state else "")
+        )
+    for name, value in state["model"].items():
+        if name.endswith("._extra_state"):
+            continue
+        if not isinstance(value, Tensor):
+            raise MegatronImportError(
+                f"{path}: model entry {name} is a {type(value).__name__}, not a tensor"
+            )
+    return state
+
+
+# --------------------------------------------------------------------------- config
+
+
+def model_config_from_args(args: Any, source: Path) -> ModelConfig:
+    """Our ModelConfig from Megatron-LM's ``args``; refuses what we do not compute exactly."""
+    if not isinstance(args, argparse.Namespace):
+        raise MegatronImportError(f"{source}: 'args' is not an argparse.Namespace")
+    a = vars(args)
+
+    def get(key: str, default: Any = ...) -> Any:
+        if key not in a and default is ...:
+            raise MegatronImportError(f"{source}: args.{key} is missing")
+        return a.get(key, default)
+
+    def need(key: str, wanted: Any, default: Any) -> None:
+        if get(key, default) != wanted:
+            raise MegatronImportError(
+                f"{source}: args.{key}={get(key, default)!r} is not supported (only {wanted!r})"
+            )
+
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    for key, wanted, default in (
+        ("qk_layernorm", False, False),
+        ("rotary_interleaved", False, False),
+        ("rotary_percent", 1.0, 1.0),
+        ("num_experts", None, None),
+        ("apply_layernorm_1p", False, False),
+        ("squared_relu", False, False),
+        ("add_qkv_bias", get("add_bias_linear", True), get("add_bias_linear", True)),
+        ("kv_channels", hidden // heads, hidden // heads),
+        ("virtual_pipeline_model_parallel_size", None, None),
+        ("num_layers_in_first_pipeline_stage", None, None),
+        ("num_layers_in_last_pipeline_stage", None, None),
+    ):
+        need(key, wanted, default)
+    swiglu = get("swiglu", False)
+    if not swiglu and not get("openai_gelu", False):
+        raise MegatronImportError(
+            f"{source}: the model uses erf GELU (Megatron's default); Megalith's GELU is the "
+            "tanh approximation (--openai-gelu), so the import would change the outputs"
+        )
+    position = get("position_embedding_type", "learned_absolute")
+    if position not in ("rope", "learned_absolute"):
+        raise MegatronImportError(f"{source}: position_embedding_type {position!r} not supported")
+    normalization = get("normalization", "LayerNorm")
+    if normalization not in ("RMSNorm", "LayerNorm"):
+        raise MegatronImportError(f"{source}: normalization {normalization!r} not supported")
+    groups = get("num_query_groups", None) if get("group_query_attention", False) else None
+    values = {
+        "style": "llama" if swiglu else "gpt2",
+        "num_layers": get("num_layers"),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_query_groups": groups or heads,
+        "ffn_hidden_size": get("ffn_hidden_size"),
+        "vocab_size": get("padded_vocab_size"),
+        "max_position_embeddings": get("max_position_embeddings"),
+        "normalization": normalization.lower(),
+        "activation": "swiglu" if swiglu else "gelu",
+        "position_embedding": "rope" if position == "rope" else "learned",
+        "bias": get("add_bias_linear", True),
+        "tie_embeddings": not get("untie_embeddings_and_output_weights", False),
+        "rope_base": float(get("rotary_base", 10000)),
+        "norm_eps": get("norm_epsilon", 1e-5),
+        "init_std": get("init_method_std", 0.02),
+        "dropout": get("hidden_dropout", 0.0),
+        "backend": "torch",
+    }
+    try:
+        return ModelConfig(**values)
+    except ValidationError as exc:
+        raise MegatronImportError(format_validation_error(exc, f"{source}: args")) from None
+
+
+# --------------------------------------------------------------------------- tensors
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+# Megatron-core name (within a layer) -> ours (within a layer), for both layer specs.
+_LAYER_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "attention.qkv.norm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "attention.qkv.norm.bias",
+    "input_layernorm.weight": "attention.qkv.norm.weight",
+    "input_layernorm.bias": "attention.qkv.norm.bias",
+    "self_attention.linear_qkv.weight": "attention.qkv.linear.weight",
+    "self_attention.linear_qkv.bias": "attention.qkv.linear.bias",
+    "self_attention.linear_proj.weight": "attention.proj.weight",
+    "self_attention.linear_proj.bias": "attention.proj.bias",
+    "mlp.linear_fc1.layer_norm_weight": "mlp.fc1.norm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "mlp.fc1.norm.bias",
+    "pre_mlp_layernorm.weight": "mlp.fc1.norm.weight",
+    "pre_mlp_layernorm.bias": "mlp.fc1.norm.bias",
+    "mlp.linear_fc1.weight": "mlp.fc1.linear.weight",
+    "mlp.linear_fc1.bias": "mlp.fc1.linear.bias",
+    "mlp.linear_fc2.weight": "mlp.fc2.weight",
+    "mlp.linear_fc2.bias": "mlp.fc2.bias",
+}
+_GLOBAL_NAMES = {
+    "embedding.word_embeddings.weight": "embedding.word.weight",
+    "embedding.position_embeddings.weight": "embedding.position.weight",
+    "decoder.final_layernorm.weight": "final_norm.weight",
+    "decoder.final_layernorm.bias": "final_norm.bias",
+    "output_layer.weight": "output.weight",
+}
+# How TP shards of our tensor combine: dim 0 (column-parallel / vocab), dim 1 (row-parallel).
+_ROWS = ("embedding.word.weight", "output.weight", "qkv.linear.", "fc1.linear.")
+_COLUMNS = ("attention.proj.weight", "mlp.fc2.weight")
+
+
+def our_name(name: str, layer_offset: int) -> str | None:
+    """Our name for a Megatron-core name in a stage whose first layer is ``layer_offset``."""
+    if name.endswith("._extra_state") or name.endswith("rotary_pos_emb.inv_freq"):
+        return None
+    match = _LAYER.fullmatch(name)
+    if match and match[2] in _LAYER_NAMES:
+        return f"layers.{int(match[1]) + layer_offset}.{_LAYER_NAMES[match[2]]}"
+    return _GLOBAL_NAMES.get(name, "")
+
+
+def merge_tp(name: str, shards: list[Tensor], gated: bool) -> Tensor:
+    """Our whole tensor from its tensor-parallel shards (Megatron's rank order)."""
+    if len(shards) == 1:
+        return shards[0]
+    if gated and "fc1.linear." in name:  # each rank holds [gate_r; up_r]
+        halves = [s.chunk(2) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    if any(key in name for key in _ROWS):
+        return torch.cat(shards, dim=0)
+    if any(name.endswith(key) for key in _COLUMNS):
+        return torch.cat(shards, dim=1)
+    return shards[0]  # replicated: norms, row-parallel biases, position embeddings
+
+
+def megatron_tensors(files: list[list[Path]]) -> tuple[ModelConfig, dict[str, Tensor], Path]:
+    """Load every rank file; returns (config, our tensors with tied aliases left out, source)."""
+    first = load_rank_file(files[0][0])
+    config = model_config_from_args(first.get("args"), files[0][0])
+    stages = len(files)
+    if config.num_layers % stages:
+        raise MegatronImportError(
+            f"{files[0][0]}: {config.num_layers} layers do not split evenly over {stages} "
+            "pipeline stages"
+        )
+    gated = config.activation == "swiglu"
+    out: dict[str, Tensor] = {}
+    for stage, row in enumerate(files):
+        states = [first if path == files[0][0] else load_rank_file(path) for path in row]
+        offset = stage * (config.num_layers // stages)
+        names = set(states[0]["model"])
+        for path, state in zip(row[1:], states[1:], strict=True):
+            if set(state["model"]) != names:
+                raise MegatronImportError(f"{path}: tensor names differ from {row[0]}'s")
+        for name in sorted(names):
+            ours = our_name(name, offset)
+            if ours is None:
+                continue
+            if not ours:
+                raise MegatronImportError(f"{row[0]}: unexpected tensor {name}")
+            if ours in out:
+                raise MegatronImportError(f"{row[0]}: {name} duplicates {ours}")
+            out[ours] = merge_tp(ours, [s["model"][name] for s in states], gated)
+    if config.tie_embeddings:  # the last stage's copy of the shared embedding
+        out.pop("output.weight", None)
+    return config, out, files[0][0]
+
+
+def import_megatron(
+    ckpt_dir: str | Path,
+    out_package: str | Path,
+    *,
+    tokenizer: str | Path,
+    dtype: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Convert a legacy Megatron-LM GPT checkpoint into a model package at ``out_package``."""
+    ckpt_dir = Path(ckpt_dir)
+    tokenizer = Path(tokenizer)
+    files = rank_files(iteration_dir(ckpt_dir))
+    if not tokenizer.is_file():
+        raise MegatronImportError(f"tokenizer {tokenizer} is not a file")
+    try:
+        pieces = spm.SentencePieceProcessor(model_file=str(tokenizer)).get_piece_size()
+    except (OSError, RuntimeError) as exc:
+        raise MegatronImportError(f"{tokenizer}: not a SentencePiece model: {exc}") from None
+    config, tensors, source = megatron_tensors(files)
+    if pieces > config.vocab_size:
+        raise MegatronImportError(
+            f"{tokenizer} has {pieces} pieces, more than the model's vocab {config.vocab_size}"
+        )
+    with torch.device("meta"):
+        model = GPTModel(config)
+    expected = model_tensors(model)
+    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise MegatronImportError(
+            f"{source}: tensors do not match args (missing {missing[:5]}, unexpected {extra[:5]})"
+        )
+    for name, tensor in tensors.items():
+        if tensor.shape != expected[name].shape:
+            raise MegatronImportError(
+                f"{source}: {name} merges to {list(tensor.shape)}, args imply "
+                f"{list(expected[name].shape)}"
+            )
+    dtype = dtype or next(
+        (n for n, d in DTYPES.items() if d == tensors["embedding.word.weight"].dtype), "float32"
+    )
+    if dtype not in DTYPES:
+        raise MegatronImportError(f"dtype {dtype!r} is not one of {list(DTYPES)}")
+    model = model.to(DTYPES[dtype]).to_empty(device="cpu")
+    model.tie_weights()
+    state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()}
+    for alias, origin in model.tied_weights.items():
+        state[alias] = state[origin]
+    model.load_state_dict(state, strict=True)
+    return save_model_package(model, config, tokenizer, out_package, overwrite=overwrite)

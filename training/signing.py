@@ -1,0 +1,240 @@
+"""Optional signing of checkpoints and model packages: HMAC-SHA256 over the manifest.
+
+Every directory Megalith writes has one manifest that holds the sha256 of every other
+file (``index.json`` for checkpoints, ``checksums.json`` for model packages) and
+loaders check each file against it. Signing the manifest's bytes therefore covers
+every byte of the directory: changing a tensor changes its sha256, which must then be
+changed in the manifest, which breaks the signature.
+
+Two algorithms:
+
+- ``hmac-sha256`` (default): a shared secret from ``MEGALITH_SIGNING_KEY`` (at least 32
+  bytes), so whoever can verify can also sign;
+- ``ed25519`` (through ``cryptography``): signing needs the private key
+  (``MEGALITH_ED25519_PRIVATE_KEY``: a PEM file path), verifying only the public key
+  (``MEGALITH_ED25519_PUBLIC_KEY``), so loaders never hold a signing secret. When the
+  private key is set it is used for signing instead of HMAC.
+
+The signature lives beside the manifest in ``signature.json``::
+
+    {"algorithm": "hmac-sha256" | "ed25519", "manifest": "index.json",
+     "manifest_sha256": "...", "signature": "<hex>"}
+
+The MAC is computed over ``"megalith-signature-v1\\0" + manifest name + "\\0" +
+manifest bytes``, so a signature for one kind of manifest cannot be replayed as
+another. Loaders call :func:`check_signature`; with ``required=True`` an unsigned or
+wrongly signed directory is refused, and a signature that is present is always
+checked when the key is available.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from preprocessing.storage import atomic_write_json
+from training.errors import MegalithError
+
+KEY_ENV = "MEGALITH_SIGNING_KEY"
+ED25519_PRIVATE_ENV = "MEGALITH_ED25519_PRIVATE_KEY"
+ED25519_PUBLIC_ENV = "MEGALITH_ED25519_PUBLIC_KEY"
+MIN_KEY_BYTES = 32
+SIGNATURE_FILE = "signature.json"
+ALGORITHM = "hmac-sha256"
+ED25519 = "ed25519"
+MAX_MANIFEST_BYTES = 256 << 20  # an index of a very large sharded checkpoint stays far below
+_DOMAIN = b"megalith-signature-v1\0"
+
+
+class SignatureError(MegalithError):
+    """A signature that is missing (when required), malformed or does not match."""
+
+
+def signing_key(required: bool = True) -> bytes | None:
+    """The key from ``MEGALITH_SIGNING_KEY``; None when unset and not ``required``."""
+    value = os.environ.get(KEY_ENV)
+    if not value:
+        if required:
+            raise SignatureError(
+                f"{KEY_ENV} is not set: signing and checking signatures need a secret key "
+                f"of at least {MIN_KEY_BYTES} bytes in that environment variable"
+            )
+        return None
+    key = value.encode("utf-8")
+    if len(key) < MIN_KEY_BYTES:
+        raise SignatureError(
+            f"{KEY_ENV} holds {len(key)} bytes; a signing key needs at least {MIN_KEY_BYTES} "
+            "(e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)"
+        )
+    return key
+
+
+def should_sign(sign: bool | None) -> bool:
+    """``checkpoint.sign``: True signs (and needs a key), False never, None when a signing
+    key (HMAC or Ed25519 private) is set."""
+    if sign is not None:
+        return sign
+    return bool(os.environ.get(KEY_ENV) or os.environ.get(ED25519_PRIVATE_ENV))
+
+
+def _message(manifest_name: str, data: bytes) -> bytes:
+    return _DOMAIN + manifest_name.encode("utf-8") + b"\0" + data
+
+
+def _mac(key: bytes, manifest_name: str, data: bytes) -> str:
+    return hmac.new(key, _message(manifest_name, data), hashlib.sha256).hexdigest()
+
+
+def _ed25519_key(env: str, private: bool, required: bool):
+    """The Ed25519 key whose PEM file ``env`` names; None when unset and not required."""
+    path = os.environ.get(env)
+    if not path:
+        if required:
+            raise SignatureError(
+                f"{env} is not set: Ed25519 signatures need the path of a PEM "
+                f"{'private' if private else 'public'} key in that environment variable"
+            )
+        return None
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    try:
+        data = Path(path).read_bytes()
+        key = (
+            serialization.load_pem_private_key(data, password=None)
+            if private
+            else serialization.load_pem_public_key(data)
+        )
+    except (OSError, ValueError, TypeError) as exc:
+        raise SignatureError(f"{env}={path}: cannot read a PEM key: {exc}") from None
+    wanted = ed25519.Ed25519PrivateKey if private else ed25519.Ed25519PublicKey
+    if not isinstance(key, wanted):
+        raise SignatureError(
+            f"{env}={path}: not an Ed25519 {'private' if private else 'public'} key"
+        )
+    return key
+
+
+def _read_manifest(directory: Path, manifest_name: str) -> bytes:
+    path = directory / manifest_name
+    if path.is_symlink() or not path.is_file():
+        raise SignatureError(f"{path}: the manifest to sign is missing or not a plain file")
+    if path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise SignatureError(f"{path}: {path.stat().st_size} bytes is too large for a manifest")
+    return path.read_bytes()
+
+
+def signature_record(manifest_name: str, data: bytes, key: bytes | None = None) -> dict[str, str]:
+    """The ``signature.json`` content for manifest bytes ``data``: lets a writer that commits
+    by writing the manifest last (object stores) write the signature before it.
+
+    Ed25519 when ``MEGALITH_ED25519_PRIVATE_KEY`` is set (and no HMAC ``key`` is passed),
+    otherwise HMAC-SHA256 with ``key`` or ``MEGALITH_SIGNING_KEY``.
+    """
+    private = None if key else _ed25519_key(ED25519_PRIVATE_ENV, private=True, required=False)
+    if private is not None:
+        algorithm, signature = ED25519, private.sign(_message(manifest_name, data)).hex()
+    else:
+        key = key or signing_key(required=True)
+        algorithm, signature = ALGORITHM, _mac(key, manifest_name, data)
+    return {
+        "algorithm": algorithm,
+        "manifest": manifest_name,
+        "manifest_sha256": hashlib.sha256(data).hexdigest(),
+        "signature": signature,
+    }
+
+
+def sign_directory(directory: str | Path, manifest_name: str, key: bytes | None = None) -> Path:
+    """Write ``signature.json`` for ``directory/manifest_name`` (atomically); returns its path."""
+    directory = Path(directory)
+    record = signature_record(manifest_name, _read_manifest(directory, manifest_name), key)
+    path = directory / SIGNATURE_FILE
+    atomic_write_json(str(path), record)
+    return path
+
+
+def signature_status(directory: str | Path, manifest_name: str) -> str:
+    """One word for ``ckpt inspect``: ``unsigned``, ``valid``, ``INVALID: ...`` or
+    ``signed (not verified: no key)``."""
+    directory = Path(directory)
+    if not (directory / SIGNATURE_FILE).exists():
+        return "unsigned"
+    try:
+        if not check_signature(directory, manifest_name, required=False):
+            return "signed (not verified: no verification key is set)"
+    except SignatureError as exc:
+        return f"INVALID: {exc}"
+    algorithm = _read_signature(directory / SIGNATURE_FILE)["algorithm"]
+    return f"valid ({algorithm})"
+
+
+def check_signature(directory: str | Path, manifest_name: str, required: bool) -> bool:
+    """Check ``directory``'s signature over ``manifest_name``; returns whether one was verified.
+
+    ``required``: refuse a directory without a valid signature (and refuse when the key is
+    not set). Not required: an unsigned directory passes; a signature that is present is
+    checked whenever the key is set, so a tampered signed checkpoint never loads quietly.
+    Call this before trusting the manifest's sha256 values.
+    """
+    directory = Path(directory)
+    sig_path = directory / SIGNATURE_FILE
+    if not sig_path.exists() and not sig_path.is_symlink():
+        if required:
+            raise SignatureError(
+                f"{directory}: unsigned ({SIGNATURE_FILE} is missing) and signatures are "
+                "required (checkpoint.require_signature / --require-signature)"
+            )
+        return False
+    record = _read_signature(sig_path)
+    if record["manifest"] != manifest_name:
+        raise SignatureError(
+            f"{sig_path}: signs {record['manifest']!r}, expected a signature of {manifest_name!r}"
+        )
+    if record["algorithm"] == ED25519:
+        public = _ed25519_key(ED25519_PUBLIC_ENV, private=False, required=required)
+        if public is None:
+            return False
+        data = _read_manifest(directory, manifest_name)
+        from cryptography.exceptions import InvalidSignature
+
+        try:
+            public.verify(bytes.fromhex(record["signature"]), _message(manifest_name, data))
+        except (InvalidSignature, ValueError):
+            raise SignatureError(
+                f"{sig_path}: the Ed25519 signature of {manifest_name} does not verify with "
+                f"{ED25519_PUBLIC_ENV} (the manifest was changed after signing, or another key)"
+            ) from None
+        return True
+    key = signing_key(required=required)
+    if key is None:
+        return False
+    data = _read_manifest(directory, manifest_name)
+    if not hmac.compare_digest(record["signature"], _mac(key, manifest_name, data)):
+        raise SignatureError(
+            f"{sig_path}: the HMAC-SHA256 signature of {manifest_name} does not match "
+            f"(the manifest was changed after signing, or it was signed with another key)"
+        )
+    return True
+
+
+def _read_signature(path: Path) -> dict[str, Any]:
+    if path.is_symlink() or not path.is_file() or path.stat().st_size > 64 << 10:
+        raise SignatureError(f"{path}: not a plain signature file of at most 64 KiB")
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SignatureError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(record, dict) or record.get("algorithm") not in (ALGORITHM, ED25519):
+        raise SignatureError(
+            f"{path}: algorithm {record.get('algorithm') if isinstance(record, dict) else None!r}"
+            f" is not supported (only {ALGORITHM!r} and {ED25519!r})"
+        )
+    for field in ("manifest", "signature"):
+        if not isinstance(record.get(field), str):
+            raise SignatureError(f"{path}: field {field!r} must be a string")
+    return record
