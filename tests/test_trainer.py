@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from pipelines.cli import main
 from training.config import MegalithConfig, ModelConfig, OptimizerConfig, load_config
 from training.config import SchedulerConfig as Schedule
+from training.errors import MegalithError
 from training.models import GPTModel
 from training.optim import build_optimizer
 from training.schedule import learning_rate
@@ -185,6 +186,31 @@ def test_resume_in_process_continues_the_same_curve(
     assert final.val_loss == expected[-1]["val_loss"]
     assert final.checkpoint == tmp_path / "checkpoints" / f"step-{2 * N:08d}"
     assert final.metrics == result.metrics
+
+
+def test_resume_requiring_signatures_refuses_an_unsigned_checkpoint(
+    shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """checkpoint.require_signature reaches the trainer's resume; saving signs with the key."""
+    monkeypatch.delenv("MEGALITH_SIGNING_KEY", raising=False)
+    config = tiny_config(shards, {**RESUME, "training.train_iters": 1})
+    unsigned = Trainer(config, tmp_path / "unsigned")
+    unsigned.train_step(iter(unsigned._loader(unsigned.train_data, 0, 8)))
+    unsigned.save()
+    strict = config.model_copy(deep=True)
+    strict.checkpoint.require_signature = True
+    with pytest.raises(MegalithError, match="signature"):
+        Trainer(strict, tmp_path / "unsigned").resume()
+
+    monkeypatch.setenv("MEGALITH_SIGNING_KEY", "k" * 32)
+    signed = Trainer(config, tmp_path / "signed")
+    signed.train_step(iter(signed._loader(signed.train_data, 0, 8)))
+    signed.save()
+    assert (signed.checkpoint / "signature.json").is_file()
+    assert Trainer(strict, tmp_path / "signed").resume()
+    monkeypatch.setenv("MEGALITH_SIGNING_KEY", "x" * 32)  # another key: refused
+    with pytest.raises(MegalithError, match="signature"):
+        Trainer(strict, tmp_path / "signed").resume()
 
 
 def test_sigkill_then_resume_equals_an_uninterrupted_run(

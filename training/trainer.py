@@ -276,6 +276,7 @@ class Trainer:
                 self.param_names,
                 self.precision.scaler,
                 shard=lambda name, t: ep.shard_loaded(name, t, self.model_config, self.parallel),
+                require_signature=self.config.checkpoint.require_signature,
             )
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
@@ -331,6 +332,7 @@ class Trainer:
                     state,
                     self.precision.scaler,
                     self.config.checkpoint.keep_last,
+                    sign=self.config.checkpoint.sign,
                 )
         self._barrier()  # nobody runs ahead of a checkpoint that is not yet on disk
         self.checkpoint = self.checkpoint_dir / step_dir_name(self.step)

@@ -506,7 +506,7 @@ class PipelineParallel:
         """Load this rank's part of a whole checkpoint (written at any layout) into the
         stage model and optimizer, and restore the RNG; returns state.json."""
         path = Path(path)
-        index = verify_checkpoint(path)
+        index = verify_checkpoint(path, self.config.checkpoint.require_signature)
         saved = json.loads((path / "state.json").read_text())
         tensors = read_checkpoint_tensors(path / "model.safetensors", index)
 
