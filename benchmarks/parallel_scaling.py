@@ -4,8 +4,9 @@ Each layout runs under ``torchrun`` in its own job (NCCL, one process per GPU) w
 same per-GPU work as the one-GPU run (weak scaling): every model replica processes
 ``--accumulation`` micro-batches of ``micro_batch_size`` per optimizer step. The timed
 step is ``Trainer.train_step``: real shards and DataLoader, bf16 autocast, fused AdamW,
-clipping, the layout's collectives. Eager mode (no ``torch.compile``), so the
-comparison is between layouts, not a peak figure (``train_throughput.py`` has those).
+clipping, the layout's collectives. Eager mode unless ``--compile`` (then the one-GPU
+baseline is compiled too), so the comparison is between layouts, not a peak figure
+(``train_throughput.py`` has those).
 
     python benchmarks/parallel_scaling.py --shape 1b --layouts 1gpu,dp2,tp2 --out results/
 
@@ -103,7 +104,9 @@ def parse_layout(name: str) -> tuple[int, dict]:
     return gpus, overrides
 
 
-def build_config(shape: str, layout: str, shards: str, steps: int, accumulation: int):
+def build_config(
+    shape: str, layout: str, shards: str, steps: int, accumulation: int, compile_model: bool
+):
     from training.config import load_config
 
     gpus, overrides = parse_layout(layout)
@@ -112,7 +115,7 @@ def build_config(shape: str, layout: str, shards: str, steps: int, accumulation:
         "data.output": shards,
         "training.train_iters": steps,
         "training.eval_interval": 0,
-        "training.compile": False,
+        "training.compile": compile_model,
         "training.num_workers": 2,
         "logging.mlflow": False,
         "checkpoint.interval": 0,
@@ -136,7 +139,12 @@ def worker(args) -> None:
     from training.trainer import Trainer
 
     config = build_config(
-        args.shape, args.layout, args.shards, args.warmup + args.steps, args.accumulation
+        args.shape,
+        args.layout,
+        args.shards,
+        args.warmup + args.steps,
+        args.accumulation,
+        args.compile,
     )
     config.training.device = args.device
     cuda = args.device == "cuda"
@@ -181,7 +189,7 @@ def run_layout(args, layout: str, shards: str) -> dict:
         "--nproc-per-node", str(gpus), __file__, "--worker", "--layout", layout,
         "--shape", args.shape, "--shards", shards, "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--accumulation", str(args.accumulation), "--device", args.device,
-        "--out", args.out, "--timeout", str(args.timeout),
+        "--out", args.out, "--timeout", str(args.timeout), *(["--compile"] if args.compile else []),
     ]  # fmt: skip
     started = time.perf_counter()
     try:
@@ -215,7 +223,7 @@ def table(report: dict) -> str:
     peak = report.get("matmul_tflops") or float("nan")
     lines = [
         f"{report['device']}, shape {report['shape']}, {report['accumulation']} micro-batches "
-        f"per replica per step, eager; bf16 matmul peak {peak:.0f} TFLOP/s",
+        f"per replica per step, {report['mode']}; bf16 matmul peak {peak:.0f} TFLOP/s",
         "| layout | GPUs | tokens/s | tokens/s per GPU | efficiency vs 1 GPU | MFU (989) | "
         "of matmul peak | peak mem GiB | bubble measured / theory |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -255,6 +263,7 @@ def drive(args) -> None:
         "date": str(date.today()),
         "shape": args.shape,
         "accumulation": args.accumulation,
+        "mode": "compiled" if args.compile else "eager",
         "device": f"{gpu} (torch {torch.__version__})",
         "matmul_tflops": run_matmul()["tflops"] if cuda else None,
         "results": {},
@@ -278,6 +287,9 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=4)
     parser.add_argument("--timeout", type=int, default=240, help="Seconds per layout.")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument(
+        "--compile", action="store_true", help="training.compile=true (default: eager)."
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmark-out"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
