@@ -351,6 +351,11 @@ class CheckpointConfig(StrictModel):
     keep_last: int = Field(default=3, ge=1)
     directory: str | None = Field(default=None, description="None: OUTPUT/checkpoints.")
     resume: bool = Field(default=False, description="Continue from the latest checkpoint.")
+    async_save: bool = Field(
+        default=True,
+        description="Write checkpoints in a background thread: training waits only while "
+        "this rank's shards are copied to host memory; at most one save in flight.",
+    )
 
 
 class LoggingConfig(StrictModel):
