@@ -511,7 +511,7 @@ class Checkpointer:
     group: dist.ProcessGroup | None = None
     storage_options: dict[str, Any] | None = None
     buffers: HostBuffers = field(default_factory=HostBuffers)
-    timings: list[dict[str, float]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # for the next metrics record
     _thread: threading.Thread | None = None
     _error: BaseException | None = None
 
@@ -520,6 +520,7 @@ class Checkpointer:
         background). Returns the URL the checkpoint will have."""
         self.wait()
         snapshot = snapshot_fn()
+        self.timings["checkpoint_blocked_s"] = snapshot.blocked_s
         if background:
             self._thread = threading.Thread(
                 target=self._run, args=(snapshot,), name="checkpoint-writer", daemon=True
@@ -562,27 +563,21 @@ class Checkpointer:
             if snapshot.rank == 0:
                 commit(snapshot, staging, self.storage_options)
             self._barrier()
-            timing = {
-                "step": snapshot.step,
-                "checkpoint_blocked_s": snapshot.blocked_s,
-                "checkpoint_write_s": time.perf_counter() - started,
-            }
-            self.timings.append(timing)
+            written = time.perf_counter() - started
+            self.timings["checkpoint_write_s"] = written
             if snapshot.rank == 0:
                 logger.info(
                     "checkpoint step %d: training blocked %.3f s, written in %.3f s",
-                    snapshot.step, timing["checkpoint_blocked_s"], timing["checkpoint_write_s"],
+                    snapshot.step, snapshot.blocked_s, written,
                 )  # fmt: skip
         except BaseException as error:  # re-raised in the training thread by wait()
             self._error = error
 
     def pop_timings(self) -> dict[str, float]:
-        """The timings of the last save finished since the previous call (for metrics)."""
-        if not self.timings:
-            return {}
-        timing = self.timings[-1]
-        self.timings.clear()
-        return {k: v for k, v in timing.items() if k != "step"}
+        """``checkpoint_blocked_s`` of the last save and, once written,
+        ``checkpoint_write_s``: reported with the next step's metrics."""
+        timings, self.timings = self.timings, {}
+        return timings
 
 
 # --------------------------------------------------------------------------- reading
