@@ -51,8 +51,9 @@ def check_boxes(trainer: Trainer) -> list[str]:
 
     from training.checkpoint import _like
     from training.parallel import expert_parallel_training as ep
-    from training.parallel.shard_specs import assemble, model_specs
+    from training.parallel.shard_specs import assemble, model_specs, reshard_fsdp
 
+    reshard_fsdp(trainer.model)
     pipeline = trainer.pipeline
     owner = pipeline.owner_stage if pipeline is not None else None
     specs = model_specs(trainer.model, trainer.parallel, owner)

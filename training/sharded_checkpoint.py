@@ -80,6 +80,7 @@ from training.parallel.shard_specs import (
     local_tensor,
     model_specs,
     optimizer_specs,
+    reshard_fsdp,
     whole_piece,
 )
 
@@ -316,6 +317,7 @@ def take_snapshot(
 ) -> Snapshot:
     """Copy this rank's boxes to host memory (the only part a training loop waits for)."""
     started = time.perf_counter()
+    reshard_fsdp(model)
     params = model_specs(model, parallel, owner_stage)
     rank = parallel.rank
     files: dict[str, dict[str, torch.Tensor]] = {}
@@ -814,6 +816,7 @@ def load_sharded_checkpoint(
     try:
         with open(reader.verified(STATE), "rb") as handle:
             state = json.loads(handle.read())
+        reshard_fsdp(model)
         params = model_specs(model, parallel, owner_stage)
         named = dict(model.named_parameters())
         model_plan = _plan(params, {n: local_tensor(p) for n, p in named.items()}, index, where)

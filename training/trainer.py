@@ -9,10 +9,11 @@ curve equals that of an uninterrupted run.
 Under torchrun (torch.distributed initialised by the caller, see
 ``training.distributed``) each data-parallel rank reads its own slice of every
 global batch, gradients are averaged by DDP (``training.parallel.data_parallel``),
-and rank 0 alone writes metrics, checkpoints and the model package and talks to
-MLflow. Tensor (and sequence) parallel peers read the same batches and hold shards of
-the model (``training.parallel.tensor_parallel_training``); checkpoints and the package
-still hold whole tensors. Context-parallel peers read the same batches too and each
+and rank 0 alone writes metrics and the model package and talks to MLflow; every rank
+writes its own shards of a checkpoint (``training.sharded_checkpoint``, in a background
+thread with ``checkpoint.async_save``), which loads into any other layout. Tensor (and
+sequence) parallel peers read the same batches and hold shards of the model
+(``training.parallel.tensor_parallel_training``); the package holds whole tensors. Context-parallel peers read the same batches too and each
 keeps its load-balanced part of every sequence (``training.parallel.context_parallel``).
 Pipeline stages run the micro-batches through a 1F1B schedule
 (``training.parallel.pipeline``). Mixture-of-experts models add their load-balancing

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from training.models.moe import is_expert_param
@@ -62,6 +63,15 @@ class ShardSpec:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor this rank stores (a DTensor's local shard)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def reshard_fsdp(model: nn.Module) -> None:
+    """FSDP2 leaves the root's parameters unsharded after a forward (validation runs one
+    before a save): reshard them, so that ``named_parameters`` gives the DTensors the
+    optimizer steps. Nothing to do without FSDP."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def assemble(spec: ShardSpec, whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
