@@ -48,9 +48,9 @@ from parallel_helpers import (
     trainer_settings,
 )
 
+from training.async_checkpoint import TEST_WRITE_DELAY_ENV
 from training.checkpoint import CheckpointError, save_checkpoint
 from training.sharded_checkpoint import (
-    TEST_WRITE_DELAY_ENV,
     latest_sharded_checkpoint,
     read_global_tensor,
     read_index,

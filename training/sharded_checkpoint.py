@@ -23,7 +23,7 @@ Global names are the single-process ones: ``layers.3.attention.qkv.weight`` and
 :mod:`training.parallel.shard_specs`; a local tensor that is several boxes (SwiGLU's
 fc1 under TP) is saved as ``key#0``, ``key#1``. Replicated boxes are written once.
 
-Saving (:class:`Checkpointer`): the caller's thread copies this rank's boxes to host
+Saving (:class:`training.async_checkpoint.Checkpointer`): the caller's thread copies this rank's boxes to host
 memory (pinned buffers reused across saves on CUDA), then a background thread writes
 the rank's files, hashing as it writes, and a small ``rank-00003.json`` manifest. After
 a barrier (a dedicated gloo group, never the training one) rank 0 merges the manifests
@@ -51,16 +51,14 @@ import random
 import shutil
 import struct
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
@@ -91,9 +89,6 @@ VERSION = 2
 INDEX = "index.json"
 STATE = "state.json"
 LATEST = "latest.json"
-# Test-only: seconds the writer sleeps after writing its files, before the commit, so a
-# test can kill a run in the middle of a save. Never set outside tests.
-TEST_WRITE_DELAY_ENV = "MEGALITH_TEST_CHECKPOINT_WRITE_DELAY_S"
 
 _DTYPES = {
     torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
@@ -128,7 +123,7 @@ def _read_bytes(url: str, storage_options: dict | None = None) -> bytes:
         return handle.read()
 
 
-def _remove_tree(url: str, storage_options: dict | None = None) -> None:
+def remove_tree(url: str, storage_options: dict | None = None) -> None:
     if is_local(url):
         shutil.rmtree(url.removeprefix("file://"), ignore_errors=True)
         return
@@ -151,6 +146,11 @@ def _step_entries(root: str, storage_options: dict | None = None) -> list[str]:
 def _step_number(name: str) -> int | None:
     number = name.removeprefix("step-")
     return int(number) if number.isdigit() else None
+
+
+def checkpoint_url(root: str | Path, step: int) -> str:
+    """Where the checkpoint of STEP lives once committed."""
+    return _url(root, step_dir_name(step))
 
 
 def as_location(url: str) -> Path | str:
@@ -231,6 +231,7 @@ class HostBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._in_flight = False  # asynchronous device-to-host copies queued
 
     def copy(self, key: str, source: torch.Tensor) -> torch.Tensor:
         if source.device.type != "cuda":
@@ -240,7 +241,14 @@ class HostBuffers:
             buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
             self._buffers[key] = buffer
         buffer.copy_(source.detach(), non_blocking=True)
+        self._in_flight = True
         return buffer
+
+    def synchronize(self) -> None:
+        """Wait for the queued copies (one synchronisation per save)."""
+        if self._in_flight:
+            torch.cuda.synchronize()
+            self._in_flight = False
 
 
 def _add_boxes(
@@ -339,8 +347,7 @@ def take_snapshot(
         value = value.float() if torch.is_tensor(value) and value.dim() == 0 else value
         value = value if torch.is_tensor(value) else torch.tensor(float(value))
         _add_boxes(files, tensors, rank_file("optimizer", rank), spec, local_tensor(value), buffers)
-    if any(t.is_cuda for content in files.values() for t in content.values()):
-        torch.cuda.synchronize()
+    buffers.synchronize()
     record = None
     if rank == 0:
         record = {
@@ -427,7 +434,7 @@ def commit(snapshot: Snapshot, staging: str, storage_options=None) -> str:
     root, name = snapshot.root, step_dir_name(snapshot.step)
     final = _url(root, name)
     if is_local(root):
-        _remove_tree(final)
+        remove_tree(final)
         os.replace(staging.removeprefix("file://"), final.removeprefix("file://"))
     _write_json(_url(root, LATEST), {"step": snapshot.step, "path": name}, storage_options)
     prune(root, snapshot.step, snapshot.keep_last, storage_options)
@@ -442,11 +449,11 @@ def prune(root: str, step: int, keep_last: int, storage_options=None) -> None:
         url = _url(root, name)
         number = _step_number(name)
         if number is None or not _exists(_url(url, INDEX), storage_options):
-            _remove_tree(url, storage_options)  # a .tmp or an uncommitted directory
+            remove_tree(url, storage_options)  # a .tmp or an uncommitted directory
         elif number <= step:
             complete[number] = url
     for old in sorted(complete)[:-keep_last]:
-        _remove_tree(complete[old], storage_options)
+        remove_tree(complete[old], storage_options)
 
 
 def _overlap(first: Any, second: Any) -> list[tuple[int, int]] | None:
@@ -485,101 +492,6 @@ def check_cover(name: str, entry: dict[str, Any], where: Any) -> None:
         raise CheckpointError(
             f"{where}: tensor {name}: the shards cover {volume} of its {math.prod(shape)} elements"
         )
-
-
-# --------------------------------------------------------------------------- the saver
-
-
-def checkpoint_group() -> dist.ProcessGroup | None:
-    """A gloo group for the writer thread's barriers, made once per process (collective
-    the first time: every rank builds its trainer at the same point)."""
-    global _GROUP
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    default = dist.distributed_c10d._get_default_group()
-    if _GROUP is None or _GROUP[0] is not default:
-        _GROUP = (default, dist.new_group(backend="gloo"))
-    return _GROUP[1]
-
-
-_GROUP: tuple[Any, Any] | None = None
-
-
-@dataclass
-class Checkpointer:
-    """Saves sharded checkpoints, in a background thread when ``background``; at most one
-    save is in flight (a new save, :meth:`wait` and the end of training wait for it)."""
-
-    group: dist.ProcessGroup | None = None
-    storage_options: dict[str, Any] | None = None
-    buffers: HostBuffers = field(default_factory=HostBuffers)
-    timings: dict[str, float] = field(default_factory=dict)  # for the next metrics record
-    _thread: threading.Thread | None = None
-    _error: BaseException | None = None
-
-    def save(self, snapshot_fn: Callable[[], Snapshot], background: bool) -> str:
-        """Wait for the previous save, take the snapshot, write it (now or in the
-        background). Returns the URL the checkpoint will have."""
-        self.wait()
-        snapshot = snapshot_fn()
-        self.timings["checkpoint_blocked_s"] = snapshot.blocked_s
-        if background:
-            self._thread = threading.Thread(
-                target=self._run, args=(snapshot,), name="checkpoint-writer", daemon=True
-            )
-            self._thread.start()
-        else:
-            self._run(snapshot)
-            self._raise()
-        return _url(snapshot.root, step_dir_name(snapshot.step))
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self._raise()
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise CheckpointError(f"writing a checkpoint failed: {error}") from error
-
-    def _barrier(self) -> None:
-        if self.group is not None:
-            dist.barrier(group=self.group)
-
-    def _run(self, snapshot: Snapshot) -> None:
-        try:
-            started = time.perf_counter()
-            staging = staging_url(snapshot.root, snapshot.step)
-            if snapshot.rank == 0:
-                _remove_tree(staging, self.storage_options)
-                if is_local(staging):
-                    Path(staging.removeprefix("file://")).mkdir(parents=True)
-            self._barrier()
-            write_rank_files(snapshot, staging, self.storage_options)
-            delay = float(os.environ.get(TEST_WRITE_DELAY_ENV, "0"))
-            if delay:
-                time.sleep(delay)
-            self._barrier()
-            if snapshot.rank == 0:
-                commit(snapshot, staging, self.storage_options)
-            self._barrier()
-            written = time.perf_counter() - started
-            self.timings["checkpoint_write_s"] = written
-            if snapshot.rank == 0:
-                logger.info(
-                    "checkpoint step %d: training blocked %.3f s, written in %.3f s",
-                    snapshot.step, snapshot.blocked_s, written,
-                )  # fmt: skip
-        except BaseException as error:  # re-raised in the training thread by wait()
-            self._error = error
-
-    def pop_timings(self) -> dict[str, float]:
-        """``checkpoint_blocked_s`` of the last save and, once written,
-        ``checkpoint_write_s``: reported with the next step's metrics."""
-        timings, self.timings = self.timings, {}
-        return timings
 
 
 # --------------------------------------------------------------------------- reading

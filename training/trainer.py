@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
 from preprocessing.storage import atomic_write_json
+from training.async_checkpoint import Checkpointer, checkpoint_group
 from training.checkpoint import load_checkpoint
 from training.config import MegalithConfig, ModelConfig, dump_config
 from training.data import build_gpt_datasets
@@ -58,9 +59,7 @@ from training.parallel.support import check_trainer_support
 from training.precision import Precision, resolve_precision
 from training.schedule import learning_rate
 from training.sharded_checkpoint import (
-    Checkpointer,
     as_location,
-    checkpoint_group,
     is_sharded,
     latest_sharded_checkpoint,
     load_sharded_checkpoint,
