@@ -309,6 +309,13 @@ def test_a_tampered_or_incomplete_checkpoint_is_refused(reference: Path, tmp_pat
     (path / "index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="final_norm.weight: the shards cover 1 of its 32"):
         verify_sharded_checkpoint(path)
+    # A shape (and box) claiming more than the files hold is refused before allocating.
+    file.write_bytes(bytes(data[:-1]) + bytes([data[-1] ^ 1]))  # the original again
+    shards[0]["box"] = [[0, 10**12]]
+    index["tensors"]["final_norm.weight"]["shape"] = [10**12]
+    (path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="final_norm.weight claims 4000000000000 bytes"):
+        read_global_tensor(path, "final_norm.weight")
     (path / "index.json").unlink()
     with pytest.raises(CheckpointError, match="index.json is missing"):
         verify_sharded_checkpoint(path)

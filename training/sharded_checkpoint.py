@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import os
 import random
@@ -72,17 +71,17 @@ from training.checkpoint import (
 )
 from training.parallel.groups import ParallelState
 from training.parallel.shard_specs import (
+    MOMENTS,
     OPTIMIZER_PREFIX,
     ShardSpec,
     holds_state,
     local_tensor,
     model_specs,
+    optimizer_key,
     optimizer_specs,
     reshard_fsdp,
     whole_piece,
 )
-
-logger = logging.getLogger(__name__)
 
 FORMAT = "megalith-sharded-checkpoint"
 VERSION = 2
@@ -705,6 +704,23 @@ def _relative(region: list[tuple[int, int]], box: Any) -> tuple[slice, ...]:
     return tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(region, box, strict=True))
 
 
+def _empty_optimizer_state(
+    optimizer: Any, named: dict[str, torch.Tensor], param_names: list[str]
+) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """AdamW state to fill, for the parameters this rank keeps state of (in the
+    parameter's layout: a DTensor under FSDP), and its local tensors by global name."""
+    per_param, targets = {}, {}
+    for position, name in enumerate(param_names):
+        if not holds_state(optimizer, position):
+            continue
+        values = {key: torch.zeros_like(named[name]) for key in MOMENTS}
+        values["step"] = torch.zeros((), dtype=torch.float32)
+        per_param[position] = values
+        for key, value in values.items():
+            targets[optimizer_key(name, key)] = local_tensor(value)
+    return per_param, targets
+
+
 def load_sharded_checkpoint(
     path: str | Path,
     model: nn.Module,
@@ -736,14 +752,7 @@ def load_sharded_checkpoint(
         has_optimizer = any(name.startswith(OPTIMIZER_PREFIX) for name in index["tensors"])
         if optimizer is not None and has_optimizer:
             specs = optimizer_specs(optimizer, model, param_names, params, parallel, owner_stage)
-            targets = {}
-            for position, name in enumerate(param_names):
-                if holds_state(optimizer, position):
-                    values = {k: torch.zeros_like(named[name]) for k in ("exp_avg", "exp_avg_sq")}
-                    values["step"] = torch.zeros((), dtype=torch.float32)
-                    per_param[position] = values
-                    for key, value in values.items():
-                        targets[f"{OPTIMIZER_PREFIX}{name}/{key}"] = local_tensor(value)
+            per_param, targets = _empty_optimizer_state(optimizer, named, param_names)
             opt_plan = _plan(specs, targets, index, where)
         for spec, _, meta in model_plan + opt_plan:  # verify every needed file first
             for shard in meta["shards"]:
@@ -801,23 +810,41 @@ def read_global_tensor(
 ) -> torch.Tensor:
     """The whole global tensor NAME of a v2 checkpoint, assembled from its shards."""
     index = index or read_index(path, storage_options)
-    where = _url(str(path), INDEX)
-    _check_index(index, where)
-    meta = index["tensors"].get(name)
-    if meta is None:
-        raise CheckpointError(f"{where}: has no tensor {name}")
-    check_cover(name, meta, where)
-    whole = torch.empty(meta["shape"], dtype=_dtype(meta["dtype"], name))
-    spec = ShardSpec(name, tuple(meta["shape"]), (whole_piece(meta["shape"]),), False)
+    _check_index(index, _url(str(path), INDEX))
     reader = ShardReader(path, index, storage_options)
     try:
-        _fill(reader, spec, whole, meta)
+        return _read_whole(reader, name)
     finally:
         reader.close()
-    return whole
 
 
 def read_global_tensors(path: str | Path, storage_options=None) -> dict[str, torch.Tensor]:
-    """Every global tensor of a v2 checkpoint (tools, tests; not for large models)."""
+    """Every global tensor of a v2 checkpoint (tools, tests; each file verified once)."""
     index = read_index(path, storage_options)
-    return {n: read_global_tensor(path, n, index, storage_options) for n in index["tensors"]}
+    _check_index(index, _url(str(path), INDEX))
+    reader = ShardReader(path, index, storage_options)
+    try:
+        return {name: _read_whole(reader, name) for name in index["tensors"]}
+    finally:
+        reader.close()
+
+
+def _read_whole(reader: ShardReader, name: str) -> torch.Tensor:
+    """Verify the files holding NAME, bound its size by theirs, then allocate and fill it."""
+    where = _url(reader.root, INDEX)
+    meta = reader.index["tensors"].get(name)
+    if meta is None:
+        raise CheckpointError(f"{where}: has no tensor {name}")
+    check_cover(name, meta, where)
+    dtype = _dtype(meta["dtype"], name)
+    files = {shard["file"] for shard in meta["shards"]}
+    available = sum(os.path.getsize(reader.verified(file)) for file in files)
+    needed = math.prod(meta["shape"]) * dtype.itemsize
+    if needed > available:
+        raise CheckpointError(
+            f"{where}: tensor {name} claims {needed} bytes, its files hold {available}"
+        )
+    whole = torch.empty(meta["shape"], dtype=dtype)
+    spec = ShardSpec(name, tuple(meta["shape"]), (whole_piece(meta["shape"]),), False)
+    _fill(reader, spec, whole, meta)
+    return whole
