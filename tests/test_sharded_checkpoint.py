@@ -73,6 +73,13 @@ RESUMED = {
     # the others would wait for them in its all-gathers.
     "dp4-fsdp": {"parallel.data_parallel_mode": "fsdp", "training.eval_interval": 0},
 }
+# Expert parallelism (EP=2 carved out of DP=4): run alongside the resumes above.
+EXPERTS = {
+    "model.num_experts": 4,
+    "model.moe_top_k": 2,
+    "model.moe_ffn_hidden_size": 32,
+    "training.eval_iters": 4,  # every EP rank runs as many validation forwards
+}
 
 
 def settings(shards: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -101,10 +108,17 @@ def saved(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def resharded(shards: Path, saved: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The step-2 checkpoint of the 8-process run resumed by 4 processes in 3 layouts."""
+    """The step-2 checkpoint of the 8-process run resumed by 4 processes in 3 layouts,
+    and an expert-parallel run (EP=2 x DP=4) in the same job."""
     cases = {name: settings(shards, extra) for name, extra in RESUMED.items()}
     out = tmp_path_factory.mktemp("sharded-4")
-    return worker(out, 4, resume_cases=cases, checkpoint_root=str(saved / "checkpoints"))
+    return worker(
+        out,
+        4,
+        fit_cases={"ep2": settings(shards, {**EXPERTS, "parallel.expert": 2})},
+        resume_cases=cases,
+        checkpoint_root=str(saved / "checkpoints"),
+    )
 
 
 def reads(run: Path, world: int) -> list[dict[str, Any]]:
@@ -179,6 +193,19 @@ def test_each_rank_reads_exactly_what_it_holds(case: str, resharded: Path) -> No
             assert not opened & {"model-r00001.safetensors", "model-r00005.safetensors"}, (
                 f"TP=4 rank {rank} opened a TP=2 rank-1 file: {sorted(opened)}"
             )
+
+
+def test_one_process_resumes_an_expert_parallel_checkpoint(
+    resharded: Path, shards: Path, tmp_path: Path
+) -> None:
+    run, name = resharded / "ep2", f"EP=2 x DP=4 ({BACKEND}, 4 processes)"
+    for rank in range(4):
+        problems = json.loads((run / f"boxes-rank{rank}.json").read_text())
+        assert problems == [], f"{name}: boxes differ from shard_loaded: {problems}"
+    experts = verify_sharded_checkpoint(run / "checkpoints" / f"step-{RESUME_STEP:08d}")
+    stacked = [n for n in experts["tensors"] if ".experts." in n and "/" not in n]
+    assert stacked and all(len(experts["tensors"][n]["shards"]) == 2 for n in stacked), name
+    assert_one_process_resume(run, settings(shards, EXPERTS), tmp_path, f"{name} -> 1")
 
 
 # --- async save, killed ---------------------------------------------------------------------
