@@ -13,8 +13,9 @@ and rank 0 alone writes metrics and the model package and talks to MLflow; every
 writes its own shards of a checkpoint (``training.sharded_checkpoint``, in a background
 thread with ``checkpoint.async_save``), which loads into any other layout. Tensor (and
 sequence) parallel peers read the same batches and hold shards of the model
-(``training.parallel.tensor_parallel_training``); the package holds whole tensors. Context-parallel peers read the same batches too and each
-keeps its load-balanced part of every sequence (``training.parallel.context_parallel``).
+(``training.parallel.tensor_parallel_training``); the package holds whole tensors.
+Context-parallel peers read the same batches too and each keeps its load-balanced part
+of every sequence (``training.parallel.context_parallel``).
 Pipeline stages run the micro-batches through a 1F1B schedule
 (``training.parallel.pipeline``). Mixture-of-experts models add their load-balancing
 loss to the training loss; expert-parallel ranks hold a share of the experts
