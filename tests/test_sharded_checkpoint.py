@@ -321,6 +321,23 @@ def test_a_v1_checkpoint_still_resumes(shards: Path, reference: Path, tmp_path: 
 # --- refusals --------------------------------------------------------------------------------
 
 
+def test_a_checkpoint_without_a_needed_tensor_is_refused(
+    shards: Path, reference: Path, tmp_path: Path
+) -> None:
+    step = f"step-{RESUME_STEP:08d}"
+    shutil.copytree(reference / "checkpoints" / step, tmp_path / "ckpt" / step)
+    index_path = tmp_path / "ckpt" / step / "index.json"
+    index = json.loads(index_path.read_text())
+    del index["tensors"]["layers.1.mlp.fc2.weight"]
+    index_path.write_text(json.dumps(index))
+    config = config_of(settings(shards, {"checkpoint.directory": str(tmp_path / "ckpt")}))
+    trainer = Trainer(config, tmp_path / "run")
+    before = trainer.model.final_norm.weight.detach().clone()
+    with pytest.raises(CheckpointError, match="has no tensor layers.1.mlp.fc2.weight"):
+        trainer.resume()
+    assert torch.equal(trainer.model.final_norm.weight, before), "a refused load changed the model"
+
+
 def test_a_tampered_or_incomplete_checkpoint_is_refused(reference: Path, tmp_path: Path) -> None:
     path = tmp_path / "step"
     shutil.copytree(reference / "checkpoints" / f"step-{STEPS:08d}", path)

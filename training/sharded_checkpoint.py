@@ -64,6 +64,7 @@ from torch import nn
 from preprocessing.storage import atomic_write_bytes, filesystem, is_local, join
 from training.checkpoint import (
     CheckpointError,
+    _is_persistent,
     _safe_name,
     optimizer_group_indices,
     restore_rng_state,
@@ -308,6 +309,16 @@ def index_layout(state: ParallelState, data_parallel_mode: str) -> dict[str, Any
     }  # fmt: skip
 
 
+def _refuse_persistent_buffers(model: nn.Module) -> None:
+    """The models have none (RoPE tables are rebuilt); one added later must be saved."""
+    buffers = [n for n, _ in model.named_buffers() if _is_persistent(model, n)]
+    if buffers:
+        raise CheckpointError(
+            f"persistent buffers {buffers[:3]} would not be saved: sharded checkpoints hold "
+            "parameters and optimizer state only"
+        )
+
+
 def take_snapshot(
     root: str,
     step: int,
@@ -324,6 +335,7 @@ def take_snapshot(
 ) -> Snapshot:
     """Copy this rank's boxes to host memory (the only part a training loop waits for)."""
     started = time.perf_counter()
+    _refuse_persistent_buffers(model)
     reshard_fsdp(model)
     params = model_specs(model, parallel, owner_stage)
     rank = parallel.rank
