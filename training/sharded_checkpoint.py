@@ -18,13 +18,15 @@ as ``s3://bucket/run/checkpoints``)::
      "tensors": {global_name: {"shape": [...], "dtype": "float32",
                  "shards": [{"file": ..., "key": ..., "box": [[start, stop], ...]}]}}}
 
-Global names are the single-process ones: ``layers.3.attention.qkv.weight`` and
+Global names are the single-process ``named_parameters`` names
+(``layers.3.attention.qkv.linear.weight``) and
 ``optimizer/<param name>/exp_avg|exp_avg_sq|step``. Which boxes a rank holds comes from
 :mod:`training.parallel.shard_specs`; a local tensor that is several boxes (SwiGLU's
 fc1 under TP) is saved as ``key#0``, ``key#1``. Replicated boxes are written once.
 
-Saving (:class:`training.async_checkpoint.Checkpointer`): the caller's thread copies this rank's boxes to host
-memory (pinned buffers reused across saves on CUDA), then a background thread writes
+Saving (:class:`training.async_checkpoint.Checkpointer`): the caller's thread copies
+this rank's boxes to host memory (pinned buffers reused across saves on CUDA), then a
+background thread (or the caller, without ``checkpoint.async_save``) writes
 the rank's files, hashing as it writes, and a small ``rank-00003.json`` manifest. After
 a barrier (a dedicated gloo group, never the training one) rank 0 merges the manifests
 and writes ``index.json`` last. Local disk: all of it goes to ``step-XXXXXXXX.tmp/``,
