@@ -47,6 +47,7 @@ class Target:
     manifest: str | None  # index.json / checksums.json / None
     add_name: Callable[[Path, str], None]  # make the manifest (or index) name a file
     suffix: str = ".safetensors"
+    other_file: str = ""  # a second file of the same directory (swapped with tensor_file)
 
 
 def sha256(path: Path) -> str:
@@ -114,7 +115,7 @@ def truncated_restamped(target: Target, root: Path, marker: Path) -> str:
 def swapped_files(target: Target, root: Path, marker: Path) -> str:
     """Two files' names swapped (the main tensor file and another one)."""
     other = {"index.json": "optimizer.safetensors", "checksums.json": "tokenizer.model"}
-    a, b = root / target.tensor_file, root / other[target.manifest]
+    a, b = root / target.tensor_file, root / (target.other_file or other[target.manifest])
     tmp = root / "swap.tmp"
     a.rename(tmp)
     b.rename(a)
@@ -125,7 +126,7 @@ def swapped_files(target: Target, root: Path, marker: Path) -> str:
 def swapped_files_restamped(target: Target, root: Path, marker: Path) -> str:
     swapped_files(target, root, marker)
     restamp(target, root)
-    return r"tensor names (differ|do not match)|tokenizer id does not match"
+    return r"tensor names (differ|do not match)|tokenizer id does not match|has no tensor"
 
 
 def name_outside(kind: str) -> Callable[[Target, Path, Path], str]:

@@ -7,7 +7,11 @@
   data-parallel average and the tied-embedding sum, before clipping), gathered to whole
   single-process tensors; rank 0 writes OUT/NAME/grads.safetensors.
 - ``resume_cases``: resume from a checkpoint written by another layout (the
-  single-process run) and train to the end.
+  single-process run, or the sharded checkpoint of an 8-process run) and train to the
+  end; each rank writes OUT/NAME/reads-rank{r}.json: the files and bytes it read on
+  resume, the bytes it holds, and where its checkpoint boxes (``shard_specs``) differ
+  from what the older ``shard_loaded`` load paths cut out of a whole tensor.
+- ``fit_cases``: ``Trainer.fit`` only (no resume), with the same boxes check.
 
     torchrun --nproc-per-node 2 tests/pp_worker.py SPEC.json
 """
@@ -15,6 +19,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -39,6 +44,62 @@ def gradients(spec: dict, name: str, settings: dict) -> None:
     dist.barrier()
 
 
+def check_boxes(trainer: Trainer) -> list[str]:
+    """Where this rank's checkpoint boxes, cut out of a whole tensor, differ from the
+    existing load paths (TP/EP ``shard_loaded``, the pipeline's, FSDP's ``_like``)."""
+    from torch.distributed.tensor import DTensor
+
+    from training.checkpoint import _like
+    from training.parallel import expert_parallel_training as ep
+    from training.parallel.shard_specs import assemble, model_specs, reshard_fsdp
+
+    reshard_fsdp(trainer.model)
+    pipeline = trainer.pipeline
+    owner = pipeline.owner_stage if pipeline is not None else None
+    specs = model_specs(trainer.model, trainer.parallel, owner)
+    problems = []
+    for name, param in trainer.model.named_parameters():
+        box_spec = specs[name]
+        whole = torch.arange(math.prod(box_spec.shape), dtype=torch.float32)
+        whole = whole.reshape(box_spec.shape)
+        got = assemble(box_spec, whole, param)
+        if isinstance(param, DTensor):
+            want = _like(param, whole).to_local().cpu()
+        else:
+            want = ep.shard_loaded(name, whole, trainer.model_config, trainer.parallel)
+        if got.shape != want.shape or not torch.equal(got, want):
+            problems.append(f"rank {dist.get_rank()}: {name} boxes {box_spec.pieces}")
+    return problems
+
+
+def held_bytes(trainer: Trainer) -> int:
+    """Bytes of this rank's parameters and AdamW state (what a resume must read)."""
+    from training.parallel.shard_specs import local_tensor
+
+    total = 0
+    for param in trainer.model.parameters():
+        total += local_tensor(param).numel() * param.element_size()
+        for key, value in trainer.optimizer.state.get(param, {}).items():
+            value = local_tensor(value)
+            total += value.numel() * (4 if key == "step" else value.element_size())
+    return total
+
+
+def record_reads(trainer: Trainer, out: Path) -> None:
+    stats = trainer.checkpoint_read_stats
+    record = {**stats, "held_bytes": held_bytes(trainer), "box_problems": check_boxes(trainer)}
+    (out / f"reads-rank{dist.get_rank()}.json").write_text(json.dumps(record))
+
+
+def fit(spec: dict, name: str, settings: dict) -> None:
+    out = Path(spec["out"]) / name
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(config_of(spec, settings), out)
+    problems = check_boxes(trainer)
+    (out / f"boxes-rank{dist.get_rank()}.json").write_text(json.dumps(problems))
+    trainer.fit(show_progress=False)
+
+
 def resume(spec: dict, name: str, settings: dict) -> None:
     out = Path(spec["out"]) / name
     step = f"step-{spec['resume_step']:08d}"
@@ -49,6 +110,8 @@ def resume(spec: dict, name: str, settings: dict) -> None:
     config.checkpoint.directory = str(out / "checkpoints")
     trainer = Trainer(config, out)
     assert trainer.resume(), "no checkpoint to resume from"
+    if trainer.checkpoint_read_stats:  # a sharded checkpoint
+        record_reads(trainer, out)
     trainer.fit(show_progress=False)
 
 
@@ -61,6 +124,8 @@ def main(spec_path: str) -> None:
             run_case(spec, name, settings, None)
         for name, settings in spec.get("grad_cases", {}).items():
             gradients(spec, name, settings)
+        for name, settings in spec.get("fit_cases", {}).items():
+            fit(spec, name, settings)
         for name, settings in spec.get("resume_cases", {}).items():
             resume(spec, name, settings)
 

@@ -30,6 +30,7 @@ from parallel_helpers import (
 from safetensors.torch import load_file
 
 from training.checkpoint import latest_checkpoint
+from training.sharded_checkpoint import read_global_tensors
 from training.trainer import ResumableSampler, Trainer
 
 MODES = ["ddp", "distributed_optimizer", "fsdp"]
@@ -129,8 +130,12 @@ def test_checkpoint_holds_the_single_process_optimizer_state(
 ) -> None:
     path = latest_checkpoint(distributed_runs / mode / "checkpoints")
     assert path is not None and path.name.endswith(f"{STEPS:08d}")
-    tensors = load_file(str(path / "optimizer.safetensors"))
-    got = {tuple(key.rsplit("/", 1)): value for key, value in tensors.items()}
+    tensors = read_global_tensors(path)
+    got = {
+        tuple(key.removeprefix("optimizer/").rsplit("/", 1)): value
+        for key, value in tensors.items()
+        if key.startswith("optimizer/")
+    }
     want = {key: value.reshape(got[key].shape) for key, value in reference["moments"].items()}
     assert_close_tensors(got, want, f"{LAYOUT} mode={mode} optimizer state", 1e-4, 1e-5)
     state = json.loads((path / "state.json").read_text())

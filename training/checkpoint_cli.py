@@ -12,23 +12,27 @@ exits 1 with the reason on the first defect. ``inspect`` only reads JSON and hea
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from training.checkpoint import verify_checkpoint
 from training.errors import MegalithError
 from training.safe_tensors import ITEMSIZE, TORCH_NAMES, check_safetensors
+from training.sharded_checkpoint import verify_sharded_checkpoint
 from training.signing import check_signature, signature_status
 
 INDEX = "index.json"
 CHECKSUMS = "checksums.json"
-# (index format, version) -> module with ``verify_checkpoint(path, require_signature) -> index``
-# that checks everything short of reading tensors. v2 plugs in here.
-VERIFIERS: dict[tuple[str, int], str] = {
-    ("megalith-checkpoint", 1): "training.checkpoint",
-    ("megalith-sharded-checkpoint", 2): "training.sharded_checkpoint",
+# (index format, version) -> ``verify(path, require_signature) -> index``: every check
+# short of reading tensors.
+VERIFIERS: dict[tuple[str, int], Callable[..., dict[str, Any]]] = {
+    ("megalith-checkpoint", 1): verify_checkpoint,
+    ("megalith-sharded-checkpoint", 2): lambda path, require_signature=False: (
+        verify_sharded_checkpoint(path, require_signature=require_signature)
+    ),
 }
 _ITEMSIZE = {TORCH_NAMES[k]: v for k, v in ITEMSIZE.items()}
 
@@ -95,21 +99,14 @@ def detect(path: Path) -> tuple[str, dict[str, Any]]:
     )
 
 
-def verifier(path: Path, index: Any):
-    """The ``verify_checkpoint`` for this index's format and version."""
+def verifier(path: Path, index: Any) -> Callable[..., dict[str, Any]]:
+    """The verifier for this index's format and version."""
     key = (index.get("format"), index.get("version")) if isinstance(index, dict) else None
     if key not in VERIFIERS:
         raise UnknownCheckpointError(
             f"{path / INDEX}: format {key} is not one of {sorted(VERIFIERS)}"
         )
-    try:
-        module = importlib.import_module(VERIFIERS[key])
-    except ModuleNotFoundError:
-        raise UnknownCheckpointError(
-            f"{path}: {key[0]} version {key[1]} is not yet supported by this build "
-            f"({VERIFIERS[key]} is absent)"
-        ) from None
-    return module.verify_checkpoint
+    return VERIFIERS[key]
 
 
 # --------------------------------------------------------------------------- verify

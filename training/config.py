@@ -358,6 +358,11 @@ class CheckpointConfig(StrictModel):
     require_signature: bool = Field(
         default=False, description="Refuse to resume from an unsigned or wrongly signed checkpoint."
     )
+    async_save: bool = Field(
+        default=True,
+        description="Write checkpoints in a background thread: training waits only while "
+        "this rank's shards are copied to host memory; at most one save in flight.",
+    )
 
 
 class LoggingConfig(StrictModel):

@@ -33,6 +33,7 @@ import hashlib
 import hmac
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,57 +185,87 @@ def check_signature(directory: str | Path, manifest_name: str, required: bool) -
     directory = Path(directory)
     sig_path = directory / SIGNATURE_FILE
     if not sig_path.exists() and not sig_path.is_symlink():
+        return check_signature_bytes(None, manifest_name, b"", required, str(directory))
+    record = _read_signature(sig_path)
+    return check_signature_bytes(
+        record,
+        manifest_name,
+        lambda: _read_manifest(directory, manifest_name),
+        required,
+        str(sig_path),
+    )
+
+
+def check_signature_bytes(
+    record: dict[str, Any] | None,
+    manifest_name: str,
+    data: bytes | Callable[[], bytes],
+    required: bool,
+    where: str,
+) -> bool:
+    """:func:`check_signature` on a parsed ``signature.json`` (None: absent) and the
+    manifest's bytes (or a function reading them), for stores that are not local
+    directories; ``where`` names the signature in errors."""
+    if record is None:
         if required:
             raise SignatureError(
-                f"{directory}: unsigned ({SIGNATURE_FILE} is missing) and signatures are "
+                f"{where}: unsigned ({SIGNATURE_FILE} is missing) and signatures are "
                 "required (checkpoint.require_signature / --require-signature)"
             )
         return False
-    record = _read_signature(sig_path)
     if record["manifest"] != manifest_name:
         raise SignatureError(
-            f"{sig_path}: signs {record['manifest']!r}, expected a signature of {manifest_name!r}"
+            f"{where}: signs {record['manifest']!r}, expected a signature of {manifest_name!r}"
         )
     if record["algorithm"] == ED25519:
         public = _ed25519_key(ED25519_PUBLIC_ENV, private=False, required=required)
         if public is None:
             return False
-        data = _read_manifest(directory, manifest_name)
         from cryptography.exceptions import InvalidSignature
 
         try:
-            public.verify(bytes.fromhex(record["signature"]), _message(manifest_name, data))
+            public.verify(bytes.fromhex(record["signature"]), _message(manifest_name, _bytes(data)))
         except (InvalidSignature, ValueError):
             raise SignatureError(
-                f"{sig_path}: the Ed25519 signature of {manifest_name} does not verify with "
+                f"{where}: the Ed25519 signature of {manifest_name} does not verify with "
                 f"{ED25519_PUBLIC_ENV} (the manifest was changed after signing, or another key)"
             ) from None
         return True
     key = signing_key(required=required)
     if key is None:
         return False
-    data = _read_manifest(directory, manifest_name)
-    if not hmac.compare_digest(record["signature"], _mac(key, manifest_name, data)):
+    if not hmac.compare_digest(record["signature"], _mac(key, manifest_name, _bytes(data))):
         raise SignatureError(
-            f"{sig_path}: the HMAC-SHA256 signature of {manifest_name} does not match "
+            f"{where}: the HMAC-SHA256 signature of {manifest_name} does not match "
             f"(the manifest was changed after signing, or it was signed with another key)"
         )
     return True
 
 
-def _read_signature(path: Path) -> dict[str, Any]:
-    if path.is_symlink() or not path.is_file() or path.stat().st_size > 64 << 10:
-        raise SignatureError(f"{path}: not a plain signature file of at most 64 KiB")
+def _bytes(data: bytes | Callable[[], bytes]) -> bytes:
+    return data() if callable(data) else data
+
+
+def parse_signature(raw: bytes, where: str) -> dict[str, Any]:
+    """A ``signature.json``'s content, validated (at most 64 KiB, known algorithm)."""
+    if len(raw) > 64 << 10:
+        raise SignatureError(f"{where}: not a signature file of at most 64 KiB")
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        record = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SignatureError(f"{path}: not valid JSON: {exc}") from None
+        raise SignatureError(f"{where}: not valid JSON: {exc}") from None
     if not isinstance(record, dict) or record.get("algorithm") not in (ALGORITHM, ED25519):
         raise SignatureError(
-            f"{path}: algorithm {record.get('algorithm') if isinstance(record, dict) else None!r}"
+            f"{where}: algorithm {record.get('algorithm') if isinstance(record, dict) else None!r}"
             f" is not supported (only {ALGORITHM!r} and {ED25519!r})"
         )
     for field in ("manifest", "signature"):
         if not isinstance(record.get(field), str):
-            raise SignatureError(f"{path}: field {field!r} must be a string")
+            raise SignatureError(f"{where}: field {field!r} must be a string")
     return record
+
+
+def _read_signature(path: Path) -> dict[str, Any]:
+    if path.is_symlink() or not path.is_file() or path.stat().st_size > 64 << 10:
+        raise SignatureError(f"{path}: not a plain signature file of at most 64 KiB")
+    return parse_signature(path.read_bytes(), str(path))

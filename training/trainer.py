@@ -9,11 +9,13 @@ curve equals that of an uninterrupted run.
 Under torchrun (torch.distributed initialised by the caller, see
 ``training.distributed``) each data-parallel rank reads its own slice of every
 global batch, gradients are averaged by DDP (``training.parallel.data_parallel``),
-and rank 0 alone writes metrics, checkpoints and the model package and talks to
-MLflow. Tensor (and sequence) parallel peers read the same batches and hold shards of
-the model (``training.parallel.tensor_parallel_training``); checkpoints and the package
-still hold whole tensors. Context-parallel peers read the same batches too and each
-keeps its load-balanced part of every sequence (``training.parallel.context_parallel``).
+and rank 0 alone writes metrics and the model package and talks to MLflow; every rank
+writes its own shards of a checkpoint (``training.sharded_checkpoint``, in a background
+thread with ``checkpoint.async_save``), which loads into any other layout. Tensor (and
+sequence) parallel peers read the same batches and hold shards of the model
+(``training.parallel.tensor_parallel_training``); the package holds whole tensors.
+Context-parallel peers read the same batches too and each keeps its load-balanced part
+of every sequence (``training.parallel.context_parallel``).
 Pipeline stages run the micro-batches through a 1F1B schedule
 (``training.parallel.pipeline``). Mixture-of-experts models add their load-balancing
 loss to the training loss; expert-parallel ranks hold a share of the experts
@@ -35,17 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
 from preprocessing.storage import atomic_write_json
-from training.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    step_dir_name,
-)
+from training.async_checkpoint import Checkpointer, checkpoint_group
+from training.checkpoint import load_checkpoint
 from training.config import MegalithConfig, ModelConfig, dump_config
 from training.data import build_gpt_datasets
 from training.data.shard_set import open_shard_set
@@ -62,6 +59,14 @@ from training.parallel.pipeline import PipelineParallel
 from training.parallel.support import check_trainer_support
 from training.precision import Precision, resolve_precision
 from training.schedule import learning_rate
+from training.sharded_checkpoint import (
+    as_location,
+    is_sharded,
+    latest_sharded_checkpoint,
+    load_sharded_checkpoint,
+    read_index,
+    take_snapshot,
+)
 from training.tracking import MetricsFile, NullLogger, RunLogger, read_metrics
 
 logger = logging.getLogger(__name__)
@@ -182,7 +187,10 @@ class Trainer:
         if self.is_main:
             self.output.mkdir(parents=True, exist_ok=True)
         self.precision: Precision = resolve_precision(config.mixed_precision, self.device)
-        self.checkpoint_dir = Path(config.checkpoint.directory or self.output / "checkpoints")
+        # A local path or an fsspec URL (s3://...): checkpoints are sharded (format v2).
+        self.checkpoint_dir = str(config.checkpoint.directory or self.output / "checkpoints")
+        self.checkpointer = Checkpointer(checkpoint_group())
+        self.checkpoint_read_stats: dict[str, Any] = {}  # what this rank read on resume
         seed_everything(config.training.seed)
 
         self.model_config = resolve_model_config(config)
@@ -213,7 +221,7 @@ class Trainer:
         )
         self.step = 0
         self.consumed_samples = 0
-        self.checkpoint: Path | None = None  # the checkpoint of the current state, if any
+        self.checkpoint: Path | str | None = None  # the checkpoint of the current state
         self.train_data, self.valid_data = self._datasets()
 
     # ------------------------------------------------------------------ data
@@ -263,10 +271,23 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def resume(self) -> bool:
-        path = latest_checkpoint(self.checkpoint_dir)
-        if path is None:
+        url = latest_sharded_checkpoint(self.checkpoint_dir)
+        if url is None:
             return False
-        if self.pipeline is not None:
+        path = as_location(url)
+        if is_sharded(read_index(url)):  # v2: this rank's shards, resharded to this layout
+            state = load_sharded_checkpoint(
+                url,
+                self.model,
+                self.optimizer,
+                self.param_names,
+                self.parallel,
+                self.precision.scaler,
+                owner_stage=self.pipeline.owner_stage if self.pipeline is not None else None,
+                stats=self.checkpoint_read_stats,
+                require_signature=self.config.checkpoint.require_signature,
+            )
+        elif self.pipeline is not None:  # v1 (whole tensors) from here on
             state = self.pipeline.load(path, self.optimizer, self.param_names)
         else:
             state = load_checkpoint(
@@ -303,50 +324,46 @@ class Trainer:
         tmp.write_text("".join(_json_line(r) for r in kept))
         os.replace(tmp, path)
 
-    def save(self) -> Path:
-        """Rank 0 writes the whole state (a sharded optimizer consolidated to it first)."""
+    def save(self, background: bool = False) -> Path | str:
+        """Every rank writes its own shards of the state (a sharded checkpoint). With
+        ``background`` this waits only for the copy to host memory; :meth:`wait_for_save`
+        (or the next save) waits for the write and the commit."""
         state = {
             "consumed_samples": self.consumed_samples,
             "config": self.config.model_dump(mode="json"),
             "model_config": self.model_config.model_dump(mode="json"),
             "layout": self.parallel.layout(),
         }
-        if self.pipeline is not None:
-            whole_optimizer = self.pipeline.whole_optimizer(
-                self.optimizer, self.param_names, self.is_main
-            )
-            names = self.pipeline.whole_param_names
-        else:
-            whole_optimizer = ep.consolidated(
-                self.optimizer, self.param_names, self.model_config, self.parallel, self.is_main
-            )
-            names = self.param_names
-        with self._whole_model() as model, whole_optimizer as optimizer:
-            if self.is_main:
-                save_checkpoint(
-                    self.checkpoint_dir,
-                    self.step,
-                    model,
-                    optimizer,
-                    names,
-                    state,
-                    self.precision.scaler,
-                    self.config.checkpoint.keep_last,
-                    sign=self.config.checkpoint.sign,
-                )
-        self._barrier()  # nobody runs ahead of a checkpoint that is not yet on disk
-        self.checkpoint = self.checkpoint_dir / step_dir_name(self.step)
+        url = self.checkpointer.save(
+            lambda: take_snapshot(
+                self.checkpoint_dir,
+                self.step,
+                self.model,
+                self.optimizer,
+                self.param_names,
+                state,
+                self.parallel,
+                self.config.parallel.data_parallel_mode,
+                self.checkpointer.buffers,
+                self.precision.scaler,
+                self.config.checkpoint.keep_last,
+                owner_stage=self.pipeline.owner_stage if self.pipeline is not None else None,
+                sign=self.config.checkpoint.sign,
+            ),
+            background,
+        )
+        self.checkpoint = as_location(url)
         return self.checkpoint
+
+    def wait_for_save(self) -> None:
+        """Block until the save in flight (if any) is written and committed."""
+        self.checkpointer.wait()
 
     def _whole_model(self) -> contextlib.AbstractContextManager:
         """The whole model on rank 0 (collective under FSDP, TP and PP)."""
         if self.pipeline is not None:
             return self.pipeline.whole_model(self.is_main)
         return ep.full_model(self.model, self.parallel, self.is_main)
-
-    def _barrier(self) -> None:
-        if self.parallel.distributed:
-            dist.barrier()
 
     # ------------------------------------------------------------------ steps
 
@@ -478,6 +495,7 @@ class Trainer:
                 record = self.train_step(batches)
                 seconds = time.perf_counter() - started
                 record = {"step": self.step, **record, **self._speed(tokens_per_step, seconds)}
+                record.update(self.checkpointer.pop_timings())  # the last save's, if done
                 rates.append(record["tokens_per_s"])
                 if training.eval_interval and (
                     self.step % training.eval_interval == 0 or self.step == training.train_iters
@@ -503,9 +521,12 @@ class Trainer:
                     logger.info(format_record(record, training.train_iters))
                 interval = self.config.checkpoint.interval
                 if interval and self.step % interval == 0 and self.step < training.train_iters:
-                    last_checkpoint = self.save()
+                    last_checkpoint = self.save(background=self.config.checkpoint.async_save)
             # A run resumed at its end has its final checkpoint already.
-            last_checkpoint = self.checkpoint or self.save()
+            last_checkpoint = self.checkpoint or self.save(
+                background=self.config.checkpoint.async_save
+            )
+            self.wait_for_save()
         finally:
             bar.close()
             if metrics_file is not None:

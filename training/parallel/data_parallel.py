@@ -6,14 +6,14 @@ backward is still running, and not at all on accumulation micro-steps (``no_sync
 ``distributed_optimizer``: the same DDP gradients, and the AdamW state sharded over
 the data-parallel ranks (ZeRO-1). Each parameter has one owner rank, which keeps
 its moments and updates it; after the step every owner broadcasts what it updated.
-Checkpoints consolidate the state on rank 0 in the single-process format, so a
-checkpoint loads into any data-parallel size. (torch's ZeroRedundancyOptimizer does
-the same but consolidates by pickling; this one only moves tensors.)
+Sharded checkpoints (``training.sharded_checkpoint``) have each owner write its
+parameters' state, so a checkpoint loads into any data-parallel size. (torch's
+ZeroRedundancyOptimizer consolidates by pickling; this one only moves tensors.)
 
 ``fsdp``: FSDP2 (``fully_shard`` per transformer block, then the root): parameters,
 gradients and optimizer state sharded (ZeRO-3), all-gathered for each block's forward
-and backward, gradients reduce-scattered. Checkpoints and the model package gather
-the full weights to rank 0 (sharded checkpoints are a later step).
+and backward, gradients reduce-scattered. Each rank saves its rows of every tensor in a
+sharded checkpoint; the model package gathers the full weights to rank 0.
 """
 
 from __future__ import annotations

@@ -403,6 +403,10 @@ class PipelineParallel:
     def _owner(self, name: str) -> int:
         return owner_of_parameter(name, self.counts, self.state.sizes.pp)
 
+    def owner_stage(self, name: str) -> int:
+        """The pipeline rank that saves parameter ``name`` (sharded checkpoints)."""
+        return self._owner(name)
+
     def _to_rank0(self, local: dict[str, Tensor], wanted: list[tuple[str, torch.Size]]):
         """Collective: whole tensors on rank 0 (``None`` elsewhere), TP shards gathered and
         pipeline stages' tensors sent in the order of ``wanted``.

@@ -1,0 +1,921 @@
+"""Sharded checkpoints (format v2): every rank writes its own boxes, any layout reads them.
+
+One checkpoint (``CHECKPOINTS/step-00000100/``, a local directory or an fsspec URL such
+as ``s3://bucket/run/checkpoints``)::
+
+    model-r00003.safetensors      rank 3's boxes of the parameters it saves
+    optimizer-r00003.safetensors  rank 3's boxes of the AdamW state it saves
+    state.json                    step, consumed samples, config, layout, optimizer
+                                  hyper-parameters, loss scaler, rank 0's RNG
+    index.json                    written LAST (the commit): every file's size and
+                                  sha256, every global tensor's shape, dtype and shards
+
+``index.json``::
+
+    {"format": "megalith-sharded-checkpoint", "version": 2, "step": N,
+     "layout": {tp, pp, vpp, dp, cp, ep, data_parallel_mode, world},
+     "files": {name: {"bytes": int, "sha256": hex}},
+     "tensors": {global_name: {"shape": [...], "dtype": "float32",
+                 "shards": [{"file": ..., "key": ..., "box": [[start, stop], ...]}]}}}
+
+Global names are the single-process ``named_parameters`` names
+(``layers.3.attention.qkv.linear.weight``) and
+``optimizer/<param name>/exp_avg|exp_avg_sq|step``. Which boxes a rank holds comes from
+:mod:`training.parallel.shard_specs`; a local tensor that is several boxes (SwiGLU's
+fc1 under TP) is saved as ``key#0``, ``key#1``. Replicated boxes are written once.
+
+Saving (:class:`training.async_checkpoint.Checkpointer`): the caller's thread copies
+this rank's boxes to host memory (pinned buffers reused across saves on CUDA), then a
+background thread (or the caller, without ``checkpoint.async_save``) writes
+the rank's files, hashing as it writes, and a small ``rank-00003.json`` manifest. After
+a barrier (a dedicated gloo group, never the training one) rank 0 merges the manifests
+and writes ``index.json`` last. Local disk: all of it goes to ``step-XXXXXXXX.tmp/``,
+renamed into place after the index; object stores: no rename, a directory without
+``index.json`` does not count. ``latest.json`` is replaced after the commit, then old
+checkpoints are pruned and incomplete directories removed. A kill at any moment leaves
+the previous checkpoint complete.
+
+Loading (:func:`load_sharded_checkpoint`): each rank computes its specs in the current
+layout and reads only the overlapping parts of the saved boxes
+(``safe_open(...).get_slice(key)[...]``), from only the files it needs, each checked
+against its size and sha256 first; names, shapes, dtypes and the boxes' exact cover of
+every needed tensor are checked before anything is copied.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from preprocessing.storage import atomic_write_bytes, filesystem, is_local, join
+from training.checkpoint import (
+    CheckpointError,
+    _is_persistent,
+    _safe_name,
+    optimizer_group_indices,
+    restore_rng_state,
+    step_dir_name,
+)
+from training.parallel.groups import ParallelState
+from training.parallel.shard_specs import (
+    MOMENTS,
+    OPTIMIZER_PREFIX,
+    ShardSpec,
+    holds_state,
+    local_tensor,
+    model_specs,
+    optimizer_key,
+    optimizer_specs,
+    reshard_fsdp,
+    whole_piece,
+)
+from training.safe_tensors import UnsafeTensorFileError, check_safetensors
+from training.signing import (
+    SIGNATURE_FILE,
+    SignatureError,
+    check_signature_bytes,
+    parse_signature,
+    should_sign,
+    signature_record,
+)
+
+FORMAT = "megalith-sharded-checkpoint"
+VERSION = 2
+INDEX = "index.json"
+STATE = "state.json"
+LATEST = "latest.json"
+
+_DTYPES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def rank_file(kind: str, rank: int) -> str:
+    return f"{kind}-r{rank:05d}.safetensors"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------- locations
+
+
+def _url(root: str | Path, *names: str) -> str:
+    return join(str(root), *names)
+
+
+def _exists(url: str, storage_options: dict | None = None) -> bool:
+    fs, path = filesystem(url, storage_options)
+    fs.invalidate_cache()
+    return fs.exists(path)
+
+
+def _read_bytes(url: str, storage_options: dict | None = None) -> bytes:
+    fs, path = filesystem(url, storage_options)
+    with fs.open(path, "rb") as handle:
+        return handle.read()
+
+
+def remove_tree(url: str, storage_options: dict | None = None) -> None:
+    if is_local(url):
+        shutil.rmtree(url.removeprefix("file://"), ignore_errors=True)
+        return
+    fs, path = filesystem(url, storage_options)
+    fs.invalidate_cache()
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def _step_entries(root: str, storage_options: dict | None = None) -> list[str]:
+    """Names of the ``step-*`` entries directly under ROOT."""
+    fs, path = filesystem(root, storage_options)
+    fs.invalidate_cache()
+    if not fs.exists(path):
+        return []
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
+    return [n for n in names if n.startswith("step-")]
+
+
+def _step_number(name: str) -> int | None:
+    number = name.removeprefix("step-")
+    return int(number) if number.isdigit() else None
+
+
+def checkpoint_url(root: str | Path, step: int) -> str:
+    """Where the checkpoint of STEP lives once committed."""
+    return _url(root, step_dir_name(step))
+
+
+def as_location(url: str) -> Path | str:
+    """A local checkpoint as a Path (what the trainer reports), a remote one as its URL."""
+    return Path(url.removeprefix("file://")) if is_local(url) else url
+
+
+# --------------------------------------------------------------------------- writing files
+
+
+class _HashingWriter:
+    """Writes through to HANDLE, counting bytes and hashing them."""
+
+    def __init__(self, handle: Any):
+        self.handle, self.bytes, self.digest = handle, 0, hashlib.sha256()
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.handle.write(data)
+        self.digest.update(data)
+        self.bytes += len(data)
+
+
+def write_safetensors(url: str, tensors: dict[str, torch.Tensor], storage_options=None) -> dict:
+    """Stream TENSORS (CPU) to URL in the safetensors format; returns {bytes, sha256}.
+
+    Written here rather than with ``safetensors.torch.save`` so that the file is hashed
+    as it is written and never held twice in memory."""
+    header, offset = {}, 0
+    for key, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[key] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    fs, path = filesystem(url, storage_options)
+    with fs.open(path, "wb") as handle:
+        out = _HashingWriter(handle)
+        out.write(struct.pack("<Q", len(blob)))
+        out.write(blob)
+        for tensor in tensors.values():
+            if tensor.numel():
+                data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+                out.write(memoryview(data))
+    return {"bytes": out.bytes, "sha256": out.digest.hexdigest()}
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2) + "\n").encode()
+
+
+def _write_json(url: str, obj: Any, storage_options=None) -> dict:
+    data = _json_bytes(obj)
+    atomic_write_bytes(url, data, storage_options)
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+# --------------------------------------------------------------------------- snapshot
+
+
+@dataclass
+class Snapshot:
+    """This rank's part of one checkpoint, in host memory: what the writer thread writes."""
+
+    root: str
+    step: int
+    rank: int
+    world: int
+    files: dict[str, dict[str, torch.Tensor]]  # file name -> {key: tensor}
+    tensors: dict[str, dict[str, Any]]  # global name -> {shape, dtype, shards}
+    state: dict[str, Any] | None  # state.json, rank 0 only
+    layout: dict[str, Any]
+    keep_last: int
+    blocked_s: float = 0.0
+    sign: bool = False  # write signature.json (resolved on the training thread)
+
+
+class HostBuffers:
+    """Host copies of the boxes, reused from one save to the next (pinned on CUDA)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._in_flight = False  # asynchronous device-to-host copies queued
+
+    def copy(self, key: str, source: torch.Tensor) -> torch.Tensor:
+        if source.device.type != "cuda":
+            return source.detach().to("cpu", copy=True).contiguous()
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            self._buffers[key] = buffer
+        buffer.copy_(source.detach(), non_blocking=True)
+        self._in_flight = True
+        return buffer
+
+    def synchronize(self) -> None:
+        """Wait for the queued copies (one synchronisation per save)."""
+        if self._in_flight:
+            torch.cuda.synchronize()
+            self._in_flight = False
+
+
+def _add_boxes(
+    files: dict[str, dict[str, torch.Tensor]],
+    tensors: dict[str, dict[str, Any]],
+    file: str,
+    spec: ShardSpec,
+    local: torch.Tensor,
+    buffers: HostBuffers,
+) -> None:
+    if not spec.writes or not spec.pieces:
+        return
+    many = len(spec.pieces) > 1
+    entry = tensors.setdefault(
+        spec.name, {"shape": list(spec.shape), "dtype": _dtype_name(local.dtype), "shards": []}
+    )
+    for number, piece in enumerate(spec.pieces):
+        key = f"{spec.name}#{number}" if many else spec.name
+        files.setdefault(file, {})[key] = buffers.copy(f"{file}/{key}", local[piece.local])
+        entry["shards"].append({"file": file, "key": key, "box": [list(b) for b in piece.box]})
+
+
+def rng_record() -> dict[str, Any]:
+    """This process's Python, numpy and torch generator states as JSON."""
+    version, internal, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    record = {
+        "python": [version, list(internal), gauss],
+        "numpy": {"pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy_keys": [int(k) for k in keys],
+        "torch_cpu": torch.get_rng_state().numpy().tobytes().hex(),
+    }
+    if torch.cuda.is_available():
+        record["torch_cuda"] = [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()]
+    return record
+
+
+def restore_rng(record: dict[str, Any]) -> None:
+    """Inverse of :func:`rng_record` (v1's restore semantics)."""
+    tensors = {
+        "torch_cpu": _bytes_tensor(record["torch_cpu"]),
+        "numpy_keys": torch.tensor(record["numpy_keys"], dtype=torch.int64),
+    }
+    for device, state in enumerate(record.get("torch_cuda", [])):
+        tensors[f"torch_cuda_{device}"] = _bytes_tensor(state)
+    restore_rng_state(tensors, record)
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(bytes.fromhex(text)), dtype=torch.uint8).clone()
+
+
+def index_layout(state: ParallelState, data_parallel_mode: str) -> dict[str, Any]:
+    s = state.sizes
+    return {
+        "tp": s.tp, "pp": s.pp, "vpp": s.vpp, "dp": s.dp, "cp": s.cp, "ep": s.ep,
+        "data_parallel_mode": data_parallel_mode, "world": s.world,
+    }  # fmt: skip
+
+
+def _refuse_persistent_buffers(model: nn.Module) -> None:
+    """The models have none (RoPE tables are rebuilt); one added later must be saved."""
+    buffers = [n for n, _ in model.named_buffers() if _is_persistent(model, n)]
+    if buffers:
+        raise CheckpointError(
+            f"persistent buffers {buffers[:3]} would not be saved: sharded checkpoints hold "
+            "parameters and optimizer state only"
+        )
+
+
+def take_snapshot(
+    root: str,
+    step: int,
+    model: nn.Module,
+    optimizer: Any,
+    param_names: list[str],
+    state: dict[str, Any],
+    parallel: ParallelState,
+    data_parallel_mode: str,
+    buffers: HostBuffers,
+    scaler: torch.amp.GradScaler | None = None,
+    keep_last: int = 3,
+    owner_stage: Callable[[str], int] | None = None,
+    sign: bool | None = None,
+) -> Snapshot:
+    """Copy this rank's boxes to host memory (the only part a training loop waits for)."""
+    started = time.perf_counter()
+    _refuse_persistent_buffers(model)
+    reshard_fsdp(model)
+    params = model_specs(model, parallel, owner_stage)
+    rank = parallel.rank
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    tensors: dict[str, dict[str, Any]] = {}
+    named = dict(model.named_parameters())
+    for name, spec in params.items():
+        _add_boxes(
+            files, tensors, rank_file("model", rank), spec, local_tensor(named[name]), buffers
+        )
+    by_name = {n: named[n] for n in param_names}
+    for key, spec in optimizer_specs(
+        optimizer, model, param_names, params, parallel, owner_stage
+    ).items():
+        name, _, state_key = key.removeprefix(OPTIMIZER_PREFIX).rpartition("/")
+        values = optimizer.state.get(by_name[name])
+        if not values:
+            continue  # no step taken yet: nothing to save
+        value = values[state_key]
+        value = value.float() if torch.is_tensor(value) and value.dim() == 0 else value
+        value = value if torch.is_tensor(value) else torch.tensor(float(value))
+        _add_boxes(files, tensors, rank_file("optimizer", rank), spec, local_tensor(value), buffers)
+    buffers.synchronize()
+    record = None
+    if rank == 0:
+        record = {
+            **state,
+            "step": step,
+            "optimizer": {
+                "param_groups": [
+                    {
+                        k: (list(v) if isinstance(v, tuple) else v)
+                        for k, v in g.items()
+                        if k != "params"
+                    }
+                    for g in optimizer.param_groups
+                ],
+            },
+            "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+            "rng": rng_record(),
+        }
+    return Snapshot(
+        root=str(root),
+        step=step,
+        rank=rank,
+        world=parallel.world_size,
+        files=files,
+        tensors=tensors,
+        state=record,
+        layout=index_layout(parallel, data_parallel_mode),
+        keep_last=keep_last,
+        blocked_s=time.perf_counter() - started,
+        sign=should_sign(sign),
+    )
+
+
+# --------------------------------------------------------------------------- commit
+
+
+def staging_url(root: str, step: int) -> str:
+    """Where a save writes: ``step-X.tmp`` on local disk (renamed after), else ``step-X``."""
+    name = step_dir_name(step)
+    return _url(root, f"{name}.tmp" if is_local(root) else name)
+
+
+def write_rank_files(snapshot: Snapshot, staging: str, storage_options=None) -> None:
+    """This rank's tensor files and its manifest ``rank-XXXXX.json`` (state.json on rank 0)."""
+    files = {}
+    for name, content in snapshot.files.items():
+        files[name] = write_safetensors(_url(staging, name), content, storage_options)
+    if snapshot.state is not None:
+        files[STATE] = _write_json(_url(staging, STATE), snapshot.state, storage_options)
+    manifest = {"rank": snapshot.rank, "files": files, "tensors": snapshot.tensors}
+    _write_json(_url(staging, f"rank-{snapshot.rank:05d}.json"), manifest, storage_options)
+
+
+def commit(snapshot: Snapshot, staging: str, storage_options=None) -> str:
+    """Rank 0, after every rank wrote: merge the manifests, write index.json last, move
+    into place (local), point latest.json at it, prune. Returns the checkpoint's URL."""
+    files: dict[str, dict] = {}
+    tensors: dict[str, dict] = {}
+    for rank in range(snapshot.world):
+        url = _url(staging, f"rank-{rank:05d}.json")
+        manifest = json.loads(_read_bytes(url, storage_options))
+        files.update(manifest["files"])
+        for name, entry in manifest["tensors"].items():
+            merged = tensors.setdefault(name, {**entry, "shards": []})
+            if merged["shape"] != entry["shape"] or merged["dtype"] != entry["dtype"]:
+                raise CheckpointError(
+                    f"{staging}: ranks disagree on {name}: {merged['shape']} {merged['dtype']} "
+                    f"vs {entry['shape']} {entry['dtype']} (rank {rank})"
+                )
+            merged["shards"] += entry["shards"]
+    for name, entry in tensors.items():
+        check_cover(name, entry, staging)
+    for rank in range(snapshot.world):
+        fs, path = filesystem(_url(staging, f"rank-{rank:05d}.json"), storage_options)
+        fs.rm(path)
+    index = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": snapshot.step,
+        "layout": snapshot.layout,
+        "files": dict(sorted(files.items())),
+        "tensors": dict(sorted(tensors.items())),
+    }
+    data = _json_bytes(index)
+    if snapshot.sign:  # before the index: a committed index is never unsigned
+        _write_json(_url(staging, SIGNATURE_FILE), signature_record(INDEX, data), storage_options)
+    atomic_write_bytes(_url(staging, INDEX), data, storage_options)
+    root, name = snapshot.root, step_dir_name(snapshot.step)
+    final = _url(root, name)
+    if is_local(root):
+        remove_tree(final)
+        os.replace(staging.removeprefix("file://"), final.removeprefix("file://"))
+    _write_json(_url(root, LATEST), {"step": snapshot.step, "path": name}, storage_options)
+    prune(root, snapshot.step, snapshot.keep_last, storage_options)
+    return final
+
+
+def prune(root: str, step: int, keep_last: int, storage_options=None) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints up to ``step``; remove every
+    incomplete one (a save that was killed). Later complete ones are left alone, as v1."""
+    complete = {}
+    for name in _step_entries(root, storage_options):
+        url = _url(root, name)
+        number = _step_number(name)
+        if number is None or not _exists(_url(url, INDEX), storage_options):
+            remove_tree(url, storage_options)  # a .tmp or an uncommitted directory
+        elif number <= step:
+            complete[number] = url
+    for old in sorted(complete)[:-keep_last]:
+        remove_tree(complete[old], storage_options)
+
+
+def _overlap(first: Any, second: Any) -> list[tuple[int, int]] | None:
+    """The intersection of two boxes, None when empty."""
+    both = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(first, second, strict=True)]
+    return None if any(lo >= hi for lo, hi in both) else both
+
+
+def check_cover(name: str, entry: dict[str, Any], where: Any) -> None:
+    """The shards of a global tensor lie inside it, do not overlap and cover all of it."""
+    shape = entry.get("shape")
+    shards = entry.get("shards")
+    if not isinstance(shape, list) or not isinstance(shards, list) or not shards:
+        raise CheckpointError(f"{where}: tensor {name} has no shape or no shards in index.json")
+    boxes = []
+    for shard in shards:
+        box = shard.get("box") if isinstance(shard, dict) else None
+        if (
+            not isinstance(box, list)
+            or len(box) != len(shape)
+            or any(not (isinstance(b, list) and len(b) == 2) for b in box)
+            or any(not (0 <= a < b <= n) for (a, b), n in zip(box, shape, strict=True))
+        ):
+            raise CheckpointError(
+                f"{where}: tensor {name}: shard box {box} is not inside its shape {shape}"
+            )
+        boxes.append(box)
+    for i, first in enumerate(boxes):
+        for second in boxes[i + 1 :]:
+            if _overlap(first, second) is not None:
+                raise CheckpointError(
+                    f"{where}: tensor {name}: shards {first} and {second} overlap"
+                )
+    volume = sum(math.prod(b - a for a, b in box) for box in boxes)
+    if volume != math.prod(shape):
+        raise CheckpointError(
+            f"{where}: tensor {name}: the shards cover {volume} of its {math.prod(shape)} elements"
+        )
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def latest_sharded_checkpoint(root: str | Path, storage_options=None) -> str | None:
+    """The checkpoint latest.json names, if committed (index.json present); else the
+    newest committed one (a kill between the commit and latest.json). v1 ones count too."""
+    root = str(root)
+    pointer = _url(root, LATEST)
+    if _exists(pointer, storage_options):
+        try:
+            name = json.loads(_read_bytes(pointer, storage_options))["path"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise CheckpointError(
+                f"{pointer}: not a valid pointer to the latest checkpoint"
+            ) from None
+        url = _url(root, _safe_name(name, Path(pointer)))
+        if _exists(_url(url, INDEX), storage_options):
+            return url
+    complete = [
+        (number, name)
+        for name in _step_entries(root, storage_options)
+        if (number := _step_number(name)) is not None
+        and _exists(_url(root, name, INDEX), storage_options)
+    ]
+    return _url(root, max(complete)[1]) if complete else None
+
+
+def read_index(
+    path: str | Path, storage_options=None, require_signature: bool | None = None
+) -> dict[str, Any]:
+    """index.json of a checkpoint (v1 or v2), parsed; a clear error when absent.
+
+    ``require_signature`` (not None): the signature over these very bytes is checked
+    first (True: it must exist and match; False: checked when present and a key is set)."""
+    url = _url(str(path), INDEX)
+    try:
+        data = _read_bytes(url, storage_options)
+    except FileNotFoundError:
+        raise CheckpointError(f"{url} is missing: {path} is not a complete checkpoint") from None
+    if require_signature is not None:
+        _check_signature(str(path), data, require_signature, storage_options)
+    try:
+        index = json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{url}: not valid JSON ({exc.msg})") from None
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{url}: not a checkpoint index")
+    return index
+
+
+def _check_signature(path: str, index: bytes, required: bool, storage_options=None) -> None:
+    url = _url(path, SIGNATURE_FILE)
+    try:
+        raw = _read_bytes(url, storage_options) if _exists(url, storage_options) else None
+        record = None if raw is None else parse_signature(raw, url)
+        check_signature_bytes(record, INDEX, index, required, url)
+    except SignatureError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def is_sharded(index: dict[str, Any]) -> bool:
+    return index.get("format") == FORMAT
+
+
+def _check_index(index: dict[str, Any], where: str) -> None:
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise CheckpointError(
+            f"{where}: not a Megalith sharded checkpoint index (version {VERSION})"
+        )
+    if not isinstance(index.get("files"), dict) or not isinstance(index.get("tensors"), dict):
+        raise CheckpointError(f"{where}: has no 'files' and 'tensors' tables")
+    for name, expected in index["files"].items():
+        _safe_name(name, Path(where))
+        if not isinstance(expected, dict) or not {"bytes", "sha256"} <= expected.keys():
+            raise CheckpointError(f"{where}: entry for {name} lacks 'bytes' and 'sha256'")
+    if STATE not in index["files"]:
+        raise CheckpointError(f"{where}: does not list {STATE}")
+
+
+class ShardReader:
+    """Opens the files of one v2 checkpoint, each verified against index.json first
+    (remote files are fetched to a temporary directory while being hashed)."""
+
+    def __init__(self, path: str | Path, index: dict[str, Any], storage_options=None):
+        self.root, self.index, self.options = str(path), index, storage_options
+        self._local: dict[str, str] = {}
+        self._handles: dict[str, Any] = {}
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.stats: dict[str, Any] = {"files": [], "reads": [], "bytes": 0}
+
+    def verified(self, name: str) -> str:
+        """A local path to file NAME, checked against its size and sha256."""
+        if name in self._local:
+            return self._local[name]
+        where = _url(self.root, INDEX)
+        expected = self.index["files"].get(_safe_name(name, Path(where)))
+        if expected is None:
+            raise CheckpointError(f"{where}: a shard names {name}, which the index does not list")
+        url = _url(self.root, name)
+        if is_local(url):
+            local = url.removeprefix("file://")
+            if os.path.islink(local):
+                raise CheckpointError(
+                    f"{local}: a symbolic link; checkpoint files must be regular files"
+                )
+            if not os.path.isfile(local):
+                raise CheckpointError(f"{local}: missing (listed in index.json)")
+            size, digest = os.path.getsize(local), _sha256(open(local, "rb"), expected["bytes"])  # noqa: SIM115
+        else:
+            if self._tmp is None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="megalith-ckpt-")
+            local = os.path.join(self._tmp.name, name)
+            fs, remote = filesystem(url, self.options)
+            try:
+                source = fs.open(remote, "rb")
+            except FileNotFoundError:
+                raise CheckpointError(f"{url}: missing (listed in index.json)") from None
+            with open(local, "wb") as copy:
+                digest = _sha256(source, expected["bytes"], copy)
+            size = os.path.getsize(local)
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{url}: {size} bytes, index.json says {expected['bytes']}")
+        if digest != expected["sha256"]:
+            raise CheckpointError(
+                f"{url}: sha256 does not match index.json (modified or corrupted)"
+            )
+        self._local[name] = local
+        self.stats["files"].append(name)
+        return local
+
+    def handle(self, name: str) -> Any:
+        if name not in self._handles:
+            local = self.verified(name)
+            try:
+                check_safetensors(local)  # bounded header, data ranges inside the file
+            except UnsafeTensorFileError as exc:
+                raise CheckpointError(str(exc)) from None
+            self._handles[name] = safe_open(local, framework="pt")
+        return self._handles[name]
+
+    def read(self, shard: dict[str, Any], region: tuple[slice, ...], meta: dict) -> torch.Tensor:
+        """Part REGION (relative to the shard's box) of one saved shard."""
+        part = self.check_shard(shard, meta)
+        handle, key = self.handle(shard["file"]), shard["key"]
+        shape = [b - a for a, b in shard["box"]]
+        tensor = handle.get_tensor(key) if not shape else part[region]
+        self.stats["reads"].append({"file": shard["file"], "key": key, "box": shard["box"]})
+        self.stats["bytes"] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def check_shard(self, shard: dict[str, Any], meta: dict) -> Any:
+        """The lazy slice of one saved shard, whose shape and dtype match the index."""
+        handle = self.handle(shard["file"])
+        key = shard["key"]
+        if key not in handle.keys():  # noqa: SIM118 - safe_open handles are not containers
+            raise CheckpointError(f"{_url(self.root, shard['file'])}: has no tensor {key}")
+        part = handle.get_slice(key)
+        shape = [b - a for a, b in shard["box"]]
+        if list(part.get_shape()) != shape or part.get_dtype() != _DTYPES.get(
+            _dtype(meta["dtype"], key)
+        ):
+            raise CheckpointError(
+                f"{_url(self.root, shard['file'])}: tensor {key} is {part.get_shape()} "
+                f"{part.get_dtype()}, index.json says {shape} {meta['dtype']}"
+            )
+        return part
+
+    def close(self) -> None:
+        self._handles.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def _dtype(name: str, key: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
+        raise CheckpointError(f"index.json: tensor {key} has an unsupported dtype {name!r}")
+    return dtype
+
+
+def _sha256(source: Any, limit: int, copy: Any = None) -> str:
+    """Hash SOURCE (closing it), reading at most LIMIT + 1 bytes: a bigger file fails the
+    size check without being read to its end."""
+    digest, read = hashlib.sha256(), 0
+    with source:
+        while read <= limit and (chunk := source.read(min(8 << 20, limit + 1 - read))):
+            digest.update(chunk)
+            read += len(chunk)
+            if copy is not None:
+                copy.write(chunk)
+    return digest.hexdigest()
+
+
+def _plan(
+    specs: dict[str, ShardSpec], targets: dict[str, torch.Tensor], index: dict, where: str
+) -> list[tuple[ShardSpec, torch.Tensor, dict]]:
+    """Check every needed tensor against the index before anything is read."""
+    plan, checked = [], set()
+    for local_name, spec in specs.items():
+        meta = index["tensors"].get(spec.name)
+        if meta is None:
+            raise CheckpointError(f"{where}: has no tensor {spec.name}, which the model needs")
+        if list(meta.get("shape", [])) != list(spec.shape):
+            raise CheckpointError(
+                f"{where}: {spec.name} has shape {meta.get('shape')}, the model expects {list(spec.shape)}"
+            )
+        _dtype(meta.get("dtype"), spec.name)
+        if spec.name not in checked:
+            check_cover(spec.name, meta, where)
+            checked.add(spec.name)
+        for shard in meta["shards"]:
+            _safe_name(shard.get("file"), Path(where))
+        plan.append((spec, targets[local_name], meta))
+    return plan
+
+
+def _fill(reader: ShardReader, spec: ShardSpec, target: torch.Tensor, meta: dict) -> None:
+    """Copy the overlap of every saved shard with every piece of SPEC into TARGET."""
+    for piece in spec.pieces:
+        covered = 0
+        for shard in meta["shards"]:
+            overlap = _overlap(piece.box, shard["box"])
+            if overlap is None:
+                continue
+            source = _relative(overlap, shard["box"])
+            dest = _relative(overlap, piece.box)
+            target[piece.local][dest].copy_(reader.read(shard, source, meta))
+            covered += math.prod(hi - lo for lo, hi in overlap)
+        if covered != math.prod(b - a for a, b in piece.box):
+            raise CheckpointError(
+                f"{reader.root}: the shards of {spec.name} do not cover box {piece.box}"
+            )
+
+
+def _relative(region: list[tuple[int, int]], box: Any) -> tuple[slice, ...]:
+    """REGION (global coordinates) as slices of a tensor holding BOX."""
+    return tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(region, box, strict=True))
+
+
+def _empty_optimizer_state(
+    optimizer: Any, named: dict[str, torch.Tensor], param_names: list[str]
+) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """AdamW state to fill, for the parameters this rank keeps state of (in the
+    parameter's layout: a DTensor under FSDP), and its local tensors by global name."""
+    per_param, targets = {}, {}
+    for position, name in enumerate(param_names):
+        if not holds_state(optimizer, position):
+            continue
+        values = {key: torch.zeros_like(named[name]) for key in MOMENTS}
+        values["step"] = torch.zeros((), dtype=torch.float32)
+        per_param[position] = values
+        for key, value in values.items():
+            targets[optimizer_key(name, key)] = local_tensor(value)
+    return per_param, targets
+
+
+def load_sharded_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: Any,
+    param_names: list[str],
+    parallel: ParallelState,
+    scaler: torch.amp.GradScaler | None = None,
+    owner_stage: Callable[[str], int] | None = None,
+    restore_rng_state: bool = True,
+    storage_options=None,
+    stats: dict[str, Any] | None = None,
+    require_signature: bool = False,
+) -> dict[str, Any]:
+    """Load this rank's part of a v2 checkpoint saved in any layout; returns state.json.
+
+    ``stats`` (optional) receives the files this rank opened and the shards it read."""
+    path = str(path)
+    where = _url(path, INDEX)
+    index = read_index(path, storage_options, require_signature)
+    _check_index(index, where)
+    reader = ShardReader(path, index, storage_options)
+    try:
+        with open(reader.verified(STATE), "rb") as handle:
+            state = json.loads(handle.read())
+        reshard_fsdp(model)
+        params = model_specs(model, parallel, owner_stage)
+        named = dict(model.named_parameters())
+        model_plan = _plan(params, {n: local_tensor(p) for n, p in named.items()}, index, where)
+        opt_plan, per_param = [], {}
+        has_optimizer = any(name.startswith(OPTIMIZER_PREFIX) for name in index["tensors"])
+        if optimizer is not None and has_optimizer:
+            specs = optimizer_specs(optimizer, model, param_names, params, parallel, owner_stage)
+            per_param, targets = _empty_optimizer_state(optimizer, named, param_names)
+            opt_plan = _plan(specs, targets, index, where)
+        for spec, _, meta in model_plan + opt_plan:  # verify every needed file first
+            for shard in meta["shards"]:
+                if any(_overlap(p.box, shard["box"]) is not None for p in spec.pieces):
+                    reader.verified(shard["file"])
+        with torch.no_grad():
+            for spec, target, meta in model_plan + opt_plan:
+                _fill(reader, spec, target, meta)
+        if optimizer is not None:
+            groups = [
+                {**saved, "params": indices}
+                for saved, indices in zip(
+                    state["optimizer"]["param_groups"],
+                    optimizer_group_indices(optimizer),
+                    strict=True,
+                )
+            ]
+            optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+    finally:
+        if stats is not None:
+            stats.update(reader.stats)
+        reader.close()
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    if restore_rng_state:
+        restore_rng(state["rng"])
+    return state
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def verify_sharded_checkpoint(
+    path: str | Path, storage_options=None, require_signature: bool = False
+) -> dict[str, Any]:
+    """Check the signature (when present and a key is set, or required), every file of a
+    v2 checkpoint against index.json (size, sha256, bounded safetensors header) and every
+    tensor's shards (inside the shape, no overlap, full cover); returns the index."""
+    index = read_index(path, storage_options, require_signature)
+    where = _url(str(path), INDEX)
+    _check_index(index, where)
+    for name, meta in index["tensors"].items():
+        check_cover(name, meta, where)
+        for shard in meta["shards"]:
+            if shard.get("file") not in index["files"]:
+                raise CheckpointError(f"{where}: {name} names {shard.get('file')}, not listed")
+    reader = ShardReader(path, index, storage_options)
+    try:
+        for name in index["files"]:
+            reader.verified(name)
+            if name.endswith(".safetensors"):
+                reader.handle(name)  # header bounded and parsed
+        for meta in index["tensors"].values():
+            for shard in meta["shards"]:
+                reader.check_shard(shard, meta)
+    finally:
+        reader.close()
+    return index
+
+
+def read_global_tensor(
+    path: str | Path, name: str, index: dict[str, Any] | None = None, storage_options=None
+) -> torch.Tensor:
+    """The whole global tensor NAME of a v2 checkpoint, assembled from its shards."""
+    index = index or read_index(path, storage_options)
+    _check_index(index, _url(str(path), INDEX))
+    reader = ShardReader(path, index, storage_options)
+    try:
+        return _read_whole(reader, name)
+    finally:
+        reader.close()
+
+
+def read_global_tensors(path: str | Path, storage_options=None) -> dict[str, torch.Tensor]:
+    """Every global tensor of a v2 checkpoint (tools, tests; each file verified once)."""
+    index = read_index(path, storage_options)
+    _check_index(index, _url(str(path), INDEX))
+    reader = ShardReader(path, index, storage_options)
+    try:
+        return {name: _read_whole(reader, name) for name in index["tensors"]}
+    finally:
+        reader.close()
+
+
+def _read_whole(reader: ShardReader, name: str) -> torch.Tensor:
+    """Verify the files holding NAME, bound its size by theirs, then allocate and fill it."""
+    where = _url(reader.root, INDEX)
+    meta = reader.index["tensors"].get(name)
+    if meta is None:
+        raise CheckpointError(f"{where}: has no tensor {name}")
+    check_cover(name, meta, where)
+    dtype = _dtype(meta["dtype"], name)
+    files = {shard["file"] for shard in meta["shards"]}
+    available = sum(os.path.getsize(reader.verified(file)) for file in files)
+    needed = math.prod(meta["shape"]) * dtype.itemsize
+    if needed > available:
+        raise CheckpointError(
+            f"{where}: tensor {name} claims {needed} bytes, its files hold {available}"
+        )
+    whole = torch.empty(meta["shape"], dtype=dtype)
+    spec = ShardSpec(name, tuple(meta["shape"]), (whole_piece(meta["shape"]),), False)
+    _fill(reader, spec, whole, meta)
+    return whole
