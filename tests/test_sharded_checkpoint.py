@@ -48,8 +48,10 @@ from parallel_helpers import (
     trainer_settings,
 )
 
+from pipelines.cli import main as cli_main
 from training.async_checkpoint import TEST_WRITE_DELAY_ENV
 from training.checkpoint import CheckpointError, save_checkpoint
+from training.checkpoint_convert import consolidate
 from training.sharded_checkpoint import (
     latest_sharded_checkpoint,
     read_global_tensor,
@@ -288,6 +290,41 @@ def test_save_to_s3_and_resume_from_it(
     assert not fs.exists(f"{root}/step-{8:08d}"), "an uncommitted save is cleaned up"
 
 
+# --- convert ---------------------------------------------------------------------------------
+
+
+def _resume_from(root: Path, settings_: dict[str, Any], out: Path) -> dict[int, float]:
+    """Resume the latest checkpoint under ROOT in one process and train to the end."""
+    trainer = Trainer(config_of({**settings_, "checkpoint.directory": str(root)}), out)
+    assert trainer.resume() and trainer.step == RESUME_STEP
+    trainer.fit(show_progress=False)
+    return {r["step"]: r["loss"] for r in metrics(out)}
+
+
+def test_convert_consolidates_the_eight_process_checkpoint(
+    saved: Path, shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``megalith ckpt convert``: one model and one optimizer file of whole tensors, equal
+    to the sharded ones; training resumes from it with the same losses."""
+    source = saved / "checkpoints" / f"step-{RESUME_STEP:08d}"
+    assert cli_main(["ckpt", "convert", str(source), str(tmp_path / "converted")]) == 0
+    converted = tmp_path / "converted" / f"step-{RESUME_STEP:08d}"
+    index = json.loads((converted / "index.json").read_text())
+    assert set(index["files"]) == {
+        "model-r00000.safetensors", "optimizer-r00000.safetensors", "state.json"
+    }  # fmt: skip
+    assert all(len(meta["shards"]) == 1 for meta in index["tensors"].values())
+    assert set(index["tensors"]) == set(read_index(source)["tensors"])
+    for name in ("layers.0.mlp.fc1.linear.weight", "optimizer/embedding.word.weight/exp_avg"):
+        assert torch.equal(read_global_tensor(converted, name), read_global_tensor(source, name))
+    assert cli_main(["ckpt", "verify", str(converted)]) == 0
+    capsys.readouterr()
+    losses = _resume_from(tmp_path / "converted", settings(shards), tmp_path / "run")
+    straight = {r["step"]: r["loss"] for r in metrics(saved)}
+    for step, loss in losses.items():
+        assert loss == pytest.approx(straight[step], abs=LOSS_ATOL), f"converted: step {step}"
+
+
 # --- v1 ------------------------------------------------------------------------------------
 
 
@@ -310,12 +347,16 @@ def test_a_v1_checkpoint_still_resumes(shards: Path, reference: Path, tmp_path: 
     )
     assert read_index(path)["version"] == 1
 
+    consolidate(path, tmp_path / "converted")  # v1 -> v2, before the resume below prunes
     resumed = Trainer(config, tmp_path / "new")
     assert resumed.resume() and resumed.step == RESUME_STEP
     resumed.fit(show_progress=False)
     want = {r["step"]: r["loss"] for r in metrics(reference) if r["step"] > RESUME_STEP}
     for record in metrics(tmp_path / "new"):
         assert record["loss"] == pytest.approx(want[record["step"]], abs=LOSS_ATOL), record
+    # The same checkpoint converted to v2 resumes to the same losses (RNG state included).
+    converted = _resume_from(tmp_path / "converted", settings(shards), tmp_path / "from-converted")
+    assert converted == {r["step"]: r["loss"] for r in metrics(tmp_path / "new")}
 
 
 # --- refusals --------------------------------------------------------------------------------

@@ -44,8 +44,8 @@ class UnknownCheckpointError(MegalithError):
 def register(subcommands: argparse._SubParsersAction) -> None:
     ckpt = subcommands.add_parser(
         "ckpt",
-        help="inspect or verify checkpoints and model packages",
-        description="Inspect or verify a training checkpoint (step directory with index.json) "
+        help="inspect, verify or convert checkpoints and model packages",
+        description="Inspect, verify or convert a training checkpoint (step directory with index.json) "
         "or a model package (checksums.json). Nothing is unpickled; no tensor is read.",
     )
     ckpt.set_defaults(group_parser=ckpt)
@@ -76,6 +76,19 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="refuse an unsigned or wrongly signed PATH (needs MEGALITH_SIGNING_KEY)",
     )
     verify.set_defaults(handler=_verify)
+    convert = commands.add_parser(
+        "convert",
+        help="write any checkpoint as one consolidated file set (loads into any layout)",
+        description="Read SRC (a checkpoint step directory: v2 in any layout, or v1) with "
+        "every check a loader runs, and write it under OUT as a consolidated v2 checkpoint: "
+        "one model file and one optimizer file of whole tensors plus state.json, committed "
+        "like a training save (signed when MEGALITH_SIGNING_KEY is set). Training resumes "
+        "from it in any layout (--set checkpoint.directory=OUT --resume), which is also how "
+        "a consolidated checkpoint is split into a layout.",
+    )
+    convert.add_argument("source", metavar="SRC", help="checkpoint step directory")
+    convert.add_argument("out", metavar="OUT", help="checkpoints directory to write into")
+    convert.set_defaults(handler=_convert)
 
 
 # --------------------------------------------------------------------------- detection
@@ -135,6 +148,13 @@ def verify(path: str | Path, require_signature: bool = False) -> str:
 
 def _verify(args: argparse.Namespace) -> int:
     print(verify(args.path, require_signature=args.require_signature))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from training.checkpoint_convert import consolidate
+
+    print(f"{args.source} -> {consolidate(args.source, args.out)}")
     return 0
 
 

@@ -1,0 +1,107 @@
+"""``megalith ckpt convert``: any checkpoint to one consolidated file set.
+
+A v2 checkpoint saved in any layout (or a v1 whole-tensor checkpoint) becomes a v2
+checkpoint with one box per tensor: ``model-r00000.safetensors`` (every parameter,
+whole), ``optimizer-r00000.safetensors`` (AdamW's moments and steps, whole) and
+``state.json``, committed like a training save (index last, sha256 of every file,
+signed when a key is set). Training resumes from it in any layout, since loading
+reshards; and converting a consolidated checkpoint back into a layout is just resuming
+there, so no offline "split" is needed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training.async_checkpoint import Checkpointer
+from training.checkpoint import read_checkpoint_tensors, verify_checkpoint
+from training.parallel.groups import single_process_state
+from training.parallel.shard_specs import OPTIMIZER_PREFIX
+from training.sharded_checkpoint import (
+    STATE,
+    ShardReader,
+    Snapshot,
+    _check_index,
+    _dtype_name,
+    index_layout,
+    is_sharded,
+    rank_file,
+    read_global_tensors,
+    read_index,
+)
+
+
+def consolidate(source: str | Path, out_root: str | Path, sign: bool | None = None) -> str:
+    """Write SOURCE (a checkpoint step directory, v1 or v2) as a consolidated v2
+    checkpoint under OUT_ROOT (``OUT_ROOT/step-XXXXXXXX``); returns its location."""
+    index = read_index(source)
+    if is_sharded(index):
+        _check_index(index, f"{source}/index.json")
+        tensors, state = read_global_tensors(source), _v2_state(source, index)
+    else:
+        tensors, state = _v1_tensors_and_state(Path(source))
+    model = {n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
+    optimizer = {n: t for n, t in tensors.items() if n.startswith(OPTIMIZER_PREFIX)}
+    files = {rank_file("model", 0): model, rank_file("optimizer", 0): optimizer}
+    entries = {
+        name: {
+            "shape": list(tensor.shape),
+            "dtype": _dtype_name(tensor.dtype),
+            "shards": [{"file": file, "key": name, "box": [[0, n] for n in tensor.shape]}],
+        }
+        for file, content in files.items()
+        for name, tensor in content.items()
+    }
+    layout = index_layout(single_process_state(), "ddp")
+    snapshot = Snapshot(
+        root=str(out_root),
+        step=int(state["step"]),
+        rank=0,
+        world=1,
+        files={file: content for file, content in files.items() if content},
+        tensors=entries,
+        state={**state, "converted_from": str(source)},
+        layout=layout,
+        keep_last=2**31,
+        sign=_should_sign(sign),
+    )
+    return Checkpointer().save(lambda: snapshot, background=False)
+
+
+def _should_sign(sign: bool | None) -> bool:
+    from training.signing import should_sign
+
+    return should_sign(sign)
+
+
+def _v2_state(source: str | Path, index: dict[str, Any]) -> dict[str, Any]:
+    reader = ShardReader(source, index)
+    try:
+        return json.loads(Path(reader.verified(STATE)).read_bytes())
+    finally:
+        reader.close()
+
+
+def _v1_tensors_and_state(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """v1's whole tensors under v2's global names, and its state with v2's RNG record."""
+    index = verify_checkpoint(source)
+    read = lambda name: read_checkpoint_tensors(source / name, index)  # noqa: E731
+    tensors = dict(read("model.safetensors"))
+    for key, tensor in read("optimizer.safetensors").items():
+        tensors[f"{OPTIMIZER_PREFIX}{key}"] = tensor
+    state = json.loads((source / "state.json").read_text())
+    rng = read("rng.safetensors")
+    state["rng"] = {
+        **state["rng"],
+        "numpy_keys": [int(k) for k in rng["numpy_keys"].tolist()],
+        "torch_cpu": rng["torch_cpu"].numpy().tobytes().hex(),
+    }
+    cuda = sorted(k for k in rng if k.startswith("torch_cuda_"))
+    if cuda:
+        state["rng"]["torch_cuda"] = [rng[k].numpy().tobytes().hex() for k in cuda]
+    state.get("optimizer", {}).pop("param_names", None)
+    return tensors, state
