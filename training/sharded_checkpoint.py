@@ -54,6 +54,7 @@ import struct
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,16 +173,26 @@ def as_location(url: str) -> Path | str:
 # --------------------------------------------------------------------------- writing files
 
 
-class _HashingWriter:
-    """Writes through to HANDLE, counting bytes and hashing them."""
+_CHUNK = 64 << 20
 
-    def __init__(self, handle: Any):
+
+class _HashingWriter:
+    """Writes through to HANDLE, counting bytes and hashing them. Large writes go in
+    64 MiB chunks, each hashed on a helper thread while it is written (both release the
+    GIL), so hashing adds little to the write time."""
+
+    def __init__(self, handle: Any, hasher: ThreadPoolExecutor):
         self.handle, self.bytes, self.digest = handle, 0, hashlib.sha256()
+        self.hasher = hasher
 
     def write(self, data: bytes | memoryview) -> None:
-        self.handle.write(data)
-        self.digest.update(data)
-        self.bytes += len(data)
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), _CHUNK):
+            chunk = view[start : start + _CHUNK]
+            hashed = self.hasher.submit(self.digest.update, chunk)
+            self.handle.write(chunk)
+            hashed.result()  # in order: the next chunk is hashed after this one
+        self.bytes += len(view)
 
 
 def write_safetensors(url: str, tensors: dict[str, torch.Tensor], storage_options=None) -> dict:
@@ -201,14 +212,17 @@ def write_safetensors(url: str, tensors: dict[str, torch.Tensor], storage_option
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     fs, path = filesystem(url, storage_options)
-    with fs.open(path, "wb") as handle:
-        out = _HashingWriter(handle)
+    with ThreadPoolExecutor(1) as hasher, fs.open(path, "wb") as handle:
+        out = _HashingWriter(handle, hasher)
         out.write(struct.pack("<Q", len(blob)))
         out.write(blob)
         for tensor in tensors.values():
             if tensor.numel():
                 data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
                 out.write(memoryview(data))
+        if is_local(url):  # on disk before the index that commits it (power loss too)
+            handle.flush()
+            os.fsync(handle.fileno())
     return {"bytes": out.bytes, "sha256": out.digest.hexdigest()}
 
 
@@ -420,9 +434,12 @@ def staging_url(root: str, step: int) -> str:
 
 def write_rank_files(snapshot: Snapshot, staging: str, storage_options=None) -> None:
     """This rank's tensor files and its manifest ``rank-XXXXX.json`` (state.json on rank 0)."""
-    files = {}
-    for name, content in snapshot.files.items():
-        files[name] = write_safetensors(_url(staging, name), content, storage_options)
+    with ThreadPoolExecutor(max(1, len(snapshot.files))) as pool:  # model and optimizer at once
+        written = {
+            name: pool.submit(write_safetensors, _url(staging, name), content, storage_options)
+            for name, content in snapshot.files.items()
+        }
+        files = {name: future.result() for name, future in written.items()}
     if snapshot.state is not None:
         files[STATE] = _write_json(_url(staging, STATE), snapshot.state, storage_options)
     manifest = {"rank": snapshot.rank, "files": files, "tensors": snapshot.tensors}
