@@ -444,11 +444,25 @@ class Trainer:
         for batch in self._sampled_loader(self.valid_data, indices):
             total[0] += self._micro_batch_loss(batch).double()
             total[1] += 1
+        if self._forward_spans_data_ranks():
+            # FSDP's all-gathers and MoE's all-to-alls need every rank in each forward:
+            # ranks dealt one batch fewer run one more, uncounted.
+            rounds = math.ceil(len(batches) / self.parallel.sizes.dp)
+            for _ in range(rounds - len(mine)):
+                self._micro_batch_loss(
+                    next(iter(self._sampled_loader(self.valid_data, range(micro))))
+                )
         self.model.train()
         total = dp.all_reduce_mean(total, self.parallel)
         if self.pipeline is not None:
             total = self.pipeline.from_last_stage(total)
         return (total[0] / total[1]).item()
+
+    def _forward_spans_data_ranks(self) -> bool:
+        """Whether a forward is collective over data-parallel ranks (FSDP, experts)."""
+        return (
+            self.config.parallel.data_parallel_mode == "fsdp" or self.parallel.sizes.ep > 1
+        ) and self.parallel.sizes.dp > 1
 
     # ------------------------------------------------------------------ loop
 
