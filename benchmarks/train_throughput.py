@@ -12,6 +12,11 @@ reports tokens/s over the timed steps after warm-up:
                   already on the GPU (no loader cost)
 * ``hf-compile``  the same under ``torch.compile``
 
+An ``ours`` variant may carry config settings after ``@`` to measure one switch on its
+own in the same run (several joined by ``+``), e.g.
+``--variants matmul,ours-compile,ours-compile@model.loss_chunk_tokens=4096,hf-compile``
+measures the fused output layer + cross-entropy beside the plain head.
+
     python benchmarks/train_throughput.py --shape 1b --steps 20 --out results/
 
 MFU = tokens/s × (6·N + 12·L·H·S) / 989 TFLOP/s with N the matmul parameters of
@@ -36,11 +41,19 @@ SHAPES = {"1b": ROOT / "configs" / "llama-1b.yaml", "350m": ROOT / "configs" / "
 PEAK = 989e12
 
 
-def load_shape(shape: str, shards: str, steps: int, compile_model: bool, micro_batch: int | None):
+def load_shape(
+    shape: str,
+    shards: str,
+    steps: int,
+    compile_model: bool,
+    micro_batch: int | None,
+    settings: list[str] = (),
+):
     from training.config import load_config
 
     config = load_config(
         SHAPES[shape],
+        list(settings),
         values={
             "data.inputs": [],
             "data.output": shards,
@@ -95,7 +108,12 @@ def run_ours(args, compile_model: bool) -> dict:
     from training.trainer import Trainer
 
     config = load_shape(
-        args.shape, args.shards, args.warmup + args.steps, compile_model, args.micro_batch
+        args.shape,
+        args.shards,
+        args.warmup + args.steps,
+        compile_model,
+        args.micro_batch,
+        variant_settings(args.variant),
     )
     trainer = Trainer(config, Path(args.out) / f"run-{args.variant}")
     batches = iter(trainer._loader(trainer.train_data, 0, len(trainer.train_data)))
@@ -172,6 +190,12 @@ def _result(config, tokens: int, seconds: float, losses: list[float], memory: in
     }
 
 
+def variant_settings(variant: str) -> list[str]:
+    """``ours-compile@model.loss_chunk_tokens=4096+training.x=y`` -> the ``KEY=VALUE`` list."""
+    _, _, settings = variant.partition("@")
+    return [item for item in settings.split("+") if item]
+
+
 def worker(args) -> None:
     runners = {
         "matmul": run_matmul,
@@ -180,7 +204,7 @@ def worker(args) -> None:
         "hf": lambda: run_hf(args, False),
         "hf-compile": lambda: run_hf(args, True),
     }
-    print("RESULT " + json.dumps(runners[args.variant]()), flush=True)
+    print("RESULT " + json.dumps(runners[args.variant.partition("@")[0]]()), flush=True)
 
 
 def prepare_shards(out: Path) -> str:

@@ -187,6 +187,13 @@ class ModelConfig(StrictModel):
         description="Layer backend: Transformer Engine when importable (auto) or plain torch.",
     )
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    loss_chunk_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Fuse the output layer with the cross-entropy, this many tokens at a "
+        "time, so the whole [tokens, vocabulary] fp32 logits never exist (plain head, "
+        "tensor parallelism 1); 0: off.",
+    )
     # Mixture of experts (training/models/moe.py); None or 0 experts: every MLP is dense.
     num_experts: int | None = Field(
         default=None, ge=0, description="Experts per MoE layer; None or 0: dense MLPs."

@@ -160,6 +160,7 @@ class LayerBackend(ABC):
         *,
         init_std: float,
         tied_weight: nn.Parameter | None,
+        loss_chunk_tokens: int = 0,
     ) -> nn.Module:
         """The language-model head and its loss.
 
@@ -167,7 +168,9 @@ class LayerBackend(ABC):
         (cross-entropy, labels ``-100`` ignored, ``"mean"`` or ``"none"`` per token). The
         loss takes hidden states, not logits, so a vocab-parallel or chunked
         cross-entropy never needs full logits. With ``tied_weight`` the head uses the
-        embedding's parameter instead of its own.
+        embedding's parameter instead of its own. ``loss_chunk_tokens`` > 0: the mean loss
+        fuses the output layer with the cross-entropy, that many tokens at a time
+        (:mod:`training.models.fused_cross_entropy`), where the backend supports it.
         """
 
 
@@ -223,9 +226,14 @@ class TorchBackend(LayerBackend):
         *,
         init_std: float,
         tied_weight: nn.Parameter | None,
+        loss_chunk_tokens: int = 0,
     ) -> nn.Module:
         return layers.OutputHead(
-            hidden_size, vocab_size, init_std=init_std, tied_weight=tied_weight
+            hidden_size,
+            vocab_size,
+            init_std=init_std,
+            tied_weight=tied_weight,
+            loss_chunk_tokens=loss_chunk_tokens,
         )
 
 

@@ -272,7 +272,11 @@ class GPTModel(nn.Module):
         self.final_norm = self.backend.norm(config.hidden_size, _norm_spec(config))
         tied = self.embedding.word.weight if config.tie_embeddings else None
         self.output = self.backend.output_head(
-            config.hidden_size, config.vocab_size, init_std=config.init_std, tied_weight=tied
+            config.hidden_size,
+            config.vocab_size,
+            init_std=config.init_std,
+            tied_weight=tied,
+            loss_chunk_tokens=config.loss_chunk_tokens,
         )
 
     @property

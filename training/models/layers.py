@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from training.models.fused_cross_entropy import linear_cross_entropy
+
 IGNORE_INDEX = -100
 
 
@@ -80,9 +82,11 @@ class OutputHead(nn.Module):
         *,
         init_std: float,
         tied_weight: nn.Parameter | None = None,
+        loss_chunk_tokens: int = 0,
     ):
         super().__init__()
         self.init_std = init_std
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.tied = tied_weight is not None
         if tied_weight is not None:
             self.weight = tied_weight  # the same Parameter object as the embedding's
@@ -101,7 +105,12 @@ class OutputHead(nn.Module):
         self, hidden: Tensor, labels: Tensor, reduction: Literal["mean", "none"] = "mean"
     ) -> Tensor:
         """Mean cross-entropy over labels != -100, or per-token losses shaped like ``labels``
-        (0 where ignored). The mean of no labels at all is NaN, as in ``F.cross_entropy``."""
+        (0 where ignored). The mean of no labels at all is NaN, as in ``F.cross_entropy``.
+        With ``loss_chunk_tokens`` the mean never holds the whole logits."""
+        if self.loss_chunk_tokens and reduction == "mean":
+            return linear_cross_entropy(
+                hidden, self.weight, labels, self.loss_chunk_tokens, IGNORE_INDEX
+            )
         logits = self(hidden).float()
         losses = F.cross_entropy(
             logits.view(-1, logits.size(-1)),

@@ -165,6 +165,7 @@ class TensorParallelBackend(TorchBackend):
         *,
         init_std: float,
         tied_weight: nn.Parameter | None,
+        loss_chunk_tokens: int = 0,  # each rank holds only its vocabulary slice's logits
     ) -> nn.Module:
         return VocabParallelOutputHead(
             hidden_size,
