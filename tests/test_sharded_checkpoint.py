@@ -19,6 +19,7 @@ async save under SIGKILL, S3, and v1 checkpoints.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import signal
@@ -47,6 +48,7 @@ from parallel_helpers import (
     set_args,
     trainer_settings,
 )
+from safetensors.torch import load_file, save_file
 
 from pipelines.cli import main as cli_main
 from training.async_checkpoint import TEST_WRITE_DELAY_ENV
@@ -58,6 +60,7 @@ from training.sharded_checkpoint import (
     read_index,
     verify_sharded_checkpoint,
 )
+from training.signing import sign_directory
 from training.trainer import Trainer
 
 # 4 layers for 2 pipeline stages; 4 KV groups so that TP=4 divides them.
@@ -376,6 +379,54 @@ def test_a_checkpoint_without_a_needed_tensor_is_refused(
     with pytest.raises(CheckpointError, match="has no tensor layers.1.mlp.fc2.weight"):
         trainer.resume()
     assert torch.equal(trainer.model.final_norm.weight, before), "a refused load changed the model"
+
+
+def test_a_shard_whose_file_disagrees_is_refused_before_any_copy(
+    shards: Path, reference: Path, tmp_path: Path
+) -> None:
+    """The last tensor's key renamed inside its file (and the index re-hashed, as an
+    attacker would): refused, and not one parameter of the model changed."""
+    step = f"step-{RESUME_STEP:08d}"
+    root = tmp_path / "ckpt" / step
+    shutil.copytree(reference / "checkpoints" / step, root)
+    file = root / "model-r00000.safetensors"
+    tensors = load_file(file)
+    last = sorted(tensors)[-1]
+    tensors[last + ".renamed"] = tensors.pop(last)
+    save_file(tensors, file)
+    index = json.loads((root / "index.json").read_text())
+    index["files"][file.name] = {
+        "bytes": file.stat().st_size,
+        "sha256": hashlib.sha256(file.read_bytes()).hexdigest(),
+    }
+    (root / "index.json").write_text(json.dumps(index))
+    config = config_of(settings(shards, {"checkpoint.directory": str(tmp_path / "ckpt")}))
+    trainer = Trainer(config, tmp_path / "run")
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.raises(CheckpointError, match=f"has no tensor {last}"):
+        trainer.resume()
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(param, before[name]), f"a refused load changed {name}"
+
+
+def test_convert_refuses_a_tampered_signed_checkpoint(
+    reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signed checkpoint changed and re-hashed: ``convert`` refuses it (it would otherwise
+    come out signed with the local key), and refuses an OUT holding an incomplete save."""
+    monkeypatch.setenv("MEGALITH_SIGNING_KEY", "k" * 32)
+    source = tmp_path / "src" / f"step-{STEPS:08d}"
+    shutil.copytree(reference / "checkpoints" / f"step-{STEPS:08d}", source)
+    sign_directory(source, "index.json")
+    assert consolidate(source, tmp_path / "ok")  # signed and sound: converts
+    index = json.loads((source / "index.json").read_text())
+    index["step"] = 999  # any change after signing
+    (source / "index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="signature"):
+        consolidate(source, tmp_path / "bad")
+    (tmp_path / "busy" / "step-00000005.tmp").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="incomplete checkpoint"):
+        consolidate(tmp_path / "ok" / f"step-{STEPS:08d}", tmp_path / "busy")
 
 
 def test_a_tampered_or_incomplete_checkpoint_is_refused(reference: Path, tmp_path: Path) -> None:

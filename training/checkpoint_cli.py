@@ -88,6 +88,11 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     )
     convert.add_argument("source", metavar="SRC", help="checkpoint step directory")
     convert.add_argument("out", metavar="OUT", help="checkpoints directory to write into")
+    convert.add_argument(
+        "--require-signature",
+        action="store_true",
+        help="refuse an unsigned or wrongly signed SRC (needs MEGALITH_SIGNING_KEY)",
+    )
     convert.set_defaults(handler=_convert)
 
 
@@ -154,7 +159,8 @@ def _verify(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from training.checkpoint_convert import consolidate
 
-    print(f"{args.source} -> {consolidate(args.source, args.out)}")
+    written = consolidate(args.source, args.out, require_signature=args.require_signature)
+    print(f"{args.source} -> {written}")
     return 0
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from training.async_checkpoint import Checkpointer
-from training.checkpoint import read_checkpoint_tensors, verify_checkpoint
+from training.checkpoint import CheckpointError, read_checkpoint_tensors, verify_checkpoint
 from training.parallel.groups import single_process_state
 from training.parallel.shard_specs import OPTIMIZER_PREFIX
 from training.sharded_checkpoint import (
@@ -30,20 +30,31 @@ from training.sharded_checkpoint import (
     index_layout,
     is_sharded,
     rank_file,
-    read_global_tensors,
     read_index,
+    read_whole,
 )
+from training.signing import should_sign
 
 
-def consolidate(source: str | Path, out_root: str | Path, sign: bool | None = None) -> str:
+def consolidate(
+    source: str | Path,
+    out_root: str | Path,
+    sign: bool | None = None,
+    require_signature: bool = False,
+) -> str:
     """Write SOURCE (a checkpoint step directory, v1 or v2) as a consolidated v2
-    checkpoint under OUT_ROOT (``OUT_ROOT/step-XXXXXXXX``); returns its location."""
-    index = read_index(source)
+    checkpoint under OUT_ROOT (``OUT_ROOT/step-XXXXXXXX``); returns its location.
+
+    SOURCE is checked as a loader checks it: its signature whenever one is present and a
+    key is set (always with ``require_signature``), so a tampered checkpoint is never
+    re-signed here. OUT_ROOT must hold no incomplete save (the commit would prune it)."""
+    _check_out_root(Path(source), Path(out_root))
+    index = read_index(source, require_signature=require_signature)
     if is_sharded(index):
         _check_index(index, f"{source}/index.json")
-        tensors, state = read_global_tensors(source), _v2_state(source, index)
+        tensors, state = _v2_tensors_and_state(source, index)
     else:
-        tensors, state = _v1_tensors_and_state(Path(source))
+        tensors, state = _v1_tensors_and_state(Path(source), require_signature)
     model = {n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
     optimizer = {n: t for n, t in tensors.items() if n.startswith(OPTIMIZER_PREFIX)}
     files = {rank_file("model", 0): model, rank_file("optimizer", 0): optimizer}
@@ -67,28 +78,40 @@ def consolidate(source: str | Path, out_root: str | Path, sign: bool | None = No
         state={**state, "converted_from": str(source)},
         layout=layout,
         keep_last=2**31,
-        sign=_should_sign(sign),
+        sign=should_sign(sign),
     )
     return Checkpointer().save(lambda: snapshot, background=False)
 
 
-def _should_sign(sign: bool | None) -> bool:
-    from training.signing import should_sign
+def _check_out_root(source: Path, out_root: Path) -> None:
+    if out_root.resolve() == source.resolve().parent:
+        raise CheckpointError(f"{out_root}: holds SRC itself; write the conversion elsewhere")
+    if out_root.is_dir():
+        for entry in out_root.iterdir():
+            if entry.name.startswith("step-") and not (entry / "index.json").is_file():
+                raise CheckpointError(
+                    f"{entry}: an incomplete checkpoint (a save in progress?) in OUT; "
+                    "converting there would remove it"
+                )
 
-    return should_sign(sign)
 
-
-def _v2_state(source: str | Path, index: dict[str, Any]) -> dict[str, Any]:
+def _v2_tensors_and_state(
+    source: str | Path, index: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every whole tensor and state.json, through one reader over the one verified index."""
     reader = ShardReader(source, index)
     try:
-        return json.loads(Path(reader.verified(STATE)).read_bytes())
+        tensors = {name: read_whole(reader, name) for name in index["tensors"]}
+        return tensors, json.loads(Path(reader.verified(STATE)).read_bytes())
     finally:
         reader.close()
 
 
-def _v1_tensors_and_state(source: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _v1_tensors_and_state(
+    source: Path, require_signature: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """v1's whole tensors under v2's global names, and its state with v2's RNG record."""
-    index = verify_checkpoint(source)
+    index = verify_checkpoint(source, require_signature)
     read = lambda name: read_checkpoint_tensors(source / name, index)  # noqa: E731
     tensors = dict(read("model.safetensors"))
     for key, tensor in read("optimizer.safetensors").items():

@@ -129,19 +129,36 @@ def _exists(url: str, storage_options: dict | None = None) -> bool:
     return fs.exists(path)
 
 
-def _read_bytes(url: str, storage_options: dict | None = None) -> bytes:
+MAX_JSON_BYTES = 256 << 20  # index.json of a very large sharded checkpoint stays far below
+
+
+def _read_bytes(
+    url: str, storage_options: dict | None = None, limit: int = MAX_JSON_BYTES
+) -> bytes:
+    """A small file's bytes: at most LIMIT, never through a symbolic link."""
+    if is_local(url) and os.path.islink(url.removeprefix("file://")):
+        raise CheckpointError(f"{url}: a symbolic link; checkpoint files must be regular files")
     fs, path = filesystem(url, storage_options)
     with fs.open(path, "rb") as handle:
-        return handle.read()
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(f"{url}: larger than {limit} bytes, too large for a JSON record")
+    return data
 
 
 def remove_tree(url: str, storage_options: dict | None = None) -> None:
-    if is_local(url):
-        shutil.rmtree(url.removeprefix("file://"), ignore_errors=True)
-        return
+    """Remove a checkpoint directory, its index first: a removal cut short leaves an
+    incomplete directory (ignored, cleaned up later), never an index over missing files."""
     fs, path = filesystem(url, storage_options)
     fs.invalidate_cache()
-    if fs.exists(path):
+    if not fs.exists(path):
+        return
+    index = _url(url, INDEX)
+    if _exists(index, storage_options):
+        filesystem(index, storage_options)[0].rm(filesystem(index, storage_options)[1])
+    if is_local(url):
+        shutil.rmtree(url.removeprefix("file://"), ignore_errors=True)
+    else:
         fs.rm(path, recursive=True)
 
 
@@ -419,7 +436,7 @@ def take_snapshot(
         layout=index_layout(parallel, data_parallel_mode),
         keep_last=keep_last,
         blocked_s=time.perf_counter() - started,
-        sign=should_sign(sign),
+        sign=_signing_ready(sign),
     )
 
 
@@ -511,12 +528,20 @@ def _overlap(first: Any, second: Any) -> list[tuple[int, int]] | None:
     return None if any(lo >= hi for lo, hi in both) else both
 
 
+MAX_SHARDS = 1 << 16  # boxes of one tensor: far above any layout (TP · EP · FSDP · chunks)
+
+
 def check_cover(name: str, entry: dict[str, Any], where: Any) -> None:
     """The shards of a global tensor lie inside it, do not overlap and cover all of it."""
     shape = entry.get("shape")
     shards = entry.get("shards")
     if not isinstance(shape, list) or not isinstance(shards, list) or not shards:
         raise CheckpointError(f"{where}: tensor {name} has no shape or no shards in index.json")
+    if not all(isinstance(n, int) and n >= 0 for n in shape) or len(shards) > MAX_SHARDS:
+        raise CheckpointError(
+            f"{where}: tensor {name}: shape {shape} is not a list of sizes, or it has more "
+            f"than {MAX_SHARDS} shards"
+        )
     boxes = []
     for shard in shards:
         box = shard.get("box") if isinstance(shard, dict) else None
@@ -524,6 +549,7 @@ def check_cover(name: str, entry: dict[str, Any], where: Any) -> None:
             not isinstance(box, list)
             or len(box) != len(shape)
             or any(not (isinstance(b, list) and len(b) == 2) for b in box)
+            or any(not (isinstance(a, int) and isinstance(b, int)) for a, b in box)
             or any(not (0 <= a < b <= n) for (a, b), n in zip(box, shape, strict=True))
         ):
             raise CheckpointError(
@@ -593,6 +619,15 @@ def read_index(
     return index
 
 
+def _signing_ready(sign: bool | None) -> bool:
+    """Whether to sign; a key that is asked for but missing or unusable is an error now,
+    on the training thread, not after the files are written."""
+    if not should_sign(sign):
+        return False
+    signature_record(INDEX, b"")  # reads and checks the key
+    return True
+
+
 def _check_signature(path: str, index: bytes, required: bool, storage_options=None) -> None:
     url = _url(path, SIGNATURE_FILE)
     try:
@@ -631,6 +666,7 @@ class ShardReader:
         self._local: dict[str, str] = {}
         self._handles: dict[str, Any] = {}
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self._fds: list[int] = []  # descriptors the verified local files are read through
         self.stats: dict[str, Any] = {"files": [], "reads": [], "bytes": 0}
 
     def verified(self, name: str) -> str:
@@ -650,7 +686,7 @@ class ShardReader:
                 )
             if not os.path.isfile(local):
                 raise CheckpointError(f"{local}: missing (listed in index.json)")
-            size, digest = os.path.getsize(local), _sha256(open(local, "rb"), expected["bytes"])  # noqa: SIM115
+            local, size, digest = self._open_pinned(local, expected["bytes"])
         else:
             if self._tmp is None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="megalith-ckpt-")
@@ -678,8 +714,8 @@ class ShardReader:
             local = self.verified(name)
             try:
                 check_safetensors(local)  # bounded header, data ranges inside the file
-            except UnsafeTensorFileError as exc:
-                raise CheckpointError(str(exc)) from None
+            except UnsafeTensorFileError as exc:  # named by the file, not the descriptor
+                raise CheckpointError(str(exc).replace(local, _url(self.root, name))) from None
             self._handles[name] = safe_open(local, framework="pt")
         return self._handles[name]
 
@@ -710,8 +746,22 @@ class ShardReader:
             )
         return part
 
+    def _open_pinned(self, path: str, limit: int) -> tuple[str, int, str]:
+        """Open PATH once (no symlink), hash it through that descriptor and read it back
+        through ``/proc/self/fd`` (Linux): a file swapped for another after hashing is
+        never the one read. (Writes into the same file by its owner are outside this.)"""
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        self._fds.append(fd)
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            digest = _sha256(handle, limit)
+        pinned = f"/proc/self/fd/{fd}"
+        return (pinned if os.path.exists(pinned) else path), os.fstat(fd).st_size, digest
+
     def close(self) -> None:
         self._handles.clear()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
@@ -834,10 +884,19 @@ def load_sharded_checkpoint(
             specs = optimizer_specs(optimizer, model, param_names, params, parallel, owner_stage)
             per_param, targets = _empty_optimizer_state(optimizer, named, param_names)
             opt_plan = _plan(specs, targets, index, where)
-        for spec, _, meta in model_plan + opt_plan:  # verify every needed file first
+        # Every check before the first copy, so a refused checkpoint leaves the model as
+        # it was: each needed file's sha256 and header, each shard's key, shape and dtype.
+        for spec, _, meta in model_plan + opt_plan:
             for shard in meta["shards"]:
                 if any(_overlap(p.box, shard["box"]) is not None for p in spec.pieces):
-                    reader.verified(shard["file"])
+                    reader.check_shard(shard, meta)
+        if optimizer is not None and len(state["optimizer"]["param_groups"]) != len(
+            optimizer.param_groups
+        ):
+            raise CheckpointError(
+                f"{where}: {len(state['optimizer']['param_groups'])} optimizer parameter "
+                f"groups, this model's optimizer has {len(optimizer.param_groups)}"
+            )
         with torch.no_grad():
             for spec, target, meta in model_plan + opt_plan:
                 _fill(reader, spec, target, meta)
@@ -901,7 +960,7 @@ def read_global_tensor(
     _check_index(index, _url(str(path), INDEX))
     reader = ShardReader(path, index, storage_options)
     try:
-        return _read_whole(reader, name)
+        return read_whole(reader, name)
     finally:
         reader.close()
 
@@ -912,12 +971,12 @@ def read_global_tensors(path: str | Path, storage_options=None) -> dict[str, tor
     _check_index(index, _url(str(path), INDEX))
     reader = ShardReader(path, index, storage_options)
     try:
-        return {name: _read_whole(reader, name) for name in index["tensors"]}
+        return {name: read_whole(reader, name) for name in index["tensors"]}
     finally:
         reader.close()
 
 
-def _read_whole(reader: ShardReader, name: str) -> torch.Tensor:
+def read_whole(reader: ShardReader, name: str) -> torch.Tensor:
     """Verify the files holding NAME, bound its size by theirs, then allocate and fill it."""
     where = _url(reader.root, INDEX)
     meta = reader.index["tensors"].get(name)

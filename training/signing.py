@@ -262,6 +262,11 @@ def parse_signature(raw: bytes, where: str) -> dict[str, Any]:
     for field in ("manifest", "signature"):
         if not isinstance(record.get(field), str):
             raise SignatureError(f"{where}: field {field!r} must be a string")
+    length = 64 if record["algorithm"] == ALGORITHM else 128  # HMAC-SHA256, Ed25519
+    if len(record["signature"]) != length or not all(
+        c in "0123456789abcdef" for c in record["signature"]
+    ):
+        raise SignatureError(f"{where}: 'signature' must be {length} lowercase hex digits")
     return record
 
 

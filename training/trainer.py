@@ -448,10 +448,9 @@ class Trainer:
             # FSDP's all-gathers and MoE's all-to-alls need every rank in each forward:
             # ranks dealt one batch fewer run one more, uncounted.
             rounds = math.ceil(len(batches) / self.parallel.sizes.dp)
+            first = range(min(micro, samples))
             for _ in range(rounds - len(mine)):
-                self._micro_batch_loss(
-                    next(iter(self._sampled_loader(self.valid_data, range(micro))))
-                )
+                self._micro_batch_loss(next(iter(self._sampled_loader(self.valid_data, first))))
         self.model.train()
         total = dp.all_reduce_mean(total, self.parallel)
         if self.pipeline is not None:
