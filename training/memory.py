@@ -149,10 +149,12 @@ def compute_dtype(config: MegalithConfig) -> str:
 
 
 def resolve_layout(config: MegalithConfig, world_size: int | None) -> ParallelSizes:
-    """The parallel sizes; ``world_size`` None means data parallel 1."""
+    """The parallel sizes; ``world_size`` None means the smallest data parallel the layout
+    allows (1, or what ``parallel.expert`` needs)."""
     parallel = config.parallel
     if world_size is None:
-        world_size = parallel.tensor * parallel.context * parallel.pipeline
+        dp = parallel.expert // math.gcd(parallel.expert, parallel.context)
+        world_size = parallel.tensor * parallel.context * parallel.pipeline * dp
     if world_size < 1:
         raise MemoryPlanError(f"--nproc-per-node x --nnodes must be >= 1, got {world_size}")
     if config.model.vocab_size is None:
