@@ -50,7 +50,15 @@ same tensors for *our* block, with these adjustments:
 The loss buffer: the 16-bit vocab-parallel logits ``[b, s, V/t]`` plus their fp32 copy
 plus the fp32 log-softmax cross-entropy saves (nothing is chunked yet).
 
-These are estimates. The activation rows are to be checked on a GPU against
+These are estimates of an eager step (``torch.compile`` fuses elementwise ops and saves
+less: the 1B recipe peaked at 37.3 GiB compiled against 46.2 eager). Against the eager
+peaks measured in benchmarks/RESULTS.md (torch.cuda.max_memory_allocated, 1B recipe,
+micro-batch 8): one GPU 49.1 GiB estimated / 50.3 measured, DP=2 ddp 53.2 / 54.4,
+ZeRO-1 49.1 / 50.3, TP=2+SP 24.5 / 26.2, TP=4 16.8 / 17.9, PP=2 34.9 / 37.6, PP=4
+30.8 / 34.2, TP=2×PP=2 20.4 / 22.5; GPT-2 350M (micro-batch 16) 27.1 / 27.5. The
+interleaved schedule is underestimated (PP=2 v=2 41.4 / 46.8, PP=4 v=2 40.5 / 47.0):
+torch's schedule holds more warm-up micro-batches than Megatron's formula. The
+activation rows are to be checked on a GPU against
 ``torch.cuda.max_memory_allocated`` of a real step (the CPU allocator cannot be measured
 reliably); the static rows are exact for the tensors they count (tests/test_memory.py).
 """
@@ -401,7 +409,8 @@ def plan(config: MegalithConfig, sizes: ParallelSizes, gpu_bytes: int) -> Plan:
     configured micro-batch, at the configured micro-batch (no extra FLOPs, same global
     batch arithmetic). If no mode fits it, the mode that fits the largest micro-batch
     (ties to less recomputation), at that micro-batch; gradient accumulation keeps the
-    global batch. If not even a micro-batch of 1 fits, no recommendation.
+    global batch. If not even a micro-batch of 1 fits, no recommendation. The largest
+    micro-batches ignore ``training.global_batch_size`` divisibility: pick a divisor.
     """
     budget = usable_bytes(gpu_bytes)
     largest = {mode: largest_micro_batch(config, sizes, mode, budget) for mode in MODES}
