@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "training.cli",
     "training.interop.cli",
     "training.checkpoint_cli",
+    "training.memory_cli",
     "evaluation.cli",
     "pipelines.commands",
 ]

@@ -1,0 +1,497 @@
+"""Per-GPU memory of a training layout, and a planner for micro-batch size and recomputation.
+
+Static state comes from the real model: :class:`~training.models.gpt.GPTModel` is built on
+the meta device (no memory, no init) and every parameter is divided the way the layout
+really divides it:
+
+- tensor parallelism: :func:`~training.parallel.tensor_parallel.sharding.partition_spec`
+  (the rule the TP backend and checkpoints use); expert weights split over ``parallel.expert``;
+- pipeline: :func:`~training.parallel.pipeline_layout.owner_of_parameter` (a tied output head
+  is a second copy on the last stage);
+- ``fsdp``: FSDP2 ``Shard(0)`` rows, ``ceil(rows / dp)`` per rank, for parameters, gradients
+  and AdamW state; ``distributed_optimizer``: AdamW state on each parameter's owner, using the
+  optimizer's own :func:`~training.parallel.data_parallel.partition` (the most loaded rank).
+
+Parameters are fp32 in every precision (bf16/fp16 is autocast), so are gradients and the
+two AdamW moments; each parameter tensor also has a 4-byte ``step``. Under autocast the
+16-bit copies of the matmul weights are saved for backward: a "weight copies" row.
+With data parallelism over ddp or distributed_optimizer, DDP's gradient buckets count as
+one more fp32 copy of the gradients: despite ``gradient_as_bucket_view=True`` the 1B
+recipe peaked at 54.4 GiB with DP=2 ddp against 50.3 GiB on one GPU (benchmarks/
+RESULTS.md, the +4.1 GiB of its gradients). FSDP holds two gathered units (the current
+and the prefetched) and one unit's unsharded gradients. The distributed optimizer's
+broadcast buffer lives after backward, when the activations are gone, so it is left out.
+
+Activations, per layer per micro-batch: Korthikanti et al. (2022), "Reducing Activation
+Recomputation in Large Transformer Models", give ``s·b·h·(34 + 5·a·s/h)`` bytes for a
+GPT layer in 16-bit: LayerNorm inputs 4, QKV input 2, Q and K 4, V 2, projection input 2,
+MLP input 2, GELU input 8 and output 8, dropout masks 2 (all ·sbh), and ``5·a·s²·b`` for
+the softmax scores, their dropout mask and output. :func:`saved_bytes_per_token` counts the
+same tensors for *our* block, with these adjustments:
+
+- attention is SDPA; on a GPU in bf16 it runs flash/cuDNN/memory-efficient kernels that
+  never store the score matrix (only a fp32 log-sum-exp per head and token), so the
+  ``5·a·s/h`` term is dropped in every mode. Megatron's "selective" (recompute the
+  attention core) would thus save nothing; ours keeps the outputs of the matmuls and of
+  SDPA and recomputes norms, RoPE and the activation (see :mod:`training.models.gpt`);
+- GQA: K and V are ``g/n`` of Q; RoPE saves its inputs (the QKV output) as well;
+- FFN width F and SwiGLU: the activation saves ``[gate; up]`` (2F) and ``silu(gate)`` (F),
+  fc2 saves its input (F); GELU saves its input (F) and fc2 its input (F);
+- the residual stream is fp32 (fp32 parameters, autocast outputs added to it), so norm
+  inputs take 4 bytes; dropout masks (1 byte) only with ``model.dropout > 0``;
+- tensor parallelism divides the tensors inside the TP regions; sequence parallelism the
+  rest too (Megatron's ``10 + 24/t`` becomes ``34/t``); context parallelism divides ``s``;
+- ``full`` keeps the block input only; with any recomputation one layer's full set is live
+  again during its backward (the "recompute working set");
+- pipeline (Megatron's accounting): under 1F1B the first stage holds ``min(p, m)``
+  micro-batches in flight, with the interleaved schedule ``p·(1 + (p-1)/(p·v))`` of its
+  layers' worth.
+
+The loss buffer: the 16-bit vocab-parallel logits ``[b, s, V/t]`` plus their fp32 copy
+plus the fp32 log-softmax cross-entropy saves (nothing is chunked yet).
+
+These are estimates of an eager step (``torch.compile`` fuses elementwise ops and saves
+less: the 1B recipe peaked at 37.3 GiB compiled against 46.2 eager). Against the eager
+peaks measured in benchmarks/RESULTS.md (torch.cuda.max_memory_allocated, 1B recipe,
+micro-batch 8): one GPU 49.1 GiB estimated / 50.3 measured, DP=2 ddp 53.2 / 54.4,
+ZeRO-1 49.1 / 50.3, TP=2+SP 24.5 / 26.2, TP=4 16.8 / 17.9, PP=2 34.9 / 37.6, PP=4
+30.8 / 34.2, TP=2×PP=2 20.4 / 22.5; GPT-2 350M (micro-batch 16) 27.1 / 27.5. The
+interleaved schedule is underestimated (PP=2 v=2 41.4 / 46.8, PP=4 v=2 40.5 / 47.0):
+torch's schedule holds more warm-up micro-batches than Megatron's formula. The
+activation rows are to be checked on a GPU against
+``torch.cuda.max_memory_allocated`` of a real step (the CPU allocator cannot be measured
+reliably); the static rows are exact for the tensors they count (tests/test_memory.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from training.config import MegalithConfig, ModelConfig
+from training.errors import MegalithError
+from training.models.moe import is_expert_param
+from training.parallel.data_parallel import partition
+from training.parallel.groups import ParallelLayoutError, ParallelSizes, validate_layout
+from training.parallel.pipeline_layout import layer_counts, owner_of_parameter
+from training.parallel.tensor_parallel.sharding import check_tensor_parallel, partition_spec
+
+GIB = 1024**3
+MODES = ("none", "selective", "full")
+# Safety margin of the planner: 10% of the device plus a constant for the CUDA context,
+# cuBLAS/cuDNN workspaces, NCCL buffers and allocator fragmentation.
+SAFETY_FRACTION = 0.10
+OVERHEAD_BYTES = int(1.5 * GIB)
+_ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+_STEP_BYTES = 4  # AdamW's per-parameter ``step`` tensor
+
+
+class MemoryPlanError(MegalithError):
+    """A memory question that cannot be answered; the message names the flag or key."""
+
+
+@dataclass
+class StaticMemory:
+    """Bytes one rank holds for the whole run (independent of the micro-batch)."""
+
+    params: int = 0  # parameter elements on this rank (after every sharding)
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    weight_copies: int = 0  # 16-bit autocast copies of matmul weights, saved for backward
+    buffers: int = 0  # DDP gradient buckets or FSDP all-gather buffers
+
+
+@dataclass
+class MemoryReport:
+    """One rank's memory in bytes; ``stage`` is the pipeline rank reported (the fuller one)."""
+
+    stage: int
+    micro_batch_size: int
+    recompute: str
+    static: StaticMemory
+    activations: int
+    activations_per_layer: int
+    loss_buffer: int
+    in_flight: float
+    total: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.static
+        self.total = (
+            s.parameters
+            + s.gradients
+            + s.optimizer
+            + s.weight_copies
+            + s.buffers
+            + self.activations
+            + self.loss_buffer
+        )
+
+    def rows(self) -> list[tuple[str, int]]:
+        s = self.static
+        return [
+            ("parameters", s.parameters),
+            ("gradients", s.gradients),
+            ("optimizer state", s.optimizer),
+            ("weight copies (autocast)", s.weight_copies),
+            ("DDP buckets / FSDP gathers", s.buffers),
+            ("activations", self.activations),
+            ("logits / loss", self.loss_buffer),
+            ("total", self.total),
+        ]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def compute_dtype(config: MegalithConfig) -> str:
+    """The precision planned for: ``auto`` is bf16, what it means on a GPU."""
+    dtype = config.mixed_precision.dtype
+    return "bf16" if dtype == "auto" else dtype
+
+
+def resolve_layout(config: MegalithConfig, world_size: int | None) -> ParallelSizes:
+    """The parallel sizes; ``world_size`` None means the smallest data parallel the layout
+    allows (1, or what ``parallel.expert`` needs)."""
+    parallel = config.parallel
+    if world_size is None:
+        dp = parallel.expert // math.gcd(parallel.expert, parallel.context)
+        world_size = parallel.tensor * parallel.context * parallel.pipeline * dp
+    if world_size < 1:
+        raise MemoryPlanError(f"--nproc-per-node x --nnodes must be >= 1, got {world_size}")
+    if config.model.vocab_size is None:
+        raise MemoryPlanError("model.vocab_size must be set to build the model and count it")
+    try:
+        sizes = validate_layout(config, world_size)
+    except ParallelLayoutError as error:
+        raise MemoryPlanError(
+            f"world {world_size} (--nproc-per-node x --nnodes) with parallel.tensor "
+            f"{parallel.tensor}, parallel.context {parallel.context}, parallel.pipeline "
+            f"{parallel.pipeline}: {error}"
+        ) from None
+    if sizes.tp > 1:
+        check_tensor_parallel(config.model, sizes.tp)
+    return sizes
+
+
+def meta_model(config: ModelConfig) -> torch.nn.Module:
+    """The single-process model on the meta device (shapes only; torch layers)."""
+    from training.models.gpt import GPTModel
+
+    model_config = config.model_copy(update={"backend": "torch"})
+    with torch.device("meta"):
+        return GPTModel(model_config)
+
+
+def local_numel(name: str, shape: torch.Size, config: ModelConfig, sizes: ParallelSizes) -> int:
+    """Elements of parameter ``name`` this rank holds under TP and EP (before FSDP)."""
+    numel = math.prod(shape)
+    if sizes.tp > 1 and partition_spec(name, config) is not None:
+        numel //= sizes.tp
+    if sizes.ep > 1 and is_expert_param(name):
+        numel //= sizes.ep
+    return numel
+
+
+def _stage_params(config: MegalithConfig, sizes: ParallelSizes, stage: int):
+    """``(name, shape)`` of the parameters pipeline rank ``stage`` holds."""
+    model = meta_model(config.model)
+    counts = layer_counts(
+        config.model.num_layers, sizes.pp, sizes.vpp, config.parallel.pipeline_layers
+    )
+    tied = config.model.tie_embeddings and sizes.pp > 1
+    for name, param in model.named_parameters():
+        owner = owner_of_parameter(name, counts, sizes.pp) if sizes.pp > 1 else 0
+        if owner == stage or (tied and name == "embedding.word.weight" and stage == sizes.pp - 1):
+            yield name, param.shape
+
+
+def static_memory(config: MegalithConfig, sizes: ParallelSizes, stage: int = 0) -> StaticMemory:
+    """Parameters, gradients, AdamW state and buffers of one rank of pipeline stage ``stage``."""
+    mode = config.parallel.data_parallel_mode
+    dp = sizes.dp * sizes.cp  # gradients are averaged over data x context
+    half = compute_dtype(config) != "fp32"
+    out = StaticMemory()
+    sizes_local, tensors = [], 0
+    block_numel: dict[str, int] = {}  # whole elements per FSDP unit (layers.i, or the root)
+    for name, shape in _stage_params(config, sizes, stage):
+        numel = local_numel(name, shape, config.model, sizes)
+        if mode == "fsdp" and dp > 1:
+            unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else ""
+            block_numel[unit] = block_numel.get(unit, 0) + numel
+            rows = shape[0] if len(shape) else 1
+            numel = math.ceil(rows / dp) * (numel // max(rows, 1))
+        sizes_local.append(numel)
+        tensors += 1
+        if half and len(shape) >= 2 and not name.startswith("embedding."):
+            out.weight_copies += 2 * local_numel(name, shape, config.model, sizes)
+    out.params = sum(sizes_local)
+    out.parameters = out.gradients = 4 * out.params
+    out.optimizer = _ADAM_BYTES * out.params + _STEP_BYTES * tensors
+    if mode == "distributed_optimizer" and dp > 1:
+        owners = partition(sizes_local, dp)
+        loads = [0] * dp
+        counts = [0] * dp
+        for numel, owner in zip(sizes_local, owners, strict=True):
+            loads[owner] += numel
+            counts[owner] += 1
+        busiest = max(range(dp), key=lambda r: loads[r])
+        out.optimizer = _ADAM_BYTES * loads[busiest] + _STEP_BYTES * counts[busiest]
+    if mode in ("ddp", "distributed_optimizer") and dp > 1:
+        out.buffers = 4 * out.params  # DDP's gradient buckets (measured: see the docstring)
+    if mode == "fsdp" and dp > 1:
+        # Two gathered units in flight (current + prefetched) and one unit's full gradients.
+        out.buffers = 4 * 3 * max(block_numel.values())
+    return out
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def saved_bytes_per_token(config: MegalithConfig, sizes: ParallelSizes, recompute: str) -> float:
+    """Bytes one transformer layer keeps for backward per token of a micro-batch on this rank
+    (16-bit compute; see the module docstring for each term)."""
+    model = config.model
+    h, f, a = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
+    if model.num_experts:
+        f = model.moe_top_k * model.moe_ffn_hidden_size  # a token meets top_k experts
+    kv = h * model.num_query_groups / a  # K (or V) width under GQA
+    e = 4 if compute_dtype(config) == "fp32" else 2
+    r = 4  # the fp32 residual stream
+    mask = h if model.dropout > 0 else 0
+    tp = sizes.tp
+    sp = tp if config.parallel.sequence_parallel else 1
+    gated = model.activation == "swiglu"
+    lse = 4 * a  # SDPA's fp32 log-sum-exp per head (divided by TP with the heads below)
+    if recompute == "full":
+        return r * h / sp
+    if recompute == "selective":  # outputs of matmuls and SDPA, and the block input
+        inside = e * (h + 2 * kv) + e * h + lse + e * (2 if gated else 1) * f
+        outside = r * h + e * h + e * h  # block input, proj and fc2 outputs
+        return inside / tp + outside / sp
+    rope = e * (h + kv) if model.position_embedding == "rope" else 0
+    attention_in = e * (h + kv) + e * kv + rope + e * h + lse  # Q,K; V; RoPE inputs; SDPA out
+    mlp_in = e * (3 * f if gated else f) + e * f  # activation saves; fc2 input
+    outside = 2 * r * h + 2 * e * h + 2 * mask  # norm inputs, qkv and fc1 inputs, masks
+    return (attention_in + mlp_in) / tp + outside / sp
+
+
+def in_flight_micro_batches(config: MegalithConfig, sizes: ParallelSizes, mbs: int) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at its peak, in
+    units of its own layers (Megatron: ``p`` under 1F1B, ``p·(1 + (p-1)/(p·v))`` interleaved)."""
+    if sizes.pp == 1:
+        return 1.0
+    m = max(1, config.training.global_batch_size // (mbs * sizes.dp))
+    if sizes.vpp == 1:
+        return float(min(sizes.pp, m))
+    return sizes.pp * (1 + (sizes.pp - 1) / (sizes.pp * sizes.vpp))
+
+
+def _stage_layers(config: MegalithConfig, sizes: ParallelSizes, stage: int) -> int:
+    counts = layer_counts(
+        config.model.num_layers, sizes.pp, sizes.vpp, config.parallel.pipeline_layers
+    )
+    return sum(counts[stage + chunk * sizes.pp] for chunk in range(sizes.vpp))
+
+
+def loss_buffer_bytes(config: MegalithConfig, sizes: ParallelSizes, mbs: int) -> int:
+    """Vocab-parallel logits, their fp32 copy and the fp32 log-softmax, one micro-batch."""
+    tokens = mbs * config.data.seq_length // sizes.cp
+    per_logit = 4 + 4 if compute_dtype(config) == "fp32" else 2 + 4 + 4
+    return tokens * config.model.vocab_size // sizes.tp * per_logit
+
+
+def memory_report(
+    config: MegalithConfig,
+    sizes: ParallelSizes,
+    *,
+    micro_batch_size: int | None = None,
+    recompute: str | None = None,
+    statics: dict[int, StaticMemory] | None = None,
+) -> MemoryReport:
+    """The fuller of the first and the last pipeline stage (one rank of it).
+
+    ``statics`` (from :func:`stage_statics`) saves rebuilding the meta model per call."""
+    mbs = config.training.micro_batch_size if micro_batch_size is None else micro_batch_size
+    recompute = recompute or config.model.activation_checkpointing
+    statics = statics or stage_statics(config, sizes)
+    reports = [
+        _stage_report(config, sizes, stage, mbs, recompute, static)
+        for stage, static in statics.items()
+    ]
+    return max(reports, key=lambda report: report.total)
+
+
+def stage_statics(config: MegalithConfig, sizes: ParallelSizes) -> dict[int, StaticMemory]:
+    """Static memory of the first and the last pipeline stage (the same one without PP)."""
+    return {stage: static_memory(config, sizes, stage) for stage in sorted({0, sizes.pp - 1})}
+
+
+def _stage_report(
+    config: MegalithConfig,
+    sizes: ParallelSizes,
+    stage: int,
+    mbs: int,
+    recompute: str,
+    static: StaticMemory,
+) -> MemoryReport:
+    tokens = mbs * config.data.seq_length / sizes.cp
+    per_layer = saved_bytes_per_token(config, sizes, recompute) * tokens
+    layers = _stage_layers(config, sizes, stage)
+    in_flight = in_flight_micro_batches(config, sizes, mbs) if stage == 0 else 1.0
+    activations = per_layer * layers * in_flight
+    if recompute != "none":  # one layer rebuilt in full during its backward
+        activations += saved_bytes_per_token(config, sizes, "none") * tokens
+    loss = loss_buffer_bytes(config, sizes, mbs) if stage == sizes.pp - 1 else 0
+    return MemoryReport(
+        stage=stage,
+        micro_batch_size=mbs,
+        recompute=recompute,
+        static=static,
+        activations=int(activations),
+        activations_per_layer=int(per_layer),
+        loss_buffer=loss,
+        in_flight=in_flight,
+    )
+
+
+# --------------------------------------------------------------------------- planner
+
+
+def usable_bytes(gpu_bytes: int) -> int:
+    """What the planner lets a layout use: 90% of the device less 1.5 GiB."""
+    if gpu_bytes <= 0:
+        raise MemoryPlanError(f"--gpu-memory-gib must be > 0, got {gpu_bytes / GIB:g}")
+    return int(gpu_bytes * (1 - SAFETY_FRACTION)) - OVERHEAD_BYTES
+
+
+def largest_micro_batch(
+    config: MegalithConfig, sizes: ParallelSizes, recompute: str, budget: int, limit: int = 4096
+) -> int:
+    """The largest micro-batch (<= ``limit``) whose total fits ``budget``; 0 if none does.
+    Memory grows with the micro-batch, so a binary search is exact."""
+
+    statics = stage_statics(config, sizes)
+
+    def fits(mbs: int) -> bool:
+        report = memory_report(
+            config, sizes, micro_batch_size=mbs, recompute=recompute, statics=statics
+        )
+        return report.total <= budget
+
+    low, high = 0, limit
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+@dataclass
+class Plan:
+    gpu_bytes: int
+    usable_bytes: int
+    largest: dict[str, int]  # recompute mode -> largest micro-batch that fits (0: none)
+    recompute: str | None
+    micro_batch_size: int
+    reason: str
+
+
+def plan(config: MegalithConfig, sizes: ParallelSizes, gpu_bytes: int) -> Plan:
+    """The largest micro-batch per recomputation mode, and a recommendation.
+
+    Rule: the least recomputation (none, then selective, then full) that fits the
+    configured micro-batch, at the configured micro-batch (no extra FLOPs, same global
+    batch arithmetic). If no mode fits it, the mode that fits the largest micro-batch
+    (ties to less recomputation), at that micro-batch; gradient accumulation keeps the
+    global batch. If not even a micro-batch of 1 fits, no recommendation. The largest
+    micro-batches ignore ``training.global_batch_size`` divisibility: pick a divisor.
+    """
+    budget = usable_bytes(gpu_bytes)
+    largest = {mode: largest_micro_batch(config, sizes, mode, budget) for mode in MODES}
+    wanted = config.training.micro_batch_size
+    for mode in MODES:
+        if largest[mode] >= wanted:
+            reason = f"least recomputation that fits the configured micro-batch {wanted}"
+            return Plan(gpu_bytes, budget, largest, mode, wanted, reason)
+    best = max(MODES, key=lambda mode: (largest[mode], -MODES.index(mode)))
+    if largest[best] == 0:
+        reason = (
+            "nothing fits a micro-batch of 1: raise parallel.tensor or parallel.pipeline, "
+            "or use parallel.data_parallel_mode=fsdp/distributed_optimizer"
+        )
+        return Plan(gpu_bytes, budget, largest, None, 0, reason)
+    reason = f"the configured micro-batch {wanted} does not fit; the largest that does"
+    return Plan(gpu_bytes, budget, largest, best, largest[best], reason)
+
+
+def detected_gpu_bytes() -> int | None:
+    """Total memory of CUDA device 0, or None without one."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return None
+
+
+def format_report(report: MemoryReport, sizes: ParallelSizes, config: MegalithConfig) -> str:
+    """An aligned table in GiB."""
+    head = (
+        f"{sizes.describe()}; {config.parallel.data_parallel_mode}, "
+        f"{compute_dtype(config)}, recompute {report.recompute}, "
+        f"micro-batch {report.micro_batch_size} x seq {config.data.seq_length}; "
+        f"pipeline stage {report.stage}"
+    )
+    lines = [head, f"  {'per GPU':<28}{'GiB':>10}"]
+    for label, value in report.rows():
+        lines.append(f"  {label:<28}{value / GIB:>10.2f}")
+    lines.append(
+        f"  ({report.static.params:,} parameter elements on this rank; activations "
+        f"{report.activations_per_layer / GIB:.3f} GiB per layer per micro-batch, "
+        f"x{report.in_flight:g} in flight)"
+    )
+    return "\n".join(lines)
+
+
+def format_plan(result: Plan) -> str:
+    lines = [
+        f"planner: {result.gpu_bytes / GIB:.1f} GiB GPU, {result.usable_bytes / GIB:.1f} GiB "
+        f"usable ({SAFETY_FRACTION:.0%} margin + {OVERHEAD_BYTES / GIB:g} GiB overhead)",
+        f"  {'recompute':<12}{'largest micro-batch':>20}",
+    ]
+    for mode, mbs in result.largest.items():
+        lines.append(f"  {mode:<12}{mbs if mbs else 'does not fit':>20}")
+    if result.recompute is None:
+        lines.append(f"  recommended: none ({result.reason})")
+    else:
+        lines.append(
+            f"  recommended: model.activation_checkpointing={result.recompute} "
+            f"training.micro_batch_size={result.micro_batch_size} ({result.reason})"
+        )
+    return "\n".join(lines)
+
+
+def check_gpu_flag(gib: float | None) -> int:
+    """Bytes from ``--gpu-memory-gib`` or the detected device; a clear error otherwise."""
+    if gib is None:
+        detected = detected_gpu_bytes()
+        if detected is None:
+            raise MemoryPlanError("no CUDA device detected: pass --gpu-memory-gib")
+        return detected
+    if gib <= 0:
+        raise MemoryPlanError(f"--gpu-memory-gib must be > 0, got {gib:g}")
+    return int(gib * GIB)
+
+
+__all__ = [
+    "MemoryPlanError",
+    "MemoryReport",
+    "Plan",
+    "memory_report",
+    "plan",
+    "resolve_layout",
+    "static_memory",
+]
