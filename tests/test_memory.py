@@ -113,6 +113,19 @@ def test_activations_order_and_linearity():
     assert abs(halved.activations - four.activations / 2) <= 4, "SP divides everything by TP"
 
 
+def test_chunked_loss_holds_one_chunk_of_logits():
+    """model.loss_chunk_tokens: one chunk's bf16 + fp32 logits and the fp32 output-weight
+    gradient, instead of every token's logits (10 bytes each in bf16)."""
+    plain = load_config(LLAMA_1B)
+    chunked = load_config(LLAMA_1B, ["model.loss_chunk_tokens=4096"])
+    sizes = resolve_layout(plain, 1)
+    whole = memory_report(plain, sizes, micro_batch_size=8, recompute="none").loss_buffer
+    fused = memory_report(chunked, sizes, micro_batch_size=8, recompute="none").loss_buffer
+    vocab, hidden = plain.model.vocab_size, plain.model.hidden_size
+    assert whole == 8 * 2048 * vocab * 10
+    assert fused == 4096 * vocab * 6 + vocab * hidden * 4
+
+
 @pytest.mark.parametrize("gib", [80, 24])
 def test_planner_choice_fits_and_one_more_does_not(gib):
     config = load_config(LLAMA_1B)

@@ -48,7 +48,8 @@ same tensors for *our* block, with these adjustments:
   layers' worth.
 
 The loss buffer: the 16-bit vocab-parallel logits ``[b, s, V/t]`` plus their fp32 copy
-plus the fp32 log-softmax cross-entropy saves (nothing is chunked yet).
+plus the fp32 log-softmax cross-entropy saves; with ``model.loss_chunk_tokens`` one
+chunk's logits and the fp32 output-weight gradient the fused loss accumulates.
 
 These are estimates of an eager step (``torch.compile`` fuses elementwise ops and saves
 less: the 1B recipe peaked at 37.3 GiB compiled against 46.2 eager). Against the eager
@@ -301,8 +302,15 @@ def _stage_layers(config: MegalithConfig, sizes: ParallelSizes, stage: int) -> i
 
 
 def loss_buffer_bytes(config: MegalithConfig, sizes: ParallelSizes, mbs: int) -> int:
-    """Vocab-parallel logits, their fp32 copy and the fp32 log-softmax, one micro-batch."""
+    """Vocab-parallel logits, their fp32 copy and the fp32 log-softmax, one micro-batch;
+    with ``model.loss_chunk_tokens`` (plain head) one chunk's logits (16-bit and fp32)
+    plus the fp32 gradient of the output weight it accumulates."""
     tokens = mbs * config.data.seq_length // sizes.cp
+    chunk = config.model.loss_chunk_tokens
+    if chunk and sizes.tp == 1:
+        per_logit = 4 if compute_dtype(config) == "fp32" else 2 + 4
+        weight_grad = config.model.vocab_size * config.model.hidden_size * 4
+        return min(chunk, tokens) * config.model.vocab_size * per_logit + weight_grad
     per_logit = 4 + 4 if compute_dtype(config) == "fp32" else 2 + 4 + 4
     return tokens * config.model.vocab_size // sizes.tp * per_logit
 
