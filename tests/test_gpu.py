@@ -53,3 +53,17 @@ def test_fused_adamw_training_reduces_loss_on_gpu() -> None:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_checkpoint_rng_record_restores_this_devices_generator() -> None:
+    """v2 checkpoints keep the current device's CUDA generator (every rank's is alike) and
+    restore it onto the current device."""
+    from training.sharded_checkpoint import restore_rng, rng_record
+
+    torch.cuda.manual_seed(3)
+    torch.rand(5, device="cuda")  # advance it
+    record = rng_record()
+    want = torch.rand(5, device="cuda")
+    torch.cuda.manual_seed(99)
+    restore_rng(record)
+    torch.testing.assert_close(torch.rand(5, device="cuda"), want)

@@ -421,10 +421,10 @@ def optimizer_group_indices(optimizer) -> list[list[int]]:
 
 def restore_rng_state(tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
-    if torch.cuda.is_available():
-        states = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
+    if torch.cuda.is_available() and "torch_cuda_0" in tensors:
+        # Rank 0 wrote every device's generator, but only its own (device 0) advanced;
+        # every rank draws alike, so that state is this rank's device's.
+        torch.cuda.set_rng_state(tensors["torch_cuda_0"])
     version, internal, gauss = saved["python"]
     random.setstate((version, tuple(internal), gauss))
     numpy = saved["numpy"]

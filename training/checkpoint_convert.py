@@ -123,8 +123,7 @@ def _v1_tensors_and_state(
         "numpy_keys": [int(k) for k in rng["numpy_keys"].tolist()],
         "torch_cpu": rng["torch_cpu"].numpy().tobytes().hex(),
     }
-    cuda = sorted(k for k in rng if k.startswith("torch_cuda_"))
-    if cuda:
-        state["rng"]["torch_cuda"] = [rng[k].numpy().tobytes().hex() for k in cuda]
+    if "torch_cuda_0" in rng:  # rank 0's own device: the state every rank shares
+        state["rng"]["torch_cuda"] = rng["torch_cuda_0"].numpy().tobytes().hex()
     state.get("optimizer", {}).pop("param_names", None)
     return tensors, state

@@ -319,7 +319,10 @@ def _add_boxes(
 
 
 def rng_record() -> dict[str, Any]:
-    """This process's Python, numpy and torch generator states as JSON."""
+    """This process's Python, numpy and torch generator states as JSON; on CUDA the
+    generator of this rank's own device. Every rank is seeded alike and draws alike, so
+    rank 0's record is every rank's (its view of other devices' generators is not: they
+    never advance in its process)."""
     version, internal, gauss = random.getstate()
     _, keys, pos, has_gauss, cached = np.random.get_state()
     record = {
@@ -329,19 +332,19 @@ def rng_record() -> dict[str, Any]:
         "torch_cpu": torch.get_rng_state().numpy().tobytes().hex(),
     }
     if torch.cuda.is_available():
-        record["torch_cuda"] = [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()]
+        record["torch_cuda"] = torch.cuda.get_rng_state().numpy().tobytes().hex()
     return record
 
 
 def restore_rng(record: dict[str, Any]) -> None:
-    """Inverse of :func:`rng_record` (v1's restore semantics)."""
+    """Inverse of :func:`rng_record`: the CUDA state goes to this rank's current device."""
     tensors = {
         "torch_cpu": _bytes_tensor(record["torch_cpu"]),
         "numpy_keys": torch.tensor(record["numpy_keys"], dtype=torch.int64),
     }
-    for device, state in enumerate(record.get("torch_cuda", [])):
-        tensors[f"torch_cuda_{device}"] = _bytes_tensor(state)
     restore_rng_state(tensors, record)
+    if torch.cuda.is_available() and isinstance(record.get("torch_cuda"), str):
+        torch.cuda.set_rng_state(_bytes_tensor(record["torch_cuda"]))
 
 
 def _bytes_tensor(text: str) -> torch.Tensor:
