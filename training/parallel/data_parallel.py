@@ -177,16 +177,6 @@ def _gather(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
     return whole.detach().cpu() if keep else None
 
 
-def _full_optimizer_state(optimizer: torch.optim.Optimizer, is_main: bool) -> dict | None:
-    """Collective: the optimizer state with every sharded tensor gathered, on rank 0."""
-    local = optimizer.state_dict()
-    state = {
-        index: {key: _gather(value, is_main) for key, value in values.items()}
-        for index, values in local["state"].items()
-    }
-    return {"state": state, "param_groups": local["param_groups"]} if is_main else None
-
-
 # --- The distributed optimizer (ZeRO-1) ------------------------------------------------
 
 
@@ -238,7 +228,7 @@ class DistributedOptimizer:
 
     Offers what the trainer and GradScaler use of an optimizer: ``param_groups`` (set
     the learning rate here), ``zero_grad``, ``step``, ``load_state_dict`` (the full,
-    single-process format) and ``consolidated_state_dict`` (collective).
+    single-process format).
     """
 
     STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")  # AdamW's, amsgrad off
@@ -302,39 +292,13 @@ class DistributedOptimizer:
         for (owner, _), params in sorted(buckets.items(), key=lambda item: item[0]):
             yield owner, params
 
-    # --- checkpoints: the single-process AdamW format ---------------------------------
-
-    def consolidated_state_dict(self) -> dict[str, Any] | None:
-        """Collective: every owner sends its parameters' state to rank 0 of the group,
-        which returns the full state dict; the other ranks return None."""
-        local = self.optim.state
-        stepped = torch.tensor([1.0 if local else 0.0], device=self.params[0].device)
-        dist.all_reduce(stepped, op=dist.ReduceOp.MAX, group=self.group)
-        full: dict[int, dict[str, torch.Tensor]] = {}
-        for index, (param, owner) in enumerate(zip(self.params, self.owners, strict=True)):
-            if not stepped.item():
-                break
-            for key in self.STATE_KEYS:
-                if owner == self.rank == 0:
-                    full.setdefault(index, {})[key] = local[param][key]
-                elif owner == self.rank:
-                    dist.send(_as_tensor(local[param][key], param), group_dst=0, group=self.group)
-                elif self.rank == 0:
-                    buffer = _receive_buffer(key, param)
-                    dist.recv(buffer, group_src=owner, group=self.group)
-                    full.setdefault(index, {})[key] = buffer
-        if self.rank != 0:
-            return None
-        groups = [
-            {**_hyperparameters(g), "params": indices}
-            for g, indices in zip(self.param_groups, optimizer_group_indices(self), strict=True)
-        ]
-        return {"state": full, "param_groups": groups}
+    # --- checkpoints: the single-process AdamW format (sharded checkpoints write each
+    # rank's own share: training.sharded_checkpoint) -----------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         raise RuntimeError(
-            "DistributedOptimizer.state_dict is collective: call consolidated_state_dict() on "
-            "every rank"
+            "DistributedOptimizer has no single-process state_dict: sharded checkpoints save "
+            "each rank's share (training.sharded_checkpoint)"
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -362,44 +326,3 @@ class DistributedOptimizer:
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
-
-
-def _as_tensor(value: Any, param: torch.Tensor) -> torch.Tensor:
-    tensor = value if torch.is_tensor(value) else torch.tensor(float(value))
-    return _to_comm(tensor.float() if tensor.dim() == 0 else tensor, param)
-
-
-def _receive_buffer(key: str, param: torch.Tensor) -> torch.Tensor:
-    if key == "step":
-        return _to_comm(torch.zeros((), dtype=torch.float32), param)
-    return torch.empty_like(param, memory_format=torch.contiguous_format)
-
-
-def _to_comm(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """On the parameter's device: NCCL moves only CUDA tensors."""
-    return tensor.to(param.device).contiguous()
-
-
-@contextlib.contextmanager
-def consolidated(optimizer: Any, is_main: bool) -> Iterator[Any]:
-    """What ``save_checkpoint`` reads the optimizer through: the full state on rank 0.
-
-    Collective for sharded optimizer state (distributed_optimizer, FSDP)."""
-    if isinstance(optimizer, DistributedOptimizer):
-        yield FrozenOptimizerState(optimizer.consolidated_state_dict())
-    elif any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
-        yield FrozenOptimizerState(_full_optimizer_state(optimizer, is_main))
-    else:
-        yield optimizer
-
-
-class FrozenOptimizerState:
-    """A consolidated state dict behind the one method ``save_checkpoint`` calls."""
-
-    def __init__(self, state: dict[str, Any] | None):
-        self._state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        if self._state is None:
-            raise RuntimeError("only rank 0 holds the consolidated optimizer state")
-        return self._state

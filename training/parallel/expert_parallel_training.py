@@ -13,9 +13,9 @@ the expert-data-parallel (``edp``) group and hold the same experts.
   data × context, the same scaling DDP applies, because an expert's local gradient
   already sums the tokens that every rank of its EP group sent it.
 - :func:`clip_grad_norm`: expert gradients count once across EP ranks.
-- :func:`full_model` / :func:`consolidated` / :func:`shard_loaded`: checkpoints and the
-  model package hold whole single-process tensors (experts gathered over the first EP
-  group to rank 0), and load at any EP size.
+- :func:`full_model` / :func:`shard_loaded`: the model package holds whole
+  single-process tensors (experts gathered over the first EP group to rank 0); whole
+  (v1) checkpoints load at any EP size.
 
 Without EP (``parallel.expert`` 1) every function defers to
 :mod:`training.parallel.tensor_parallel_training`; an MoE model then trains like a
@@ -155,32 +155,3 @@ def full_model(model: nn.Module, state: ParallelState, is_main: bool) -> Iterato
         return
     params = {n: experts.get(n, p.detach().cpu()) for n, p in model.named_parameters()}
     yield model_from_tensors(model.config, params, dict(model.named_buffers()))
-
-
-@contextlib.contextmanager
-def consolidated(
-    optimizer: Any,
-    param_names: list[str],
-    config: ModelConfig,
-    state: ParallelState,
-    is_main: bool,
-) -> Iterator[Any]:
-    """The optimizer state in the single-process format on rank 0: the experts' AdamW
-    moments gathered over the first EP group (EP runs with a plain, unsharded AdamW)."""
-    with tp.consolidated(optimizer, param_names, config, state, is_main) as local:
-        if not _expert_parallel(state) or not _on_first_ep_group(state):
-            yield local
-            return
-        full = local.state_dict()
-        moments = {
-            index: {
-                key: _gather_experts(value, state)
-                if torch.is_tensor(value)
-                and value.dim() > 0
-                and is_expert_param(param_names[index])
-                else value
-                for key, value in values.items()
-            }
-            for index, values in full["state"].items()
-        }
-        yield dp.FrozenOptimizerState({"state": moments, "param_groups": full["param_groups"]})

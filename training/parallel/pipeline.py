@@ -24,10 +24,10 @@ how many layers each virtual stage holds.
   schedule (one flat all-reduce per dtype; no overlap with backward), then the
   distributed optimizer (ZeRO-1) or AdamW steps each stage's parameters.
 - Validation runs forward only, one micro-batch at a time through the virtual stages.
-- Checkpoints and the model package hold whole single-process tensors: stages (and TP
-  shards) send their parameters and AdamW moments to rank 0; loading picks this
-  rank's parameters out of a whole checkpoint and shards them, so any pipeline size
-  resumes any other.
+- Checkpoints are sharded (:mod:`training.sharded_checkpoint`; :meth:`owner_stage`
+  says which stage writes a tied copy) and load at any pipeline size. The model
+  package holds whole tensors: stages (and TP shards) send their parameters to rank 0.
+  Whole (v1) checkpoints still load: :meth:`load` picks this rank's parameters.
 
 Inputs are made contiguous before the schedule: torch 2.11's ``PipelineStage`` checks
 each micro-batch's strides against those it inferred, and ``tokens[:, :-1]`` is a view
@@ -463,49 +463,6 @@ class PipelineParallel:
         # RoPE tables (buffers) are on every stage.
         yield model_from_tensors(self.model_config, tensors, dict(self.model.named_buffers()))
 
-    @contextlib.contextmanager
-    def whole_optimizer(self, optimizer: Any, param_names: list[str], is_main: bool):
-        """AdamW's state in the single-process format (``whole_param_names`` order) on
-        rank 0; collective (the distributed optimizer consolidates over DP first)."""
-        with dp.consolidated(optimizer, is_main) as local_optimizer:
-            local: dict[str, Tensor] = {}
-            hyper: list[dict[str, Any]] = []
-            coords = self.state.coords
-            if not (coords.dp or coords.cp):
-                full = local_optimizer.state_dict()
-                hyper = [
-                    {k: v for k, v in g.items() if k != "params"} for g in full["param_groups"]
-                ]
-                for index, values in sorted(full["state"].items()):
-                    name = param_names[index]
-                    if self._owned(name):
-                        for key in STATE_KEYS:
-                            local[f"{name}/{key}"] = _step_tensor(values[key])
-            reference = dict(_meta_model(self.model_config).named_parameters())
-            wanted = []
-            for name in self.whole_param_names:
-                param = reference[name]
-                wanted += [(f"{name}/exp_avg", (param.shape, param.dtype))]
-                wanted += [(f"{name}/exp_avg_sq", (param.shape, param.dtype))]
-                wanted += [(f"{name}/step", ((), torch.float32))]
-            tensors = self._to_rank0(local, wanted)
-            if not is_main:
-                yield dp.FrozenOptimizerState(None)
-                return
-            state = {
-                index: {key: tensors[f"{name}/{key}"] for key in STATE_KEYS}
-                for index, name in enumerate(self.whole_param_names)
-            }
-            groups, start = [], 0
-            for group, size in zip(hyper, self._whole_group_sizes(), strict=True):
-                groups.append({**group, "params": list(range(start, start + size))})
-                start += size
-            yield dp.FrozenOptimizerState({"state": state, "param_groups": groups})
-
-    def _whole_group_sizes(self) -> list[int]:
-        groups = param_groups(_meta_model(self.model_config), self.config.optimizer.weight_decay)
-        return [len(g["params"]) for g in groups]
-
     def load(self, path: str | Path, optimizer: Any, param_names: list[str]) -> dict[str, Any]:
         """Load this rank's part of a whole checkpoint (written at any layout) into the
         stage model and optimizer, and restore the RNG; returns state.json."""
@@ -542,13 +499,6 @@ class PipelineParallel:
         reference = _meta_model(self.model_config)
         wanted = [(n, (p.shape, p.dtype)) for n, p in reference.named_parameters()]
         return self._to_rank0(local, wanted)
-
-
-def _step_tensor(value: Any) -> Tensor:
-    """A moment as it is; the step count as a float32 scalar (what AdamW keeps)."""
-    if not torch.is_tensor(value):
-        return torch.tensor(float(value))
-    return value.float() if value.dim() == 0 else value
 
 
 def _meta_model(config: ModelConfig) -> GPTModel:

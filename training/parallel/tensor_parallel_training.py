@@ -3,9 +3,9 @@
 - :func:`build_model`: the single-device model is built from the seed on every rank
   (so the initial weights equal one device's), then each TP rank keeps its shard in a
   model built with :class:`TensorParallelBackend`.
-- :func:`full_model` / :func:`consolidated`: checkpoints and the model package hold
-  whole tensors in the single-process format; TP shards (weights and AdamW moments) are
-  gathered to rank 0.
+- :func:`full_model`: the model package holds whole tensors in the single-process
+  format; TP shards are gathered to rank 0 (checkpoints are sharded:
+  :mod:`training.sharded_checkpoint`).
 - :func:`shard_loaded`: the inverse for loading, so a checkpoint written at any TP size
   loads at any other.
 
@@ -108,33 +108,6 @@ def full_model(model: nn.Module, state: ParallelState, is_main: bool) -> Iterato
         yield None
         return
     yield model_from_tensors(config, params, dict(model.named_buffers()))
-
-
-@contextlib.contextmanager
-def consolidated(
-    optimizer: Any,
-    param_names: list[str],
-    config: ModelConfig,
-    state: ParallelState,
-    is_main: bool,
-) -> Iterator[Any]:
-    """The optimizer state in the single-process format on rank 0: first consolidated
-    over data parallelism (collective there), then TP shards gathered (first TP group)."""
-    with dp.consolidated(optimizer, is_main) as local:
-        if state.sizes.tp == 1 or not _on_first_tp_group(state):
-            yield local
-            return
-        full = local.state_dict()
-        moments = {
-            index: {
-                key: gather_whole(param_names[index], value, config, state)
-                if torch.is_tensor(value)
-                else value
-                for key, value in values.items()
-            }
-            for index, values in full["state"].items()
-        }
-        yield dp.FrozenOptimizerState({"state": moments, "param_groups": full["param_groups"]})
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, state: ParallelState) -> torch.Tensor:
