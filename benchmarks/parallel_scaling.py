@@ -11,9 +11,10 @@ baseline is compiled too), so the comparison is between layouts, not a peak figu
     python benchmarks/parallel_scaling.py --shape 1b --layouts 1gpu,dp2,tp2 --out results/
 
 Efficiency = (tokens/s ÷ GPUs) ÷ (one GPU's tokens/s). For pipeline layouts the
-report also gives the measured bubble, 1 − efficiency (it includes the stages'
-communication), beside the (p − 1)/(v·m) theory with m = ``--accumulation``, and the
-trainer's own ``pipeline_bubble`` (the stages' idle share of the step).
+report gives the trainer's measures (``training.parallel.pipeline``): the bubble of the
+critical (busiest) stage, its step time outside its own compute over that compute,
+beside the (p − 1)/(v·m) theory with m = ``--accumulation``; the GPUs' mean idle share
+of the step (bubble plus the stages' imbalance); and the imbalance itself.
 
 Shapes: ``1b`` is configs/llama-1b.yaml; ``7b-layers`` has the layer shape of a Llama-2
 7B (hidden 4096, 32 heads, FFN 11008) with 8 layers instead of 32 so that one GPU can
@@ -63,8 +64,8 @@ SHAPES: dict[str, dict] = {
 
 # Layout names: parts joined by "-", e.g. 1gpu, dp4, dp2-zero1, tp2-sp, pp4-v2, tp2-pp2,
 # tp2-dp2, cp2. dpN/tpN/ppN/cpN set the sizes (GPUs = their product), vN the virtual
-# pipeline stages (interleaved schedule), sp sequence parallelism, zero1/fsdp the
-# data-parallel mode (default ddp).
+# pipeline stages (interleaved schedule), zb the zero-bubble schedule (ZB1P, with or
+# without vN), sp sequence parallelism, zero1/fsdp the data-parallel mode (default ddp).
 _SIZE_KEYS = {
     "dp": None,
     "tp": "parallel.tensor",
@@ -76,6 +77,7 @@ _FLAGS = {
     "sp": {"parallel.sequence_parallel": True},
     "zero1": {"parallel.data_parallel_mode": "distributed_optimizer"},
     "fsdp": {"parallel.data_parallel_mode": "fsdp"},
+    "zb": {"parallel.pipeline_schedule": "zero-bubble"},
 }
 
 
@@ -84,14 +86,15 @@ def parse_layout(name: str) -> tuple[int, dict]:
     if name == "1gpu":
         return 1, {}
     gpus, overrides = 1, {"parallel.data_parallel_mode": "ddp"}
-    for part in name.split("-"):
+    parts = name.split("-")
+    for part in sorted(parts, key=lambda part: part in _FLAGS):  # flags last: zb overrides vN
         if part in _FLAGS:
             overrides.update(_FLAGS[part])
             continue
         prefix = part.rstrip("0123456789")
         if prefix not in _SIZE_KEYS or prefix == part:
             raise SystemExit(
-                f"layout {name!r}: unknown part {part!r} (dpN tpN ppN cpN vN sp zero1 fsdp)"
+                f"layout {name!r}: unknown part {part!r} (dpN tpN ppN cpN vN zb sp zero1 fsdp)"
             )
         size = int(part[len(prefix) :])
         if prefix == "v":
@@ -170,8 +173,11 @@ def worker(args) -> None:
                 "tokens_per_s": tokens / seconds,
                 "flops_per_token": trainer.flops_per_token,
                 "losses": [r["loss"] for r in records],
-                # The trainer's own measure: 1 - compute time / step time per stage.
-                "pipeline_bubble": _mean([r.get("pipeline_bubble") for r in records]),
+                # The trainer's own measures (training.parallel.pipeline's docstring).
+                **{
+                    key: _mean([r.get(key) for r in records])
+                    for key in ("pipeline_bubble", "pipeline_idle", "pipeline_imbalance")
+                },
                 "peak_memory_gb": memory.item() / 2**30,
             }
             print("RESULT " + json.dumps(result), flush=True)
@@ -214,7 +220,7 @@ def bubble_theory(layout: str, accumulation: int) -> float | None:
     if stages == 1:
         return None
     virtual = overrides.get("parallel.virtual_pipeline") or 1
-    return (stages - 1) / (virtual * accumulation)
+    return (stages - 1) / (virtual * accumulation)  # the 1F1B / interleaved theory
 
 
 def table(report: dict) -> str:
@@ -225,8 +231,9 @@ def table(report: dict) -> str:
         f"{report['device']}, shape {report['shape']}, {report['accumulation']} micro-batches "
         f"per replica per step, {report['mode']}; bf16 matmul peak {peak:.0f} TFLOP/s",
         "| layout | GPUs | tokens/s | tokens/s per GPU | efficiency vs 1 GPU | MFU (989) | "
-        "of matmul peak | peak mem GiB | bubble measured / theory |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "of matmul peak | peak mem GiB | bubble (critical stage) / theory (p−1)/(v·m) | "
+        "GPU idle | stage imbalance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if "tokens_per_s" not in r:
@@ -236,11 +243,12 @@ def table(report: dict) -> str:
         efficiency = per_gpu / base if base else float("nan")
         achieved = per_gpu * r["flops_per_token"]
         theory = bubble_theory(name, report["accumulation"])
-        bubble = "-"
-        if theory:
-            stages = r.get("pipeline_bubble")
-            bubble = f"{100 * (1 - efficiency):.1f}% / {100 * theory:.1f}%"
-            bubble += f" (stage idle {100 * stages:.1f}%)" if stages is not None else ""
+        bubble = "- | - | -"
+        if theory and r.get("pipeline_bubble") is not None:
+            bubble = (
+                f"{100 * r['pipeline_bubble']:.1f}% / {100 * theory:.1f}% | "
+                f"{100 * r['pipeline_idle']:.1f}% | {100 * r['pipeline_imbalance']:.1f}%"
+            )
         lines.append(
             f"| {name} | {r['gpus']} | {r['tokens_per_s']:,.0f} | {per_gpu:,.0f} | "
             f"{100 * efficiency:.1f}% | {100 * achieved / 989e12:.1f}% | "

@@ -282,7 +282,11 @@ class ParallelConfig(StrictModel):
         "optimizer state sharded over data-parallel ranks (ZeRO-1/2); fsdp: FSDP2.",
     )
     ddp_bucket_mb: float = Field(default=25.0, gt=0, description="Gradient bucket size.")
-    pipeline_schedule: Literal["1f1b", "interleaved"] = "1f1b"
+    pipeline_schedule: Literal["1f1b", "interleaved", "zero-bubble"] = Field(
+        default="1f1b",
+        description="1f1b; interleaved (needs virtual_pipeline >= 2); zero-bubble (ZB1P: weight "
+        "gradients deferred into the bubble, any virtual_pipeline).",
+    )
     pipeline_layers: Literal["even", "balanced"] | list[int] = Field(
         default="even",
         description="Layers per virtual pipeline stage: even; balanced (embedding and output "

@@ -102,6 +102,8 @@ def derive_sizes(parallel: ParallelConfig, world_size: int) -> ParallelSizes:
             f"pipeline_schedule interleaved needs virtual_pipeline >= 2 (virtual_pipeline is "
             f"{parallel.virtual_pipeline})"
         )
+    if parallel.pipeline_schedule == "zero-bubble" and pp == 1:
+        problems.append("pipeline_schedule zero-bubble needs pipeline > 1 (pipeline is 1)")
     if parallel.pipeline_schedule == "1f1b" and vpp > 1:
         problems.append(
             f"virtual_pipeline {vpp} needs pipeline_schedule interleaved (schedule is 1f1b)"
@@ -148,7 +150,9 @@ def validate_layout(config: MegalithConfig, world_size: int) -> ParallelSizes:
             f"micro_batch_size {training.micro_batch_size} · data {sizes.dp} = {per_step}"
         )
     else:
-        problems += schedule_problems(pp, sizes.vpp, training.global_batch_size // per_step)
+        problems += schedule_problems(
+            pp, sizes.vpp, training.global_batch_size // per_step, config.parallel.pipeline_schedule
+        )
     if problems:
         raise ParallelLayoutError(_message(problems, sizes))
     return sizes

@@ -15,8 +15,11 @@ how many layers each virtual stage holds.
   output head; both copies start equal and, as in Megatron, their gradients are summed
   over ``ParallelState.embedding_group`` (first + last stage) before the optimizer step,
   so they stay equal. The grad norm counts the copy once.
-- Schedule: ``torch.distributed.pipelining`` (``Schedule1F1B``, or
-  ``ScheduleInterleaved1F1B`` with virtual stages) over the ``pp`` group. The
+- Schedule: ``torch.distributed.pipelining`` over the ``pp`` group: ``Schedule1F1B``,
+  ``ScheduleInterleaved1F1B`` with virtual stages, or ``ScheduleInterleavedZeroBubble``
+  (``zero-bubble``: ZB1P of Qi et al. 2024, which splits each backward into the input
+  gradient, sent upstream at once, and the weight gradient, deferred into the bubble;
+  one or more chunks per rank). The
   micro-batches are the gradient-accumulation micro-batches of one optimizer step
   (``global_batch / (micro_batch · dp)``); each micro-batch's loss is the output head's
   mean loss divided by their number, as the non-pipelined trainer does, so losses and
@@ -39,12 +42,22 @@ Not integrated: fp16 (the loss scaler would need its inf checks over every stage
 FSDP with pipeline stages, and ``training.compile``; :mod:`training.parallel.support`
 refuses them.
 
-Measuring the bubble (GPU): every step logs ``pipeline_bubble_theory`` =
-``(p - 1) / (v · m)`` and ``pipeline_bubble`` = the mean over pipeline ranks of
-``1 - busy / step``, where ``busy`` is the time this rank spent in its chunks' forward
-and backward and in the loss (CUDA events, no extra synchronisation; wall clock on
-CPU) and ``step`` the whole schedule (so waiting for peers and point-to-point transfers
-count as bubble). For example, PP=2 on 2 GPUs at the 1B shape (16 layers) with
+Measuring the bubble (GPU): every step logs, from each pipeline rank's ``busy`` time (its
+chunks' forward and backward and the loss: CUDA events, no extra synchronisation; wall
+clock on CPU) and the step's time ``step`` (the whole schedule, so waiting for peers and
+point-to-point transfers count as idle):
+
+- ``pipeline_bubble`` = ``(step - busy) / busy`` of the busiest rank: the time the
+  critical stage spends outside its own compute, as a fraction of that compute. This is
+  the quantity the theory ``pipeline_bubble_theory`` = ``(p - 1) / (v · m)`` describes
+  (Narayanan et al. 2021: bubble time over ideal compute time, stages of equal cost).
+- ``pipeline_idle`` = the mean over ranks of ``(step - busy) / step``: the share of the
+  GPUs' time spent idle, which adds the stages' imbalance to the bubble.
+- ``pipeline_imbalance`` = ``max(busy) / mean(busy) - 1``: how much more the busiest stage
+  computes than the average (the output head and loss on the last stage cost about one
+  layer at the 1B shape, so 16 layers on 2 stages are 5-6% apart whichever the split).
+
+For example, PP=2 on 2 GPUs at the 1B shape (16 layers) with
 m = global_batch_size / micro_batch_size micro-batches per step (here m = 8)::
 
     megalith train --config configs/llama-1b.yaml --nproc-per-node 2 --output runs/pp2 \\
@@ -52,7 +65,8 @@ m = global_batch_size / micro_batch_size micro-batches per step (here m = 8)::
       --set training.global_batch_size=32 --set training.train_iters=20 \\
       --set training.eval_interval=0 --set checkpoint.interval=0
     # interleaved: --set parallel.virtual_pipeline=2 --set parallel.pipeline_schedule=interleaved
-    # balanced split (embedding and head as a layer each): --set parallel.pipeline_layers=balanced
+    # zero bubble (ZB1P, weight gradients fill the bubble): --set parallel.pipeline_schedule=zero-bubble
+    # uneven split: --set parallel.pipeline_layers=[9,7]
 
 then ``pipeline_stats(read_metrics("runs/pp2/metrics.jsonl"))`` gives the mean
 ``step_time_s``, ``pipeline_bubble`` and ``pipeline_bubble_theory`` after warm-up.
@@ -76,6 +90,7 @@ from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
 )
 
 from training.checkpoint import (
@@ -214,6 +229,10 @@ class TimedStage(PipelineStage):
         with self.busy.span():
             return super().backward_one_chunk(*args, **kwargs)
 
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        with self.busy.span():
+            return super().backward_weight_one_chunk(*args, **kwargs)
+
 
 # --- the runner --------------------------------------------------------------------------
 
@@ -266,6 +285,11 @@ class PipelineParallel:
             for stage, chunk in zip(self.virtual_stages, self.chunks, strict=True)
         ]  # fmt: skip
         # scale_grads=False: the loss is already divided by the micro-batch count.
+        schedule = self.config.parallel.pipeline_schedule
+        if schedule == "zero-bubble":
+            return ScheduleInterleavedZeroBubble(
+                stages, self.micro_batches, self._loss, scale_grads=False
+            )
         if self.state.sizes.vpp == 1:
             return Schedule1F1B(stages[0], self.micro_batches, self._loss, scale_grads=False)
         return ScheduleInterleaved1F1B(stages, self.micro_batches, self._loss, scale_grads=False)
@@ -298,13 +322,23 @@ class PipelineParallel:
         elapsed = time.perf_counter() - started
         self.sync_grads()
         loss = self.from_last_stage(dp.all_reduce_mean(loss.float(), self.state))
-        measured = torch.tensor([1.0 - busy / elapsed], device=self.device)
-        dist.all_reduce(measured, group=self.state.pp_group)
-        return loss, {
-            "pipeline_bubble": measured.item() / self.state.sizes.pp,
-            "pipeline_bubble_theory": bubble_fraction(
-                self.state.sizes.pp, self.state.sizes.vpp, self.micro_batches
-            ),
+        return loss, self._bubble_metrics(busy, elapsed)
+
+    def _bubble_metrics(self, busy: float, elapsed: float) -> dict[str, float]:
+        """``pipeline_bubble`` (critical stage), ``pipeline_idle``, ``pipeline_imbalance``
+        and the theory, from every pipeline rank's busy and step time (module docstring)."""
+        sizes = self.state.sizes
+        mine = torch.tensor([busy, elapsed], device=self.device, dtype=torch.float64)
+        ranks = [torch.empty_like(mine) for _ in range(sizes.pp)]
+        dist.all_gather(ranks, mine, group=self.state.pp_group)
+        times = torch.stack(ranks).cpu()
+        busy_s, step_s = times[:, 0], times[:, 1]
+        critical = int(busy_s.argmax())
+        return {
+            "pipeline_bubble": float((step_s[critical] - busy_s[critical]) / busy_s[critical]),
+            "pipeline_idle": float(((step_s - busy_s) / step_s).mean()),
+            "pipeline_imbalance": float(busy_s.max() / busy_s.mean() - 1),
+            "pipeline_bubble_theory": bubble_fraction(sizes.pp, sizes.vpp, self.micro_batches),
         }
 
     def _zero(self) -> Tensor:
@@ -521,5 +555,7 @@ def pipeline_stats(records: list[dict[str, Any]], warmup: int = 2) -> dict[str, 
     return {
         "step_time_s": mean("step_time_s"),
         "pipeline_bubble": mean("pipeline_bubble"),
+        "pipeline_idle": mean("pipeline_idle"),
+        "pipeline_imbalance": mean("pipeline_imbalance"),
         "pipeline_bubble_theory": steady[0]["pipeline_bubble_theory"],
     }

@@ -113,15 +113,26 @@ def bubble_fraction(pp: int, vpp: int, micro_batches: int) -> float:
     return (pp - 1) / (vpp * micro_batches)
 
 
-def schedule_problems(pp: int, vpp: int, micro_batches: int) -> list[str]:
+def schedule_problems(pp: int, vpp: int, micro_batches: int, schedule: str = "1f1b") -> list[str]:
     """The micro-batch counts the schedules take: 1F1B needs at least one per stage,
-    the interleaved schedule a multiple of the pipeline size (Megatron's rule)."""
+    the interleaved schedule a multiple of the pipeline size (Megatron's rule), zero
+    bubble at least one per stage in whole rounds of ``m // pp`` (torch's ZB1P)."""
     where = (
         f"{micro_batches} micro-batches per step (global_batch_size / (micro_batch_size · data))"
     )
-    if pp > 1 and vpp == 1 and micro_batches < pp:
+    if pp == 1:
+        return []
+    if schedule == "zero-bubble":
+        rounds = max(1, micro_batches // pp)
+        if micro_batches < pp or micro_batches % rounds:
+            return [
+                f"{where} do not suit pipeline_schedule zero-bubble at pipeline {pp}: it needs "
+                f"at least {pp} and a multiple of micro-batches // {pp} (e.g. a multiple of {pp})"
+            ]
+        return []
+    if vpp == 1 and micro_batches < pp:
         return [f"{where} are fewer than pipeline {pp}: 1F1B needs at least one per stage"]
-    if pp > 1 and vpp > 1 and micro_batches % pp:
+    if vpp > 1 and micro_batches % pp:
         return [f"{where} are not a multiple of pipeline {pp} (interleaved schedule)"]
     return []
 
