@@ -44,8 +44,8 @@ refuses them.
 
 Measuring the bubble (GPU): every step logs, from each pipeline rank's ``busy`` time (its
 chunks' forward and backward and the loss: CUDA events, no extra synchronisation; wall
-clock on CPU) and the step's time ``step`` (the whole schedule, so waiting for peers and
-point-to-point transfers count as idle):
+clock on CPU) and the step's time ``step`` (the whole schedule until its last rank is
+done, so waiting for peers and point-to-point transfers count as idle):
 
 - ``pipeline_bubble`` = ``(step - busy) / busy`` of the busiest rank: the time the
   critical stage spends outside its own compute, as a fraction of that compute. This is
@@ -332,11 +332,14 @@ class PipelineParallel:
         ranks = [torch.empty_like(mine) for _ in range(sizes.pp)]
         dist.all_gather(ranks, mine, group=self.state.pp_group)
         times = torch.stack(ranks).cpu()
-        busy_s, step_s = times[:, 0], times[:, 1]
-        critical = int(busy_s.argmax())
+        # The pipeline's makespan: a rank's schedule returns after its own last action,
+        # which for the last stage comes before the first stage's last backward; the ranks
+        # start together (the previous step ended in collectives over the pipeline).
+        busy_s, step = times[:, 0], float(times[:, 1].max())
+        critical = float(busy_s.max())
         return {
-            "pipeline_bubble": float((step_s[critical] - busy_s[critical]) / busy_s[critical]),
-            "pipeline_idle": float(((step_s - busy_s) / step_s).mean()),
+            "pipeline_bubble": (step - critical) / critical,
+            "pipeline_idle": float((1 - busy_s / step).mean()),
             "pipeline_imbalance": float(busy_s.max() / busy_s.mean() - 1),
             "pipeline_bubble_theory": bubble_fraction(sizes.pp, sizes.vpp, self.micro_batches),
         }
