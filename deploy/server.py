@@ -18,7 +18,8 @@ Finish reasons: ``eod`` (the model ended the text), ``length`` (``max_tokens`` r
 so far; a request that timed out while waiting has no text). 504 is only answered when
 the engine gives no answer at all within the limit plus ``STUCK_GRACE_S``.
 Errors: 422 for a bad body (FastAPI's ``detail`` list naming the field), 413 for a prompt
-that fills the model's context, 503 when ``--max-queue`` requests already wait.
+that fills the model's context, 503 when ``--max-queue`` requests already wait, 409 for a
+reload that cannot load (the alias is gone, a file is altered): the old model stays.
 
 Meant for a trusted network: ``/admin/reload`` has no authentication, and the server
 binds 127.0.0.1 unless told otherwise.
@@ -41,6 +42,7 @@ from deploy.engine import BatchingEngine, EngineBusy, EngineClosed, Finished, Pe
 from deploy.loading import ServedModel, load_served_model, source_version
 from deploy.schema import GenerateRequest, Prepared, RequestRejected, prepare, sse
 from evaluation.generate import continuation_text
+from training.errors import MegalithError
 
 log = logging.getLogger(__name__)
 
@@ -172,11 +174,13 @@ class TokenStream:
             while True:
                 item = await asyncio.wait_for(self._queue.get(), deadline - time.monotonic())
                 if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if isinstance(item, Finished):
                     self.done = True
+                    raise item
+                if isinstance(item, Finished):
+                    self.done = True  # before the yield: the caller may stop iterating there
+                    yield item
                     return
+                yield item
         finally:
             if not self.done and self.request is not None:
                 self.request.cancelled.set()  # the client left, or we gave up: stop its row
@@ -244,9 +248,12 @@ def create_app(deployment: Deployment) -> FastAPI:
         info = deployment.engine.served.info.to_dict()
         return {**info, "limits": limits, "stats": stats, "reloads": deployment.reloads}
 
-    @app.post("/admin/reload")
-    async def reload() -> dict[str, Any]:
-        return await deployment.reload()
+    @app.post("/admin/reload", response_model=None)
+    async def reload() -> dict[str, Any] | JSONResponse:
+        try:
+            return await deployment.reload()
+        except MegalithError as error:  # unknown alias, bad files: keep serving the old model
+            return JSONResponse({"detail": f"reload failed: {error}"}, status_code=409)
 
     @app.post("/v1/generate", response_model=None)
     async def generate(body: GenerateRequest) -> JSONResponse | StreamingResponse:

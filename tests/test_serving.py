@@ -398,6 +398,26 @@ def test_reload_switches_version_under_load_without_failures(
     assert http.get("/v1/model").json()["version"] == 2
     assert server[1].engine.served.info.version == 2
 
+    MlflowClient(tracking_uri=store).delete_registered_model_alias(MODEL_NAME, "champion")
+    refused = http.post("/admin/reload")
+    assert refused.status_code == 409 and "no alias 'champion'" in refused.json()["detail"]
+    body = {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+    assert picked(http.post("/v1/generate", json=body).json()) == expected[2]
+
+
+def test_watch_follows_the_alias(store: str) -> None:
+    set_alias(MODEL_NAME, "watched", 2, tracking_uri=store)
+    config = ServeConfig(model=f"models:/{MODEL_NAME}@watched", tracking_uri=store, watch_s=0.1)
+    with running(config) as (url, deployment):
+        assert httpx.get(f"{url}/v1/model").json()["version"] == 2
+        set_alias(MODEL_NAME, "watched", 1, tracking_uri=store)
+        deadline = time.monotonic() + 60
+        while deployment.reloads == 0:
+            assert time.monotonic() < deadline, "the watcher did not reload"
+            time.sleep(0.05)
+        info = httpx.get(f"{url}/v1/model").json()
+        assert (info["version"], info["alias"], info["reloads"]) == (1, "watched", 1)
+
 
 # --- MLflow ---------------------------------------------------------------------------
 
