@@ -77,10 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     deployment = Deployment(config)
     info = deployment.engine.served.info
-    print(
-        f"serving {info.name} version {info.version} ({info.content_id[:12]}) on "
-        f"http://{args.host}:{args.port}",
-        flush=True,
-    )
+    what = info.name if info.version is None else f"{info.name} version {info.version}"
+    print(f"serving {what} ({info.content_id[:12]}) on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(create_app(deployment), host=args.host, port=args.port, log_level="info")
     return 0
