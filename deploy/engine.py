@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ class PendingRequest:
     """One request's place in the engine.
 
     ``on_token(id)`` and ``on_done(Finished | Exception)`` run on the worker thread:
-    they must be quick and must not raise (a server hands the values to its event loop).
+    they must be quick (a server hands the values to its event loop); a failure is logged.
     """
 
     prompt_ids: list[int]  # starting with the EOD token; fits the model with its budget
@@ -173,7 +174,7 @@ class BatchingEngine:
             if reason is None:
                 live.append(request)
             else:
-                request.on_done(Finished([], reason, len(request.prompt_ids)))
+                _notify(request.on_done, Finished([], reason, len(request.prompt_ids)))
         if not live:
             return
         self.stats.batches += 1
@@ -189,13 +190,22 @@ class BatchingEngine:
                 vocab_size=tokenizer.vocab_size,
                 seeds=[r.sampling.seed for r in live],
                 autocast_dtype=self.autocast_dtype,
-                on_token=lambda row, token: live[row].on_token(token),
+                on_token=lambda row, token: _notify(live[row].on_token, token),
                 stop=lambda row: live[row].stop_reason(),
             )
         except Exception as error:  # a bug or out of memory: fail this batch, keep serving
             log.exception("generation failed for a batch of %d", len(live))
             for request in live:
-                request.on_done(error)
+                _notify(request.on_done, error)
             return
         for request, (ids, reason, prompt_tokens) in zip(live, results, strict=True):
-            request.on_done(Finished(ids, reason, prompt_tokens))
+            _notify(request.on_done, Finished(ids, reason, prompt_tokens))
+
+
+def _notify(callback: Callable[[Any], None], value: Any) -> None:
+    """Run a request's callback; its failure (say, a closed event loop) must not stop the
+    worker or the other rows of the batch."""
+    try:
+        callback(value)
+    except Exception:
+        log.exception("a request's callback failed")

@@ -271,7 +271,7 @@ def create_app(deployment: Deployment) -> FastAPI:
             async for item in stream.events(prepared.timeout_s):
                 if isinstance(item, Finished):
                     return JSONResponse(response_body(served, prepared, item))
-        except TimeoutError:
+        except asyncio.TimeoutError:
             return JSONResponse({"detail": "generation did not answer in time"}, status_code=504)
         except Exception as error:
             return JSONResponse({"detail": f"generation failed: {error}"}, status_code=500)
@@ -290,7 +290,7 @@ async def _sse_events(
                 yield sse({**response_body(served, prepared, item), "done": True})
             else:
                 yield sse({"text": delta.push(item), "token_id": item})
-    except TimeoutError:
+    except asyncio.TimeoutError:
         yield sse({"detail": "generation did not answer in time"}, event="error")
     except Exception as error:
         yield sse({"detail": f"generation failed: {error}"}, event="error")
