@@ -9,6 +9,7 @@ Expected texts come from ``evaluation.generate.generate`` run on one prompt at a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -240,6 +241,25 @@ def test_rows_stop_early_and_a_retired_engine_finishes_its_queue(
     }
     with pytest.raises(EngineClosed):
         engine.submit(pending(tokenizer, PROMPTS[0], greedy, Collector()))
+
+
+def test_a_stream_left_by_its_client_cancels_its_row(tokenizer: Tokenizer) -> None:
+    """When a client goes away Starlette closes the response's generator: the request's
+    row must stop at the next step."""
+    from deploy.server import TokenStream
+
+    async def leave_after_one_token() -> PendingRequest:
+        stream = TokenStream()
+        stream.request = pending(tokenizer, PROMPTS[0], SamplingConfig(), Collector())
+        stream.on_token(7)
+        stream.on_token(8)
+        events = stream.events(timeout_s=60)
+        assert await anext(events) == 7
+        await events.aclose()
+        return stream.request
+
+    request = asyncio.run(leave_after_one_token())
+    assert request.cancelled.is_set() and request.stop_reason() == "cancelled"
 
 
 # --- the HTTP server ------------------------------------------------------------------
