@@ -10,12 +10,17 @@ floating-point rounding).
 Each prompt samples from its own ``torch.Generator`` seeded with ``seed + its index``,
 so a prompt's text depends on the seed and the prompt, not on the batch it ran in.
 Every prompt starts after the end-of-document token, as every training document does.
+
+``generate_ids`` also takes one ``SamplingConfig`` per row (its own temperature, top-k,
+top-p, seed, token budget and EOD stop), reports each new token as it is sampled and asks
+a ``stop`` callback whether a row should end early: the serving engine
+(``deploy.engine``) decodes the concurrent requests of one batch through it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -129,46 +134,60 @@ def generate(
 def generate_ids(
     model: GPTModel,
     prompts: Sequence[Sequence[int]],
-    sampling: SamplingConfig,
+    sampling: SamplingConfig | Sequence[SamplingConfig],
     *,
     eod_id: int,
     vocab_size: int | None = None,
     seeds: Sequence[int] | None = None,
     autocast_dtype: torch.dtype | None = None,
+    on_token: Callable[[int, int], None] | None = None,
+    stop: Callable[[int], str | None] | None = None,
 ) -> list[tuple[list[int], str, int]]:
     """Token-level generation for one batch: ``(new ids, finish reason, prompt tokens used)``.
 
-    Prompts longer than the model allows (with ``max_new_tokens`` after them) lose
-    their oldest tokens. ``vocab_size`` masks the padded vocabulary's unused ids.
+    ``sampling`` is one config for every row or one per row. Prompts longer than the
+    model allows (with their ``max_new_tokens`` after them) lose their oldest tokens.
+    ``vocab_size`` masks the padded vocabulary's unused ids. ``on_token(row, id)`` sees
+    every new token as it is sampled (not the final EOD); before each step
+    ``stop(row)`` may end an unfinished row with the reason it returns.
     """
     device = model_device(model)
-    max_new = sampling.max_new_tokens
-    prompts = _fit_prompts(prompts, model.config.max_position_embeddings, max_new)
+    rows = len(prompts)
+    configs = [sampling] * rows if isinstance(sampling, SamplingConfig) else list(sampling)
+    if len(configs) != rows:
+        raise ValueError(f"{len(configs)} sampling configs for {rows} prompts")
+    max_new = [c.max_new_tokens for c in configs]
+    limit = model.config.max_position_embeddings
+    prompts = [_fit_prompt(p, limit, m) for p, m in zip(prompts, max_new, strict=True)]
     lengths = [len(p) for p in prompts]
-    rows, total = len(prompts), max(lengths) + max_new
+    total = max(length + m for length, m in zip(lengths, max_new, strict=True))
     tokens, in_prompt = _prompt_grid(prompts, total, eod_id, device)
-    generators = [
-        torch.Generator(device=device).manual_seed(seed)
-        for seed in (seeds or range(sampling.seed, sampling.seed + rows))
-    ]
+    if seeds is None:
+        seeds = [c.seed + row for row, c in enumerate(configs)]
+    generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
     new: list[list[int]] = [[] for _ in prompts]
-    finish = ["length" if max_new == 0 else "" for _ in prompts]
+    finish = ["length" if m == 0 else "" for m in max_new]
 
     # Under autocast keys and values are computed in its dtype: store them so.
     cache = model.new_kv_cache(rows, total, dtype=autocast_dtype)
     position = min(lengths)
     with autocast(device, autocast_dtype):
         logits = model(tokens[:, :position], kv_cache=cache, start_pos=0)[:, -1]
-    while position < total and not all(finish):
+    while True:
+        _apply_stop(stop, finish)
+        if position >= total or all(finish):
+            break
         active = [r for r in range(rows) if not finish[r] and position >= lengths[r]]
-        sampled = next_tokens(_mask_vocab(logits, vocab_size), sampling, generators, active)
+        sampled = sample_rows(_mask_vocab(logits, vocab_size), configs, generators, active)
         tokens[:, position] = torch.where(in_prompt[:, position], tokens[:, position], sampled)
         for row, token in zip(active, sampled[active].tolist(), strict=True):
-            if sampling.stop_at_eod and token == eod_id:
+            if configs[row].stop_at_eod and token == eod_id:
                 finish[row] = "eod"
                 continue
             new[row].append(token)
-            if len(new[row]) == max_new:
+            if on_token is not None:
+                on_token(row, token)
+            if len(new[row]) == max_new[row]:
                 finish[row] = "length"
         position += 1
         if position < total and not all(finish):
@@ -176,6 +195,38 @@ def generate_ids(
                 step = tokens[:, position - 1 : position]
                 logits = model(step, kv_cache=cache, start_pos=position - 1)[:, -1]
     return [(new[r], finish[r], lengths[r]) for r in range(rows)]
+
+
+def _apply_stop(stop: Callable[[int], str | None] | None, finish: list[str]) -> None:
+    if stop is None:
+        return
+    for row, reason in enumerate(finish):
+        if not reason:
+            finish[row] = stop(row) or ""
+
+
+def sample_rows(
+    logits: Tensor,
+    configs: Sequence[SamplingConfig],
+    generators: Sequence[torch.Generator],
+    rows: Sequence[int],
+) -> Tensor:
+    """The next token of each row of ``logits [B, V]`` under that row's own config.
+
+    Rows sharing a temperature, top-k and top-p are filtered together; each of
+    ``rows`` draws from its own generator, every other row gets the argmax.
+    """
+    choice = logits.argmax(dim=-1)
+    groups: dict[tuple[float, int | None, float | None], list[int]] = {}
+    for row in rows:
+        config = configs[row]
+        if not config.greedy:
+            groups.setdefault((config.temperature, config.top_k, config.top_p), []).append(row)
+    for members in groups.values():
+        index = torch.tensor(members, device=logits.device)
+        own = [generators[r] for r in members]
+        choice[index] = next_tokens(logits[index], configs[members[0]], own)
+    return choice
 
 
 def next_tokens(
@@ -240,18 +291,16 @@ def _prompt_grid(
     return tokens.to(device), in_prompt.to(device)
 
 
-def _fit_prompts(
-    prompts: Sequence[Sequence[int]], max_positions: int, max_new_tokens: int
-) -> list[list[int]]:
+def _fit_prompt(prompt: Sequence[int], max_positions: int, max_new_tokens: int) -> list[int]:
     room = max_positions - max_new_tokens
     if room < 1:
         raise ValueError(
             f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the model's "
             f"{max_positions} positions"
         )
-    if any(not p for p in prompts):
+    if not prompt:
         raise ValueError("every prompt needs at least one token")
-    return [list(p[-room:]) for p in prompts]
+    return list(prompt[-room:])
 
 
 def _mask_vocab(logits: Tensor, vocab_size: int | None) -> Tensor:

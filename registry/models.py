@@ -163,6 +163,9 @@ def write_mlmodel(directory: Path, run_id: str | None = None) -> Path:
 
     model = Model(artifact_path=MODEL_ARTIFACT_PATH, run_id=run_id)
     add_to_model(model, loader_module=LOADER_MODULE, python_env="python_env.yaml")
+    from deploy.mlflow_pyfunc import params_signature
+
+    model.signature = params_signature()  # so MLflow passes max_tokens etc. to predict
     model.metadata = {"format": "megalith-model-package", "checksums": CHECKSUMS_FILE}
     model.save(str(directory / "MLmodel"))
     python_env = {
@@ -224,6 +227,11 @@ def load_registered_model(
     verify_package(package, allowed_extra=MLFLOW_FILES)
     check_mlmodel(package / "MLmodel")
     return package
+
+
+def resolve_model_uri(uri: str, *, tracking_uri: str | None = None) -> tuple[str, int]:
+    """``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` as ``(name, version number)``."""
+    return _resolve(uri, tracking_uri)
 
 
 def _resolve(uri: str, tracking_uri: str | None) -> tuple[str, int]:

@@ -1,0 +1,83 @@
+"""``megalith serve``: the HTTP generation server (``deploy.server``) under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_PORT = 8000
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "serve",
+        help="serve a model over HTTP: generation, streaming, batching, hot reload",
+        description="Serve a registered model version (models:/NAME@ALIAS or "
+        "models:/NAME/VERSION, from MLFLOW_TRACKING_URI or --tracking-uri) or a model "
+        "package directory over HTTP: POST /v1/generate (SSE streaming with "
+        '"stream": true), GET /health, GET /v1/model, POST /admin/reload (switch to the '
+        "alias's current version without dropping requests). Concurrent requests are "
+        "decoded together in batches with a KV cache.",
+    )
+    parser.add_argument(
+        "--model", required=True, metavar="SOURCE", help="models:/NAME@ALIAS, or a package dir"
+    )
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLflow's own)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (127.0.0.1; reload is unauthenticated)"
+    )
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"({DEFAULT_PORT})")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (cpu)")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="fp32")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="most tokens a request may ask (256)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=60.0, metavar="S", help="longest a request runs (60 s)"
+    )
+    parser.add_argument("--max-batch-size", type=int, default=8, metavar="N", help="(8)")
+    parser.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=5.0,
+        metavar="MS",
+        help="how long the first request of a batch waits for others (5 ms)",
+    )
+    parser.add_argument(
+        "--max-queue", type=int, default=256, metavar="N", help="waiting requests before 503 (256)"
+    )
+    parser.add_argument(
+        "--watch",
+        type=float,
+        metavar="S",
+        help="check the alias every S seconds and switch when it moves (default: off)",
+    )
+    parser.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from deploy.server import Deployment, ServeConfig, create_app
+
+    config = ServeConfig(
+        model=args.model,
+        tracking_uri=args.tracking_uri,
+        device=args.device,
+        precision=args.precision,
+        max_tokens=args.max_tokens,
+        timeout_s=args.timeout,
+        max_batch_size=args.max_batch_size,
+        batch_window_ms=args.batch_window_ms,
+        max_queue=args.max_queue,
+        watch_s=args.watch,
+    )
+    deployment = Deployment(config)
+    info = deployment.engine.served.info
+    what = info.name if info.version is None else f"{info.name} version {info.version}"
+    print(f"serving {what} ({info.content_id[:12]}) on http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(create_app(deployment), host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,105 @@
+"""The generation request: its JSON schema, and the checks that need the model and limits.
+
+Pydantic checks the body itself (unknown fields, types, an empty prompt, ranges) and
+FastAPI answers 422 with ``{"detail": [{"loc": ["body", FIELD], "msg": ...}]}``.
+``prepare`` adds the checks that need the tokenizer and the server's limits, in the same
+shape: ``max_tokens`` above the server's limit (422), a prompt that leaves no room in
+the model's context (413), a prompt plus ``max_tokens`` longer than the context (422).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deploy.loading import ServedModel
+from evaluation.generate import SamplingConfig
+
+MAX_SEED = 2**63 - 1
+
+
+class GenerateRequest(BaseModel):
+    """``POST /v1/generate``. Omitted ``max_tokens``: the server's limit, or the room left
+    in the context if that is less. Omitted ``seed``: a random one (returned)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=0.8, ge=0, le=100, description="0: greedy")
+    top_k: int | None = Field(default=None, ge=1)
+    top_p: float | None = Field(default=0.95, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stream: bool = False
+    timeout_s: float | None = Field(
+        default=None, gt=0, description="at most the server's --timeout"
+    )
+
+
+class RequestRejected(Exception):
+    """A request the server cannot take: HTTP ``status`` with FastAPI's error shape."""
+
+    def __init__(self, status: int, field: str, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = [{"loc": ["body", field], "msg": message, "type": kind}]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt_ids: list[int]  # the EOD token, then the prompt's tokens
+    sampling: SamplingConfig
+    timeout_s: float
+
+
+def prepare(
+    body: GenerateRequest, served: ServedModel, *, max_tokens_limit: int, timeout_s: float
+) -> Prepared:
+    """Tokenize the prompt and fix the sampling settings; raises ``RequestRejected``."""
+    if body.max_tokens is not None and body.max_tokens > max_tokens_limit:
+        raise RequestRejected(
+            422,
+            "max_tokens",
+            f"max_tokens is {body.max_tokens}; this server allows at most {max_tokens_limit}",
+            "value_error.max_tokens_limit",
+        )
+    tokenizer = served.tokenizer
+    prompt_ids = [tokenizer.eod_id, *tokenizer.encode(body.prompt)]
+    context = served.info.max_positions
+    room = context - len(prompt_ids)
+    if room < 1:
+        raise RequestRejected(
+            413,
+            "prompt",
+            f"prompt is {len(prompt_ids)} tokens (with the leading EOD); the model's context "
+            f"is {context} tokens, which leaves no room to generate",
+            "value_error.prompt_too_long",
+        )
+    if body.max_tokens is not None and body.max_tokens > room:
+        raise RequestRejected(
+            422,
+            "max_tokens",
+            f"prompt uses {len(prompt_ids)} of the model's {context} positions: max_tokens "
+            f"must be at most {room}, got {body.max_tokens}",
+            "value_error.context_length",
+        )
+    sampling = SamplingConfig(
+        max_new_tokens=body.max_tokens or min(max_tokens_limit, room),
+        temperature=body.temperature,
+        top_k=body.top_k,
+        top_p=body.top_p,
+        seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
+    )
+    timeout = min(body.timeout_s or timeout_s, timeout_s)
+    return Prepared(prompt_ids, sampling, timeout)
+
+
+def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
+    """One Server-Sent Event: ``event: NAME`` (optional) and one ``data:`` line of JSON."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()

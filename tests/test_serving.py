@@ -1,0 +1,527 @@
+"""Serving: the batching engine, the HTTP server on 127.0.0.1, hot reload, MLflow pyfunc.
+
+Two tiny models (random weights with peaked next-token distributions, so greedy decoding
+has no near-ties; the session's shard-set tokenizer) are registered as versions 1 and 2
+of one model in a real SQLite MLflow store. The server runs under uvicorn in a thread on
+a random port and loads ``models:/...@champion`` from that store; clients are httpx.
+Expected texts come from ``evaluation.generate.generate`` run on one prompt at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from mlflow import MlflowClient
+from test_evaluation import tiny_model
+
+from deploy.engine import BatchingEngine, EngineClosed, Finished, PendingRequest
+from deploy.loading import load_served_model
+from deploy.server import Deployment, ServeConfig, create_app
+from evaluation.generate import SamplingConfig, generate
+from pipelines.cli import build_parser
+from preprocessing.tokenizer import Tokenizer, load_tokenizer
+from registry.models import register_model, set_alias
+from registry.tracking import ensure_tracking_store
+from training.models.gpt import GPTModel
+from training.models.package import save_model_package, sha256_file
+
+MODEL_NAME = "megalith-serve-test"
+CONTEXT = 64  # test_evaluation's MAX_POSITIONS
+PROMPTS = [
+    "Once upon a time",
+    "The horse says",
+    "Tara has a frog named Pebble and",
+    "In the morning the children walked to the river to look for",
+    "Five",
+    "The capital of Valdoria is",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(shards: Path) -> Tokenizer:
+    return load_tokenizer(str(Path(shards) / "tokenizer.model"))
+
+
+@pytest.fixture(scope="module")
+def models(tokenizer: Tokenizer) -> dict[int, GPTModel]:
+    """Version number -> the model registered as that version."""
+    return {1: tiny_model(tokenizer, seed=0), 2: tiny_model(tokenizer, seed=1)}
+
+
+@pytest.fixture(scope="module")
+def packages(
+    models: dict[int, GPTModel], tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory
+) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("serve-packages")
+    return {
+        version: save_model_package(model, model.config, tokenizer.model_path, root / f"v{version}")
+        for version, model in models.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def store(packages: dict[int, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A SQLite MLflow store holding both versions; champion -> 1."""
+    root = tmp_path_factory.mktemp("serve-mlflow")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_RUN_ID"):
+            env.delenv(name, raising=False)
+        ensure_tracking_store(uri)
+        client = MlflowClient(tracking_uri=uri)
+        experiment = client.create_experiment("serving", (root / "artifacts").as_uri())
+        for version, package in packages.items():
+            run = client.create_run(experiment).info.run_id
+            alias = "champion" if version == 1 else "candidate"
+            assert register_model(package, MODEL_NAME, run, {}, alias, tracking_uri=uri) == version
+            client.set_terminated(run)
+        yield uri
+
+
+def alone(model: GPTModel, tokenizer: Tokenizer, prompt: str, **sampling: Any) -> dict[str, Any]:
+    """The reference: ``prompt`` generated on its own by evaluation.generate."""
+    result = generate(model, tokenizer, [prompt], SamplingConfig(**sampling))
+    g = result.generations[0]
+    return {"text": g.text, "completion_tokens": g.new_tokens, "finish_reason": g.finish_reason}
+
+
+def picked(response: dict[str, Any]) -> dict[str, Any]:
+    return {k: response[k] for k in ("text", "completion_tokens", "finish_reason")}
+
+
+@contextlib.contextmanager
+def running(config: ServeConfig) -> Iterator[tuple[str, Deployment]]:
+    """The real server under uvicorn, in a thread, on a random 127.0.0.1 port."""
+    deployment = Deployment(config)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(deployment), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", deployment
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(store: str) -> Iterator[tuple[str, Deployment]]:
+    config = ServeConfig(
+        model=f"models:/{MODEL_NAME}@champion",
+        tracking_uri=store,
+        max_tokens=24,
+        timeout_s=60,
+        max_batch_size=4,
+        batch_window_ms=20,
+    )
+    with running(config) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def http(server: tuple[str, Deployment]) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server[0], timeout=60) as client:
+        yield client
+
+
+# --- the engine -----------------------------------------------------------------------
+
+
+class Collector:
+    """A request's callbacks, recording what the engine sends."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.result: Finished | BaseException | None = None
+        self.done = threading.Event()
+
+    def on_token(self, token: int) -> None:
+        self.tokens.append(token)
+
+    def on_done(self, result: Finished | BaseException) -> None:
+        self.result = result
+        self.done.set()
+
+
+def pending(tokenizer: Tokenizer, prompt: str, sampling: SamplingConfig, sink: Collector):
+    ids = [tokenizer.eod_id, *tokenizer.encode(prompt)]
+    return PendingRequest(ids, sampling, time.monotonic() + 60, sink.on_token, sink.on_done)
+
+
+def test_one_batch_of_mixed_requests_equals_each_alone(
+    packages: dict[int, Path], models: dict[int, GPTModel], tokenizer: Tokenizer
+) -> None:
+    """Requests queued before the worker starts form one batch: different prompt lengths,
+    token budgets, greedy and sampled rows with their own seeds."""
+    engine = BatchingEngine(load_served_model(str(packages[1])), max_batch_size=8)
+    settings = [
+        {"max_new_tokens": 5 + i, "temperature": 0.0} if i % 2 == 0 else
+        {"max_new_tokens": 12 - i, "temperature": 1.1, "top_k": 20, "top_p": 0.9, "seed": 7 * i}
+        for i in range(len(PROMPTS))
+    ]  # fmt: skip
+    sinks = [Collector() for _ in PROMPTS]
+    for prompt, setting, sink in zip(PROMPTS, settings, sinks, strict=True):
+        engine.submit(pending(tokenizer, prompt, SamplingConfig(**setting), sink))
+    engine.start()
+    for prompt, setting, sink in zip(PROMPTS, settings, sinks, strict=True):
+        assert sink.done.wait(60)
+        assert isinstance(sink.result, Finished)
+        expected = generate(models[1], tokenizer, [prompt], SamplingConfig(**setting))
+        generation = expected.generations[0]
+        assert sink.result.token_ids == sink.tokens == generation.token_ids, prompt
+        assert sink.result.finish_reason == generation.finish_reason
+        assert sink.result.prompt_tokens == generation.prompt_tokens
+    assert (engine.stats.batches, engine.stats.largest_batch) == (1, len(PROMPTS))
+    engine.retire()
+    assert engine.join(30)
+
+
+def test_rows_stop_early_and_a_retired_engine_finishes_its_queue(
+    packages: dict[int, Path], tokenizer: Tokenizer
+) -> None:
+    engine = BatchingEngine(load_served_model(str(packages[1])), max_batch_size=2)
+    greedy = SamplingConfig(max_new_tokens=20, temperature=0.0, stop_at_eod=False)
+    timed, cancelled, late, queued = Collector(), Collector(), Collector(), Collector()
+    timed_request = pending(tokenizer, PROMPTS[0], greedy, timed)
+    cancelled_request = pending(tokenizer, PROMPTS[1], greedy, cancelled)
+    late_request = pending(tokenizer, PROMPTS[2], greedy, late)
+    late_request.deadline = time.monotonic() - 1  # expired while it waited
+
+    def after_three(sink: Collector, stop: Any) -> Any:
+        def on_token(token: int) -> None:
+            sink.on_token(token)
+            if len(sink.tokens) == 3:
+                stop()
+
+        return on_token
+
+    timed_request.on_token = after_three(timed, lambda: setattr(timed_request, "deadline", 0))
+    cancelled_request.on_token = after_three(cancelled, cancelled_request.cancelled.set)
+    for request in (timed_request, cancelled_request, late_request):
+        engine.submit(request)
+    engine.submit(pending(tokenizer, PROMPTS[3], greedy, queued))
+    engine.retire()  # before it starts: everything submitted must still finish
+    engine.start()
+    assert engine.join(60)
+    outcomes = {
+        name: (sink.result.finish_reason, len(sink.result.token_ids))  # type: ignore[union-attr]
+        for name, sink in {
+            "timed": timed,
+            "cancelled": cancelled,
+            "late": late,
+            "queued": queued,
+        }.items()
+    }
+    assert outcomes == {
+        "timed": ("timeout", 3),
+        "cancelled": ("cancelled", 3),
+        "late": ("timeout", 0),
+        "queued": ("length", 20),
+    }
+    with pytest.raises(EngineClosed):
+        engine.submit(pending(tokenizer, PROMPTS[0], greedy, Collector()))
+
+
+def test_a_stream_left_by_its_client_cancels_its_row(tokenizer: Tokenizer) -> None:
+    """When a client goes away Starlette closes the response's generator: the request's
+    row must stop at the next step."""
+    from deploy.server import TokenStream
+
+    async def leave_after_one_token() -> PendingRequest:
+        stream = TokenStream()
+        stream.request = pending(tokenizer, PROMPTS[0], SamplingConfig(), Collector())
+        stream.on_token(7)
+        stream.on_token(8)
+        events = stream.events(timeout_s=60)
+        assert await anext(events) == 7
+        await events.aclose()
+        return stream.request
+
+    request = asyncio.run(leave_after_one_token())
+    assert request.cancelled.is_set() and request.stop_reason() == "cancelled"
+
+
+# --- the HTTP server ------------------------------------------------------------------
+
+
+def test_health_and_model_info(http: httpx.Client, packages: dict[int, Path]) -> None:
+    assert http.get("/health").json()["status"] == "ok"
+    info = http.get("/v1/model").json()
+    assert (info["name"], info["version"], info["alias"]) == (MODEL_NAME, 1, "champion")
+    assert info["content_id"] == sha256_file(packages[1] / "checksums.json")
+    assert info["max_positions"] == CONTEXT
+    assert info["limits"]["max_tokens"] == 24
+
+
+def test_concurrent_requests_equal_each_alone(
+    http: httpx.Client, models: dict[int, GPTModel], tokenizer: Tokenizer
+) -> None:
+    def ask(i: int) -> dict[str, Any]:
+        body = {"prompt": PROMPTS[i], "max_tokens": 6 + 2 * i, "temperature": 0}
+        response = http.post("/v1/generate", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(ask, range(len(PROMPTS))))
+    for i, answer in enumerate(answers):
+        expected = alone(models[1], tokenizer, PROMPTS[i], max_new_tokens=6 + 2 * i, temperature=0)
+        assert picked(answer) == expected, PROMPTS[i]
+        assert answer["model"]["version"] == 1
+        assert answer["prompt_tokens"] == 1 + len(tokenizer.encode(PROMPTS[i]))
+
+    sampled = {"prompt": PROMPTS[0], "max_tokens": 10, "temperature": 1.0, "seed": 5}
+    first, second = (http.post("/v1/generate", json=sampled).json() for _ in range(2))
+    assert first["text"] == second["text"] and first["seed"] == 5
+    expected = alone(models[1], tokenizer, PROMPTS[0], max_new_tokens=10, temperature=1.0, seed=5)
+    assert picked(first) == expected
+
+
+def read_events(http: httpx.Client, body: dict[str, Any]) -> list[Any]:
+    events = []
+    with http.stream("POST", "/v1/generate", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                payload = line[len("data: ") :]
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_streaming_sends_each_token_then_the_whole_answer(
+    http: httpx.Client, models: dict[int, GPTModel], tokenizer: Tokenizer
+) -> None:
+    body = {"prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0, "stream": True}
+    events = read_events(http, body)
+    *tokens, final, done = events
+    expected = alone(models[1], tokenizer, PROMPTS[2], max_new_tokens=12, temperature=0)
+    assert done == "[DONE]" and final["done"] is True
+    assert picked(final) == expected
+    assert len(tokens) == final["completion_tokens"] > 0
+    assert "".join(t["text"] for t in tokens) == final["text"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field"),
+    [
+        ({"prompt": "hi", "colour": "red"}, 422, "colour"),
+        ({"prompt": ""}, 422, "prompt"),
+        ({"max_tokens": 4}, 422, "prompt"),
+        ({"prompt": "hi", "max_tokens": 25}, 422, "max_tokens"),  # the server's limit is 24
+        ({"prompt": "hi", "temperature": -1}, 422, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, 422, "top_p"),
+        ({"prompt": "Once upon a time " * 40}, 413, "prompt"),
+    ],
+)
+def test_bad_requests_are_refused_naming_the_field(
+    http: httpx.Client, body: dict[str, Any], status: int, field: str
+) -> None:
+    response = http.post("/v1/generate", json=body)
+    assert response.status_code == status, response.text
+    detail = response.json()["detail"]
+    assert ["body", field] in [error["loc"] for error in detail]
+    assert all(error["msg"] for error in detail)
+
+
+def test_prompt_plus_max_tokens_must_fit_the_context(
+    http: httpx.Client, tokenizer: Tokenizer
+) -> None:
+    prompt = "Once upon a time"
+    while len(tokenizer.encode(prompt + " again")) < CONTEXT - 20:
+        prompt += " again"
+    room = CONTEXT - 1 - len(tokenizer.encode(prompt))
+    assert 1 <= room < 24
+    response = http.post("/v1/generate", json={"prompt": prompt, "max_tokens": room + 1})
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == ["body", "max_tokens"]
+    assert f"at most {room}" in response.json()["detail"][0]["msg"]
+    answer = http.post("/v1/generate", json={"prompt": prompt, "temperature": 0}).json()
+    assert answer["completion_tokens"] + (answer["finish_reason"] == "eod") <= room
+
+
+def test_a_request_past_its_timeout_returns_what_it_has(http: httpx.Client) -> None:
+    body = {"prompt": PROMPTS[0], "max_tokens": 20, "timeout_s": 1e-9}
+    answer = http.post("/v1/generate", json=body).json()
+    assert (answer["finish_reason"], answer["completion_tokens"], answer["text"]) == (
+        "timeout", 0, ""
+    )  # fmt: skip
+
+
+def test_reload_switches_version_under_load_without_failures(
+    server: tuple[str, Deployment],
+    http: httpx.Client,
+    store: str,
+    models: dict[int, GPTModel],
+    tokenizer: Tokenizer,
+) -> None:
+    expected = {
+        version: alone(model, tokenizer, PROMPTS[1], max_new_tokens=8, temperature=0)
+        for version, model in models.items()
+    }
+    assert expected[1] != expected[2]
+    stop, answers, failures = threading.Event(), [], []
+
+    def client_loop() -> None:
+        with httpx.Client(base_url=server[0], timeout=60) as client:
+            while not stop.is_set():
+                body = {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+                response = client.post("/v1/generate", json=body)
+                if response.status_code == 200:
+                    answers.append(response.json())
+                else:
+                    failures.append(response.text)
+
+    threads = [threading.Thread(target=client_loop) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        while len(answers) < 8:
+            time.sleep(0.01)
+        assert http.post("/admin/reload").json()["reloaded"] is False  # alias unchanged
+        set_alias(MODEL_NAME, "champion", 2, tracking_uri=store)
+        reload = http.post("/admin/reload").json()
+        assert reload["reloaded"] is True
+        assert (reload["previous"]["version"], reload["model"]["version"]) == (1, 2)
+        served_after = len(answers)
+        while len(answers) < served_after + 8:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    assert failures == []
+    for answer in answers:
+        assert picked(answer) == expected[answer["model"]["version"]]
+    assert answers[-1]["model"]["version"] == 2
+    assert http.get("/v1/model").json()["version"] == 2
+    assert server[1].engine.served.info.version == 2
+
+    MlflowClient(tracking_uri=store).delete_registered_model_alias(MODEL_NAME, "champion")
+    refused = http.post("/admin/reload")
+    assert refused.status_code == 409 and "no alias 'champion'" in refused.json()["detail"]
+    body = {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+    assert picked(http.post("/v1/generate", json=body).json()) == expected[2]
+
+
+def test_watch_follows_the_alias(store: str) -> None:
+    set_alias(MODEL_NAME, "watched", 2, tracking_uri=store)
+    config = ServeConfig(model=f"models:/{MODEL_NAME}@watched", tracking_uri=store, watch_s=0.1)
+    with running(config) as (url, deployment):
+        assert httpx.get(f"{url}/v1/model").json()["version"] == 2
+        set_alias(MODEL_NAME, "watched", 1, tracking_uri=store)
+        deadline = time.monotonic() + 60
+        while deployment.reloads == 0:
+            assert time.monotonic() < deadline, "the watcher did not reload"
+            time.sleep(0.05)
+        info = httpx.get(f"{url}/v1/model").json()
+        assert (info["version"], info["alias"], info["reloads"]) == (1, "watched", 1)
+
+
+# --- MLflow ---------------------------------------------------------------------------
+
+
+def test_pyfunc_load_model_generates_like_evaluation(
+    store: str, models: dict[int, GPTModel], tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlflow.pyfunc
+    import pandas as pd
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    pyfunc = mlflow.pyfunc.load_model(f"models:/{MODEL_NAME}@candidate")  # version 2
+    frame = pd.DataFrame({"prompt": PROMPTS[:3]})
+    texts = pyfunc.predict(frame, params={"max_tokens": 7})
+    assert texts == [
+        alone(models[2], tokenizer, p, max_new_tokens=7, temperature=0)["text"] for p in PROMPTS[:3]
+    ]
+    assert pyfunc.predict(PROMPTS[:1], params={"max_tokens": 7}) == texts[:1]
+
+
+def test_mlflow_models_serve_answers_the_scoring_protocol(
+    store: str, models: dict[int, GPTModel], tokenizer: Tokenizer
+) -> None:
+    """A real ``mlflow models serve --env-manager local`` process on 127.0.0.1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    repo = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": store,
+        "PYTHONPATH": str(repo),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    command = [
+        sys.executable, "-m", "mlflow", "models", "serve",
+        "-m", f"models:/{MODEL_NAME}@candidate", "--env-manager", "local",
+        "-h", "127.0.0.1", "-p", str(port), "-w", "1",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_ready(process, f"{url}/ping", 120)
+        expected = [
+            alone(models[2], tokenizer, p, max_new_tokens=6, temperature=0)["text"]
+            for p in PROMPTS[:2]
+        ]
+        split = {"columns": ["prompt"], "data": [[p] for p in PROMPTS[:2]]}
+        bodies = [
+            {"dataframe_split": split, "params": {"max_tokens": 6}},
+            {"inputs": PROMPTS[:2], "params": {"max_tokens": 6}},
+        ]
+        for body in bodies:
+            response = httpx.post(f"{url}/invocations", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            assert response.json() == {"predictions": expected}
+        bad = httpx.post(f"{url}/invocations", json={"inputs": [""]}, timeout=60)
+        assert bad.status_code >= 400 and "non-empty string" in bad.text
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_until_ready(process: subprocess.Popen, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"mlflow models serve exited: {process.stderr.read().decode()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"mlflow models serve did not answer {url} in {timeout_s} s")
+
+
+def test_serve_command_is_registered() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--model", "models:/megalith-demo@candidate", "--max-batch-size", "4"]
+    )
+    assert args.handler.__module__ == "deploy.cli"
+    assert (args.model, args.max_batch_size, args.host) == (
+        "models:/megalith-demo@candidate", 4, "127.0.0.1"
+    )  # fmt: skip
