@@ -66,3 +66,11 @@ def publish_registration(registration: dict[str, Any], run_id: str | None) -> No
         ),
         description="Model registration",
     )
+
+
+def publish_promotion(decision: dict[str, Any]) -> None:
+    create_markdown_artifact(
+        key="promotion-decision",
+        markdown=decision["markdown"],
+        description="Promotion gate: candidate against champion",
+    )

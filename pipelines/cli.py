@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "training.checkpoint_cli",
     "training.memory_cli",
     "evaluation.cli",
+    "registry.cli",
     "deploy.cli",
     "pipelines.commands",
 ]

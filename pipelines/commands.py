@@ -44,7 +44,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve = subcommands.add_parser(
         "serve-pipelines",
         help="serve the flows as Prefect deployments (trigger them from the UI)",
-        description="Serve tokenize-corpus, pretrain, evaluate, register-model and end-to-end as "
+        description="Serve tokenize-corpus, pretrain, evaluate, register-model, promote-model and end-to-end as "
         "deployments with forms in the Prefect UI. Needs a Prefect server: start one with "
         "`megalith ui` (or `prefect server start`).",
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 from prefect import serve
 
 from pipelines.commands import DEMO_RECIPE, demo_config
-from pipelines.flows import end_to_end, evaluate, pretrain, register_model_flow
+from pipelines.flows import end_to_end, evaluate, pretrain, promote_model_flow, register_model_flow
 from pipelines.tokenize import tokenize_corpus
 
 
@@ -38,6 +38,11 @@ def deployments(workdir: Path) -> list:
         register_model_flow.to_deployment(
             name="register-model",
             description="Register a model package in MLflow as @candidate.",
+        ),
+        promote_model_flow.to_deployment(
+            name="promote-model",
+            parameters={"name": config.logging.registered_model},
+            description="Promotion gate: @candidate becomes @champion if it beats it.",
         ),
         end_to_end.to_deployment(
             name="end-to-end",

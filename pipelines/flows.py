@@ -1,4 +1,5 @@
-"""The Prefect flows: ``pretrain``, ``evaluate``, ``register-model`` and ``end-to-end``.
+"""The Prefect flows: ``pretrain``, ``evaluate``, ``register-model``, ``promote-model`` and
+``end-to-end``.
 
 Each takes the typed config (the Prefect UI renders it as a form) and adds only
 orchestration around the stage functions: retries, caching, artifacts, logs.
@@ -12,10 +13,15 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from pipelines.artifacts import publish_evaluation, publish_registration, publish_training_summary
-from pipelines.tasks import evaluate_task, pretrain_task, register_task
+from pipelines.artifacts import (
+    publish_evaluation,
+    publish_promotion,
+    publish_registration,
+    publish_training_summary,
+)
+from pipelines.tasks import evaluate_task, gate_task, pretrain_task, register_task
 from pipelines.tokenize import manifest_markdown, train_tokenizer_task, write_shards_task
-from training.config import MegalithConfig
+from training.config import MegalithConfig, PromotionConfig
 
 SAMPLE_TASKS = ["sample_facts"]
 
@@ -53,6 +59,18 @@ def register_model_flow(
     registration = register_task(model_package, name, run_id, metrics)
     publish_registration(registration, run_id)
     return registration
+
+
+@flow(name="promote-model", log_prints=True)
+def promote_model_flow(
+    name: str, promotion: PromotionConfig | None = None, version: int | None = None
+) -> dict[str, Any]:
+    """Make @candidate (or ``version``) the @champion if its eval metrics beat the
+    champion's by the rules; the decision goes to the version's tags and an artifact."""
+    rules = (promotion or PromotionConfig()).rules
+    decision = gate_task(name, [rule.model_dump() for rule in rules], version)
+    publish_promotion(decision)
+    return decision
 
 
 @flow(name="end-to-end", log_prints=True)

@@ -168,3 +168,21 @@ def register_task(
         "alias": "candidate",
         "uri": f"models:/{name}@candidate",
     }
+
+
+@task(name="promotion-gate")
+def gate_task(name: str, rules: list[dict[str, Any]], version: int | None = None) -> dict[str, Any]:
+    """Gate ``version`` (default @candidate) against @champion; promote it if it passes.
+    Not cached: the champion it compares with changes."""
+    from registry.promotion import gate
+    from training.config import MetricRule
+
+    decision = gate(name, [MetricRule(**rule) for rule in rules], version=version)
+    get_run_logger().info(
+        "%s v%s: %s (%s)",
+        name,
+        decision.candidate_version,
+        "promoted" if decision.promoted else "not promoted",
+        decision.reason,
+    )
+    return {**decision.as_dict(), "markdown": decision.markdown()}

@@ -182,6 +182,7 @@ def test_serve_pipelines_offers_every_flow_with_form_defaults(tmp_path: Path) ->
         "pretrain",
         "evaluate",
         "register-model",
+        "promote-model",
         "end-to-end",
     }
     end_to_end = served["end-to-end"]

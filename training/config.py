@@ -391,6 +391,31 @@ class LoggingConfig(StrictModel):
     )
 
 
+class MetricRule(StrictModel):
+    """One eval metric the promotion gate compares (``registry.promotion``).
+
+    ``margin``: the candidate must beat the champion by at least this fraction of the
+    champion's value (0.01 = 1% better). ``max_regression``: the candidate may be worse by
+    at most this fraction. A rule with neither only reports the metric."""
+
+    metric: str = Field(description="Eval metric name, e.g. valid_perplexity, sample_facts_acc.")
+    goal: Literal["min", "max"] = Field(description="min: lower is better; max: higher is.")
+    margin: float | None = Field(default=None, ge=0)
+    max_regression: float | None = Field(default=None, ge=0)
+
+
+class PromotionConfig(StrictModel):
+    """When a ``candidate`` may replace the ``champion`` (``megalith registry gate``)."""
+
+    rules: list[MetricRule] = Field(
+        default_factory=lambda: [
+            MetricRule(metric="valid_perplexity", goal="min", margin=0.0),
+            MetricRule(metric="sample_facts_acc_norm", goal="max", max_regression=0.05),
+        ],
+        description="Every rule must pass; a candidate without one of the metrics is refused.",
+    )
+
+
 class MegalithConfig(StrictModel):
     """The root of a recipe: one section per concern."""
 
@@ -405,6 +430,7 @@ class MegalithConfig(StrictModel):
     mixed_precision: MixedPrecisionConfig = Field(default_factory=MixedPrecisionConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    promotion: PromotionConfig = Field(default_factory=PromotionConfig)
 
 
 def format_validation_error(error: ValidationError, source: str) -> str:

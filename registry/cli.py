@@ -1,0 +1,93 @@
+"""``megalith registry gate|promote|rollback``: who is the ``champion``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from training.config import MegalithConfig, load_config
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "registry",
+        help="gate, promote or roll back registered models (@candidate → @champion)",
+        description="Move the @champion alias of a registered model: through the promotion "
+        "gate (eval metrics against the champion, rules from the recipe's promotion section), "
+        "by hand, or back to the previous champion. MLflow: --tracking-uri, else "
+        "MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.",
+    )
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    gate = actions.add_parser(
+        "gate",
+        help="promote @candidate (or --version) if it beats @champion by the recipe's rules",
+        description="Compare a version's eval.* tags with the champion's, rule by rule "
+        "(promotion.rules of --config, else the defaults: valid_perplexity no worse, "
+        "sample_facts_acc_norm at most 5%% worse), write the decision to the version's "
+        "promotion.* tags and move @champion when every rule passes. Exit status 0 when "
+        "promoted, 3 when not.",
+    )
+    gate.add_argument("name", help="registered model name")
+    gate.add_argument("--version", type=int, help="version to gate (default: @candidate)")
+    gate.add_argument("--config", metavar="YAML", help="recipe whose promotion rules to use")
+    gate.add_argument("--dry-run", action="store_true", help="decide, change nothing")
+    gate.add_argument("--json", action="store_true", help="print the decision as JSON")
+    _tracking(gate)
+    gate.set_defaults(handler=_gate)
+
+    promote = actions.add_parser(
+        "promote",
+        help="make VERSION the @champion (no gate)",
+        description="Point @champion at VERSION by hand; the previous champion is kept in "
+        "the model's champion history for `rollback`.",
+    )
+    promote.add_argument("name")
+    promote.add_argument("version", type=int)
+    _tracking(promote)
+    promote.set_defaults(handler=_promote)
+
+    rollback = actions.add_parser(
+        "rollback",
+        help="make the previous champion the @champion again",
+        description="Point @champion back at the champion before the current one.",
+    )
+    rollback.add_argument("name")
+    _tracking(rollback)
+    rollback.set_defaults(handler=_rollback)
+
+
+def _tracking(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI")
+
+
+def _gate(args: argparse.Namespace) -> int:
+    from registry.promotion import gate
+
+    config = load_config(args.config) if args.config else MegalithConfig()
+    decision = gate(
+        args.name,
+        config.promotion.rules,
+        version=args.version,
+        tracking_uri=args.tracking_uri,
+        apply=not args.dry_run,
+    )
+    print(json.dumps(decision.as_dict(), indent=2) if args.json else decision.markdown())
+    return 0 if decision.promoted else 3
+
+
+def _promote(args: argparse.Namespace) -> int:
+    from registry.promotion import promote
+
+    previous = promote(args.name, args.version, tracking_uri=args.tracking_uri)
+    was = f"v{previous}" if previous else "none"
+    print(f"{args.name}@champion → v{args.version} (was {was})")
+    return 0
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    from registry.promotion import rollback
+
+    version = rollback(args.name, tracking_uri=args.tracking_uri)
+    print(f"{args.name}@champion → v{version} (rolled back)")
+    return 0
