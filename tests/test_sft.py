@@ -12,7 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
+from parallel_helpers import init_gloo
 
 from preprocessing.chat import RESERVED, render
 from preprocessing.chat_generator import write_chat_corpus
@@ -26,10 +29,12 @@ from training.data import build_gpt_datasets
 from training.data.sft_dataset import SFTDataset
 from training.data.shard_set import ShardSetError, open_shard_set
 from training.errors import MegalithError
-from training.models import GPTModel
+from training.models import GPTModel, TorchBackend
 from training.models.packing import document_positions
+from training.models.tp_backend import TensorParallelBackend
 from training.parallel.groups import ParallelSizes
 from training.parallel.support import check_trainer_support
+from training.parallel.tensor_parallel import shard_full_state_dict
 from training.sft import micro_batch_loss
 from training.tracking import read_metrics
 from training.trainer import train
@@ -244,6 +249,45 @@ def test_a_packed_row_gives_the_logits_of_each_document_alone(style: str) -> Non
         plain = model(torch.cat(rows))
     torch.testing.assert_close(packed, torch.cat(alone), atol=1e-5, rtol=0)
     assert not torch.allclose(plain, torch.cat(alone), atol=1e-3)  # without ids, they mix
+
+
+def _tensor_parallel_worker(rank: int, world: int, out_dir: str) -> None:
+    """Per-token losses of packed rows: TP (with and without SP) against one process."""
+    init_gloo(rank, world, out_dir)
+    differences = {}
+    try:
+        for style, sequence_parallel in (("llama", True), ("gpt2", False)):
+            torch.manual_seed(0)
+            config = ModelConfig(
+                style=style,
+                num_layers=2,
+                hidden_size=32,
+                num_attention_heads=4,
+                num_query_groups=2 if style == "llama" else None,
+                vocab_size=96,
+                max_position_embeddings=32,
+            )
+            full = GPTModel(config, TorchBackend())
+            tp = GPTModel(config, TensorParallelBackend(dist.group.WORLD, sequence_parallel))
+            tp.load_state_dict(shard_full_state_dict(full.state_dict(), config, rank, world))
+            tokens = torch.randint(0, 96, (2, 17))
+            ids = torch.tensor([[0] * 5 + [1] * 9 + [2] * 2, [0] * 12 + [1] * 4])
+            args = (tokens[:, :-1],)
+            kwargs = {"labels": tokens[:, 1:], "loss_reduction": "none", "document_ids": ids}
+            with torch.no_grad():
+                difference = (full(*args, **kwargs) - tp(*args, **kwargs)).abs().max()
+            differences[f"{style} sp={sequence_parallel}"] = difference.item()
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(differences))
+
+
+def test_tensor_parallel_layers_take_the_document_ids(tmp_path: Path) -> None:
+    mp.spawn(_tensor_parallel_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        differences = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(differences) == 2
+        assert all(d < 1e-5 for d in differences.values()), (rank, differences)
 
 
 def sft_dataset(shards: Path, num_samples: int, seed: int = 7) -> SFTDataset:
