@@ -217,6 +217,18 @@ def test_shipped_chat_sample_matches_its_generator(tmp_path: Path) -> None:
 # --- packing, attention and positions ------------------------------------------------------
 
 
+def tiny_model_config(style: str) -> ModelConfig:
+    return ModelConfig(
+        style=style,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2 if style == "llama" else None,
+        vocab_size=96,
+        max_position_embeddings=32,
+    )
+
+
 def test_positions_restart_at_every_document() -> None:
     documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 2, 3]])
     expected = [[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 0, 1, 2, 3, 4, 0, 1, 0]]
@@ -226,16 +238,7 @@ def test_positions_restart_at_every_document() -> None:
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
 def test_a_packed_row_gives_the_logits_of_each_document_alone(style: str) -> None:
     torch.manual_seed(0)
-    config = ModelConfig(
-        style=style,
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2 if style == "llama" else None,
-        vocab_size=96,
-        max_position_embeddings=32,
-    )
-    model = GPTModel(config).eval()
+    model = GPTModel(tiny_model_config(style)).eval()
     lengths = [[5, 9, 2], [12, 4]]
     rows, document_ids, alone = [], [], []
     for row_lengths in lengths:
@@ -258,15 +261,7 @@ def _tensor_parallel_worker(rank: int, world: int, out_dir: str) -> None:
     try:
         for style, sequence_parallel in (("llama", True), ("gpt2", False)):
             torch.manual_seed(0)
-            config = ModelConfig(
-                style=style,
-                num_layers=2,
-                hidden_size=32,
-                num_attention_heads=4,
-                num_query_groups=2 if style == "llama" else None,
-                vocab_size=96,
-                max_position_embeddings=32,
-            )
+            config = tiny_model_config(style)
             full = GPTModel(config, TorchBackend())
             tp = GPTModel(config, TensorParallelBackend(dist.group.WORLD, sequence_parallel))
             tp.load_state_dict(shard_full_state_dict(full.state_dict(), config, rank, world))

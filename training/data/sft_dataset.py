@@ -32,9 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
-from training.data.gpt_dataset import SPLIT_NAMES, _rng, random_permutations
+from training.data.gpt_dataset import SPLIT_NAMES, SplitSamples, _rng, random_permutations
 from training.data.index_cache import load_or_build
 from training.data.shard_set import ShardSet, ShardSetError
 
@@ -83,8 +82,10 @@ def build_packed_indices(
     }
 
 
-class SFTDataset(Dataset):
+class SFTDataset(SplitSamples):
     """``num_samples`` packed samples of ``seq_length + 1`` tokens from a chat shard set's split."""
+
+    INDEX_NAMES = INDEX_NAMES
 
     def __init__(
         self,
@@ -101,16 +102,7 @@ class SFTDataset(Dataset):
                 f"{shard_set.root}: data.format=chat needs a chat shard set with loss masks "
                 "(megalith data prepare --format chat)"
             )
-        lengths = shard_set.document_lengths[documents.start : documents.stop]
-        if documents.step != 1 or not len(lengths) or not lengths.sum():
-            raise ValueError(f"{shard_set.root}: {split} split {documents} holds no tokens")
-        self.shard_set = shard_set
-        self.split = split
-        self.documents = documents
-        self.num_samples = num_samples
-        self.seq_length = seq_length
-        self.seed = seed
-        self.cache_dir = Path(cache_dir)
+        super().__init__(shard_set, split, documents, num_samples, seq_length, seed, cache_dir)
         tokenizer = shard_set.manifest.tokenizer
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eod_id
         self.description = {
@@ -124,6 +116,7 @@ class SFTDataset(Dataset):
             "samples": num_samples,
         }
         self._load()
+        lengths = self.document_lengths
         truncated = int((lengths > seq_length + 1).sum())
         if truncated:
             logger.warning(
@@ -137,7 +130,7 @@ class SFTDataset(Dataset):
             )
 
     def _load(self) -> None:
-        lengths = self.shard_set.document_lengths[self.documents.start : self.documents.stop]
+        lengths = self.document_lengths
         arrays = load_or_build(
             self.cache_dir,
             self.description,
@@ -153,9 +146,6 @@ class SFTDataset(Dataset):
         )
         self.document_index = arrays["document_index"]
         self.sample_bounds = arrays["sample_bounds"]
-
-    def __len__(self) -> int:
-        return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         tokens, mask, documents = self.sample_arrays(index)
@@ -184,14 +174,3 @@ class SFTDataset(Dataset):
             used += length
         documents[used:] = last - first  # the padding: a document of its own
         return tokens, mask, documents
-
-    # DataLoader workers started by spawn pickle the dataset: re-map the cached indices.
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        for name in INDEX_NAMES:
-            del state[name]
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._load()
