@@ -203,10 +203,23 @@ def encode_conversations(
 
 
 def render(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    """The template applied with a loaded :class:`~preprocessing.tokenizer.Tokenizer` (for
-    tests, inspection and building generation prompts)."""
+    """The template applied with a loaded :class:`~preprocessing.tokenizer.Tokenizer`:
+    exactly the tokens and mask that preprocessing writes for these messages."""
+    ids = _tokenizer_template_ids(tokenizer)
+    return apply_template(messages, [tokenizer.encode(m["content"]) for m in messages], ids)
+
+
+def generation_prompt(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], int]:
+    """Prompt tokens for generating the next assistant turn (the messages, then
+    ``<|assistant|>``) and the id to stop at (``<|end|>``)."""
+    ids = _tokenizer_template_ids(tokenizer)
+    tokens, _ = apply_template(messages, [tokenizer.encode(m["content"]) for m in messages], ids)
+    return tokens + [ids[ROLE_MARKERS["assistant"]]], ids[END_OF_TURN]
+
+
+def _tokenizer_template_ids(tokenizer) -> dict[str, int]:
     ids = {token: tokenizer.special_ids.get(token, -1) for token in TEMPLATE_TOKENS}
     missing = [token for token, i in ids.items() if i < 0]
     if missing:
         raise ChatTemplateError(f"{tokenizer.model_path}: lacks the chat template tokens {missing}")
-    return apply_template(messages, [tokenizer.encode(m["content"]) for m in messages], ids)
+    return ids

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from parallel_helpers import init_gloo
 
-from preprocessing.chat import RESERVED, render
+from preprocessing.chat import RESERVED, generation_prompt, render
 from preprocessing.chat_generator import write_chat_corpus
 from preprocessing.indexed_dataset import IndexedDatasetReader
 from preprocessing.manifest import read_manifest
@@ -132,6 +132,14 @@ def test_template_masks_exactly_the_assistant_turns(tmp_path: Path, tokenizer: T
         # Every turn opens with its role token and closes with <|end|>.
         roles = [tokenizer.id_to_piece(t) for t in ids if tokenizer.id_to_piece(t) in RESERVED]
         assert roles == [p for m in messages for p in (f"<|{m['role']}|>", "<|end|>")]
+
+
+def test_a_generation_prompt_ends_with_the_assistant_marker(tokenizer: Tokenizer) -> None:
+    messages = TINY_CHAT[1]["messages"][:4]  # ends with a user turn
+    prompt, stop = generation_prompt(tokenizer, messages)
+    full, _ = render(tokenizer, [*messages, {"role": "assistant", "content": "Four."}])
+    assert full[: len(prompt)] == prompt  # training rendered the answer right after it
+    assert full[-1] == stop == tokenizer.special_ids["<|end|>"]
 
 
 BAD_LINES = [
