@@ -24,6 +24,7 @@ from preprocessing.manifest import read_manifest
 from preprocessing.prepare import prepare_dataset
 from preprocessing.readers import BadRecordError
 from preprocessing.tokenizer import Tokenizer, train_tokenizer
+from preprocessing.verify import verify_shard_set
 from training.config import DataConfig, ModelConfig, TokenizerConfig, load_config
 from training.data import build_gpt_datasets
 from training.data.sft_dataset import SFTDataset
@@ -209,6 +210,7 @@ def test_prepare_resumes_and_redoes_a_shard_whose_mask_changed(
     assert third.skipped == ["shard-00000"] and third.written == ["shard-00001"]
     rewritten = {n: f.sha256 for s in third.manifest.shards for n, f in s.files.items()}
     assert rewritten == hashes
+    assert verify_shard_set(str(output)) == []
     # Nothing half-written is left beside the shards (they are renamed into place).
     assert sorted(p.name for p in output.iterdir() if p.is_file()) == sorted(
         [*hashes, "manifest.json"]
