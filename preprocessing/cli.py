@@ -84,6 +84,11 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
         "--input", nargs="+", metavar="URL", help="files, globs, dirs or s3:// URLs"
     )
     parser.add_argument("--input-format", choices=["auto", "jsonl", "parquet", "text"])
+    parser.add_argument(
+        "--format",
+        choices=["pretrain", "chat"],
+        help="chat: jsonl conversations for supervised fine-tuning, written with a loss mask",
+    )
     parser.add_argument("--json-key", metavar="KEY", help="field holding the text (default 'text')")
     parser.add_argument(
         "--text-mode", choices=["paragraph", "line", "file"], help="plain-text documents"
@@ -95,6 +100,7 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
 FLAG_KEYS = {
     "input": "data.inputs",
     "input_format": "data.input_format",
+    "format": "data.format",
     "json_key": "data.json_key",
     "text_mode": "data.text_mode",
     "on_bad_record": "data.on_bad_record",

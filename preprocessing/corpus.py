@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from preprocessing.chat import conversation_contents
 from preprocessing.readers import InputFile, RejectLog, TextBatch, iter_text_batches, resolve_inputs
 from preprocessing.tokenizer import Tokenizer, sample_documents, train_tokenizer
 from training.config import ConfigError, DataConfig, TokenizerConfig
@@ -43,6 +44,7 @@ class Corpus:
             rejects=rejects,
             batch_size=self.config.batch_documents,
             storage_options=self.config.storage_options,
+            chat=self.config.format == "chat",
         )
 
     def batches(self, rejects: RejectLog) -> Iterator[tuple[int, TextBatch]]:
@@ -61,7 +63,10 @@ def train_tokenizer_on_corpus(
     corpus: Corpus, config: TokenizerConfig, output_prefix: str
 ) -> Tokenizer:
     """Train SentencePiece on a seeded sample of at most ``max_training_documents`` documents."""
-    sample = sample_documents(corpus.documents(), config.max_training_documents, config.seed)
+    documents = corpus.documents()
+    if corpus.config.format == "chat":  # train on what the messages say, not on their JSON
+        documents = conversation_contents(documents)
+    sample = sample_documents(documents, config.max_training_documents, config.seed)
     if not sample:
         raise ConfigError(f"no usable documents in {corpus.config.inputs}: nothing to train on")
     return train_tokenizer(sample, config, output_prefix, corpus.config.storage_options)

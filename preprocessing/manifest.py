@@ -7,7 +7,7 @@ first: tokenizer id, dtype and the sha256 of every file.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -16,6 +16,10 @@ from preprocessing.storage import atomic_write_json, join, read_json
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "megalith-shards"
 MANIFEST_VERSION = 1
+# A chat shard set (data_format "chat") holds, beside each shard, its loss mask as a uint8
+# indexed dataset of the same documents: ``shard-XXXXX.mask.bin/.idx``, listed in the
+# shard's ``files`` (so hashed, checked and downloaded like the tokens).
+MASK_SUFFIX = ".mask"
 
 
 class _Record(BaseModel):
@@ -64,6 +68,7 @@ class Manifest(_Record):
     tokenizer: TokenizerInfo
     dtype: str
     append_eod: bool
+    data_format: Literal["pretrain", "chat"] = "pretrain"
     documents: int
     tokens: int
     shards: list[ShardInfo]

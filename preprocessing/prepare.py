@@ -38,10 +38,12 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from preprocessing.chat import MASK_DTYPE, encode_conversations
 from preprocessing.corpus import Corpus
 from preprocessing.indexed_dataset import IndexedDatasetWriter, token_dtype
 from preprocessing.manifest import (
     MANIFEST_NAME,
+    MASK_SUFFIX,
     FileInfo,
     InputInfo,
     Manifest,
@@ -69,6 +71,11 @@ SCAN_VERSION = 1
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
+
+
+def mask_name(prefix: str) -> str:
+    """The loss-mask shard beside a chat token shard: ``shard-XXXXX.mask.bin/.idx``."""
+    return f"{prefix}{MASK_SUFFIX}"
 
 
 @dataclass
@@ -114,7 +121,7 @@ def input_fingerprint(corpus: Corpus) -> str:
         fs, path = filesystem(source.url, corpus.config.storage_options)
         files.append([source.url, source.size, fs.ukey(path)])
     settings = corpus.config.model_dump(
-        include={"input_format", "json_key", "text_mode", "on_bad_record"}
+        include={"input_format", "json_key", "text_mode", "on_bad_record", "format"}
     )
     return _digest({"version": SCAN_VERSION, "files": files, "settings": settings})
 
@@ -187,6 +194,7 @@ def make_plan(
             "shards": data.shards,
             "append_eod": data.append_eod,
             "dtype": dtype.name,
+            "format": data.format,
         }
     )
     return ShardPlan(shards=data.shards, characters=scan.characters, key=key)
@@ -222,10 +230,16 @@ def _warm_up() -> None:
     pass
 
 
-def _encode_job(job: tuple[int, list[str], int | None, str]) -> tuple[int, np.ndarray, np.ndarray]:
-    shard, texts, eod_id, dtype = job
+EncodedBatch = tuple[int, np.ndarray, np.ndarray, np.ndarray | None]
+
+
+def _encode_job(job: tuple[int, list[str], int | None, str, bool]) -> EncodedBatch:
+    """``(shard, tokens, lengths, loss mask)``; the mask only for chat conversations."""
+    shard, texts, eod_id, dtype, chat = job
+    if chat:
+        return shard, *encode_conversations(_worker_processor, texts, np.dtype(dtype))
     tokens, lengths = encode_documents(_worker_processor, texts, eod_id, np.dtype(dtype))
-    return shard, tokens, lengths
+    return shard, tokens, lengths, None
 
 
 class WorkerError(MegalithError):
@@ -254,7 +268,7 @@ class OrderedPool:
         for _ in range(workers):
             self.pool.submit(_warm_up)
 
-    def submit(self, job) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    def submit(self, job) -> Iterator[EncodedBatch]:
         try:
             self.pending.append(self.pool.submit(_encode_job, job))
         except BrokenProcessPool as exc:
@@ -262,11 +276,11 @@ class OrderedPool:
         while len(self.pending) >= self.limit:
             yield self._next()
 
-    def drain(self) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    def drain(self) -> Iterator[EncodedBatch]:
         while self.pending:
             yield self._next()
 
-    def _next(self) -> tuple[int, np.ndarray, np.ndarray]:
+    def _next(self) -> EncodedBatch:
         try:
             return self.pending.popleft().result()
         except BrokenProcessPool as exc:
@@ -311,15 +325,16 @@ class ShardStore:
     def staging_prefix(self, name: str) -> str:
         return str(self.staging / name)
 
-    def publish(self, name: str) -> dict[str, FileInfo]:
-        """Move a finished shard into place and return its file hashes."""
+    def publish(self, name: str, with_mask: bool = False) -> dict[str, FileInfo]:
+        """Move a finished shard (and its loss-mask shard) into place; return the file hashes."""
         files = {}
-        for suffix in (".bin", ".idx"):
-            local = self.staging / f"{name}{suffix}"
-            files[f"{name}{suffix}"] = FileInfo(
+        prefixes = [name, mask_name(name)] if with_mask else [name]
+        for prefix, suffix in itertools.product(prefixes, (".bin", ".idx")):
+            local = self.staging / f"{prefix}{suffix}"
+            files[f"{prefix}{suffix}"] = FileInfo(
                 sha256=sha256_of_file(str(local)), bytes=local.stat().st_size
             )
-            target = join(self.output, f"{name}{suffix}")
+            target = join(self.output, f"{prefix}{suffix}")
             if is_local(self.output):
                 os.replace(local, target.removeprefix("file://"))
             else:
@@ -371,33 +386,42 @@ class ShardStore:
 class ShardWriter:
     """Writes consecutive shards one at a time as their results arrive."""
 
-    def __init__(self, store: ShardStore, plan_key: str, dtype: np.dtype):
+    def __init__(self, store: ShardStore, plan_key: str, dtype: np.dtype, chat: bool = False):
         self.store = store
         self.plan_key = plan_key
         self.dtype = dtype
+        self.chat = chat  # a uint8 loss-mask shard beside each token shard
         self.current: int | None = None
         self.writer: IndexedDatasetWriter | None = None
+        self.mask_writer: IndexedDatasetWriter | None = None
         self.finished: dict[int, ShardInfo] = {}
 
-    def add(self, shard: int, tokens: np.ndarray, lengths: np.ndarray) -> None:
+    def add(
+        self, shard: int, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None
+    ) -> None:
         if shard != self.current:
             self.finish()
             self.current = shard
-            self.writer = IndexedDatasetWriter(
-                self.store.staging_prefix(shard_name(shard)), self.dtype
-            )
+            prefix = self.store.staging_prefix(shard_name(shard))
+            self.writer = IndexedDatasetWriter(prefix, self.dtype)
+            if self.chat:
+                self.mask_writer = IndexedDatasetWriter(mask_name(prefix), MASK_DTYPE)
         self.writer.add_documents(tokens, lengths)
+        if self.chat:
+            self.mask_writer.add_documents(mask, lengths)
 
     def finish(self) -> None:
         if self.writer is None:
             return
         self.writer.finalize()
+        if self.chat:
+            self.mask_writer.finalize()
         name = shard_name(self.current)
         info = ShardInfo(
             name=name,
             documents=self.writer.num_documents,
             tokens=self.writer.num_tokens,
-            files=self.store.publish(name),
+            files=self.store.publish(name, with_mask=self.chat),
         )
         self.store.mark_complete(info, self.plan_key)
         self.finished[self.current] = info
@@ -482,15 +506,16 @@ def _scan_and_tokenize(
 def _tokenize(
     corpus, scan, plan, tokenizer, data, store, dtype, complete, report, show_progress, pool
 ):
-    writer = ShardWriter(store, plan.key, dtype)
-    eod = tokenizer.eod_id if data.append_eod else None
+    chat = data.format == "chat"
+    writer = ShardWriter(store, plan.key, dtype, chat)
+    eod = tokenizer.eod_id if data.append_eod and not chat else None
     rejects = RejectLog(max_examples=0)
     position = 0
     with _progress(scan.text_bytes, "tokenizing", show_progress) as bar:
 
         def consume(results):
-            for shard, tokens, lengths in results:
-                writer.add(shard, tokens, lengths)
+            for shard, tokens, lengths, mask in results:
+                writer.add(shard, tokens, lengths, mask)
                 report.tokenized_documents += len(lengths)
                 report.tokenized_tokens += len(tokens)
             if show_progress:
@@ -504,7 +529,7 @@ def _tokenize(
             pieces, position = split_by_shard(batch.texts, position, plan)
             for shard, texts in pieces:
                 if shard not in complete:
-                    consume(pool.submit((shard, texts, eod, dtype.name)))
+                    consume(pool.submit((shard, texts, eod, dtype.name, chat)))
             report.tokenized_bytes += batch.nbytes
             bar.update(batch.nbytes)
         consume(pool.drain())
@@ -552,7 +577,8 @@ def _build_manifest(corpus, scan, tokenizer, tokenizer_config, data, dtype, shar
             pad_id=tokenizer.pad_id,
         ),
         dtype=dtype.name,
-        append_eod=data.append_eod,
+        append_eod=data.append_eod and data.format != "chat",
+        data_format=data.format,
         documents=sum(s.documents for s in shards),
         tokens=sum(s.tokens for s in shards),
         shards=shards,

@@ -11,10 +11,11 @@ dropped silently.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import json
 import posixpath
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -36,6 +37,9 @@ REJECT_REASONS: tuple[str, ...] = (
     "invalid_utf8",
     "empty_text",
 )
+# Chat records (data.format=chat, see preprocessing.chat): a role, turn or content problem.
+CHAT_REJECT_REASONS: tuple[str, ...] = ("invalid_chat",)
+_KNOWN_REASONS = REJECT_REASONS + CHAT_REJECT_REASONS
 INPUT_FORMATS = ("auto", "jsonl", "parquet", "text")
 TEXT_MODES = ("paragraph", "line", "file")
 BAD_RECORD_POLICIES = ("fail", "skip")
@@ -82,8 +86,8 @@ class RejectLog:
     examples: list[dict[str, str]] = field(default_factory=list)
 
     def add(self, reason: str, location: str, detail: str, count: int = 1) -> None:
-        if reason not in REJECT_REASONS:
-            raise ValueError(f"unknown reject reason {reason!r}; expected one of {REJECT_REASONS}")
+        if reason not in _KNOWN_REASONS:
+            raise ValueError(f"unknown reject reason {reason!r}; expected one of {_KNOWN_REASONS}")
         self.counts[reason] = self.counts.get(reason, 0) + count
         if len(self.examples) < self.max_examples:
             self.examples.append(
@@ -102,7 +106,7 @@ class RejectLog:
         self.examples.extend(dict(example) for example in other.examples[:room])
 
     def to_record(self) -> RejectedRecords:
-        counts = {r: self.counts[r] for r in REJECT_REASONS if self.counts.get(r)}
+        counts = {r: self.counts[r] for r in _KNOWN_REASONS if self.counts.get(r)}
         return RejectedRecords(total=self.total, counts=counts, examples=list(self.examples))
 
 
@@ -331,6 +335,7 @@ def iter_text_batches(
     rejects: RejectLog | None = None,
     batch_size: int = 512,
     storage_options: dict[str, Any] | None = None,
+    chat: bool = False,
 ) -> Iterator[TextBatch]:
     """Yield batches of valid document texts from ``source``, in file order.
 
@@ -347,7 +352,8 @@ def iter_text_batches(
         if source.format == "parquet":
             yield from _parquet_batches(stream, source, json_key, batcher)
         elif source.format == "jsonl":
-            yield from _jsonl_batches(stream, source.url, json_key, batcher)
+            parse = _chat_text if chat else functools.partial(_json_text, key=json_key)
+            yield from _jsonl_batches(stream, source.url, parse, batcher)
         elif text_mode == "file":
             yield from _whole_file_batches(stream, source.url, batcher)
         elif text_mode == "line":
@@ -395,14 +401,16 @@ def _strip_bom(lineno: int, line: bytes) -> bytes:
     return line[3:] if lineno == 1 and line.startswith(b"\xef\xbb\xbf") else line
 
 
-def _jsonl_batches(stream: IO[bytes], url: str, key: str, batcher: _Batcher) -> Iterator[TextBatch]:
+def _jsonl_batches(
+    stream: IO[bytes], url: str, parse: Callable[[bytes], str], batcher: _Batcher
+) -> Iterator[TextBatch]:
     for lineno, line, size in _read_lines(stream, url):
         batcher.nbytes += size
         line = _strip_bom(lineno, line)
         if not line or line.isspace():  # blank lines are not records
             continue
         try:
-            batcher.add(_json_text(line, key))
+            batcher.add(parse(line))
         except _Reject as bad:
             batcher.reject(f"{url}:{lineno}", bad)
         if batcher.full():
@@ -432,6 +440,17 @@ def _json_text(line: bytes, key: str) -> str:
     if not value or value.isspace():
         raise _Reject("empty_text", f"field {key!r} is empty or whitespace")
     return value
+
+
+def _chat_text(line: bytes) -> str:
+    """A chat record's canonical text; its problems become rejects naming the key."""
+    from preprocessing.chat import ChatRecordError, canonical_text, conversation_from_record
+
+    text = _decode(line)
+    try:
+        return canonical_text(conversation_from_record(_parse_json(text)))
+    except ChatRecordError as bad:
+        raise _Reject(bad.reason, str(bad), _snippet(text)) from None
 
 
 def _parse_json(text: str) -> Any:

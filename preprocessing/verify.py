@@ -7,7 +7,7 @@ import tempfile
 from typing import Any
 
 from preprocessing.indexed_dataset import IndexedDatasetReader
-from preprocessing.manifest import Manifest, ShardInfo, read_manifest
+from preprocessing.manifest import MASK_SUFFIX, Manifest, ShardInfo, read_manifest
 from preprocessing.storage import filesystem, is_local, join, sha256_of_file
 from preprocessing.tokenizer import Tokenizer
 
@@ -24,6 +24,9 @@ def verify_shard_set(root: str, storage_options: dict[str, Any] | None = None) -
         problems += file_problems
         if not file_problems and is_local(root):
             problems += _verify_index(root, shard.name, shard.documents, shard.tokens)
+            if manifest.data_format == "chat":  # the loss mask covers the same tokens
+                mask = shard.name + MASK_SUFFIX
+                problems += _verify_index(root, mask, shard.documents, shard.tokens)
     totals = (sum(s.documents for s in manifest.shards), sum(s.tokens for s in manifest.shards))
     if totals != (manifest.documents, manifest.tokens):
         problems.append(

@@ -102,6 +102,12 @@ class DataConfig(StrictModel):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec options (e.g. endpoint_url for S3)."
     )
+    format: Literal["pretrain", "chat"] = Field(
+        default="pretrain",
+        description="pretrain: documents of text, loss on every token. chat: jsonl "
+        "conversations (preprocessing.chat) prepared with a loss mask and trained as packed "
+        "whole conversations with the loss on assistant tokens only (training.sft).",
+    )
 
     # Training-time dataset.
     blend: list[DatasetSource] = Field(

@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
 from preprocessing.storage import atomic_write_json
+from training import sft
 from training.async_checkpoint import Checkpointer, checkpoint_group
 from training.checkpoint import load_checkpoint
 from training.config import MegalithConfig, ModelConfig, dump_config
@@ -367,9 +368,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _micro_batch_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _micro_batch_loss(
+        self, batch: dict[str, torch.Tensor], loss_weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.pipeline is not None:  # forward only (validation); the last stage's loss
             return self.pipeline.forward_loss(batch)
+        if self.config.data.format == "chat":  # assistant tokens of packed conversations
+            with self.precision.autocast():
+                return sft.micro_batch_loss(self.forward_model, batch, self.device, loss_weight)
         tokens = batch["tokens"].to(self.device, non_blocking=True)
         with self.precision.autocast():
             if self.parallel.sizes.cp > 1:  # this rank's part of the sequence, loss scaled
@@ -396,10 +402,16 @@ class Trainer:
             total_loss, pipeline_metrics = self.pipeline.forward_backward(batches)
         else:
             total_loss = torch.zeros((), device=self.device)
+            loss_weight = None  # chat: normalised by the step's global count of loss tokens
+            if self.config.data.format == "chat":
+                batches, loss_weight = sft.prefetch_step(
+                    batches, accumulation, self.parallel, self.device
+                )
             for micro_step in range(accumulation):
                 # Gradients are averaged over data-parallel ranks on the last micro-step only.
                 with dp.no_sync(self.dp_model, skip=micro_step < accumulation - 1):
-                    loss = self._micro_batch_loss(next(batches)) / accumulation
+                    loss = self._micro_batch_loss(next(batches), loss_weight)
+                    loss = loss if loss_weight is not None else loss / accumulation
                     # MoE load balancing; dense models skip the walk over their modules.
                     aux = moe_aux_loss(self.model) if self.model_config.num_experts else None
                     objective = loss if aux is None else loss + aux / accumulation

@@ -11,6 +11,7 @@ from preprocessing.storage import is_local
 from training.config import DataConfig
 from training.data.blending import BlendedDataset, load_blending_indices, samples_per_dataset
 from training.data.gpt_dataset import SPLIT_NAMES, GPTDataset, split_document_ranges
+from training.data.sft_dataset import SFTDataset
 from training.data.shard_set import ShardSet, ShardSetError, default_cache_root, open_shard_set
 
 logger = logging.getLogger(__name__)
@@ -32,10 +33,13 @@ def build_gpt_datasets(
 
     Each item is ``{"tokens": LongTensor[seq_length + 1]}``. With several sources in
     ``data.blend`` every split is a weighted blend of that split of each shard set.
+    With ``data.format == "chat"`` the samples are packed conversations with a loss mask
+    and document ids (:class:`~training.data.sft_dataset.SFTDataset`).
     """
     sources = data.training_sources()
     shard_sets = [open_shard_set(s.path, data.storage_options, data.cache_dir) for s in sources]
     check_same_tokenizer(shard_sets)
+    check_data_format(data, shard_sets)
     weights = [s.weight for s in sources]
     train, valid, test = (
         _build_split(data, shard_sets, weights, split, count)
@@ -52,6 +56,17 @@ def check_same_tokenizer(shard_sets: list[ShardSet]) -> None:
                 f"cannot blend shard sets made with different tokenizers: {first.root} "
                 f"(tokenizer {first.tokenizer_id[:16]}…) and {other.root} "
                 f"(tokenizer {other.tokenizer_id[:16]}…)"
+            )
+
+
+def check_data_format(data: DataConfig, shard_sets: list[ShardSet]) -> None:
+    """Chat training needs chat shard sets (loss masks) and pretraining plain ones."""
+    for shard_set in shard_sets:
+        if shard_set.manifest.data_format != data.format:
+            raise ShardSetError(
+                f"{shard_set.root} was prepared with data.format={shard_set.manifest.data_format}"
+                f" but data.format={data.format}: set data.format to match, or prepare the "
+                f"data again with --format {data.format}"
             )
 
 
@@ -72,9 +87,9 @@ def _build_split(
     if not members:
         return None
 
-    def component(member: tuple[ShardSet, range, float], samples: int) -> GPTDataset:
+    def component(member: tuple[ShardSet, range, float], samples: int) -> Dataset:
         shard_set, documents, _ = member
-        return GPTDataset(
+        return (SFTDataset if data.format == "chat" else GPTDataset)(
             shard_set,
             split,
             documents,

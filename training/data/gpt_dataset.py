@@ -129,8 +129,11 @@ def build_sample_indices(
     }
 
 
-class GPTDataset(Dataset):
-    """``num_samples`` samples of ``seq_length + 1`` tokens from documents ``documents`` of a shard set."""
+class SplitSamples(Dataset):
+    """Samples of ``seq_length + 1`` tokens from documents ``documents`` of a shard set, by
+    index arrays cached under ``cache_dir`` (``INDEX_NAMES``, loaded by ``_load``)."""
+
+    INDEX_NAMES: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -152,6 +155,47 @@ class GPTDataset(Dataset):
         self.seq_length = seq_length
         self.seed = seed
         self.cache_dir = Path(cache_dir)
+
+    @property
+    def document_lengths(self) -> np.ndarray:
+        return self.shard_set.document_lengths[self.documents.start : self.documents.stop]
+
+    def _load(self) -> None:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    # DataLoader workers started by spawn pickle the dataset: re-map the cached indices
+    # instead of copying them.
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        for name in self.INDEX_NAMES:
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._load()
+
+
+class GPTDataset(SplitSamples):
+    """``num_samples`` samples of ``seq_length + 1`` tokens from documents ``documents`` of a shard set."""
+
+    INDEX_NAMES = INDEX_NAMES
+
+    def __init__(
+        self,
+        shard_set: ShardSet,
+        split: str,
+        documents: range,
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+        cache_dir: str | Path,
+    ):
+        super().__init__(shard_set, split, documents, num_samples, seq_length, seed, cache_dir)
+        lengths = self.document_lengths
         self.plan = plan_epochs(int(lengths.sum()), seq_length, num_samples)
         self.description = {
             "kind": "gpt-samples",
@@ -168,7 +212,7 @@ class GPTDataset(Dataset):
 
     def _load(self) -> None:
         split_id = SPLIT_NAMES.index(self.split)
-        lengths = self.shard_set.document_lengths[self.documents.start : self.documents.stop]
+        lengths = self.document_lengths
         arrays = load_or_build(
             self.cache_dir,
             self.description,
@@ -185,9 +229,6 @@ class GPTDataset(Dataset):
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
-
-    def __len__(self) -> int:
-        return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {"tokens": torch.from_numpy(self.sample_tokens(index))}
@@ -210,15 +251,3 @@ class GPTDataset(Dataset):
             )
             parts.append(self.shard_set.document_tokens(document, start, stop))
         return np.concatenate(parts).astype(np.int64)
-
-    # DataLoader workers started by spawn pickle the dataset: re-map the cached indices
-    # instead of copying them.
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        for name in INDEX_NAMES:
-            del state[name]
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._load()

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from preprocessing.indexed_dataset import IndexedDatasetError, IndexedDatasetReader
-from preprocessing.manifest import Manifest, read_manifest
+from preprocessing.manifest import MASK_SUFFIX, Manifest, read_manifest
 from preprocessing.storage import filesystem, is_local, join
 from training.errors import MegalithError
 
@@ -43,6 +43,8 @@ class ShardSet:
     root: str
     manifest: Manifest
     readers: list[IndexedDatasetReader]
+    # Chat shard sets (manifest data_format "chat"): each shard's uint8 loss mask.
+    mask_readers: list[IndexedDatasetReader] | None = None
     document_lengths: np.ndarray = field(init=False)  # int64 [documents]
     _first_document: np.ndarray = field(init=False)  # int64 [shards + 1]
     _document_starts: list[np.ndarray] = field(
@@ -74,6 +76,14 @@ class ShardSet:
         shard = int(np.searchsorted(self._first_document, document, side="right")) - 1
         base = int(self._document_starts[shard][document - self._first_document[shard]])
         return self.readers[shard].tokens[base + start : base + stop]
+
+    def document_loss_mask(self, document: int, start: int, stop: int) -> np.ndarray:
+        """Loss mask ``[start, stop)`` of a chat document (1 on assistant tokens)."""
+        if self.mask_readers is None:
+            raise ShardSetError(f"{self.root}: not a chat shard set (it has no loss masks)")
+        shard = int(np.searchsorted(self._first_document, document, side="right")) - 1
+        base = int(self._document_starts[shard][document - self._first_document[shard]])
+        return self.mask_readers[shard].tokens[base + start : base + stop]
 
 
 def _document_spans(reader: IndexedDatasetReader) -> tuple[np.ndarray, np.ndarray]:
@@ -117,7 +127,11 @@ def open_shard_set(
         local_root = str(local)
     readers = [_open_shard(local_root, root, manifest, shard.name) for shard in manifest.shards]
     _check_counts(root, manifest, readers)
-    return ShardSet(root=root, manifest=manifest, readers=readers)
+    masks = None
+    if manifest.data_format == "chat":
+        masks = [_open_mask(local_root, root, shard.name) for shard in manifest.shards]
+        _check_counts(root, manifest, masks)
+    return ShardSet(root=root, manifest=manifest, readers=readers, mask_readers=masks)
 
 
 def _open_shard(local_root: str, root: str, manifest: Manifest, name: str) -> IndexedDatasetReader:
@@ -128,6 +142,18 @@ def _open_shard(local_root: str, root: str, manifest: Manifest, name: str) -> In
     if reader.dtype != np.dtype(manifest.dtype):
         raise ShardSetError(
             f"{join(root, name)}.idx: tokens are {reader.dtype}, manifest says {manifest.dtype}"
+        )
+    return reader
+
+
+def _open_mask(local_root: str, root: str, name: str) -> IndexedDatasetReader:
+    try:
+        reader = IndexedDatasetReader(os.path.join(local_root, name + MASK_SUFFIX))
+    except IndexedDatasetError as exc:
+        raise ShardSetError(f"shard set {root}: {exc}") from None
+    if reader.dtype != np.uint8:
+        raise ShardSetError(
+            f"{join(root, name + MASK_SUFFIX)}.idx: mask is {reader.dtype}, not uint8"
         )
     return reader
 

@@ -62,6 +62,7 @@ from training.models.layers import (
     scaled_init_std,
     swiglu,
 )
+from training.models.packing import document_causal_mask, document_positions
 
 Rope = tuple[Tensor, Tensor]
 
@@ -133,7 +134,12 @@ class Attention(nn.Module):
         self.dropout = backend.dropout(config.dropout)
 
     def forward(
-        self, x: Tensor, rope: Rope | None, kv_cache: KVCache | None, start_pos: int
+        self,
+        x: Tensor,
+        rope: Rope | None,
+        kv_cache: KVCache | None,
+        start_pos: int,
+        attn_mask: Tensor | None = None,
     ) -> Tensor:
         qkv = self.qkv(x)
         batch, length = qkv.shape[:2]  # x may be a sequence shard; qkv is the whole sequence
@@ -146,7 +152,9 @@ class Attention(nn.Module):
         q = q.reshape(batch, length, self.num_heads, self.head_dim)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_index, k, v, start_pos)
-        return self.dropout(self.proj(self.core(q, k, v)))
+        # The mask only when given: core attentions that take none (context parallel) still work.
+        out = self.core(q, k, v) if attn_mask is None else self.core(q, k, v, attn_mask)
+        return self.dropout(self.proj(out))
 
 
 class MLP(nn.Module):
@@ -185,9 +193,14 @@ class TransformerBlock(nn.Module):
             self.mlp = MLP(config, backend)
 
     def forward(
-        self, x: Tensor, rope: Rope | None, kv_cache: KVCache | None = None, start_pos: int = 0
+        self,
+        x: Tensor,
+        rope: Rope | None,
+        kv_cache: KVCache | None = None,
+        start_pos: int = 0,
+        attn_mask: Tensor | None = None,
     ) -> Tensor:
-        x = x + self.attention(x, rope, kv_cache, start_pos)
+        x = x + self.attention(x, rope, kv_cache, start_pos, attn_mask)
         return x + self.mlp(x)
 
 
@@ -331,6 +344,7 @@ class GPTModel(nn.Module):
         kv_cache: KVCache | None = None,
         start_pos: int = 0,
         position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """``tokens [B, T]`` -> fp32 logits ``[B, T, V]``, or with ``labels [B, T]`` the
         cross-entropy (mean over labels != -100, or ``[B, T]`` with ``loss_reduction="none"``).
@@ -339,15 +353,22 @@ class GPTModel(nn.Module):
         to the cached positions before them; the cache is updated in place.
         ``position_ids [T]`` gives the tokens' positions instead (for RoPE or learned
         positions), for a sequence part that is not contiguous (context parallelism).
+        ``document_ids [B, T]`` marks packed documents (:mod:`training.models.packing`):
+        attention stays within each document and positions restart at each one.
         """
         self._check_positions(tokens, kv_cache, start_pos)
         self._check_position_ids(tokens, position_ids, kv_cache)
+        attn_mask = None
+        if document_ids is not None:
+            self._check_document_ids(tokens, document_ids, position_ids, kv_cache)
+            position_ids = document_positions(document_ids)
+            attn_mask = document_causal_mask(document_ids)
         x = self.embedding(tokens, start_pos, position_ids)
         rope = None
         if self.rope is not None:
             rope = self.rope(start_pos, tokens.size(1), x.device, position_ids)
         for block in self.layers:
-            x = self._run_block(block, x, rope, kv_cache, start_pos)
+            x = self._run_block(block, x, rope, kv_cache, start_pos, attn_mask)
         x = self.final_norm(x)
         if labels is None:
             return self.output(x).float()
@@ -360,13 +381,17 @@ class GPTModel(nn.Module):
         rope: Rope | None,
         kv_cache: KVCache | None,
         start_pos: int,
+        attn_mask: Tensor | None = None,
     ) -> Tensor:
         mode = self.activation_checkpointing
         if mode == "none" or kv_cache is not None or not torch.is_grad_enabled():
-            return block(x, rope, kv_cache, start_pos)
+            return block(x, rope, kv_cache, start_pos, attn_mask)
+        masked = {} if attn_mask is None else {"attn_mask": attn_mask}
         if mode == "full":
-            return checkpoint(block, x, rope, use_reentrant=False)
-        return checkpoint(block, x, rope, use_reentrant=False, context_fn=_selective_context)
+            return checkpoint(block, x, rope, use_reentrant=False, **masked)
+        return checkpoint(
+            block, x, rope, use_reentrant=False, context_fn=_selective_context, **masked
+        )
 
     def _check_position_ids(
         self, tokens: Tensor, position_ids: Tensor | None, kv_cache: KVCache | None
@@ -377,6 +402,21 @@ class GPTModel(nn.Module):
             raise ValueError(
                 f"position_ids must be [length] = [{tokens.size(1)}] and without a kv_cache, "
                 f"got shape {tuple(position_ids.shape)}"
+            )
+
+    def _check_document_ids(
+        self,
+        tokens: Tensor,
+        document_ids: Tensor,
+        position_ids: Tensor | None,
+        kv_cache: KVCache | None,
+    ) -> None:
+        if kv_cache is not None or position_ids is not None:
+            raise ValueError("document_ids cannot be combined with a kv_cache or position_ids")
+        if document_ids.shape != tokens.shape:
+            raise ValueError(
+                f"document_ids must be [batch, length] = {list(tokens.shape)}, "
+                f"got shape {tuple(document_ids.shape)}"
             )
 
     def _check_positions(self, tokens: Tensor, kv_cache: KVCache | None, start_pos: int) -> None:

@@ -145,10 +145,12 @@ class SDPAttention(nn.Module):
         self.head_dim = head_dim
         self.dropout = dropout
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         """``q [B,T,heads,D]``, ``k``/``v [B,S,groups,D]`` -> ``[B,T,heads*D]``.
 
-        With ``S > T`` (a KV cache) the queries are the last ``T`` positions.
+        With ``S > T`` (a KV cache) the queries are the last ``T`` positions. ``attn_mask``
+        (bool ``[B, 1, T, S]``, True = may attend) replaces the causal mask: packed
+        documents (:mod:`training.models.packing`).
         """
         batch, length = q.shape[:2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -158,7 +160,10 @@ class SDPAttention(nn.Module):
             repeats = self.num_heads // self.num_groups
             k = k.repeat_interleave(repeats, dim=1)
             v = v.repeat_interleave(repeats, dim=1)
-        mask, causal = _causal_mask(length, k.size(2), q.device)
+        if attn_mask is None:
+            mask, causal = _causal_mask(length, k.size(2), q.device)
+        else:
+            mask, causal = attn_mask, False
         extra = {"enable_gqa": True} if native_gqa else {}
         out = F.scaled_dot_product_attention(
             q,
@@ -220,8 +225,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x [B, T, ..., D]`` by the angles of its positions (``cos``/``sin [T, D]``)."""
-    shape = (cos.size(0),) + (1,) * (x.dim() - 3) + (cos.size(1),)
+    """Rotate ``x [B, T, ..., D]`` by the angles of its positions (``cos``/``sin [T, D]``,
+    or ``[B, T, D]`` when each row has its own positions: packed documents)."""
+    shape = cos.shape[:-1] + (1,) * (x.dim() - 3) + cos.shape[-1:]
     cos = cos.view(shape).to(x.dtype)
     sin = sin.view(shape).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)

@@ -28,6 +28,7 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
             "does not handle sharded gradients; use bf16"
         )
     problems += _pipeline_problems(config, sizes)
+    problems += _chat_problems(config, sizes)
     if problems:
         raise MegalithError("; ".join(problems))
 
@@ -56,6 +57,27 @@ def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
         problems.append(
             f"training.compile with parallel.pipeline={sizes.pp}: compiling pipeline stages is "
             "not integrated; set training.compile=false"
+        )
+    return problems
+
+
+def _chat_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
+    """Packed chat samples (data.format=chat) pass document ids to every attention layer:
+    the plain and tensor-parallel layers take them; pipeline stages and context-parallel
+    attention do not yet."""
+    if config.data.format != "chat":
+        return []
+    problems = []
+    if sizes.pp > 1:
+        problems.append(
+            f"data.format=chat with parallel.pipeline={sizes.pp}: packed conversations' "
+            "attention masks are not passed through pipeline stages yet; use tensor or data "
+            "parallelism"
+        )
+    if sizes.cp > 1:
+        problems.append(
+            f"data.format=chat with parallel.context={sizes.cp}: context-parallel attention "
+            "does not take packed conversations' attention masks yet"
         )
     return problems
 

@@ -1,0 +1,62 @@
+"""The supervised fine-tuning loss (``data.format: chat``): assistant tokens only.
+
+Batches come from :class:`~training.data.sft_dataset.SFTDataset` (packed conversations
+with ``loss_mask`` and ``document_ids``). The model attends within each conversation and
+restarts positions at each one; the loss is the cross-entropy on tokens whose mask is 1.
+
+Normalisation: the training loss of a step is the mean over **all assistant tokens of
+the global batch** (every micro-batch of every data-parallel rank), not a mean of
+per-micro-batch means. Conversations differ in length, so averaging micro-batch means
+would weight a token of a short answer more than one of a long answer, and the result
+would change with micro_batch_size, gradient accumulation and the data-parallel size.
+So before the step's forwards each rank counts the loss tokens of its micro-batches,
+one all-reduce sums the counts, and each micro-batch contributes
+``sum(its token losses) · DP / global count``; DDP's gradient average over the DP ranks
+divides the DP back out. The step's gradient is then that of the global token mean,
+whatever the layout (tests/test_sft.py checks the loss against a manual computation).
+
+Validation reports the mean over each validation micro-batch's assistant tokens,
+averaged over micro-batches (it needs no step-wide count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from training.parallel.data_parallel import data_parallel_size
+from training.parallel.groups import ParallelState
+
+SFT_KEYS = ("tokens", "loss_mask", "document_ids")
+
+
+def prefetch_step(
+    batches: Iterator[dict[str, Tensor]],
+    accumulation: int,
+    parallel: ParallelState,
+    device: torch.device,
+) -> tuple[Iterator[dict[str, Tensor]], Tensor]:
+    """This step's micro-batches, and the weight of a token's loss: ``DP / global count``."""
+    step = [next(batches) for _ in range(accumulation)]
+    count = sum(batch["loss_mask"].sum() for batch in step).to(device=device, dtype=torch.float64)
+    if data_parallel_size(parallel) > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=parallel.dp_cp_group)
+    weight = data_parallel_size(parallel) / count.clamp(min=1.0)
+    return iter(step), weight.float()
+
+
+def micro_batch_loss(
+    model: nn.Module, batch: dict[str, Tensor], device: torch.device, weight: Tensor | None
+) -> Tensor:
+    """``sum(assistant-token losses) · weight``; without a weight, their mean in this batch."""
+    tokens, mask, documents = (batch[key].to(device, non_blocking=True) for key in SFT_KEYS)
+    losses = model(
+        tokens[:, :-1], labels=tokens[:, 1:], loss_reduction="none", document_ids=documents
+    )
+    total = (losses.float() * mask).sum()
+    if weight is None:
+        return total / mask.sum().clamp(min=1.0)
+    return total * weight
