@@ -17,6 +17,8 @@ from training.errors import MegalithError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_RECIPE = REPO_ROOT / "configs" / "tiny-cpu.yaml"
+FINETUNE_RECIPE = REPO_ROOT / "configs" / "finetune-chat-tiny.yaml"
+FINETUNE_CRON = "0 3 * * *"
 PREFECT_URL = "http://127.0.0.1:4200"
 MLFLOW_PORT = 5000
 
@@ -44,12 +46,31 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve = subcommands.add_parser(
         "serve-pipelines",
         help="serve the flows as Prefect deployments (trigger them from the UI)",
-        description="Serve tokenize-corpus, pretrain, evaluate, register-model, promote-model and end-to-end as "
+        description="Serve tokenize-corpus, pretrain, evaluate, register-model, promote-model, end-to-end and "
+        "the scheduled finetune as "
         "deployments with forms in the Prefect UI. Needs a Prefect server: start one with "
         "`megalith ui` (or `prefect server start`).",
     )
     serve.add_argument(
         "--workdir", default="work/served", help="default work directory in the forms"
+    )
+    serve.add_argument(
+        "--finetune-cron",
+        default=FINETUNE_CRON,
+        metavar="CRON",
+        help=f"schedule of the recurring finetune deployment (default '{FINETUNE_CRON}': "
+        "daily at 03:00; '' for none)",
+    )
+    serve.add_argument(
+        "--finetune-data",
+        metavar="DIR_OR_URL",
+        help="where new chat .jsonl files arrive (default WORKDIR/incoming-chat; s3:// works)",
+    )
+    serve.add_argument(
+        "--finetune-config",
+        default=str(FINETUNE_RECIPE),
+        metavar="YAML",
+        help="the fine-tune recipe (default configs/finetune-chat-tiny.yaml)",
     )
     serve.set_defaults(handler=_serve)
 
@@ -135,9 +156,15 @@ def _serve(args: argparse.Namespace) -> int:
                 "(or `prefect server start`), or set PREFECT_API_URL"
             )
         os.environ["PREFECT_API_URL"] = f"{PREFECT_URL}/api"
-    from pipelines.deployments import serve_all
+    from pipelines.deployments import FinetuneSchedule, serve_all
 
-    serve_all(Path(args.workdir).resolve())
+    workdir = Path(args.workdir).resolve()
+    schedule = FinetuneSchedule(
+        cron=args.finetune_cron or None,
+        data_location=args.finetune_data or str(workdir / "incoming-chat"),
+        recipe=args.finetune_config,
+    )
+    serve_all(workdir, schedule)
     return 0
 
 

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import serve
 
-from pipelines.commands import DEMO_RECIPE, demo_config
+from pipelines.commands import DEMO_RECIPE, FINETUNE_CRON, FINETUNE_RECIPE, demo_config
+from pipelines.finetune import finetune
 from pipelines.flows import end_to_end, evaluate, pretrain, promote_model_flow, register_model_flow
 from pipelines.tokenize import tokenize_corpus
+from training.config import load_config
 
 
-def deployments(workdir: Path) -> list:
+@dataclass(frozen=True)
+class FinetuneSchedule:
+    """When and on what the ``finetune`` deployment runs by itself."""
+
+    cron: str | None = FINETUNE_CRON
+    data_location: str | None = None  # default: WORKDIR/incoming-chat
+    recipe: str = str(FINETUNE_RECIPE)
+
+
+def deployments(workdir: Path, schedule: FinetuneSchedule | None = None) -> list:
+    schedule = schedule or FinetuneSchedule()
     config = demo_config(str(DEMO_RECIPE), workdir, [])
     as_json = config.model_dump(mode="json")
     run = workdir / "run"
@@ -49,8 +62,19 @@ def deployments(workdir: Path) -> list:
             parameters={"config": as_json, "workdir": str(workdir)},
             description="Tokenize → pretrain → evaluate → register.",
         ),
+        finetune.to_deployment(
+            name="finetune",
+            cron=schedule.cron,
+            parameters={
+                "config": load_config(schedule.recipe).model_dump(mode="json"),
+                "data_location": schedule.data_location or str(workdir / "incoming-chat"),
+                "workdir": str(workdir / "finetune"),
+            },
+            description="New chat data since the last run → fine-tune @champion → evaluate "
+            "against it → register @candidate → promotion gate. Skips when nothing is new.",
+        ),
     ]
 
 
-def serve_all(workdir: Path) -> None:
-    serve(*deployments(workdir))
+def serve_all(workdir: Path, schedule: FinetuneSchedule | None = None) -> None:
+    serve(*deployments(workdir, schedule))

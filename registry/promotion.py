@@ -114,10 +114,14 @@ def gate(
     version: int | None = None,
     tracking_uri: str | None = None,
     apply: bool = True,
+    champion_metrics: dict[str, float] | None = None,
 ) -> GateDecision:
     """Compare ``version`` (default: the ``candidate`` alias) with the ``champion`` and,
     when every rule passes and ``apply``, make it the champion. The decision is written to
-    the version's tags either way (when ``apply``)."""
+    the version's tags either way (when ``apply``).
+
+    ``champion_metrics``: the champion measured now on the candidate's evaluation data
+    (the recurring fine-tune does this); default: the champion's own ``eval.*`` tags."""
     if version is None:
         version = get_alias_version(name, CANDIDATE, tracking_uri=tracking_uri)
         if version is None:
@@ -128,11 +132,9 @@ def gate(
     elif champion is None:
         decision = GateDecision(name, version, None, True, "no champion yet: promoted as the first")
     else:
-        results = evaluate_gate(
-            eval_metrics(name, version, tracking_uri),
-            eval_metrics(name, champion, tracking_uri),
-            rules,
-        )
+        if champion_metrics is None:
+            champion_metrics = eval_metrics(name, champion, tracking_uri)
+        results = evaluate_gate(eval_metrics(name, version, tracking_uri), champion_metrics, rules)
         failed = [r.metric for r in results if not r.passed]
         reason = f"failed: {', '.join(failed)}" if failed else "every rule passed"
         decision = GateDecision(name, version, champion, not failed, reason, results)
