@@ -226,6 +226,13 @@ def load_registered_model(
     return package
 
 
+def resolve_model_version(uri: str, *, tracking_uri: str | None = None) -> tuple[str, int]:
+    """``(name, version)`` that ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` names
+    now: pin the version before downloading, so a moving alias cannot change what a
+    caller records (fine-tuning lineage) and what it loads."""
+    return _resolve(uri, tracking_uri)
+
+
 def _resolve(uri: str, tracking_uri: str | None) -> tuple[str, int]:
     match = _MODELS_URI.match(uri)
     if match is None:

@@ -28,6 +28,7 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
             "does not handle sharded gradients; use bf16"
         )
     problems += _pipeline_problems(config, sizes)
+    problems += _finetune_problems(config, sizes)
     if problems:
         raise MegalithError("; ".join(problems))
 
@@ -56,6 +57,22 @@ def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
         problems.append(
             f"training.compile with parallel.pipeline={sizes.pp}: compiling pipeline stages is "
             "not integrated; set training.compile=false"
+        )
+    return problems
+
+
+def _finetune_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
+    """What fine-tuning (training.finetune) does not run with yet."""
+    problems = []
+    if config.finetune.base and sizes.pp > 1:
+        problems.append(
+            f"finetune.base with parallel.pipeline={sizes.pp}: loading base weights into "
+            "pipeline stages is not integrated; use tensor or data parallelism"
+        )
+    if config.finetune.lora and config.parallel.data_parallel_mode == "fsdp":
+        problems.append(
+            "finetune.lora with parallel.data_parallel_mode=fsdp: FSDP over frozen base "
+            "weights and adapters is not integrated; use ddp or distributed_optimizer"
         )
     return problems
 
