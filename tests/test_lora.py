@@ -164,8 +164,13 @@ def test_adapter_alone_round_trips_and_refuses_tampering(
     base_id = content_id(model_tensors(load_model_package(base / "model")[0]))
     assert record["base"]["megalith.base.content_id"] == base_id
 
-    # Merged from the adapter directory onto the base: the run's own merged package.
-    package = merge_adapter_package(lora_run / "adapter", str(base / "model"), tmp_path / "m")
+    # Merged from the adapter directory onto the base (megalith finetune merge): the
+    # run's own merged package.
+    from pipelines.cli import main
+
+    package = tmp_path / "m"
+    assert main(["finetune", "merge", str(lora_run / "adapter"), "--base", str(base / "model"),
+                 "--out", str(package)]) == 0  # fmt: skip
     got = model_tensors(load_model_package(package)[0])
     want = model_tensors(load_model_package(lora_run / "model")[0])
     assert_close_tensors(got, want, "merged from the adapter dir", 0, 1e-6)
