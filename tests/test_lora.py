@@ -266,19 +266,24 @@ def test_model_keys_that_conflict_with_the_base_are_named(shards: Path, base: Pa
         config_of(trainer_settings(shards, LORA))
 
 
-def test_tensor_parallel_lora_matches_one_process(
+def test_tensor_and_data_parallel_lora_match_one_process(
     shards: Path, base: Path, lora_run: Path, tmp_path: Path
 ) -> None:
-    """TP=2 (and with sequence parallelism) on torchrun + gloo: the same losses, grad
-    norms, whole checkpoint (adapters split: B of qkv/fc1 on rows, A of proj/fc2 on
-    columns), exact resume, merged package and adapter as one process."""
+    """TP=2 (and with sequence parallelism), and DP=2 with ZeRO-1, on torchrun + gloo:
+    the same losses, grad norms, whole checkpoint (under TP the adapters are split: B of
+    qkv/fc1 on rows, A of proj/fc2 on columns), exact resume, merged package and
+    adapter as one process."""
     cases = {
         "tp2": lora_settings(shards, base, **{"parallel.tensor": 2}),
         "tp2-sp": lora_settings(
             shards, base, **{"parallel.tensor": 2, "parallel.sequence_parallel": "true"}
         ),
+        # Data parallel with ZeRO-1 over the adapters alone (frozen base beside them).
+        "dp2-zero1": lora_settings(
+            shards, base, **{"parallel.data_parallel_mode": "distributed_optimizer"}
+        ),
     }
-    run_trainer_worker(tmp_path, cases, world=2, label="LoRA TP=2")
+    run_trainer_worker(tmp_path, cases, world=2, label="LoRA TP=2 / DP=2")
     for layout in cases:
         run = tmp_path / layout
         assert_metrics_match(metrics(run), metrics(lora_run), layout)
