@@ -90,7 +90,7 @@ def content_id(tensors: dict[str, Tensor]) -> str:
         tensor = tensors[name].detach().cpu().contiguous()
         header = json.dumps([name, str(tensor.dtype), list(tensor.shape)])
         digest.update(header.encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

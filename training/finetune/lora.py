@@ -184,10 +184,18 @@ def apply_lora(model: nn.Module, config: LoRAConfig, seed: int) -> dict[str, LoR
 
     Returns ``{base module name: adapter}``. Call before wrapping the model in DDP and
     building the optimizer, so that both see only the adapters as trainable."""
+    targets = target_linears(model, config.target_modules)
+    taken = [
+        name
+        for name, linear in targets.items()
+        if isinstance(getattr(linear, "lora", None), LoRAAdapter)
+    ]
+    if taken:
+        raise ConfigError(f"{taken[:3]} already have LoRA adapters; apply_lora once per model")
     for param in model.parameters():
         param.requires_grad_(False)
     adapters = {}
-    for name, linear in target_linears(model, config.target_modules).items():
+    for name, linear in targets.items():
         adapter = LoRAAdapter(linear, config.rank, config.alpha, config.dropout)
         adapter.reset_parameters(seed, name)
         linear.lora = adapter

@@ -22,6 +22,7 @@ exactly (the base is read again at start-up, then overwritten by the checkpoint)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -84,6 +85,8 @@ class FineTune:
         """Base weights into ``model`` (this rank's shards); with LoRA, adapters added
         and the base frozen. Before DDP and the optimizer."""
         load_base_weights(model, self.base.tensors, self.model_config, parallel)
+        # The model holds them now: no second copy of the weights for the whole run.
+        self.base = dataclasses.replace(self.base, tensors={})
         if self.lora is not None:
             apply_lora(model, self.lora, self.config.training.seed)
         trainable, total = trainable_summary(model)
