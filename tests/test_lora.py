@@ -295,3 +295,31 @@ def test_tensor_and_data_parallel_lora_match_one_process(
             load_adapter(lora_run / "adapter").tensors,
             f"{layout} adapter",
         )
+
+
+def test_megalith_train_runs_the_finetune_recipe(shards: Path, base: Path, tmp_path: Path) -> None:
+    """``megalith train --config configs/finetune-lora-tiny.yaml --set finetune.base=...``."""
+    from parallel_helpers import REPO, set_args, tiny_settings
+
+    from pipelines.cli import main
+
+    settings = tiny_settings(
+        shards, {"finetune.base": str(base / "model"), "training.train_iters": 2}
+    )
+    recipe = REPO / "configs" / "finetune-lora-tiny.yaml"
+    out = tmp_path / "run"
+    assert (
+        main(
+            ["train", "--config", str(recipe), "--output", str(out), "--quiet", *set_args(settings)]
+        )
+        == 0
+    )
+    summary = json.loads((out / "result.json").read_text())
+    assert summary["steps"] == 2 and summary["adapter"] == str(out / "adapter")
+    record = json.loads((out / "adapter" / "adapter.json").read_text())
+    assert record["lora"]["rank"] == 8 and record["lora"]["target_modules"] == [
+        "qkv",
+        "proj",
+        "fc1",
+        "fc2",
+    ]
