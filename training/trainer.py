@@ -21,6 +21,8 @@ Pipeline stages run the micro-batches through a 1F1B schedule
 loss to the training loss; expert-parallel ranks hold a share of the experts
 (``training.parallel.expert_parallel_training``). ``training.parallel.support`` lists
 the combinations that are refused.
+With ``finetune.base`` the architecture and the initial weights come from a base model,
+and with ``finetune.lora`` only low-rank adapters train (``training.finetune``).
 """
 
 from __future__ import annotations

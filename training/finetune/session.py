@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -98,10 +99,10 @@ class FineTune:
             total,
         )
 
-    def lineage(self) -> dict[str, str]:
-        """Tags for the MLflow run and the model package: base, method, data manifests."""
+    @functools.cached_property
+    def _lineage(self) -> dict[str, str]:
         storage = self.config.data.storage_options
-        tags = {
+        return {
             **self.base.lineage(),
             "megalith.finetune.method": "lora" if self.lora else "full",
             "megalith.data.manifests": ",".join(self._manifests),
@@ -109,7 +110,10 @@ class FineTune:
                 sha256_of_file(url, storage) for url in self._manifests
             ),
         }
-        return tags
+
+    def lineage(self) -> dict[str, str]:
+        """Tags for the MLflow run and the model package: base, method, data manifests."""
+        return dict(self._lineage)
 
     # ------------------------------------------------------------------ end
 
