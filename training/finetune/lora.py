@@ -90,8 +90,9 @@ class LoRAAdapter(nn.Module):
         factor = self.tp_size if self.kind == "row" else 1
         return self.a.size(0), self.a.size(1) * factor
 
-    def reset_parameters(self, seed: int, name: str) -> None:
-        """``B = 0``; ``A`` drawn whole from (seed, name), then this rank's slice."""
+    def initialize(self, seed: int, name: str) -> None:
+        """``B = 0``; ``A`` drawn whole from (seed, name), then this rank's slice. (Not
+        ``reset_parameters``: ``GPTModel.init_weights`` must not redraw adapters.)"""
         generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         whole = torch.empty(self.full_shape_a())
         bound = 1.0 / math.sqrt(whole.size(1))  # kaiming_uniform_(a=sqrt(5)), as PEFT
@@ -197,7 +198,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, seed: int) -> dict[str, LoR
     adapters = {}
     for name, linear in targets.items():
         adapter = LoRAAdapter(linear, config.rank, config.alpha, config.dropout)
-        adapter.reset_parameters(seed, name)
+        adapter.initialize(seed, name)
         linear.lora = adapter
         linear.register_forward_hook(_add_update)
         adapters[name] = adapter
