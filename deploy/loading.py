@@ -66,9 +66,9 @@ def source_version(source: str, *, tracking_uri: str | None = None) -> int | Non
     """The registry version ``source`` points at now (None for a local package)."""
     if not is_registry_uri(source):
         return None
-    from registry.models import resolve_model_uri
+    from registry.models import resolve_model_version
 
-    return resolve_model_uri(source, tracking_uri=tracking_uri)[1]
+    return resolve_model_version(source, tracking_uri=tracking_uri)[1]
 
 
 def load_served_model(
@@ -89,9 +89,9 @@ def load_served_model(
 def _load_registered(
     source: str, tracking_uri: str | None, device: torch.device | str
 ) -> ServedModel:
-    from registry.models import load_registered_model, resolve_model_uri
+    from registry.models import load_registered_model, resolve_model_version
 
-    name, version = resolve_model_uri(source, tracking_uri=tracking_uri)
+    name, version = resolve_model_version(source, tracking_uri=tracking_uri)
     alias = source.split("@", 1)[1].rstrip("/") if "@" in source else None
     download = Path(tempfile.mkdtemp(prefix="megalith-serve-"))
     try:

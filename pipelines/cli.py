@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "training.interop.cli",
     "training.checkpoint_cli",
     "training.memory_cli",
+    "training.finetune.cli",
     "evaluation.cli",
     "registry.cli",
     "deploy.cli",

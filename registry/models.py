@@ -229,8 +229,10 @@ def load_registered_model(
     return package
 
 
-def resolve_model_uri(uri: str, *, tracking_uri: str | None = None) -> tuple[str, int]:
-    """``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` as ``(name, version number)``."""
+def resolve_model_version(uri: str, *, tracking_uri: str | None = None) -> tuple[str, int]:
+    """``(name, version)`` that ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION`` names
+    now: pin the version before downloading, so a moving alias cannot change what a
+    caller records (fine-tuning lineage) and what it loads."""
     return _resolve(uri, tracking_uri)
 
 

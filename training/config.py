@@ -422,6 +422,57 @@ class PromotionConfig(StrictModel):
     )
 
 
+class LoRAConfig(StrictModel):
+    """Low-rank adapters (Hu et al. 2021): ``y = W x + (alpha/rank) · B A dropout(x)``.
+
+    The base weights stay frozen and only ``A`` and ``B`` train (``B`` starts at zero, so
+    the fine-tuned model starts as the base). Under tensor parallelism the adapters follow
+    their base layer (Megatron/NeMo): on a column-parallel base ``A`` is replicated and
+    ``B`` split on the output; on a row-parallel base ``A`` is split on the input, its
+    partial product reduced like the base's, and ``B`` replicated (training.finetune.lora).
+    """
+
+    rank: int = Field(default=8, ge=1, description="Rank r of the update B·A.")
+    alpha: float = Field(default=16.0, gt=0, description="The update is scaled by alpha / rank.")
+    dropout: float = Field(
+        default=0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input only."
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["qkv", "proj", "fc1", "fc2"],
+        min_length=1,
+        description="Linear layers that get adapters, by module name: qkv, proj (attention), "
+        "fc1, fc2 (MLP); every layer's module of that name.",
+    )
+
+
+class FinetuneConfig(StrictModel):
+    """Fine-tuning: start from trained weights instead of a random init.
+
+    ``base`` is where the weights come from: a Megalith checkpoint (a ``step-*``
+    directory or a checkpoints root, v1 or v2: model weights only; the optimizer and
+    the step start afresh), a model package directory, a registered model
+    (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``) or a Hugging Face Llama/GPT-2
+    directory. The model's architecture comes from the base; ``model`` keys set in the
+    recipe must agree with it (runtime keys such as dropout or activation_checkpointing
+    may differ). ``lora`` unset: full-parameter fine-tuning.
+    """
+
+    base: str | None = Field(
+        default=None,
+        description="The starting point: checkpoint dir, package dir, models:/NAME@ALIAS or "
+        "an HF directory; None: pretraining from a random init.",
+    )
+    lora: LoRAConfig | None = Field(
+        default=None, description="Low-rank adapters; None: every parameter trains."
+    )
+
+    @model_validator(mode="after")
+    def _lora_needs_base(self) -> FinetuneConfig:
+        if self.lora is not None and self.base is None:
+            raise ValueError("finetune.lora needs finetune.base: adapters train on a base model")
+        return self
+
+
 class MegalithConfig(StrictModel):
     """The root of a recipe: one section per concern."""
 
@@ -437,6 +488,7 @@ class MegalithConfig(StrictModel):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     promotion: PromotionConfig = Field(default_factory=PromotionConfig)
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
 
 
 def format_validation_error(error: ValidationError, source: str) -> str:

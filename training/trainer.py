@@ -21,6 +21,8 @@ Pipeline stages run the micro-batches through a 1F1B schedule
 loss to the training loss; expert-parallel ranks hold a share of the experts
 (``training.parallel.expert_parallel_training``). ``training.parallel.support`` lists
 the combinations that are refused.
+With ``finetune.base`` the architecture and the initial weights come from a base model,
+and with ``finetune.lora`` only low-rank adapters train (``training.finetune``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from training.data import build_gpt_datasets
 from training.data.shard_set import open_shard_set
 from training.distributed import env_from_torchrun, local_device
 from training.errors import MegalithError
+from training.finetune.session import FineTune
 from training.models.flops import flops_per_token
 from training.models.moe import moe_aux_loss
 from training.models.package import save_model_package
@@ -85,6 +88,7 @@ class TrainResult:
     checkpoint: Path | None
     model_package: Path | None
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    adapter: Path | None = None  # a LoRA fine-tune's adapter alone (training.finetune)
 
     def summary(self) -> dict[str, Any]:
         """What ``result.json`` holds: small, JSON-only, for flows and scripts."""
@@ -96,6 +100,7 @@ class TrainResult:
             "tokens_per_s": self.tokens_per_s,
             "checkpoint": str(self.checkpoint) if self.checkpoint else None,
             "model_package": str(self.model_package) if self.model_package else None,
+            "adapter": str(self.adapter) if self.adapter else None,
         }
 
 
@@ -194,7 +199,11 @@ class Trainer:
         self.checkpoint_read_stats: dict[str, Any] = {}  # what this rank read on resume
         seed_everything(config.training.seed)
 
-        self.model_config = resolve_model_config(config)
+        # Fine-tuning: the architecture and the weights come from finetune.base.
+        self.finetune = FineTune(config) if config.finetune.base else None
+        self.model_config = (
+            self.finetune.model_config if self.finetune else resolve_model_config(config)
+        )
         self.pipeline: PipelineParallel | None = None
         if self.parallel.sizes.pp > 1:  # this rank's stages; gradients averaged after the schedule
             self.pipeline = PipelineParallel(
@@ -205,6 +214,8 @@ class Trainer:
             self.model = ep.build_model(
                 self.model_config, self.parallel, config.parallel.sequence_parallel, self.device
             )
+            if self.finetune is not None:  # base weights, adapters: before DDP and the optimizer
+                self.finetune.prepare(self.model, self.parallel)
             ep.exclude_experts_from_ddp(self.model, self.parallel)
             # DDP broadcasts rank 0's weights at construction; every rank is seeded alike anyway.
             # FSDP shards self.model in place, so the optimizer comes after.
@@ -360,6 +371,12 @@ class Trainer:
         """Block until the save in flight (if any) is written and committed."""
         self.checkpointer.wait()
 
+    def _package_model(self) -> contextlib.AbstractContextManager:
+        """The whole model for the package: a LoRA fine-tune's with its adapters merged."""
+        if self.finetune is None:
+            return self._whole_model()
+        return self.finetune.package_model(self.model, self.parallel, self._whole_model)
+
     def _whole_model(self) -> contextlib.AbstractContextManager:
         """The whole model on rank 0 (collective under FSDP, TP and PP)."""
         if self.pipeline is not None:
@@ -495,6 +512,8 @@ class Trainer:
                 "megalith.parallel.data_parallel_mode": self.config.parallel.data_parallel_mode,
             }
         )
+        if self.finetune is not None:
+            self.run_logger.set_tags(self.finetune.lineage())
         if self.step == 0:
             (self.output / "metrics.jsonl").unlink(missing_ok=True)
         return MetricsFile(self.output / "metrics.jsonl")
@@ -556,9 +575,9 @@ class Trainer:
             bar.close()
             if metrics_file is not None:
                 metrics_file.close()
-        package = None
+        package = adapter = None
         # Collective under FSDP, TP, PP and EP.
-        with self._whole_model() as model:
+        with self._package_model() as model:
             if self.is_main:
                 # This run's package, like its metrics.jsonl, replaces one an earlier run left.
                 package = save_model_package(
@@ -567,7 +586,10 @@ class Trainer:
                     self._tokenizer_path(),
                     self.output / "model",
                     overwrite=True,
+                    lineage=self.finetune.lineage() if self.finetune else None,
                 )
+        if self.is_main and self.finetune is not None:
+            adapter = self.finetune.save_adapter(self.output / "adapter")
         if not self.is_main:
             return TrainResult(
                 output=self.output,
@@ -590,6 +612,7 @@ class Trainer:
             checkpoint=last_checkpoint,
             model_package=Path(package) if package else None,
             metrics=metrics,
+            adapter=adapter,
         )
         atomic_write_json(str(self.output / "result.json"), result.summary())
         return result

@@ -4,7 +4,8 @@
 
     model.safetensors   every tensor of the state dict once (tied aliases left out), contiguous
     config.json         {"format", "format_version", "megalith_version", "dtype",
-                         "model": ModelConfig, "tokenizer": {"file", "id"}}
+                         "model": ModelConfig, "tokenizer": {"file", "id"},
+                         "lineage": {tag: value} of a fine-tune (optional)}
     tokenizer.model     the SentencePiece model; its id is the sha256 of its bytes
     checksums.json      {"files": {name: sha256}} for each file above
 
@@ -97,10 +98,13 @@ def save_model_package(
     *,
     overwrite: bool = False,
     sign: bool | None = None,
+    lineage: dict[str, str] | None = None,
 ) -> Path:
     """Write ``model`` as a package at ``out_dir`` (atomically: temp dir, then rename).
 
     ``sign``: HMAC-sign checksums.json (:mod:`training.signing`); None: when the key is set.
+    ``lineage``: what the model was made from (a fine-tune's base and data,
+    :mod:`training.finetune`), kept as config.json's ``"lineage"``.
     """
     out_dir = Path(out_dir)
     tokenizer_path = Path(tokenizer_path)
@@ -127,6 +131,8 @@ def save_model_package(
             "model": config.model_dump(mode="json"),
             "tokenizer": {"file": TOKENIZER_FILE, "id": sha256_file(tmp / TOKENIZER_FILE)},
         }
+        if lineage:
+            meta["lineage"] = dict(lineage)
         _write_json(tmp / CONFIG_FILE, meta)
         checksums = {name: sha256_file(tmp / name) for name in REQUIRED_FILES}
         _write_json(tmp / CHECKSUMS_FILE, {"files": checksums})

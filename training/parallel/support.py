@@ -29,6 +29,7 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
         )
     problems += _pipeline_problems(config, sizes)
     problems += _chat_problems(config, sizes)
+    problems += _finetune_problems(config, sizes)
     if problems:
         raise MegalithError("; ".join(problems))
 
@@ -78,6 +79,22 @@ def _chat_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
         problems.append(
             f"data.format=chat with parallel.context={sizes.cp}: context-parallel attention "
             "does not take packed conversations' attention masks yet"
+        )
+    return problems
+
+
+def _finetune_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
+    """What fine-tuning (training.finetune) does not run with yet."""
+    problems = []
+    if config.finetune.base and sizes.pp > 1:
+        problems.append(
+            f"finetune.base with parallel.pipeline={sizes.pp}: loading base weights into "
+            "pipeline stages is not integrated; use tensor or data parallelism"
+        )
+    if config.finetune.lora and config.parallel.data_parallel_mode == "fsdp":
+        problems.append(
+            "finetune.lora with parallel.data_parallel_mode=fsdp: FSDP over frozen base "
+            "weights and adapters is not integrated; use ddp or distributed_optimizer"
         )
     return problems
 

@@ -346,6 +346,9 @@ def tensor_parallel_partition(model: nn.Module) -> dict[str, tuple[int, int]]:
         bias = getattr(module, "bias", None)
         if bias is not None and module.partition_dim == 0:
             split[id(bias)] = (0, chunks)
+    for module in model.modules():  # LoRA adapters (training.finetune.lora)
+        for param, dim, chunks in getattr(module, "tensor_parallel_parameters", list)():
+            split[id(param)] = (dim, chunks)
     return {
         name: split[id(param)] for name, param in model.named_parameters() if id(param) in split
     }

@@ -11,8 +11,10 @@ attention.qkv.linear.weight / .bias        0           contiguous: whole KV grou
 mlp.fc1.linear.weight / .bias              0           per chunk: ``[gate; up]`` with
                                                        SwiGLU, each chunk split alone
 attention.proj.weight, mlp.fc2.weight      1           input features
+*.lora.b of qkv / fc1 (LoRA)                0           as the base weight (per chunk)
+*.lora.a of proj / fc2 (LoRA)               1           as the base weight
 everything else (norms, row biases,        -           replicated
-position embedding)
+position embedding, the other LoRA factor)
 =========================================  ==========  =================================
 
 Names are matched by suffix, so prefixes (``module.``, ``_orig_mod.``) do not matter.
@@ -34,8 +36,12 @@ _SPLIT_PATTERNS: list[tuple[re.Pattern[str], int]] = [
     (re.compile(r"(^|\.)attention\.qkv\.linear\.(weight|bias)$"), 0),
     (re.compile(r"(^|\.)mlp\.fc1\.linear\.(weight|bias)$"), 0),
     (re.compile(r"(^|\.)(attention\.proj|mlp\.fc2)\.weight$"), 1),
+    # LoRA adapters (training.finetune.lora): B like a column-parallel weight, A like a
+    # row-parallel one; the other factor is replicated.
+    (re.compile(r"(^|\.)(attention\.qkv|mlp\.fc1)\.linear\.lora\.b$"), 0),
+    (re.compile(r"(^|\.)(attention\.proj|mlp\.fc2)\.lora\.a$"), 1),
 ]
-_FC1 = re.compile(r"(^|\.)mlp\.fc1\.linear\.(weight|bias)$")
+_FC1 = re.compile(r"(^|\.)mlp\.fc1\.linear\.(weight|bias|lora\.b)$")
 
 
 def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:

@@ -1,0 +1,337 @@
+"""Fine-tuning (training/finetune): LoRA adapters, merging, adapters saved alone, the
+starting points (package, checkpoint, registered model, HF directory), lineage, resume
+and tensor-parallel parity on real torchrun + gloo.
+
+One tiny base run and one LoRA run per module (the tiny shard set, pretraining data);
+the tests read them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from parallel_helpers import (
+    STEPS,
+    assert_close_tensors,
+    assert_metrics_match,
+    assert_one_process_resume,
+    assert_package_logits_match,
+    assert_resume_exact,
+    assert_whole_checkpoint,
+    config_of,
+    fit_one_process,
+    metrics,
+    run_trainer_worker,
+    trainer_settings,
+)
+
+from training.config import ConfigError, LoRAConfig, ModelConfig
+from training.finetune.adapter import AdapterError, attach_adapter, load_adapter
+from training.finetune.base import content_id
+from training.finetune.lora import apply_lora, is_adapter_param
+from training.finetune.merge import merge_adapter_package
+from training.finetune.session import FineTune
+from training.models import GPTModel
+from training.models.flops import param_groups
+from training.models.package import load_model_package, model_tensors
+from training.sharded_checkpoint import read_global_tensors
+from training.trainer import Trainer
+
+LORA = {"finetune.lora.rank": 4, "finetune.lora.alpha": 8, "finetune.lora.dropout": 0.0}
+
+
+@pytest.fixture(scope="module")
+def base(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A pretraining run: checkpoints at steps 2 and 4, its package at base/model."""
+    return fit_one_process(trainer_settings(shards), tmp_path_factory.mktemp("base") / "run")
+
+
+def lora_settings(shards: Path, base: Path, **extra) -> dict:
+    return trainer_settings(shards, {"finetune.base": str(base / "model"), **LORA, **extra})
+
+
+@pytest.fixture(scope="module")
+def lora_run(shards: Path, base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return fit_one_process(lora_settings(shards, base), tmp_path_factory.mktemp("lora") / "run")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from registry.tracking import ensure_tracking_store
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_RUN_ID"):
+            env.delenv(name, raising=False)
+        ensure_tracking_store(uri)
+        yield uri
+
+
+@pytest.fixture(scope="module")
+def registered(base: Path, store: str) -> str:
+    """The base package registered as tiny-base@champion; returns the models:/ URI."""
+    from mlflow import MlflowClient
+
+    from registry.models import register_model
+
+    client = MlflowClient(tracking_uri=store)
+    run = client.create_run(client.create_experiment("lora-base"))
+    register_model(base / "model", "tiny-base", run.info.run_id, {}, "champion", tracking_uri=store)
+    return "models:/tiny-base@champion"
+
+
+def tiny_model() -> GPTModel:
+    config = ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=64, vocab_size=64, max_position_embeddings=16,
+    )  # fmt: skip
+    return GPTModel(config)
+
+
+def tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def test_lora_starts_as_the_base_and_only_adapters_train() -> None:
+    torch.manual_seed(0)
+    model = tiny_model()
+    x = tokens(64)
+    with torch.no_grad():
+        before = model(x)
+    adapters = apply_lora(model, LoRAConfig(rank=4, alpha=8), seed=1)
+    assert len(adapters) == 4 * 2  # qkv, proj, fc1, fc2 in each of 2 layers
+    with torch.no_grad():
+        assert torch.equal(model(x), before)  # B = 0: the base function exactly
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(is_adapter_param(n) for n in trainable)
+    grouped = {id(p) for group in param_groups(model, 0.1) for p in group["params"]}
+    assert grouped == {id(p) for p in model.parameters() if p.requires_grad}
+    a = adapters["layers.0.attention.proj"].a
+    assert a.abs().sum() > 0 and adapters["layers.0.attention.proj"].b.abs().sum() == 0
+
+    with pytest.raises(ConfigError, match=r"\['attn'\] match no linear layer.*fc1"):
+        apply_lora(tiny_model(), LoRAConfig(target_modules=["attn"]), seed=1)
+
+
+def test_lora_run_changes_only_the_adapters(base: Path, lora_run: Path) -> None:
+    base_tensors = model_tensors(load_model_package(base / "model")[0])
+    saved = read_global_tensors(lora_run / "checkpoints" / f"step-{STEPS:08d}")
+    adapters = {n for n in saved if is_adapter_param(n) and not n.startswith("optimizer/")}
+    assert len(adapters) == 2 * 4 * 2  # A and B of 4 targets in 2 layers, in the checkpoint
+    for name, tensor in base_tensors.items():
+        assert torch.equal(saved[name], tensor), f"frozen base weight {name} changed"
+    assert all(saved[n].abs().sum() > 0 for n in adapters if n.endswith(".lora.b"))
+    moments = {n.split("/")[1] for n in saved if n.startswith("optimizer/")}
+    assert moments == adapters  # AdamW state for the adapters alone
+    summary = json.loads((lora_run / "result.json").read_text())
+    assert summary["adapter"] == str(lora_run / "adapter")
+
+
+def test_merged_package_equals_the_adapter_on_its_base(
+    base: Path, lora_run: Path, tmp_path: Path
+) -> None:
+    from training.interop.hf import export_hf, import_hf
+
+    merged, config, _ = load_model_package(lora_run / "model")
+    model, _, _ = load_model_package(base / "model")
+    attach_adapter(model, load_adapter(lora_run / "adapter"))
+    x = tokens(config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x), model(x), rtol=0, atol=1e-5)
+    meta = json.loads((lora_run / "model" / "config.json").read_text())
+    assert meta["lineage"]["megalith.finetune.method"] == "lora"
+    # A merged package is a normal one: HF export and back give the same logits.
+    hf = export_hf(lora_run / "model", tmp_path / "hf")
+    again, _, _ = load_model_package(import_hf(hf, tmp_path / "pkg"))
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), merged(x), rtol=0, atol=1e-6)
+
+
+def test_adapter_alone_round_trips_and_refuses_tampering(
+    base: Path, lora_run: Path, tmp_path: Path
+) -> None:
+    adapter = load_adapter(lora_run / "adapter")
+    saved = read_global_tensors(lora_run / "checkpoints" / f"step-{STEPS:08d}")
+    assert_close_tensors(adapter.tensors, {n: saved[n] for n in adapter.tensors}, "adapter", 0, 0)
+    adapter_bytes = (lora_run / "adapter" / "adapter.safetensors").stat().st_size
+    assert adapter_bytes * 5 < (lora_run / "model" / "model.safetensors").stat().st_size
+    record = json.loads((lora_run / "adapter" / "adapter.json").read_text())
+    base_id = content_id(model_tensors(load_model_package(base / "model")[0]))
+    assert record["base"]["megalith.base.content_id"] == base_id
+
+    # Merged from the adapter directory onto the base (megalith finetune merge): the
+    # run's own merged package.
+    from pipelines.cli import main
+
+    package = tmp_path / "m"
+    assert main(["finetune", "merge", str(lora_run / "adapter"), "--base", str(base / "model"),
+                 "--out", str(package)]) == 0  # fmt: skip
+    got = model_tensors(load_model_package(package)[0])
+    want = model_tensors(load_model_package(lora_run / "model")[0])
+    assert_close_tensors(got, want, "merged from the adapter dir", 0, 1e-6)
+    with pytest.raises(AdapterError, match="trained on base weights"):
+        merge_adapter_package(lora_run / "adapter", str(lora_run / "model"), tmp_path / "x")
+
+    tampered = tmp_path / "tampered"
+    shutil.copytree(lora_run / "adapter", tampered)
+    weights = tampered / "adapter.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(AdapterError, match="sha256"):
+        load_adapter(tampered)
+
+
+def test_lora_checkpoint_resumes_exactly(
+    shards: Path, base: Path, lora_run: Path, tmp_path: Path
+) -> None:
+    assert_one_process_resume(lora_run, lora_settings(shards, base), tmp_path, "LoRA")
+
+
+def v1_checkpoint(package: Path, root: Path) -> Path:
+    """PACKAGE's weights as a v1 (whole-tensor) checkpoint step directory."""
+    from training.checkpoint import save_checkpoint
+    from training.optim import build_optimizer
+
+    model, config, _ = load_model_package(package)
+    optimizer, names = build_optimizer(model, config_of({}).optimizer, torch.device("cpu"))
+    state = {"model_config": config.model_dump(mode="json"), "consumed_samples": 0}
+    return save_checkpoint(root, STEPS, model, optimizer, names, state)
+
+
+def test_every_starting_point_gives_the_same_model(
+    shards: Path, base: Path, registered: str, store: str, tmp_path: Path
+) -> None:
+    from training.interop.hf import export_hf
+
+    sources = {
+        "package": str(base / "model"),
+        "checkpoint": str(base / "checkpoints"),  # v2, the root: its latest step (4)
+        "checkpoint-v1": str(v1_checkpoint(base / "model", tmp_path / "v1")),
+        "registered": registered,
+        "hf": str(export_hf(base / "model", tmp_path / "hf")),
+    }
+    losses, ids = {}, {}
+    for kind, uri in sources.items():
+        settings = trainer_settings(
+            shards, {"finetune.base": uri, "logging.tracking_uri": store, **LORA}
+        )
+        trainer = Trainer(config_of(settings), tmp_path / kind)
+        assert trainer.finetune.base.kind == kind.split("-")[0]
+        ids[kind] = trainer.finetune.base.content_id
+        losses[kind] = trainer.evaluate()
+    assert len(set(ids.values())) == 1, ids
+    assert len(set(losses.values())) == 1, losses
+    # The base's own validation loss at its end: the same model.
+    assert losses["package"] == pytest.approx(metrics(base)[-1]["val_loss"], abs=1e-6)
+
+
+def test_full_finetune_from_a_registered_model_records_lineage(
+    shards: Path, base: Path, registered: str, store: str, tmp_path: Path
+) -> None:
+    from mlflow import MlflowClient
+
+    from registry.tracking import open_run_logger
+
+    settings = trainer_settings(
+        shards,
+        {
+            "finetune.base": registered,
+            "logging.tracking_uri": store,
+            "logging.mlflow": "true",
+            "training.train_iters": 2,
+            "checkpoint.interval": 0,
+        },
+    )
+    config = config_of(settings)
+    run_logger = open_run_logger(config.logging, "full-ft", 0, system_metrics=False)
+    result = Trainer(config, tmp_path / "run", run_logger).fit(show_progress=False)
+    run_logger.close()
+    assert result.adapter is None
+    tuned = model_tensors(load_model_package(result.model_package)[0])
+    start = model_tensors(load_model_package(base / "model")[0])
+    assert all(not torch.equal(tuned[n], start[n]) for n in start), "a parameter did not train"
+
+    tags = MlflowClient(tracking_uri=store).get_run(run_logger.run_id).data.tags
+    assert tags["megalith.base.name"] == "tiny-base" and tags["megalith.base.version"] == "1"
+    assert tags["megalith.base.uri"] == registered
+    assert tags["megalith.finetune.method"] == "full"
+    manifest = shards / "manifest.json"
+    from preprocessing.storage import sha256_of_file
+
+    assert tags["megalith.data.manifest_sha256"] == sha256_of_file(str(manifest))
+    lineage = json.loads((result.model_package / "config.json").read_text())["lineage"]
+    assert lineage["megalith.base.content_id"] == tags["megalith.base.content_id"]
+
+
+def test_model_keys_that_conflict_with_the_base_are_named(shards: Path, base: Path) -> None:
+    settings = lora_settings(shards, base, **{"model.hidden_size": 64, "model.dropout": 0.1})
+    with pytest.raises(ConfigError, match=r"model\.hidden_size = 64 \(the base has 32\)") as err:
+        FineTune(config_of(settings))
+    assert "dropout" not in str(err.value)  # a runtime key may differ
+    with pytest.raises(ConfigError, match="finetune.lora needs finetune.base"):
+        config_of(trainer_settings(shards, LORA))
+
+
+def test_tensor_and_data_parallel_lora_match_one_process(
+    shards: Path, base: Path, lora_run: Path, tmp_path: Path
+) -> None:
+    """TP=2 (and with sequence parallelism), and DP=2 with ZeRO-1, on torchrun + gloo:
+    the same losses, grad norms, whole checkpoint (under TP the adapters are split: B of
+    qkv/fc1 on rows, A of proj/fc2 on columns), exact resume, merged package and
+    adapter as one process."""
+    cases = {
+        "tp2": lora_settings(shards, base, **{"parallel.tensor": 2}),
+        "tp2-sp": lora_settings(
+            shards, base, **{"parallel.tensor": 2, "parallel.sequence_parallel": "true"}
+        ),
+        # Data parallel with ZeRO-1 over the adapters alone (frozen base beside them).
+        "dp2-zero1": lora_settings(
+            shards, base, **{"parallel.data_parallel_mode": "distributed_optimizer"}
+        ),
+    }
+    run_trainer_worker(tmp_path, cases, world=2, label="LoRA TP=2 / DP=2")
+    for layout in cases:
+        run = tmp_path / layout
+        assert_metrics_match(metrics(run), metrics(lora_run), layout)
+        assert_whole_checkpoint(run, lora_run, layout)
+        assert_resume_exact(run, tmp_path / f"{layout}-resumed", layout)
+        assert_package_logits_match(run, lora_run, layout)
+        assert_close_tensors(
+            load_adapter(run / "adapter").tensors,
+            load_adapter(lora_run / "adapter").tensors,
+            f"{layout} adapter",
+        )
+
+
+def test_megalith_train_runs_the_finetune_recipe(shards: Path, base: Path, tmp_path: Path) -> None:
+    """``megalith train --config configs/finetune-lora-tiny.yaml --set finetune.base=...``."""
+    from parallel_helpers import REPO, set_args, tiny_settings
+
+    from pipelines.cli import main
+
+    settings = tiny_settings(
+        shards, {"finetune.base": str(base / "model"), "training.train_iters": 2}
+    )
+    recipe = REPO / "configs" / "finetune-lora-tiny.yaml"
+    out = tmp_path / "run"
+    assert (
+        main(
+            ["train", "--config", str(recipe), "--output", str(out), "--quiet", *set_args(settings)]
+        )
+        == 0
+    )
+    summary = json.loads((out / "result.json").read_text())
+    assert summary["steps"] == 2 and summary["adapter"] == str(out / "adapter")
+    record = json.loads((out / "adapter" / "adapter.json").read_text())
+    assert record["lora"]["rank"] == 8 and record["lora"]["target_modules"] == [
+        "qkv",
+        "proj",
+        "fc1",
+        "fc2",
+    ]

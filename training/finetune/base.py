@@ -1,0 +1,308 @@
+"""The starting point of a fine-tune: whole base weights, their model config and lineage.
+
+``finetune.base`` may name (checked in this order):
+
+- ``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``: a registered model. The alias is
+  resolved to a version first and that version downloaded (so a moving alias cannot
+  change the weights between the two) and verified (``registry.models``);
+- a Megalith checkpoint: a ``step-*`` directory (``index.json``) or a checkpoints root
+  (its latest complete step), format v1 or v2, verified against its index. Only the
+  model weights are taken (the optimizer, step and data position start afresh); a
+  LoRA run's checkpoint gives its adapters merged into the base weights;
+- a model package directory (``config.json`` with ``"format": "megalith-model-package"``);
+- a Hugging Face Llama/GPT-2 directory (any other ``config.json``), imported through
+  :func:`training.interop.hf.import_hf` into a temporary package.
+
+Every source ends as the same :class:`BaseWeights`: whole single-device tensors (the
+parameters, a tied output head once) and a :class:`ModelConfig`. Its ``content_id``
+is the sha256 of the tensors themselves (names, dtypes, shapes, bytes in name order),
+so the same weights have the same id whichever format they came in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from torch import Tensor
+
+from training.config import ConfigError, MegalithConfig, ModelConfig, format_validation_error
+from training.errors import MegalithError
+from training.finetune.lora import is_adapter_param, merge_tensors
+
+# Model keys that change how the model runs, not what its weights are: a recipe may set
+# them to other values than the base's.
+RUNTIME_KEYS = frozenset(
+    {
+        "backend",
+        "dropout",
+        "activation_checkpointing",
+        "loss_chunk_tokens",
+        "moe_aux_loss_coeff",
+        "moe_capacity_factor",
+        "init_std",
+    }
+)
+
+
+class BaseModelError(MegalithError):
+    """A ``finetune.base`` that cannot be read; the message names the path and what was expected."""
+
+
+@dataclass
+class BaseWeights:
+    """Whole base weights and what they are."""
+
+    uri: str  # finetune.base as given
+    kind: str  # checkpoint | package | registered | hf
+    config: ModelConfig
+    tensors: dict[str, Tensor]
+    content_id: str
+    tokenizer_path: Path | None = None  # packages, registered models, HF imports
+    tokenizer_id: str | None = None
+    details: dict[str, str] = field(default_factory=dict)  # registered name/version, step
+
+    def lineage(self) -> dict[str, str]:
+        """``megalith.base.*`` tags: what the fine-tune started from."""
+        tags = {
+            "megalith.base.uri": self.uri,
+            "megalith.base.kind": self.kind,
+            "megalith.base.content_id": self.content_id,
+        }
+        tags.update({f"megalith.base.{k}": v for k, v in self.details.items()})
+        if self.tokenizer_id:
+            tags["megalith.base.tokenizer_id"] = self.tokenizer_id
+        return tags
+
+
+def content_id(tensors: dict[str, Tensor]) -> str:
+    """sha256 over the tensors in name order: each name, dtype, shape, then its bytes."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        header = json.dumps([name, str(tensor.dtype), list(tensor.shape)])
+        digest.update(header.encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def load_base(uri: str, *, tracking_uri: str | None = None, workdir: str | Path | None = None):
+    """Read ``finetune.base`` (see the module docstring) into a :class:`BaseWeights`.
+
+    ``tracking_uri``: the MLflow store of ``models:/`` URIs; ``workdir``: where a
+    registered model is downloaded or an HF directory imported (a new temporary
+    directory when None)."""
+    if uri.startswith("models:/"):
+        return _registered(uri, tracking_uri, workdir)
+    path = Path(uri)
+    if not path.is_dir():
+        raise BaseModelError(
+            f"finetune.base {uri!r}: not a directory nor a models:/NAME@ALIAS URI; expected a "
+            "checkpoint, a model package, a registered model or a Hugging Face directory"
+        )
+    if (path / "index.json").is_file() or (path / "latest.json").is_file() or _has_steps(path):
+        return _checkpoint(uri, path)
+    config_json = path / "config.json"
+    if not config_json.is_file():
+        raise BaseModelError(
+            f"finetune.base {uri!r}: has neither index.json/latest.json/step-* (a checkpoint) "
+            "nor config.json (a model package or a Hugging Face directory)"
+        )
+    if _is_package(config_json):
+        return _package(uri, path, "package")
+    return _hf(uri, path, workdir)
+
+
+def _has_steps(path: Path) -> bool:
+    return any(p.is_dir() and p.name.startswith("step-") for p in path.iterdir())
+
+
+def _is_package(config_json: Path) -> bool:
+    from training.models.package import PACKAGE_FORMAT
+
+    try:
+        meta = json.loads(config_json.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BaseModelError(f"{config_json}: not valid JSON ({exc})") from None
+    return isinstance(meta, dict) and meta.get("format") == PACKAGE_FORMAT
+
+
+def _package(
+    uri: str,
+    path: Path,
+    kind: str,
+    details: dict[str, str] | None = None,
+    keep_tokenizer: bool = True,
+) -> BaseWeights:
+    from preprocessing.storage import sha256_of_file
+    from training.models.package import load_model_package, model_tensors
+
+    model, config, tokenizer = load_model_package(path)  # every file's sha256 checked
+    tensors = model_tensors(model)
+    return BaseWeights(
+        uri=uri,
+        kind=kind,
+        config=config,
+        tensors=tensors,
+        content_id=content_id(tensors),
+        tokenizer_path=tokenizer if keep_tokenizer else None,
+        tokenizer_id=sha256_of_file(str(tokenizer)),
+        details=details or {},
+    )
+
+
+def _registered(uri: str, tracking_uri: str | None, workdir: str | Path | None) -> BaseWeights:
+    from registry.models import load_registered_model, resolve_model_version
+    from registry.tracking import resolve_tracking_uri
+
+    tracking_uri = tracking_uri or resolve_tracking_uri(None, Path.cwd())
+    name, version = resolve_model_version(uri, tracking_uri=tracking_uri)
+    details = {"name": name, "version": str(version)}
+    with _workdir(workdir) as root:
+        pinned = f"models:/{name}/{version}"
+        package = load_registered_model(pinned, root / "base", tracking_uri=tracking_uri)
+        return _package(uri, package, "registered", details, keep_tokenizer=workdir is not None)
+
+
+def _hf(uri: str, path: Path, workdir: str | Path | None) -> BaseWeights:
+    from training.interop.hf import import_hf
+
+    with _workdir(workdir) as root:
+        package = import_hf(path, root / "base-from-hf", overwrite=True)
+        return _package(uri, package, "hf", keep_tokenizer=workdir is not None)
+
+
+@contextlib.contextmanager
+def _workdir(workdir: str | Path | None) -> Iterator[Path]:
+    """``workdir``, or a temporary directory removed afterwards (the weights are read
+    into memory; only a kept directory can lend its tokenizer.model)."""
+    if workdir is not None:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        yield Path(workdir)
+        return
+    with tempfile.TemporaryDirectory(prefix="megalith-base-") as tmp:
+        yield Path(tmp)
+
+
+def _checkpoint(uri: str, path: Path) -> BaseWeights:
+    from training.checkpoint import read_checkpoint_tensors, verify_checkpoint
+    from training.sharded_checkpoint import (
+        ShardReader,
+        is_sharded,
+        latest_sharded_checkpoint,
+        read_index,
+        read_whole,
+    )
+
+    if not (path / "index.json").is_file():  # a checkpoints root: its latest step
+        latest = latest_sharded_checkpoint(str(path))
+        if latest is None:
+            raise BaseModelError(f"finetune.base {uri!r}: no complete checkpoint in {path}")
+        path = Path(latest)
+    index = read_index(str(path))
+    if is_sharded(index):
+        reader = ShardReader(str(path), index)
+        try:
+            names = [n for n in index["tensors"] if not n.startswith("optimizer/")]
+            tensors = {name: read_whole(reader, name) for name in names}
+        finally:
+            reader.close()
+    else:
+        index = verify_checkpoint(path)
+        tensors = read_checkpoint_tensors(path / "model.safetensors", index)
+        tensors = {n: t for n, t in tensors.items() if not n.startswith("buffer/")}
+    state = _checkpoint_state(path)
+    config = _model_config(state, path)
+    if any(is_adapter_param(name) for name in tensors):
+        lora = (state.get("config") or {}).get("finetune", {}).get("lora") or {}
+        if "rank" not in lora or "alpha" not in lora:
+            raise BaseModelError(
+                f"{path}: holds LoRA adapters but state.json has no finetune.lora rank and alpha"
+            )
+        tensors = merge_tensors(tensors, lora["alpha"] / lora["rank"])
+    details = {"step": str(state.get("step", index.get("step", "")))}
+    return BaseWeights(uri, "checkpoint", config, tensors, content_id(tensors), details=details)
+
+
+def _checkpoint_state(path: Path) -> dict[str, Any]:
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BaseModelError(f"{path / 'state.json'}: cannot read ({exc})") from None
+    if not isinstance(state, dict):
+        raise BaseModelError(f"{path / 'state.json'}: not a JSON object")
+    return state
+
+
+def _model_config(state: dict[str, Any], path: Path) -> ModelConfig:
+    if not isinstance(state.get("model_config"), dict):
+        raise BaseModelError(
+            f"{path / 'state.json'}: has no model_config; this checkpoint cannot be a base"
+        )
+    try:
+        return ModelConfig.model_validate(state["model_config"])
+    except ValidationError as exc:
+        raise BaseModelError(
+            format_validation_error(exc, f"{path / 'state.json'}: model_config")
+        ) from None
+
+
+def finetune_model_config(config: MegalithConfig, base: ModelConfig) -> ModelConfig:
+    """The model to fine-tune: the base's, with the recipe's runtime keys.
+
+    Raises naming every ``model`` key the recipe sets (not None) to a value other than
+    the base's, other than :data:`RUNTIME_KEYS`."""
+    recipe = config.model
+    conflicts = []
+    for key in sorted(recipe.model_fields_set - RUNTIME_KEYS):
+        value = getattr(recipe, key)
+        if value is not None and value != getattr(base, key):
+            conflicts.append(f"model.{key} = {value!r} (the base has {getattr(base, key)!r})")
+    if conflicts:
+        raise ConfigError(
+            f"finetune.base {config.finetune.base}: the config's model keys conflict with the "
+            f"base model: {'; '.join(conflicts)}. The architecture comes from the base: remove "
+            "these keys from the recipe or pick a matching base"
+        )
+    updates = {key: getattr(recipe, key) for key in recipe.model_fields_set & RUNTIME_KEYS}
+    model = base.model_copy(update=updates)
+    if config.data.seq_length > model.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_length {config.data.seq_length} exceeds the base model's "
+            f"max_position_embeddings {model.max_position_embeddings}"
+        )
+    return model
+
+
+def check_data_matches(base: BaseWeights, tokenizer_id: str, padded_vocab: int, where: str) -> None:
+    """The training data must be tokenized with the base's tokenizer (when the base
+    names one) and fit its vocabulary."""
+    if base.tokenizer_id and tokenizer_id != base.tokenizer_id:
+        raise ConfigError(
+            f"{where} was tokenized with tokenizer {tokenizer_id[:12]}..., the base model "
+            f"{base.uri} uses {base.tokenizer_id[:12]}...; tokenize the fine-tuning data with "
+            "the base's tokenizer.model"
+        )
+    if padded_vocab > base.config.vocab_size:
+        raise ConfigError(
+            f"{where}: its vocabulary ({padded_vocab}) is larger than the base model's "
+            f"vocab_size {base.config.vocab_size}"
+        )
+
+
+__all__ = [
+    "BaseWeights",
+    "BaseModelError",
+    "check_data_matches",
+    "content_id",
+    "finetune_model_config",
+    "load_base",
+]

@@ -1,0 +1,202 @@
+"""What the trainer does differently when ``finetune.base`` is set.
+
+:class:`FineTune` is created by :class:`training.trainer.Trainer` (every rank) and is
+called at four points:
+
+1. ``model_config``: the base's architecture (recipe conflicts refused, data checked
+   against the base's tokenizer and vocabulary), used instead of the recipe's;
+2. :meth:`FineTune.prepare`, after the model is built and before DDP and the
+   optimizer: the base weights are copied in (each rank its TP shard), and with
+   ``finetune.lora`` adapters are added and every base parameter frozen, so the
+   optimizer (``param_groups`` skips frozen ones) holds the adapters alone;
+3. :meth:`FineTune.lineage`: MLflow tags for the run and the package's ``lineage``;
+4. :meth:`FineTune.package_model` and :meth:`FineTune.save_adapter` at the end: the
+   model package holds the merged weights (``W + scale · B A``, a normal package that
+   exports to Hugging Face as any other) and ``OUTPUT/adapter/`` the adapter alone.
+
+Checkpoints need nothing special: they hold every parameter, frozen base weights and
+adapters alike, and the AdamW state of the trainable ones, so a LoRA run resumes
+exactly (the base is read again at start-up, then overwritten by the checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from preprocessing.storage import sha256_of_file
+from training.config import MegalithConfig
+from training.data.shard_set import open_shard_set
+from training.finetune.adapter import save_adapter
+from training.finetune.base import (
+    BaseModelError,
+    BaseWeights,
+    check_data_matches,
+    finetune_model_config,
+    load_base,
+)
+from training.finetune.lora import (
+    adapters_of,
+    apply_lora,
+    is_adapter_param,
+    merged,
+    trainable_summary,
+)
+from training.models.gpt import model_from_tensors
+from training.parallel import expert_parallel_training as ep
+from training.parallel import tensor_parallel_training as tp
+from training.parallel.groups import ParallelState
+
+logger = logging.getLogger(__name__)
+
+
+class FineTune:
+    """The base model of a fine-tune and the hooks the trainer calls (module docstring)."""
+
+    def __init__(self, config: MegalithConfig, base: BaseWeights | None = None):
+        self.config = config
+        self.lora = config.finetune.lora
+        self.base = base or load_base(config.finetune.base, tracking_uri=_tracking_uri(config))
+        self.model_config = finetune_model_config(config, self.base.config)
+        self._manifests = self._check_data()
+        self._adapter_tensors: dict[str, Tensor] | None = None
+
+    def _check_data(self) -> list[str]:
+        """The training data's manifests; each must fit the base (tokenizer, vocabulary)."""
+        data = self.config.data
+        urls = []
+        for source in data.training_sources():
+            shard_set = open_shard_set(source.path, data.storage_options, data.cache_dir)
+            tokenizer = shard_set.manifest.tokenizer
+            check_data_matches(self.base, tokenizer.id, tokenizer.padded_vocab_size, source.path)
+            urls.append(source.path.rstrip("/") + "/manifest.json")
+        return urls
+
+    # ------------------------------------------------------------------ start
+
+    def prepare(self, model: nn.Module, parallel: ParallelState) -> None:
+        """Base weights into ``model`` (this rank's shards); with LoRA, adapters added
+        and the base frozen. Before DDP and the optimizer."""
+        load_base_weights(model, self.base.tensors, self.model_config, parallel)
+        # The model holds them now: no second copy of the weights for the whole run.
+        self.base = dataclasses.replace(self.base, tensors={})
+        if self.lora is not None:
+            apply_lora(model, self.lora, self.config.training.seed)
+        trainable, total = trainable_summary(model)
+        logger.info(
+            "fine-tuning from %s (%s): %d of %d parameters train on this rank",
+            self.base.uri,
+            "LoRA" if self.lora else "full",
+            trainable,
+            total,
+        )
+
+    @functools.cached_property
+    def _lineage(self) -> dict[str, str]:
+        storage = self.config.data.storage_options
+        return {
+            **self.base.lineage(),
+            "megalith.finetune.method": "lora" if self.lora else "full",
+            "megalith.data.manifests": ",".join(self._manifests),
+            "megalith.data.manifest_sha256": ",".join(
+                sha256_of_file(url, storage) for url in self._manifests
+            ),
+        }
+
+    def lineage(self) -> dict[str, str]:
+        """Tags for the MLflow run and the model package: base, method, data manifests."""
+        return dict(self._lineage)
+
+    # ------------------------------------------------------------------ end
+
+    @contextlib.contextmanager
+    def package_model(
+        self,
+        model: nn.Module,
+        parallel: ParallelState,
+        whole_model: Callable[[], contextlib.AbstractContextManager],
+    ) -> Iterator[Any]:
+        """The whole plain model with the adapters merged, on rank 0 (None elsewhere).
+
+        Collective like ``whole_model``; the adapters are gathered first (kept for
+        :meth:`save_adapter`). ``model``'s own weights are unchanged afterwards."""
+        if self.lora is None:
+            with whole_model() as whole:
+                yield whole
+            return
+        self._adapter_tensors = gather_adapters(model, parallel)
+        with merged(model), whole_model() as whole:
+            yield None if whole is None else plain_copy(whole)
+
+    def save_adapter(self, out_dir: str | Path) -> Path | None:
+        """Rank 0, after :meth:`package_model`: the adapter alone (None without LoRA)."""
+        if self.lora is None or self._adapter_tensors is None:
+            return None
+        return save_adapter(
+            self._adapter_tensors, self.lora, self.model_config, self.base.lineage(), out_dir
+        )
+
+
+def _tracking_uri(config: MegalithConfig) -> str | None:
+    """The registry for ``models:/`` bases: the run's own tracking store."""
+    if not (config.finetune.base or "").startswith("models:/"):
+        return None
+    from registry.tracking import resolve_tracking_uri
+
+    return resolve_tracking_uri(config.logging.tracking_uri, Path.cwd())
+
+
+def load_base_weights(
+    model: nn.Module, tensors: dict[str, Tensor], config: Any, parallel: ParallelState
+) -> None:
+    """Copy whole base tensors into this rank's model (its TP shard and experts).
+
+    Every name and shape is checked before the first copy."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(tensors))
+    unexpected = sorted(set(tensors) - set(params))
+    if missing or unexpected:
+        raise BaseModelError(
+            f"the base weights do not match the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    local = {name: ep.shard_loaded(name, tensors[name], config, parallel) for name in params}
+    for name, param in params.items():
+        if local[name].shape != param.shape:
+            raise BaseModelError(
+                f"base tensor {name} has shape {tuple(local[name].shape)} here, the model "
+                f"expects {tuple(param.shape)}"
+            )
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(local[name].to(param.dtype))
+
+
+def gather_adapters(model: nn.Module, parallel: ParallelState) -> dict[str, Tensor]:
+    """Whole adapter tensors on CPU (collective over the TP group)."""
+    config, split = model.config, parallel.sizes.tp > 1
+    return {
+        name: tp.gather_whole(name, param, config, parallel) if split else param.detach().cpu()
+        for name, param in model.named_parameters()
+        if is_adapter_param(name)
+    }
+
+
+def plain_copy(model: nn.Module) -> nn.Module:
+    """A plain single-device copy without adapters (the model itself when it has none)."""
+    if not adapters_of(model):
+        return model
+    params = {n: p.detach().cpu() for n, p in model.named_parameters() if not is_adapter_param(n)}
+    buffers = {n: b.detach().cpu() for n, b in model.named_buffers()}
+    return model_from_tensors(model.config, params, buffers)
+
+
+__all__ = ["FineTune", "gather_adapters", "load_base_weights", "plain_copy"]
