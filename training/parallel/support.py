@@ -28,6 +28,7 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
             "does not handle sharded gradients; use bf16"
         )
     problems += _pipeline_problems(config, sizes)
+    problems += fp8_problems(config, sizes)
     if problems:
         raise MegalithError("; ".join(problems))
 
@@ -93,5 +94,24 @@ def expert_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
         problems.append(
             f"parallel.expert={sizes.ep} with parallel.data_parallel_mode={mode}: only ddp "
             "keeps expert gradients apart from the dense ones yet"
+        )
+    return problems
+
+
+def fp8_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
+    """What ``mixed_precision.fp8`` (training.fp8) does not run with yet."""
+    if not config.mixed_precision.fp8:
+        return []
+    problems = []
+    if sizes.tp > 1:
+        problems.append(
+            f"mixed_precision.fp8 with parallel.tensor={sizes.tp}: the tensor-parallel linears "
+            "(ColumnParallelLinear, RowParallelLinear) have no float8 path yet; use "
+            "parallel.tensor=1 with data parallelism or FSDP, or mixed_precision.fp8=false"
+        )
+    if sizes.pp > 1:
+        problems.append(
+            f"mixed_precision.fp8 with parallel.pipeline={sizes.pp}: float8 pipeline stages "
+            "are not integrated; use data parallelism or FSDP, or mixed_precision.fp8=false"
         )
     return problems

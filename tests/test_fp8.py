@@ -1,0 +1,153 @@
+"""FP8 training (training/fp8.py) on CPU through the real path: torchao 0.18's float8
+training with torch's CPU ``_scaled_mm`` (no emulation), in the real Trainer.
+
+The model is tests/parallel_helpers.py's tiny one (hidden 32, every block linear a
+multiple of 16 wide). Tolerance: over the first steps the fp8 loss stays within
+``LOSS_TOLERANCE`` of the bf16 run's, step by step (measured: max 4e-4 over 30 steps,
+tensorwise and rowwise).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from parallel_helpers import tiny_settings
+from safetensors.torch import load_file
+from torch import nn
+
+from training.config import ConfigError, load_config
+from training.errors import MegalithError
+from training.fp8 import FP8Error, convert_linears, fp8_eligible, prepare_fp8
+from training.models import GPTModel
+from training.models.package import load_model_package
+from training.precision import resolve_precision
+from training.sharded_checkpoint import read_global_tensors
+from training.trainer import Trainer
+
+pytest.importorskip("torchao.float8", reason="torchao (megalith[gpu] / [test]) is not installed")
+
+STEPS = 6
+LOSS_TOLERANCE = 0.01  # |fp8 loss - bf16 loss| at every step of the tiny run
+
+
+def config(shards: Path, values: dict[str, Any] | None = None):
+    settings = tiny_settings(
+        shards,
+        {
+            "mixed_precision.dtype": "bf16",
+            "training.train_iters": STEPS,
+            "training.eval_interval": 0,
+            **(values or {}),
+        },
+    )
+    return load_config(None, [f"{key}={value}" for key, value in settings.items()])
+
+
+def train(shards: Path, output: Path, values: dict[str, Any] | None = None) -> list[float]:
+    result = Trainer(config(shards, values), output).fit(show_progress=False)
+    return [record["loss"] for record in result.metrics]
+
+
+def test_fp8_loss_tracks_bf16_and_keeps_the_whole_tensor_format(
+    shards: Path, tmp_path: Path
+) -> None:
+    bf16 = train(shards, tmp_path / "bf16")
+    fp8 = train(shards, tmp_path / "fp8", {"mixed_precision.fp8": "true"})
+    assert len(fp8) == len(bf16) == STEPS
+    assert fp8 != bf16  # float8 matmuls did run
+    assert max(abs(a - b) for a, b in zip(fp8, bf16, strict=True)) < LOSS_TOLERANCE
+
+    # The package and the checkpoint hold the plain model's names, shapes and dtypes.
+    plain = load_file(str(tmp_path / "bf16" / "model" / "model.safetensors"))
+    packaged = load_file(str(tmp_path / "fp8" / "model" / "model.safetensors"))
+    assert {n: (t.shape, t.dtype) for n, t in packaged.items()} == {
+        n: (t.shape, t.dtype) for n, t in plain.items()
+    }
+    model, _, _ = load_model_package(tmp_path / "fp8" / "model")
+    assert not any("Float8" in type(m).__name__ for m in model.modules())
+    checkpoint = read_global_tensors(tmp_path / "fp8" / "checkpoints" / f"step-{STEPS:08d}")
+    for name, tensor in plain.items():
+        assert (checkpoint[name].shape, checkpoint[name].dtype) == (tensor.shape, tensor.dtype)
+
+
+def test_fp8_checkpoint_resume_continues_the_same_curve(shards: Path, tmp_path: Path) -> None:
+    values = {"mixed_precision.fp8": "true", "mixed_precision.fp8_recipe": "rowwise"}
+    whole = Trainer(config(shards, values), tmp_path / "whole")
+    batches = whole.train_batches()
+    expected = [whole.train_step(batches)["loss"] for _ in range(4)]
+
+    first = Trainer(config(shards, values), tmp_path / "resumed")
+    batches = first.train_batches()
+    head = [first.train_step(batches)["loss"] for _ in range(2)]
+    first.save()
+    first.wait_for_save()
+    second = Trainer(config(shards, values), tmp_path / "resumed")  # fresh weights
+    assert second.resume() and second.step == 2
+    batches = second.train_batches()
+    tail = [second.train_step(batches)["loss"] for _ in range(2)]
+    assert head + tail == expected
+
+
+def test_conversion_skips_the_head_and_dims_not_multiple_of_16() -> None:
+    model_config = config_model(hidden=48, ffn=40)  # fc1 48->80, fc2 40->48: 40 is no multiple
+    model = GPTModel(model_config)
+    names_before = [(n, p) for n, p in model.named_parameters()]
+    converted = convert_linears(model, "tensorwise")
+    assert "layers.0.mlp.fc2" not in converted  # in_features 40
+    assert "layers.0.attention.proj" in converted
+    assert "layers.0.mlp.fc1.linear" in converted
+    assert not any(name.startswith("output") for name in converted)
+    assert type(model.layers[0].mlp.fc2) is not type(model.layers[0].attention.proj)
+    # The same Parameter objects under the same names: optimizer and checkpoints unchanged.
+    assert [(n, id(p)) for n, p in model.named_parameters()] == [
+        (n, id(p)) for n, p in names_before
+    ]
+    assert not fp8_eligible(nn.Linear(16, 8), "x")
+    assert fp8_eligible(nn.Linear(16, 32), "layers.0.attention.proj")
+
+
+def config_model(hidden: int, ffn: int):
+    return load_config(
+        None,
+        [
+            f"model.hidden_size={hidden}",
+            f"model.ffn_hidden_size={ffn}",
+            "model.num_layers=1",
+            f"model.num_attention_heads={hidden // 16}",
+            "model.vocab_size=64",
+            "model.max_position_embeddings=16",
+        ],
+    ).model
+
+
+def test_config_errors_name_the_keys(
+    shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for dtype in ("fp16", "fp32"):
+        with pytest.raises(ConfigError, match=f"mixed_precision.*fp8 needs bf16.*{dtype}"):
+            load_config(None, ["mixed_precision.fp8=true", f"mixed_precision.dtype={dtype}"])
+    # auto is bf16 with fp8, on CPU too.
+    auto = load_config(None, ["mixed_precision.fp8=true"]).mixed_precision
+    assert resolve_precision(auto, torch.device("cpu")).name == "bf16"
+
+    with pytest.raises(FP8Error, match="fp8_recipe=delayed.*Transformer Engine"):
+        delayed = {"mixed_precision.fp8": "true", "mixed_precision.fp8_recipe": "delayed"}
+        Trainer(config(shards, delayed), tmp_path)
+
+    from training.parallel.groups import ParallelSizes
+    from training.parallel.support import check_trainer_support
+
+    fp8 = load_config(None, ["mixed_precision.fp8=true", "model.num_query_groups=2"])
+    with pytest.raises(MegalithError, match=r"mixed_precision.fp8 with parallel.tensor=2"):
+        check_trainer_support(fp8, ParallelSizes(tp=2))
+
+    # torchao missing: the error names the extra to install.
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    model = GPTModel(config_model(hidden=32, ffn=64))
+    precision = resolve_precision(fp8.mixed_precision, torch.device("cpu"))
+    with pytest.raises(FP8Error, match=r"megalith\[gpu\]"):
+        prepare_fp8(model, fp8.mixed_precision, precision)
