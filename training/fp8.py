@@ -122,15 +122,15 @@ def convert_linears(model: nn.Module, recipe: str) -> list[str]:
 def te_fp8_context(recipe: str) -> Callable[[], contextlib.AbstractContextManager]:
     """A factory of ``te.fp8_autocast`` contexts with the recipe (one recipe object, so
     delayed scaling keeps its amax history across steps)."""
-    import transformer_engine.pytorch as te
-    from transformer_engine.common import recipe as te_recipe
-
     if recipe == "rowwise":
         raise FP8Error(
             "mixed_precision.fp8_recipe=rowwise is torchao's; with the Transformer Engine "
             "backend use tensorwise (Float8CurrentScaling) or delayed (DelayedScaling), or set "
             "model.backend=torch"
         )
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe as te_recipe
+
     if recipe == "delayed":
         fp8_recipe = te_recipe.DelayedScaling(
             fp8_format=te_recipe.Format.HYBRID, amax_history_len=1024, amax_compute_algo="max"
@@ -170,6 +170,12 @@ def prepare_fp8(model: nn.Module, config: MixedPrecisionConfig, precision: Preci
     if parameter is not None:
         check_device(parameter.device)
     if backend_name(model) == "te":
+        if getattr(model, "activation_checkpointing", "none") != "none":
+            raise FP8Error(
+                "mixed_precision.fp8 on the Transformer Engine backend with "
+                "model.activation_checkpointing: the recomputed forward would run outside "
+                "te.fp8_autocast; set model.activation_checkpointing=none or model.backend=torch"
+            )
         precision.fp8_context = te_fp8_context(config.fp8_recipe)
         logger.info("fp8: Transformer Engine layers under fp8_autocast (%s)", config.fp8_recipe)
         return [f"te:{config.fp8_recipe}"]
