@@ -151,3 +151,31 @@ def test_config_errors_name_the_keys(
     precision = resolve_precision(fp8.mixed_precision, torch.device("cpu"))
     with pytest.raises(FP8Error, match=r"megalith\[gpu\]"):
         prepare_fp8(model, fp8.mixed_precision, precision)
+
+
+def test_compile_and_selective_checkpointing_trace_the_float8_linears() -> None:
+    """torch.compile (aot_eager: dynamo and AOT autograd, without inductor's slow CPU
+    codegen; the Trainer's inductor path was run by hand, see the module docstring of
+    training/fp8.py) over a converted model with selective checkpointing gives the eager
+    loss and gradients."""
+    from training.models.gpt import SELECTIVE_SAVED_OPS
+
+    assert torch.ops.aten._scaled_mm.default in SELECTIVE_SAVED_OPS
+    model_config = config_model(hidden=32, ffn=64).model_copy(
+        update={"activation_checkpointing": "selective"}
+    )
+    torch.manual_seed(0)
+    model = GPTModel(model_config)
+    convert_linears(model, "tensorwise")
+    tokens = torch.randint(0, 64, (2, 12))
+    results = []
+    for forward in (model, torch.compile(model, backend="aot_eager")):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = forward(tokens[:, :-1], labels=tokens[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    (eager, eager_grads), (compiled, compiled_grads) = results
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(a, b)

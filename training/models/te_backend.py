@@ -90,6 +90,9 @@ class _Engine:
     def __init__(self, build: Callable[[], nn.Module], names: dict[str, str]):
         self.build, self.names, self.module = build, names, None
 
+    # Opaque to torch.compile: TE's modules are dynamo-disabled anyway, and the aliasing
+    # below is bookkeeping, not graph.
+    @torch.compiler.disable
     def __call__(self, owner: nn.Module, *inputs: Tensor) -> Tensor:
         if self.module is None:
             self.module = self.build()
