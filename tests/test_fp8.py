@@ -179,3 +179,43 @@ def test_compile_and_selective_checkpointing_trace_the_float8_linears() -> None:
     torch.testing.assert_close(compiled, eager)
     for a, b in zip(compiled_grads, eager_grads, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def _benchmark(name: str):
+    import importlib
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    return importlib.import_module(name)
+
+
+def test_benchmark_variants_resolve_to_valid_configs(shards: Path) -> None:
+    throughput = _benchmark("train_throughput")
+    assert throughput.variant_settings("ours-compile@mixed_precision.fp8=true") == [
+        "mixed_precision.fp8=true"
+    ]
+    assert throughput.variant_settings("ours-compile-fp8-rowwise@model.loss_chunk_tokens=64") == [
+        "mixed_precision.fp8=true",
+        "mixed_precision.fp8_recipe=rowwise",
+        "model.loss_chunk_tokens=64",
+    ]
+    for variant in ("ours-fp8", "ours-compile-fp8", "ours-compile-fp8-rowwise"):
+        expanded = throughput.expand_variant(variant)
+        config = throughput.load_shape(
+            "tiny", str(shards), 2, expanded.startswith("ours-compile"), 2,
+            throughput.variant_settings(variant),
+        )  # fmt: skip
+        assert config.mixed_precision.fp8 and config.model.hidden_size == 64
+
+    convergence = _benchmark("fp8_convergence")
+    args = convergence.main.__globals__["argparse"].Namespace(
+        shape="tiny", shards=str(shards), steps=20, compile=False, seed=1, micro_batch=2, set=[]
+    )
+    for variant in convergence.VARIANTS:
+        config = convergence.build_config(args, variant)
+        assert config.mixed_precision.fp8 == ("fp8" in variant)
+        assert config.model.backend == ("te" if variant.startswith("te") else "torch")
+        assert config.scheduler.warmup_iters == 2 and config.training.global_batch_size == 2
+    verdict = convergence.compare([3.0, 2.0, 1.0], [3.1, 2.0, 1.02], tolerance=0.05)
+    assert verdict["passed"] and verdict["window"] == 3
+    assert verdict["max_abs_delta"] == pytest.approx(0.1)
+    assert not convergence.compare([1.0], [1.2], tolerance=0.05)["passed"]
