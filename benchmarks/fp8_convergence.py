@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from datetime import date
@@ -216,14 +215,7 @@ def drive(args) -> dict:
         raise SystemExit(f"unknown variants {unknown}; expected some of {', '.join(VARIANTS)}")
     results = {}
     for variant in variants:
-        started = time.perf_counter()
-        completed = subprocess.run(worker_command(args, variant), capture_output=True, text=True)
-        lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-        if completed.returncode or not lines:
-            results[variant] = {"error": (completed.stderr or completed.stdout)[-3000:]}
-        else:
-            results[variant] = json.loads(lines[-1].removeprefix("RESULT "))
-        results[variant]["wall_s"] = time.perf_counter() - started
+        results[variant] = tt.run_worker(worker_command(args, variant), error_chars=3000)
         print(variant, "done" if "losses" in results[variant] else "FAILED", flush=True)
     reference = results.get(REFERENCE, {}).get("losses")
     for name, result in results.items():

@@ -271,6 +271,20 @@ def prepare_shards(out: Path) -> str:
     return str(shards)
 
 
+def run_worker(command: list[str], error_chars: int = 1500) -> dict:
+    """One variant's worker process: its ``RESULT`` JSON, or the end of what it printed
+    as ``error``; with ``wall_s`` either way."""
+    started = time.perf_counter()
+    completed = subprocess.run(command, capture_output=True, text=True)
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+    if completed.returncode or not lines:
+        result = {"error": (completed.stderr or completed.stdout)[-error_chars:]}
+    else:
+        result = json.loads(lines[-1].removeprefix("RESULT "))
+    result["wall_s"] = time.perf_counter() - started
+    return result
+
+
 def drive(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -281,14 +295,7 @@ def drive(args) -> None:
             sys.executable, __file__, "--worker", "--variant", variant, "--shape", args.shape,
             "--shards", shards, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out),
         ] + (["--micro-batch", str(args.micro_batch)] if args.micro_batch else [])  # fmt: skip
-        started = time.perf_counter()
-        completed = subprocess.run(command, capture_output=True, text=True)
-        lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-        if completed.returncode or not lines:
-            results[variant] = {"error": (completed.stderr or completed.stdout)[-1500:]}
-        else:
-            results[variant] = json.loads(lines[-1].removeprefix("RESULT "))
-        results[variant]["wall_s"] = time.perf_counter() - started
+        results[variant] = run_worker(command)
         print(variant, json.dumps(results[variant])[:300], flush=True)
     report = {
         "date": str(date.today()),
