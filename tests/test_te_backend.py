@@ -190,6 +190,28 @@ def test_fp8_on_te_refuses_what_it_cannot_do() -> None:
         prepare_fp8(te, rowwise, resolved)
 
 
+def test_precision_enters_the_fp8_context_inside_autocast_around_each_forward() -> None:
+    """Where TE's fp8_autocast goes: Precision.autocast (trainer, pipeline stages, eval)."""
+    import contextlib
+
+    entered = []
+
+    @contextlib.contextmanager
+    def fp8_context():
+        entered.append(torch.is_autocast_enabled("cpu"))
+        yield
+        entered.append("exit")
+
+    precision = resolve_precision(load_config(None, ["mixed_precision.fp8=true"]).mixed_precision,
+                                  torch.device("cpu"))  # fmt: skip
+    precision.fp8_context = fp8_context
+    context = precision.autocast()
+    assert entered == []  # nothing entered before the with
+    with context:
+        assert torch.is_autocast_enabled("cpu")
+    assert entered == [True, "exit"] and not torch.is_autocast_enabled("cpu")
+
+
 needs_te = pytest.mark.skipif(
     not backend_module.transformer_engine_available() or not torch.cuda.is_available(),
     reason="needs transformer_engine and a CUDA GPU",

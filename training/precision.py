@@ -33,10 +33,12 @@ class Precision:
             return contextlib.nullcontext()
         if self.fp8_context is None:
             return torch.autocast(self.device_type, dtype=self.dtype)
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype))
-        stack.enter_context(self.fp8_context())
-        return stack
+        return self._autocast_fp8()
+
+    @contextlib.contextmanager
+    def _autocast_fp8(self):
+        with torch.autocast(self.device_type, dtype=self.dtype), self.fp8_context():
+            yield
 
 
 class AgreedGradScaler(torch.amp.GradScaler):
