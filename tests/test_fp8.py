@@ -145,6 +145,14 @@ def test_config_errors_name_the_keys(
     fp8 = load_config(None, ["mixed_precision.fp8=true", "model.num_query_groups=2"])
     with pytest.raises(MegalithError, match=r"mixed_precision.fp8 with parallel.tensor=2"):
         check_trainer_support(fp8, ParallelSizes(tp=2))
+    with pytest.raises(MegalithError, match=r"mixed_precision.fp8 with parallel.pipeline=2"):
+        check_trainer_support(fp8, ParallelSizes(pp=2))
+    odd = load_config(None, ["mixed_precision.fp8=true", "training.micro_batch_size=1",
+                             "training.global_batch_size=1", "data.seq_length=1000"])  # fmt: skip
+    with pytest.raises(MegalithError, match=r"1000 tokens per micro-batch.*multiple of 16"):
+        check_trainer_support(odd, ParallelSizes())
+    plain = load_config(None, []).mixed_precision  # the same layout without fp8 is fine
+    check_trainer_support(odd.model_copy(update={"mixed_precision": plain}), ParallelSizes())
 
     # torchao missing: the error names the extra to install.
     monkeypatch.setitem(sys.modules, "torchao.float8", None)

@@ -226,7 +226,7 @@ def test_real_transformer_engine_matches_the_torch_backend_and_runs_fp8() -> Non
     plain = GPTModel(cfg, TorchBackend()).cuda()
     torch.manual_seed(0)
     te = GPTModel(cfg, TransformerEngineBackend()).cuda()
-    tokens = torch.randint(0, 64, (2, 16), device="cuda")
+    tokens = torch.randint(0, 64, (2, 17), device="cuda")  # 2 x 16 inputs: fp8 GEMM dims % 16
     with torch.autocast("cuda", dtype=torch.bfloat16):
         torch.testing.assert_close(te(tokens), plain(tokens), atol=2e-2, rtol=2e-2)
     precision_config = load_config(None, ["mixed_precision.fp8=true"]).mixed_precision

@@ -28,7 +28,9 @@ Which linears are converted (:func:`fp8_eligible`):
   ``torch._scaled_mm`` (cuBLASLt's float8 GEMM) needs both matrix dimensions divisible
   by 16 (a model with such a width keeps those linears in bf16 rather than failing).
   The MoE router (fp32 logits) and experts (stacked tensors) are no ``nn.Linear`` and
-  stay as they are.
+  stay as they are. The weight-gradient GEMMs reduce over the tokens, so the tokens of
+  a micro-batch (``micro_batch_size · seq_length / context``) must be a multiple of 16
+  too (:func:`training.parallel.support.fp8_problems` refuses other settings).
 
 Float8 needs bf16 around it (config refuses fp16/fp32; ``auto`` means bf16 with fp8,
 also on CPU, where torch's ``_scaled_mm`` runs float8 matmuls too, so the CPU tests take

@@ -103,6 +103,15 @@ def fp8_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     if not config.mixed_precision.fp8:
         return []
     problems = []
+    micro, length = config.training.micro_batch_size, config.data.seq_length
+    tokens = micro * length // sizes.cp
+    if tokens % 16:  # cuBLASLt float8 GEMMs: every dimension a multiple of 16
+        problems.append(
+            f"mixed_precision.fp8 with training.micro_batch_size={micro} and data.seq_length="
+            f"{length} (over parallel.context={sizes.cp}): {tokens} tokens per micro-batch, but "
+            "the float8 weight-gradient GEMMs reduce over the tokens, which must be a multiple "
+            "of 16"
+        )
     if sizes.tp > 1:
         problems.append(
             f"mixed_precision.fp8 with parallel.tensor={sizes.tp}: the tensor-parallel linears "
