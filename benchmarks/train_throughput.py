@@ -15,7 +15,11 @@ reports tokens/s over the timed steps after warm-up:
 An ``ours`` variant may carry config settings after ``@`` to measure one switch on its
 own in the same run (several joined by ``+``), e.g.
 ``--variants matmul,ours-compile,ours-compile@model.loss_chunk_tokens=4096,hf-compile``
-measures the fused output layer + cross-entropy beside the plain head.
+measures the fused output layer + cross-entropy beside the plain head. Short names
+(:data:`ALIASES`) stand for common settings: ``ours-compile-fp8`` is
+``ours-compile@mixed_precision.fp8=true`` (torchao float8, tensorwise),
+``ours-compile-fp8-rowwise`` the rowwise recipe; more settings may follow ``@``.
+``--shape tiny`` (configs/tiny-cpu.yaml) smoke-runs the ``ours`` variants on CPU.
 
     python benchmarks/train_throughput.py --shape 1b --steps 20 --out results/
 
@@ -37,8 +41,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SHAPES = {"1b": ROOT / "configs" / "llama-1b.yaml", "350m": ROOT / "configs" / "gpt2-350m.yaml"}
+SHAPES = {
+    "1b": ROOT / "configs" / "llama-1b.yaml",
+    "350m": ROOT / "configs" / "gpt2-350m.yaml",
+    "tiny": ROOT / "configs" / "tiny-cpu.yaml",  # CPU smoke runs
+}
+# Smaller still than the recipe: torch's CPU float8 matmul is a slow reference kernel.
+SHAPE_SETTINGS = {
+    "tiny": [
+        "model.hidden_size=64",
+        "model.ffn_hidden_size=128",
+        "model.num_layers=2",
+        "data.seq_length=64",
+        "model.max_position_embeddings=64",
+        "model.vocab_size=null",
+    ]
+}
 PEAK = 989e12
+FP8 = "mixed_precision.fp8=true"
+ALIASES = {
+    "ours-fp8": f"ours@{FP8}",
+    "ours-compile-fp8": f"ours-compile@{FP8}",
+    "ours-compile-fp8-rowwise": f"ours-compile@{FP8}+mixed_precision.fp8_recipe=rowwise",
+}
 
 
 def load_shape(
@@ -53,7 +78,7 @@ def load_shape(
 
     config = load_config(
         SHAPES[shape],
-        list(settings),
+        SHAPE_SETTINGS.get(shape, []) + list(settings),
         values={
             "data.inputs": [],
             "data.output": shards,
@@ -79,16 +104,27 @@ def flops_per_token(config) -> float:
     return count(resolve_model_config(config), config.data.seq_length, include_output_head=True)
 
 
-def time_steps(step, warmup: int, steps: int) -> float:
+def _synchronize() -> None:
     import torch
 
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_memory() -> int:
+    import torch
+
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def time_steps(step, warmup: int, steps: int) -> float:
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    _synchronize()
     started = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    _synchronize()
     return time.perf_counter() - started
 
 
@@ -103,8 +139,6 @@ def run_matmul() -> dict:
 
 
 def run_ours(args, compile_model: bool) -> dict:
-    import torch
-
     from training.trainer import Trainer
 
     config = load_shape(
@@ -122,7 +156,7 @@ def run_ours(args, compile_model: bool) -> dict:
         lambda: losses.append(trainer.train_step(batches)["loss"]), args.warmup, args.steps
     )
     tokens = args.steps * config.training.global_batch_size * config.data.seq_length
-    return _result(config, tokens, seconds, losses, torch.cuda.max_memory_allocated())
+    return _result(config, tokens, seconds, losses, _peak_memory())
 
 
 def hf_model(config):
@@ -190,9 +224,17 @@ def _result(config, tokens: int, seconds: float, losses: list[float], memory: in
     }
 
 
+def expand_variant(variant: str) -> str:
+    """An alias (``ours-compile-fp8``, with or without ``@settings``) in full."""
+    name, _, settings = variant.partition("@")
+    if name not in ALIASES:
+        return variant
+    return ALIASES[name] + (f"+{settings}" if settings else "")
+
+
 def variant_settings(variant: str) -> list[str]:
     """``ours-compile@model.loss_chunk_tokens=4096+training.x=y`` -> the ``KEY=VALUE`` list."""
-    _, _, settings = variant.partition("@")
+    _, _, settings = expand_variant(variant).partition("@")
     return [item for item in settings.split("+") if item]
 
 
@@ -204,7 +246,10 @@ def worker(args) -> None:
         "hf": lambda: run_hf(args, False),
         "hf-compile": lambda: run_hf(args, True),
     }
-    print("RESULT " + json.dumps(runners[args.variant.partition("@")[0]]()), flush=True)
+    print(
+        "RESULT " + json.dumps(runners[expand_variant(args.variant).partition("@")[0]]()),
+        flush=True,
+    )
 
 
 def prepare_shards(out: Path) -> str:
@@ -226,6 +271,20 @@ def prepare_shards(out: Path) -> str:
     return str(shards)
 
 
+def run_worker(command: list[str], error_chars: int = 1500) -> dict:
+    """One variant's worker process: its ``RESULT`` JSON, or the end of what it printed
+    as ``error``; with ``wall_s`` either way."""
+    started = time.perf_counter()
+    completed = subprocess.run(command, capture_output=True, text=True)
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
+    if completed.returncode or not lines:
+        result = {"error": (completed.stderr or completed.stdout)[-error_chars:]}
+    else:
+        result = json.loads(lines[-1].removeprefix("RESULT "))
+    result["wall_s"] = time.perf_counter() - started
+    return result
+
+
 def drive(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,14 +295,7 @@ def drive(args) -> None:
             sys.executable, __file__, "--worker", "--variant", variant, "--shape", args.shape,
             "--shards", shards, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out),
         ] + (["--micro-batch", str(args.micro_batch)] if args.micro_batch else [])  # fmt: skip
-        started = time.perf_counter()
-        completed = subprocess.run(command, capture_output=True, text=True)
-        lines = [line for line in completed.stdout.splitlines() if line.startswith("RESULT ")]
-        if completed.returncode or not lines:
-            results[variant] = {"error": (completed.stderr or completed.stdout)[-1500:]}
-        else:
-            results[variant] = json.loads(lines[-1].removeprefix("RESULT "))
-        results[variant]["wall_s"] = time.perf_counter() - started
+        results[variant] = run_worker(command)
         print(variant, json.dumps(results[variant])[:300], flush=True)
     report = {
         "date": str(date.today()),
@@ -280,7 +332,8 @@ def _device() -> str:
     try:
         import torch
 
-        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        return f"{name} (torch {torch.__version__})"
     except Exception:  # noqa: BLE001 - only for the report header
         return "unknown"
 

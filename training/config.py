@@ -352,11 +352,41 @@ class SchedulerConfig(StrictModel):
 
 
 class MixedPrecisionConfig(StrictModel):
-    """Compute precision. ``auto``: bf16 on CUDA, fp32 on CPU."""
+    """Compute precision. ``auto``: bf16 on CUDA, fp32 on CPU (bf16 everywhere with fp8).
+
+    ``fp8``: the transformer blocks' matrix products run in float8 on top of bf16
+    autocast (:mod:`training.fp8`): with ``model.backend`` torch through torchao's
+    float8 training (``megalith[gpu]``), with the Transformer Engine backend under TE's
+    fp8 autocast. Weights, gradients, optimizer state, checkpoints and model packages
+    keep their bf16/fp32 whole-tensor format; only the matmul inputs are cast.
+    ``fp8_recipe`` picks the scaling: ``tensorwise`` (one dynamic scale per tensor;
+    torchao's tensorwise recipe, TE's Float8CurrentScaling), ``rowwise`` (a scale per
+    row; torchao only) or ``delayed`` (scales from an amax history; TE's DelayedScaling,
+    TE only).
+    """
 
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     initial_loss_scale: float = Field(default=2.0**16, gt=0, description="fp16 only.")
     loss_scale_growth_interval: int = Field(default=1000, ge=1, description="fp16 only.")
+    fp8: bool = Field(
+        default=False,
+        description="float8 matmuls in the transformer blocks (needs bf16 compute; "
+        "torchao with model.backend torch, Transformer Engine with te).",
+    )
+    fp8_recipe: Literal["tensorwise", "rowwise", "delayed"] = Field(
+        default="tensorwise",
+        description="float8 scaling: tensorwise (torchao, TE current scaling), rowwise "
+        "(torchao only), delayed (TE only).",
+    )
+
+    @model_validator(mode="after")
+    def _check_fp8(self) -> MixedPrecisionConfig:
+        if self.fp8 and self.dtype in ("fp16", "fp32"):
+            raise ValueError(
+                f"fp8 needs bf16 compute, got dtype {self.dtype}: set mixed_precision.dtype "
+                "to bf16 (or auto), or mixed_precision.fp8 to false"
+            )
+        return self
 
 
 class CheckpointConfig(StrictModel):

@@ -1,8 +1,10 @@
-"""Mixed precision: bf16 autocast, fp16 with dynamic loss scaling, or fp32."""
+"""Mixed precision: bf16 autocast, fp16 with dynamic loss scaling, or fp32; float8
+matmuls on top of bf16 come from :mod:`training.fp8`."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,9 @@ class Precision:
     name: str
     device_type: str
     scaler: torch.amp.GradScaler | None
+    # Entered inside autocast around every forward (Transformer Engine's fp8 autocast);
+    # set by training.fp8.prepare_fp8 after the model is built.
+    fp8_context: Callable[[], contextlib.AbstractContextManager] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -26,7 +31,14 @@ class Precision:
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.name == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.dtype)
+        if self.fp8_context is None:
+            return torch.autocast(self.device_type, dtype=self.dtype)
+        return self._autocast_fp8()
+
+    @contextlib.contextmanager
+    def _autocast_fp8(self):
+        with torch.autocast(self.device_type, dtype=self.dtype), self.fp8_context():
+            yield
 
 
 class AgreedGradScaler(torch.amp.GradScaler):
@@ -45,10 +57,12 @@ class AgreedGradScaler(torch.amp.GradScaler):
 
 
 def resolve_precision(config: MixedPrecisionConfig, device: torch.device) -> Precision:
-    """The precision to train in; under torch.distributed the fp16 scaler agrees over all ranks."""
+    """The precision to train in; under torch.distributed the fp16 scaler agrees over all ranks.
+    ``auto`` is bf16 on CUDA and, with ``fp8`` (float8 matmuls need bf16 around them),
+    on CPU too; fp32 otherwise."""
     name = config.dtype
     if name == "auto":
-        name = "bf16" if device.type == "cuda" else "fp32"
+        name = "bf16" if device.type == "cuda" or config.fp8 else "fp32"
     scaler = None
     if name == "fp16":
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -52,6 +52,7 @@ from training.data.shard_set import open_shard_set
 from training.distributed import env_from_torchrun, local_device
 from training.errors import MegalithError
 from training.finetune.session import FineTune
+from training.fp8 import prepare_fp8
 from training.models.flops import flops_per_token
 from training.models.moe import moe_aux_loss
 from training.models.package import save_model_package
@@ -216,6 +217,8 @@ class Trainer:
             )
             if self.finetune is not None:  # base weights, adapters: before DDP and the optimizer
                 self.finetune.prepare(self.model, self.parallel)
+            # Before DDP/FSDP and compile wrap it: fp8 swaps linears (same parameters).
+            prepare_fp8(self.model, config.mixed_precision, self.precision)
             ep.exclude_experts_from_ddp(self.model, self.parallel)
             # DDP broadcasts rank 0's weights at construction; every rank is seeded alike anyway.
             # FSDP shards self.model in place, so the optimizer comes after.

@@ -247,6 +247,7 @@ def _saved_ops() -> set[torch._ops.OpOverload]:
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
         "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_mm",  # float8 matmuls (training.fp8)
     ]  # fmt: skip
     return {getattr(aten, name).default for name in names if hasattr(aten, name)}
 

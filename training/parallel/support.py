@@ -30,6 +30,7 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
     problems += _pipeline_problems(config, sizes)
     problems += _chat_problems(config, sizes)
     problems += _finetune_problems(config, sizes)
+    problems += fp8_problems(config, sizes)
     if problems:
         raise MegalithError("; ".join(problems))
 
@@ -91,6 +92,11 @@ def _finetune_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
             f"finetune.base with parallel.pipeline={sizes.pp}: loading base weights into "
             "pipeline stages is not integrated; use tensor or data parallelism"
         )
+    if config.finetune.lora and config.mixed_precision.fp8:
+        problems.append(
+            "finetune.lora with mixed_precision.fp8=true: the float8 conversion replaces the "
+            "linear layers that carry the adapters; fine-tune LoRA in bf16"
+        )
     if config.finetune.lora and config.parallel.data_parallel_mode == "fsdp":
         problems.append(
             "finetune.lora with parallel.data_parallel_mode=fsdp: FSDP over frozen base "
@@ -132,5 +138,33 @@ def expert_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
         problems.append(
             f"parallel.expert={sizes.ep} with parallel.data_parallel_mode={mode}: only ddp "
             "keeps expert gradients apart from the dense ones yet"
+        )
+    return problems
+
+
+def fp8_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
+    """What ``mixed_precision.fp8`` (training.fp8) does not run with yet."""
+    if not config.mixed_precision.fp8:
+        return []
+    problems = []
+    micro, length = config.training.micro_batch_size, config.data.seq_length
+    tokens = micro * length // sizes.cp
+    if tokens % 16:  # cuBLASLt float8 GEMMs: every dimension a multiple of 16
+        problems.append(
+            f"mixed_precision.fp8 with training.micro_batch_size={micro} and data.seq_length="
+            f"{length} (over parallel.context={sizes.cp}): {tokens} tokens per micro-batch, but "
+            "the float8 weight-gradient GEMMs reduce over the tokens, which must be a multiple "
+            "of 16"
+        )
+    if sizes.tp > 1:
+        problems.append(
+            f"mixed_precision.fp8 with parallel.tensor={sizes.tp}: the tensor-parallel linears "
+            "(ColumnParallelLinear, RowParallelLinear) have no float8 path yet; use "
+            "parallel.tensor=1 with data parallelism or FSDP, or mixed_precision.fp8=false"
+        )
+    if sizes.pp > 1:
+        problems.append(
+            f"mixed_precision.fp8 with parallel.pipeline={sizes.pp}: float8 pipeline stages "
+            "are not integrated; use data parallelism or FSDP, or mixed_precision.fp8=false"
         )
     return problems

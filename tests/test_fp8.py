@@ -1,0 +1,287 @@
+"""FP8 training (training/fp8.py) on CPU through the real path: torchao 0.18's float8
+training with torch's CPU ``_scaled_mm`` (no emulation), in the real Trainer.
+
+The model is tests/parallel_helpers.py's tiny one (hidden 32, every block linear a
+multiple of 16 wide). Tolerance: over the first steps the fp8 loss stays within
+``LOSS_TOLERANCE`` of the bf16 run's, step by step (measured: max 4e-4 over 30 steps,
+tensorwise and rowwise). Checkpoints, the model package, exact resume, compile with
+selective checkpointing, DDP and FSDP2 (torchrun, gloo) are checked in fp8 too.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from parallel_helpers import tiny_settings
+from safetensors.torch import load_file
+from torch import nn
+
+from training.config import ConfigError, load_config
+from training.errors import MegalithError
+from training.fp8 import FP8Error, convert_linears, fp8_eligible, prepare_fp8
+from training.models import GPTModel
+from training.models.package import load_model_package
+from training.precision import resolve_precision
+from training.sharded_checkpoint import read_global_tensors
+from training.trainer import Trainer
+
+pytest.importorskip("torchao.float8", reason="torchao (megalith[gpu] / [test]) is not installed")
+
+STEPS = 6
+LOSS_TOLERANCE = 0.01  # |fp8 loss - bf16 loss| at every step of the tiny run
+
+
+def config(shards: Path, values: dict[str, Any] | None = None):
+    settings = tiny_settings(
+        shards,
+        {
+            "mixed_precision.dtype": "bf16",
+            "training.train_iters": STEPS,
+            "training.eval_interval": 0,
+            **(values or {}),
+        },
+    )
+    return load_config(None, [f"{key}={value}" for key, value in settings.items()])
+
+
+def train(shards: Path, output: Path, values: dict[str, Any] | None = None) -> list[float]:
+    result = Trainer(config(shards, values), output).fit(show_progress=False)
+    return [record["loss"] for record in result.metrics]
+
+
+def test_fp8_loss_tracks_bf16_and_keeps_the_whole_tensor_format(
+    shards: Path, tmp_path: Path
+) -> None:
+    bf16 = train(shards, tmp_path / "bf16")
+    fp8 = train(shards, tmp_path / "fp8", {"mixed_precision.fp8": "true"})
+    assert len(fp8) == len(bf16) == STEPS
+    assert fp8 != bf16  # float8 matmuls did run
+    assert max(abs(a - b) for a, b in zip(fp8, bf16, strict=True)) < LOSS_TOLERANCE
+
+    # The package and the checkpoint hold the plain model's names, shapes and dtypes.
+    plain = load_file(str(tmp_path / "bf16" / "model" / "model.safetensors"))
+    packaged = load_file(str(tmp_path / "fp8" / "model" / "model.safetensors"))
+    assert {n: (t.shape, t.dtype) for n, t in packaged.items()} == {
+        n: (t.shape, t.dtype) for n, t in plain.items()
+    }
+    model, _, _ = load_model_package(tmp_path / "fp8" / "model")
+    assert not any("Float8" in type(m).__name__ for m in model.modules())
+    checkpoint = read_global_tensors(tmp_path / "fp8" / "checkpoints" / f"step-{STEPS:08d}")
+    for name, tensor in plain.items():
+        assert (checkpoint[name].shape, checkpoint[name].dtype) == (tensor.shape, tensor.dtype)
+
+
+def test_fp8_checkpoint_resume_continues_the_same_curve(shards: Path, tmp_path: Path) -> None:
+    values = {"mixed_precision.fp8": "true", "mixed_precision.fp8_recipe": "rowwise"}
+    whole = Trainer(config(shards, values), tmp_path / "whole")
+    batches = whole.train_batches()
+    expected = [whole.train_step(batches)["loss"] for _ in range(4)]
+
+    first = Trainer(config(shards, values), tmp_path / "resumed")
+    batches = first.train_batches()
+    head = [first.train_step(batches)["loss"] for _ in range(2)]
+    first.save()
+    first.wait_for_save()
+    second = Trainer(config(shards, values), tmp_path / "resumed")  # fresh weights
+    assert second.resume() and second.step == 2
+    batches = second.train_batches()
+    tail = [second.train_step(batches)["loss"] for _ in range(2)]
+    assert head + tail == expected
+
+
+def test_conversion_skips_the_head_and_dims_not_multiple_of_16() -> None:
+    model_config = config_model(hidden=48, ffn=40)  # fc1 48->80, fc2 40->48: 40 is no multiple
+    model = GPTModel(model_config)
+    names_before = [(n, p) for n, p in model.named_parameters()]
+    converted = convert_linears(model, "tensorwise")
+    assert "layers.0.mlp.fc2" not in converted  # in_features 40
+    assert "layers.0.attention.proj" in converted
+    assert "layers.0.mlp.fc1.linear" in converted
+    assert not any(name.startswith("output") for name in converted)
+    assert type(model.layers[0].mlp.fc2) is not type(model.layers[0].attention.proj)
+    # The same Parameter objects under the same names: optimizer and checkpoints unchanged.
+    assert [(n, id(p)) for n, p in model.named_parameters()] == [
+        (n, id(p)) for n, p in names_before
+    ]
+    assert not fp8_eligible(nn.Linear(16, 8), "x")
+    assert fp8_eligible(nn.Linear(16, 32), "layers.0.attention.proj")
+
+
+def config_model(hidden: int, ffn: int):
+    return load_config(
+        None,
+        [
+            f"model.hidden_size={hidden}",
+            f"model.ffn_hidden_size={ffn}",
+            "model.num_layers=1",
+            f"model.num_attention_heads={hidden // 16}",
+            "model.vocab_size=64",
+            "model.max_position_embeddings=16",
+        ],
+    ).model
+
+
+def test_config_errors_name_the_keys(
+    shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for dtype in ("fp16", "fp32"):
+        with pytest.raises(ConfigError, match=f"mixed_precision.*fp8 needs bf16.*{dtype}"):
+            load_config(None, ["mixed_precision.fp8=true", f"mixed_precision.dtype={dtype}"])
+    # auto is bf16 with fp8, on CPU too.
+    auto = load_config(None, ["mixed_precision.fp8=true"]).mixed_precision
+    assert resolve_precision(auto, torch.device("cpu")).name == "bf16"
+
+    with pytest.raises(FP8Error, match="fp8_recipe=delayed.*Transformer Engine"):
+        delayed = {"mixed_precision.fp8": "true", "mixed_precision.fp8_recipe": "delayed"}
+        Trainer(config(shards, delayed), tmp_path)
+
+    from training.parallel.groups import ParallelSizes
+    from training.parallel.support import check_trainer_support
+
+    fp8 = load_config(None, ["mixed_precision.fp8=true", "model.num_query_groups=2"])
+    with pytest.raises(MegalithError, match=r"mixed_precision.fp8 with parallel.tensor=2"):
+        check_trainer_support(fp8, ParallelSizes(tp=2))
+    with pytest.raises(MegalithError, match=r"mixed_precision.fp8 with parallel.pipeline=2"):
+        check_trainer_support(fp8, ParallelSizes(pp=2))
+    odd = load_config(None, ["mixed_precision.fp8=true", "training.micro_batch_size=1",
+                             "training.global_batch_size=1", "data.seq_length=1000"])  # fmt: skip
+    with pytest.raises(MegalithError, match=r"1000 tokens per micro-batch.*multiple of 16"):
+        check_trainer_support(odd, ParallelSizes())
+    lora = load_config(None, ["mixed_precision.fp8=true", "finetune.base=some/package",
+                              "finetune.lora.rank=4"])  # fmt: skip
+    with pytest.raises(MegalithError, match=r"finetune.lora with mixed_precision.fp8=true"):
+        check_trainer_support(lora, ParallelSizes())
+    plain = load_config(None, []).mixed_precision  # the same layout without fp8 is fine
+    check_trainer_support(odd.model_copy(update={"mixed_precision": plain}), ParallelSizes())
+
+    # torchao missing: the error names the extra to install.
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    model = GPTModel(config_model(hidden=32, ffn=64))
+    precision = resolve_precision(fp8.mixed_precision, torch.device("cpu"))
+    with pytest.raises(FP8Error, match=r"megalith\[gpu\]"):
+        prepare_fp8(model, fp8.mixed_precision, precision)
+
+
+def test_compile_and_selective_checkpointing_trace_the_float8_linears() -> None:
+    """torch.compile (aot_eager: dynamo and AOT autograd, without inductor's slow CPU
+    codegen; the Trainer's inductor path was run by hand, see the module docstring of
+    training/fp8.py) over a converted model with selective checkpointing gives the eager
+    loss and gradients."""
+    from training.models.gpt import SELECTIVE_SAVED_OPS
+
+    assert torch.ops.aten._scaled_mm.default in SELECTIVE_SAVED_OPS
+    model_config = config_model(hidden=32, ffn=64).model_copy(
+        update={"activation_checkpointing": "selective"}
+    )
+    torch.manual_seed(0)
+    model = GPTModel(model_config)
+    convert_linears(model, "tensorwise")
+    tokens = torch.randint(0, 64, (2, 12))
+    results = []
+    for forward in (model, torch.compile(model, backend="aot_eager")):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = forward(tokens[:, :-1], labels=tokens[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    (eager, eager_grads), (compiled, compiled_grads) = results
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def _benchmark(name: str):
+    import importlib
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    return importlib.import_module(name)
+
+
+def test_benchmark_variants_resolve_to_valid_configs(shards: Path) -> None:
+    throughput = _benchmark("train_throughput")
+    assert throughput.variant_settings("ours-compile@mixed_precision.fp8=true") == [
+        "mixed_precision.fp8=true"
+    ]
+    assert throughput.variant_settings("ours-compile-fp8-rowwise@model.loss_chunk_tokens=64") == [
+        "mixed_precision.fp8=true",
+        "mixed_precision.fp8_recipe=rowwise",
+        "model.loss_chunk_tokens=64",
+    ]
+    for variant in ("ours-fp8", "ours-compile-fp8", "ours-compile-fp8-rowwise"):
+        expanded = throughput.expand_variant(variant)
+        config = throughput.load_shape(
+            "tiny", str(shards), 2, expanded.startswith("ours-compile"), 2,
+            throughput.variant_settings(variant),
+        )  # fmt: skip
+        assert config.mixed_precision.fp8 and config.model.hidden_size == 64
+
+    convergence = _benchmark("fp8_convergence")
+    args = convergence.main.__globals__["argparse"].Namespace(
+        shape="tiny", shards=str(shards), steps=20, compile=False, seed=1, micro_batch=2, set=[]
+    )
+    for variant in convergence.VARIANTS:
+        config = convergence.build_config(args, variant)
+        assert config.mixed_precision.fp8 == ("fp8" in variant)
+        assert config.model.backend == ("te" if variant.startswith("te") else "torch")
+        assert config.scheduler.warmup_iters == 2 and config.training.global_batch_size == 2
+    verdict = convergence.compare([3.0, 2.0, 1.0], [3.1, 2.0, 1.02], tolerance=0.05)
+    assert verdict["passed"] and verdict["window"] == 3
+    assert verdict["max_abs_delta"] == pytest.approx(0.1)
+    assert not convergence.compare([1.0], [1.2], tolerance=0.05)["passed"]
+
+
+def test_data_parallel_and_fsdp_train_in_fp8_like_one_process(shards: Path, tmp_path: Path) -> None:
+    """DDP and FSDP2 over 2 gloo processes (real torchrun) with the float8 linears converted
+    before wrapping: the same curve as one process in fp8, and exact resumes."""
+    from parallel_helpers import (
+        assert_metrics_match,
+        assert_resume_exact,
+        fit_one_process,
+        metrics,
+        run_trainer_worker,
+        trainer_settings,
+    )
+
+    fp8 = {"mixed_precision.dtype": "bf16", "mixed_precision.fp8": "true"}
+    cases = {
+        "ddp": trainer_settings(shards, fp8),
+        "fsdp": trainer_settings(shards, {**fp8, "parallel.data_parallel_mode": "fsdp"}),
+    }
+    (tmp_path / "runs").mkdir()
+    runs = run_trainer_worker(tmp_path / "runs", cases, 2, "fp8 data parallel")
+    reference = fit_one_process(trainer_settings(shards, fp8), tmp_path / "one")
+    for case in cases:
+        # Measured: DDP equal to the bit, FSDP within 1e-6 (the default tolerances).
+        assert_metrics_match(metrics(runs / case), metrics(reference), f"fp8 {case}")
+        assert_resume_exact(runs / case, runs / f"{case}-resumed", f"fp8 {case}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_on_cuda_with_compile_tracks_bf16(shards: Path, tmp_path: Path, recipe: str) -> None:
+    """On a float8 GPU (sm_89+): the compiled Trainer in fp8 (cuBLASLt float8 GEMMs)
+    tracks the compiled bf16 run over 30 steps of a hidden-256 model."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 GEMMs need compute capability 8.9+")
+    values = {
+        "training.device": "cuda",
+        "training.compile": "true",
+        "training.train_iters": 30,
+        "model.hidden_size": 256,
+        "model.num_attention_heads": 8,
+        "model.ffn_hidden_size": 512,
+    }
+    bf16 = train(shards, tmp_path / "bf16", values)
+    fp8 = train(
+        shards,
+        tmp_path / "fp8",
+        {**values, "mixed_precision.fp8": "true", "mixed_precision.fp8_recipe": recipe},
+    )
+    deltas = [abs(a - b) for a, b in zip(fp8, bf16, strict=True)]
+    assert fp8 != bf16
+    # benchmarks/fp8_convergence.py's tolerance (mean 0.05, max 0.15): not yet run on a GPU.
+    assert sum(deltas) / len(deltas) <= 0.05 and max(deltas) <= 0.15, deltas

@@ -1,0 +1,255 @@
+"""The Transformer Engine layer backend (``model.backend: te``; ``auto`` picks it where
+``transformer_engine`` imports): ``te.LayerNormLinear`` for the fused norm + QKV and
+norm + fc1, ``te.Linear`` for the output projection and fc2, ``te.DotProductAttention``
+for the attention core, and fp8 through ``te.fp8_autocast`` (:mod:`training.fp8`).
+
+Checkpoint names. The model keeps the torch backend's parameter names and whole-tensor
+format (``layers.{i}.attention.qkv.norm.weight``, ``...qkv.linear.weight``,
+``...proj.weight``, ...; see :mod:`training.models.gpt`), so checkpoints, model
+packages, Hugging Face export and every tool work unchanged. Each module here *is*
+the torch backend's module (a subclass of ``NormLinear``, ``Linear`` or
+``SDPAttention``, same children, same init) and owns its parameters; its Transformer
+Engine module is an *engine* built on the first CUDA forward, kept outside the module
+tree (so outside ``state_dict``, ``named_parameters`` and the optimizer), and handed
+our ``Parameter`` objects under TE's names before every call (:data:`TE_PARAMETER_NAMES`:
+``layer_norm_weight``/``layer_norm_bias``/``weight``/``bias``). TE's backward therefore
+writes the gradients into our parameters. Off CUDA (CPU evaluation of a package, the
+meta device, tests) the modules compute the torch backend's functions with the same
+weights. TE's own per-module state (delayed scaling's amax history, kept in its
+``_extra_state``) is not checkpointed: a resumed ``delayed`` run rebuilds it within
+``amax_history_len`` steps; the default ``tensorwise`` recipe (current scaling) has none.
+
+Limits: a LayerNorm without bias has no fused TE kernel (TE's LayerNorm always has a
+bias), so it runs as our norm then ``te.Linear``; attention over a KV cache (queries
+fewer than keys) and fp32 inputs use SDPA; ``torch.compile`` graph-breaks around the
+TE calls (TE marks them dynamo-disabled); activation checkpointing with fp8 is refused
+by :mod:`training.fp8` (the recomputed forward would run outside ``fp8_autocast``);
+tensor parallelism uses the tensor-parallel backend, not this one.
+
+NOT VERIFIED: transformer_engine could not be installed where this was written (its
+CUDA wheel is too large for the CPU sandbox), so this module has run only against the
+stand-in engine of tests/test_te_backend.py, which mirrors the TE 2.x API as documented
+(constructor arguments, parameter names, ``bshd`` attention layout); the TE tests there
+skip without TE. Before relying on it, run tests/test_te_backend.py and
+benchmarks/fp8_convergence.py on a GPU machine with TE installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from training.models import layers
+from training.models.backend import TorchBackend
+from training.models.layers import NormSpec
+
+# Our parameter (relative to the module) -> the TE engine's parameter name.
+TE_PARAMETER_NAMES = {
+    "norm_linear": {
+        "norm.weight": "layer_norm_weight",
+        "norm.bias": "layer_norm_bias",
+        "linear.weight": "weight",
+        "linear.bias": "bias",
+    },
+    "linear": {"weight": "weight", "bias": "bias"},
+}
+
+TEProvider = Callable[[], Any]
+
+
+def import_transformer_engine() -> Any:
+    import transformer_engine.pytorch as te
+
+    return te
+
+
+def te_parameter_names(model: nn.Module) -> dict[str, str]:
+    """Every parameter name of ``model`` (whole-tensor checkpoint names) -> the name it
+    has inside the TE engines (``...qkv.norm.weight`` -> ``...qkv.layer_norm_weight``);
+    the names of the torch layers (embeddings, final norm, head) map to themselves.
+    Built from the module tree with the same table the engines use at run time."""
+    mapping = {name: name for name, _ in model.named_parameters()}
+    for path, module in model.named_modules():
+        engine = module.__dict__.get("_engine")
+        if engine is None:
+            continue
+        for ours, theirs in engine.names.items():
+            full = f"{path}.{ours}" if path else ours
+            if full in mapping:
+                mapping[full] = f"{path}.{theirs}" if path else theirs
+    return mapping
+
+
+class _Engine:
+    """The lazily built TE module of one of our modules, fed our parameters each call."""
+
+    def __init__(self, build: Callable[[], nn.Module], names: dict[str, str]):
+        self.build, self.names, self.module = build, names, None
+
+    # Opaque to torch.compile: TE's modules are dynamo-disabled anyway, and the aliasing
+    # below is bookkeeping, not graph.
+    @torch.compiler.disable
+    def __call__(self, owner: nn.Module, *inputs: Tensor) -> Tensor:
+        if self.module is None:
+            self.module = self.build()
+        for ours, theirs in self.names.items():
+            param = _attribute(owner, ours)
+            if param is not None:
+                self.module._parameters[theirs] = param  # alias: TE reads and grads ours
+        self.module.train(owner.training)
+        return self.module(*inputs)
+
+
+def _attribute(module: nn.Module, name: str) -> Tensor | None:
+    """``module.norm.bias`` for ``"norm.bias"``; None where there is none (no bias)."""
+    for part in name.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+def _engine_device(x: Tensor, devices: tuple[str, ...]) -> bool:
+    return x.device.type in devices
+
+
+class TENormLinear(layers.NormLinear):
+    """``linear(norm(x))`` with the torch backend's names; ``te.LayerNormLinear`` on CUDA."""
+
+    def __init__(self, norm: nn.Module, linear: nn.Linear, engine: _Engine, devices):
+        super().__init__(norm, linear)
+        self.__dict__["_engine"] = engine  # not a submodule: outside state_dict
+        self.__dict__["_devices"] = devices
+
+    def forward(self, x: Tensor) -> Tensor:
+        if _engine_device(x, self._devices):
+            return self._engine(self, x)
+        return super().forward(x)
+
+
+class TELinear(layers.Linear):
+    """``nn.Linear`` with our init and names; ``te.Linear`` on CUDA."""
+
+    def attach(self, engine: _Engine, devices: tuple[str, ...]) -> TELinear:
+        self.__dict__["_engine"] = engine
+        self.__dict__["_devices"] = devices
+        return self
+
+    def forward(self, x: Tensor) -> Tensor:
+        if _engine_device(x, self._devices):
+            return self._engine(self, x)
+        return F.linear(x, self.weight, self.bias)
+
+
+class TEAttention(layers.SDPAttention):
+    """Causal attention through ``te.DotProductAttention`` (``bshd``) on CUDA in bf16/fp16
+    when queries and keys are the same positions; SDPA otherwise."""
+
+    def __init__(self, num_heads, num_groups, head_dim, *, dropout, engine, devices):
+        super().__init__(num_heads, num_groups, head_dim, dropout=dropout)
+        self.__dict__["_engine"] = engine
+        self.__dict__["_devices"] = devices
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        usable = q.dtype in (torch.bfloat16, torch.float16) and q.size(1) == k.size(1)
+        if usable and _engine_device(q, self._devices):
+            out = self._engine(self, q.contiguous(), k.contiguous(), v.contiguous())
+            return out.reshape(q.size(0), q.size(1), self.num_heads * self.head_dim)
+        return super().forward(q, k, v)
+
+
+class TransformerEngineBackend(TorchBackend):
+    """Transformer Engine layers with the torch backend's parameters (see the module doc).
+
+    ``te`` provides the ``transformer_engine.pytorch`` namespace (imported on first use);
+    ``devices`` are where the TE engines run (CUDA; tests pass a stand-in and ``cpu``).
+    """
+
+    name = "te"
+
+    def __init__(
+        self, te: TEProvider = import_transformer_engine, devices: tuple[str, ...] = ("cuda",)
+    ):
+        self.te, self.devices = te, devices
+
+    def norm_linear(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        norm: NormSpec,
+        bias: bool,
+        init_std: float,
+        output_chunks: int = 1,
+    ) -> nn.Module:
+        norm_module = layers.make_norm(in_features, norm)
+        if norm.kind == "layernorm" and not norm.bias:  # TE's LayerNorm always has a bias
+            linear = self.row_linear(in_features, out_features, bias=bias, init_std=init_std)
+            return layers.NormLinear(norm_module, linear)
+        linear = layers.Linear(in_features, out_features, bias=bias, init_std=init_std)
+        engine = _Engine(
+            lambda: self.te().LayerNormLinear(
+                in_features,
+                out_features,
+                eps=norm.eps,
+                bias=bias,
+                normalization="RMSNorm" if norm.kind == "rmsnorm" else "LayerNorm",
+                params_dtype=linear.weight.dtype,
+                device="meta",  # parameters are ours; nothing to allocate
+            ),
+            TE_PARAMETER_NAMES["norm_linear"],
+        )
+        return TENormLinear(norm_module, linear, engine, self.devices)
+
+    def _linear(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
+        return self.te().Linear(in_features, out_features, bias=bias, device="meta")
+
+    def column_linear(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        init_std: float,
+        output_chunks: int = 1,
+    ) -> nn.Module:
+        return self.row_linear(in_features, out_features, bias=bias, init_std=init_std)
+
+    def row_linear(
+        self, in_features: int, out_features: int, *, bias: bool, init_std: float
+    ) -> nn.Module:
+        module = TELinear(in_features, out_features, bias=bias, init_std=init_std)
+        engine = _Engine(
+            lambda: self._linear(in_features, out_features, bias), TE_PARAMETER_NAMES["linear"]
+        )
+        return module.attach(engine, self.devices)
+
+    def core_attention(
+        self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
+    ) -> nn.Module:
+        engine = _Engine(
+            lambda: self.te().DotProductAttention(
+                num_heads,
+                head_dim,
+                num_gqa_groups=num_groups,
+                attention_dropout=dropout,
+                qkv_format="bshd",
+                attn_mask_type="causal",
+            ),
+            {},
+        )
+        return TEAttention(
+            num_heads, num_groups, head_dim, dropout=dropout, engine=engine, devices=self.devices
+        )
+
+
+__all__ = [
+    "TE_PARAMETER_NAMES",
+    "TEAttention",
+    "TELinear",
+    "TENormLinear",
+    "TransformerEngineBackend",
+    "te_parameter_names",
+]
