@@ -39,7 +39,7 @@ from pipelines.artifacts import (
 from pipelines.tasks import evaluate_task, gate_task, pretrain_task, register_task
 from pipelines.tokenize import manifest_markdown, write_shards_task
 from preprocessing.storage import atomic_write_bytes
-from training.config import MegalithConfig
+from training.config import MegalithConfig, ModelConfig
 from training.errors import MegalithError
 
 STATE_FILE = "finetune-state.json"
@@ -113,6 +113,7 @@ def mark_processed(state_path: str, files: list[dict[str, Any]], summary: dict[s
 def resolve_base(name: str, alias: str, dest: str) -> dict[str, Any]:
     """Pin ``models:/name@alias`` to its version and download it, verified."""
     from registry.models import get_alias_version, load_registered_model
+    from training.models.package import read_package_model_config
 
     version = get_alias_version(name, alias)
     if version is None:
@@ -122,7 +123,8 @@ def resolve_base(name: str, alias: str, dest: str) -> dict[str, Any]:
         )
     uri = f"models:/{name}/{version}"
     package = load_registered_model(uri, dest)
-    return {"uri": uri, "version": version, "package": str(package)}
+    model = read_package_model_config(package).model_dump(mode="json")
+    return {"uri": uri, "version": version, "package": str(package), "model": model}
 
 
 @flow(name="finetune", log_prints=True)
@@ -191,8 +193,8 @@ def finetune(
 def _round_config(
     config: MegalithConfig, files: list[dict[str, Any]], round_dir: Path, base: dict[str, Any]
 ) -> MegalithConfig:
-    """The recipe for this round: the new files as chat data, the champion's tokenizer, and
-    the champion's pinned version as the fine-tuning base."""
+    """The recipe for this round: the new files as chat data, the champion's tokenizer and
+    architecture, and the champion's pinned version as the fine-tuning base."""
     data = config.data.model_copy(
         update={
             "format": "chat",
@@ -205,4 +207,7 @@ def _round_config(
         update={"model": str(Path(base["package"]) / "tokenizer.model")}
     )
     finetune = config.finetune.model_copy(update={"base": base["uri"]})
-    return config.model_copy(update={"data": data, "tokenizer": tokenizer, "finetune": finetune})
+    model = ModelConfig.model_validate(base["model"])
+    return config.model_copy(
+        update={"data": data, "tokenizer": tokenizer, "finetune": finetune, "model": model}
+    )

@@ -171,13 +171,24 @@ def register_task(
 
 
 @task(name="promotion-gate")
-def gate_task(name: str, rules: list[dict[str, Any]], version: int | None = None) -> dict[str, Any]:
+def gate_task(
+    name: str,
+    rules: list[dict[str, Any]],
+    version: int | None = None,
+    champion_metrics: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """Gate ``version`` (default @candidate) against @champion; promote it if it passes.
-    Not cached: the champion it compares with changes."""
+    Not cached: the champion it compares with changes. ``champion_metrics``: the champion
+    evaluated on the candidate's data (default: its own eval tags)."""
     from registry.promotion import gate
     from training.config import MetricRule
 
-    decision = gate(name, [MetricRule(**rule) for rule in rules], version=version)
+    decision = gate(
+        name,
+        [MetricRule(**rule) for rule in rules],
+        version=version,
+        champion_metrics=champion_metrics,
+    )
     get_run_logger().info(
         "%s v%s: %s (%s)",
         name,

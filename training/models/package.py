@@ -216,6 +216,15 @@ def load_model_package(
     return model.eval(), config, package_dir / TOKENIZER_FILE
 
 
+def read_package_model_config(package_dir: str | Path) -> ModelConfig:
+    """The architecture a package holds, from its ``config.json`` alone (no weights read)."""
+    path = Path(package_dir) / CONFIG_FILE
+    try:
+        return ModelConfig.model_validate(_read_meta(Path(package_dir))["model"])
+    except ValidationError as exc:
+        raise PackageConfigError(format_validation_error(exc, f"{path}: model")) from None
+
+
 def verify_package_weights(package_dir: str | Path, meta: dict[str, Any]) -> None:
     """Check model.safetensors' header (bounded sizes, names, shapes, dtypes) against the
     model ``meta`` (config.json, from :func:`verify_model_package`) describes, reading no tensor."""
