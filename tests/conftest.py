@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -122,3 +127,46 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real ``mlflow server`` on 127.0.0.1 with a SQLite store and served artifacts."""
+    from registry.tracking import ensure_tracking_store
+
+    root = tmp_path_factory.mktemp("mlflow-server")
+    store = f"sqlite:///{root / 'mlflow.db'}"
+    ensure_tracking_store(store)  # migrate once, before the server's workers start
+    port = free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    command = [
+        sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+        "--workers", "1", "--backend-store-uri", store,
+        "--artifacts-destination", str(root / "artifacts"),
+    ]  # fmt: skip
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if process.poll() is not None:
+                raise AssertionError(f"mlflow server exited: {process.stderr.read().decode()}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "mlflow server did not start in 90 s"
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

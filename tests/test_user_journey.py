@@ -9,13 +9,6 @@ HTTP and answers a request with text.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,49 +20,6 @@ pytestmark = pytest.mark.slow
 
 MODEL_NAME = "journey-model"
 CHAT_SAMPLE = Path(__file__).resolve().parents[1] / "preprocessing/sample_corpus/chat.jsonl"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real ``mlflow server`` on 127.0.0.1 with a SQLite store and served artifacts."""
-    from registry.tracking import ensure_tracking_store
-
-    root = tmp_path_factory.mktemp("mlflow-server")
-    store = f"sqlite:///{root / 'mlflow.db'}"
-    ensure_tracking_store(store)  # migrate once, before the server's workers start
-    port = free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    command = [
-        sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-        "--workers", "1", "--backend-store-uri", store,
-        "--artifacts-destination", str(root / "artifacts"),
-    ]  # fmt: skip
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"mlflow server exited: {process.stderr.read().decode()}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "mlflow server did not start in 90 s"
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +117,8 @@ def test_second_run_without_new_data_skips(journey: dict) -> None:
 def test_the_champion_is_served_over_http(journey: dict, mlflow_server: str) -> None:
     import httpx
 
-    from tests.test_serving import running
     from deploy.server import ServeConfig
+    from tests.test_serving import running
 
     config = ServeConfig(
         model=f"models:/{MODEL_NAME}@champion", tracking_uri=mlflow_server, max_tokens=16
@@ -179,5 +129,7 @@ def test_the_champion_is_served_over_http(journey: dict, mlflow_server: str) -> 
     assert answer.status_code == 200, answer.text
     body = answer.json()
     assert body["completion_tokens"] >= 1 and isinstance(body["text"], str), body
-    champion = journey["tuned"]["candidate_version"] if journey["tuned"]["promoted"] else journey["first"]
+    champion = (
+        journey["tuned"]["candidate_version"] if journey["tuned"]["promoted"] else journey["first"]
+    )
     assert str(info.get("version")) == str(champion), info

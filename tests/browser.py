@@ -1,0 +1,73 @@
+"""Headless Chromium for the browser tests: Debian's ``chromium`` driven by Playwright.
+
+Playwright's own browser download is not used (it needs the internet at test time);
+Playwright drives the system Chromium through ``executable_path``. Where Chromium is
+missing and the tests run as root on a Debian/Ubuntu machine (a CI container),
+:func:`chromium_path` installs Debian's package once (``apt-get install chromium``, a
+few minutes); otherwise the browser tests are skipped with the command to run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+SCREENSHOTS = Path(__file__).resolve().parents[1] / "docs" / "screenshots"
+# Flags for a sandboxless container with no network beyond loopback (without the
+# background-networking ones Chromium keeps dialling Google's hosts).
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+INSTALL = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]
+
+
+@cache
+def chromium_path() -> str | None:
+    """The system Chromium, installed first when that is possible here; None if not."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found or os.environ.get("MEGALITH_NO_BROWSER_INSTALL"):
+        return found
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return None
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for command in (["apt-get", "update", "-q"], INSTALL):
+        try:
+            subprocess.run(command, env=env, capture_output=True, timeout=900, check=True)
+        except (subprocess.SubprocessError, OSError):
+            if command is INSTALL:
+                return None
+    return shutil.which("chromium")
+
+
+@contextlib.contextmanager
+def chromium_page(width: int = 1400, height: int = 900) -> Iterator:
+    """A Playwright page in headless Chromium (skips the test when there is none)."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install -e '.[test]')")
+    executable = chromium_path()
+    if executable is None:
+        pytest.skip("no Chromium here: apt-get install chromium (Debian) to run the UI tests")
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.set_default_timeout(60_000)
+            yield page
+        finally:
+            browser.close()
