@@ -133,3 +133,20 @@ def test_the_champion_is_served_over_http(journey: dict, mlflow_server: str) -> 
         journey["tuned"]["candidate_version"] if journey["tuned"]["promoted"] else journey["first"]
     )
     assert str(info.get("version")) == str(champion), info
+
+
+def test_the_champion_exports_to_hugging_face(
+    journey: dict, mlflow_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+    import transformers
+
+    from pipelines.cli import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    out = tmp_path / "hf-champion"
+    assert main(["export", "hf", f"models:/{MODEL_NAME}@champion", str(out)]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    logits = model(tokens).logits
+    assert logits.shape[:2] == (1, 4) and torch.isfinite(logits).all()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -22,9 +23,15 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "MoE models are refused. <|eod|> is the tokenizer's bos and eos token, <|pad|> its pad "
         "token. The directory is written under a temporary name and renamed when complete.",
         epilog="example: megalith export hf runs/tiny/model hf-tiny && python -c "
-        "\"import transformers as t; t.AutoModelForCausalLM.from_pretrained('hf-tiny')\"",
+        "\"import transformers as t; t.AutoModelForCausalLM.from_pretrained('hf-tiny')\"; "
+        "the champion: megalith export hf models:/megalith-demo@champion hf-champion",
     )
-    export_hf.add_argument("package", metavar="MODEL_PACKAGE", help="model package directory")
+    export_hf.add_argument(
+        "package",
+        metavar="MODEL_PACKAGE",
+        help="model package directory, or a registered model: models:/NAME@ALIAS or "
+        "models:/NAME/VERSION (downloaded and verified first; MLFLOW_TRACKING_URI)",
+    )
     export_hf.add_argument("output", metavar="OUT_DIR", help="Hugging Face directory to write")
     export_hf.add_argument(
         "--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty"
@@ -103,7 +110,14 @@ def _register_import_megatron(formats: argparse._SubParsersAction) -> None:
 def _export_hf(args: argparse.Namespace) -> int:
     from training.interop.hf import export_hf
 
-    out = export_hf(args.package, args.output, overwrite=args.overwrite)
+    if not args.package.startswith("models:/"):
+        out = export_hf(args.package, args.output, overwrite=args.overwrite)
+    else:
+        from registry.models import load_registered_model
+
+        with tempfile.TemporaryDirectory(prefix="megalith-export-") as tmp:
+            package = load_registered_model(args.package, tmp)
+            out = export_hf(package, args.output, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 
