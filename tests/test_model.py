@@ -117,6 +117,27 @@ def _mha_qkv_from_gqa(weight: torch.Tensor, heads: int, groups: int, dim: int) -
     return torch.cat(rows)
 
 
+@pytest.mark.parametrize("first", ["cudnn", "flash", "efficient", "math"])
+def test_attention_backend_order_gives_the_same_model(first):
+    """Each SDPA kernel order computes the same logits and gradients; here (CPU) the
+    kernels that cannot run fall through to one that can. On a GPU the choice is measured
+    in benchmarks/train_throughput.py."""
+    from training.models.layers import attention_kernels
+
+    assert attention_kernels("auto") is None
+    model, x = build(tiny("llama")), tokens()
+    reference = model(x, labels=x)
+    reference.backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with attention_kernels(first)():
+        loss = model(x, labels=x)
+    loss.backward()
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-6)
+    for got, expected in zip([p.grad for p in model.parameters()], want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_gqa_equals_mha_with_repeated_kv():
     gqa = build(tiny("llama", num_query_groups=2)).eval()
     mha = build(tiny("llama", num_query_groups=4)).eval()

@@ -23,21 +23,29 @@ class Precision:
     # Entered inside autocast around every forward (Transformer Engine's fp8 autocast);
     # set by training.fp8.prepare_fp8 after the model is built.
     fp8_context: Callable[[], contextlib.AbstractContextManager] | None = None
+    # The SDPA kernel order (model.attention_backend), entered around every forward too:
+    # the forward's kernel choice fixes the backward's, and torch.compile traces under it.
+    attention_context: Callable[[], contextlib.AbstractContextManager] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         return DTYPES[self.name]
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.name == "fp32":
+        extras = [c for c in (self.fp8_context, self.attention_context) if c is not None]
+        if self.name == "fp32" and not extras:
             return contextlib.nullcontext()
-        if self.fp8_context is None:
+        if not extras:
             return torch.autocast(self.device_type, dtype=self.dtype)
-        return self._autocast_fp8()
+        return self._autocast_with(extras)
 
     @contextlib.contextmanager
-    def _autocast_fp8(self):
-        with torch.autocast(self.device_type, dtype=self.dtype), self.fp8_context():
+    def _autocast_with(self, extras: list[Callable[[], contextlib.AbstractContextManager]]):
+        with contextlib.ExitStack() as stack:
+            if self.name != "fp32":
+                stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype))
+            for context in extras:
+                stack.enter_context(context())
             yield
 
 

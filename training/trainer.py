@@ -54,6 +54,7 @@ from training.errors import MegalithError
 from training.finetune.session import FineTune
 from training.fp8 import prepare_fp8
 from training.models.flops import flops_per_token
+from training.models.layers import attention_kernels
 from training.models.moe import moe_aux_loss
 from training.models.package import save_model_package
 from training.parallel import context_parallel as cp
@@ -194,6 +195,7 @@ class Trainer:
         if self.is_main:
             self.output.mkdir(parents=True, exist_ok=True)
         self.precision: Precision = resolve_precision(config.mixed_precision, self.device)
+        self.precision.attention_context = attention_kernels(config.model.attention_backend)
         # A local path or an fsspec URL (s3://...): checkpoints are sharded (format v2).
         self.checkpoint_dir = str(config.checkpoint.directory or self.output / "checkpoints")
         self.checkpointer = Checkpointer(checkpoint_group())

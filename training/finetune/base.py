@@ -43,6 +43,7 @@ from training.finetune.lora import is_adapter_param, merge_tensors
 RUNTIME_KEYS = frozenset(
     {
         "backend",
+        "attention_backend",
         "dropout",
         "activation_checkpointing",
         "loss_chunk_tokens",

@@ -7,7 +7,10 @@ torchao's float8 training, keep working.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -133,6 +136,28 @@ def _native_gqa(q: Tensor) -> bool:
     if not _SDPA_HAS_GQA:
         return False
     return not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16)
+
+
+SDPA_KERNELS = ("cudnn", "flash", "efficient", "math")
+
+
+def attention_kernels(first: str) -> Callable[[], contextlib.AbstractContextManager] | None:
+    """A context that makes SDPA try ``first`` before its other kernels (``model.
+    attention_backend``), or None for ``auto``: torch's own order (flash, memory-efficient,
+    math, cuDNN since torch 2.5). A kernel that cannot run an input falls through to the
+    next, so ``cudnn`` is safe on CPU and on GPUs without it."""
+    if first == "auto":
+        return None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    by_name = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    order = [by_name[first]] + [by_name[name] for name in SDPA_KERNELS if name != first]
+    return functools.partial(sdpa_kernel, order, set_priority=True)
 
 
 class SDPAttention(nn.Module):
