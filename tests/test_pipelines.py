@@ -184,7 +184,9 @@ def test_serve_pipelines_offers_every_flow_with_form_defaults(tmp_path: Path) ->
         "register-model",
         "promote-model",
         "end-to-end",
+        "finetune",
     }
+    assert served["finetune"].schedules, "the finetune deployment runs on a schedule"
     end_to_end = served["end-to-end"]
     assert end_to_end.parameters["workdir"] == str(tmp_path)
     assert end_to_end.parameters["config"]["model"]["num_layers"] >= 1
