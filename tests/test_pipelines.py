@@ -35,24 +35,30 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+# The demo recipe shrunk to a few seconds of training (also used by test_user_journey.py).
+TINY_DEMO = [
+    "tokenizer.vocab_size=512",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.ffn_hidden_size=128",
+    "model.vocab_size=null",
+    "model.max_position_embeddings=null",
+    "data.seq_length=64",
+    "data.workers=1",
+    "training.train_iters=6",
+    "training.eval_interval=3",
+    "training.eval_iters=1",
+    "training.log_interval=1",
+    "checkpoint.interval=0",
+]
+
+
 @pytest.fixture(scope="module")
 def config(workdir: Path):
     return load_config(
         DEMO_RECIPE,
         [
-            "tokenizer.vocab_size=512",
-            "model.num_layers=2",
-            "model.hidden_size=64",
-            "model.ffn_hidden_size=128",
-            "model.vocab_size=null",
-            "model.max_position_embeddings=null",
-            "data.seq_length=64",
-            "data.workers=1",
-            "training.train_iters=6",
-            "training.eval_interval=3",
-            "training.eval_iters=1",
-            "training.log_interval=1",
-            "checkpoint.interval=0",
+            *TINY_DEMO,
             f"logging.registered_model={MODEL_NAME}",
         ],
         {"data.inputs": [str(workdir / "corpus.jsonl")], "data.output": str(workdir / "shards")},

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.commands import DEMO_RECIPE, FINETUNE_RECIPE, sample_corpus
+from tests.test_pipelines import TINY_DEMO
 from training.config import load_config
 
 pytestmark = pytest.mark.slow
@@ -33,21 +34,7 @@ def journey(prefect_api, mlflow_server: str, tmp_path_factory: pytest.TempPathFa
     corpus.write_text("\n".join(sample_corpus().read_text().splitlines()[:400]) + "\n")
     pretrain_config = load_config(
         DEMO_RECIPE,
-        [
-            "tokenizer.vocab_size=512",
-            "model.num_layers=2",
-            "model.hidden_size=64",
-            "model.ffn_hidden_size=128",
-            "model.vocab_size=null",
-            "model.max_position_embeddings=null",
-            "data.seq_length=64",
-            "data.workers=1",
-            "training.train_iters=6",
-            "training.eval_interval=3",
-            "training.eval_iters=1",
-            "checkpoint.interval=0",
-            f"logging.registered_model={MODEL_NAME}",
-        ],
+        [*TINY_DEMO, f"logging.registered_model={MODEL_NAME}"],
         {"data.inputs": [str(corpus)], "data.output": str(root / "shards")},
     )
     finetune_config = load_config(
