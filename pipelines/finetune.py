@@ -54,13 +54,19 @@ class FinetuneError(MegalithError):
 @task(name="find-new-data", cache_policy=NO_CACHE)
 def find_new_data(location: str, state_path: str) -> list[dict[str, Any]]:
     """The chat files under ``location`` not yet processed (new, or changed since)."""
-    processed = read_state(state_path)["processed"]
-    found = list_chat_files(location)
-    new = [f for f in found if processed.get(f["path"]) != f["signature"]]
+    found, new = new_chat_files(location, state_path)
     get_run_logger().info(
         "%d chat file(s) under %s, %d new or changed", len(found), location, len(new)
     )
     return new
+
+
+def new_chat_files(location: str, state_path: str) -> tuple[list[dict], list[dict]]:
+    """Every chat file under ``location``, and those the state does not hold as processed
+    with the same signature."""
+    processed = read_state(state_path)["processed"]
+    found = list_chat_files(location)
+    return found, [f for f in found if processed.get(f["path"]) != f["signature"]]
 
 
 def list_chat_files(location: str) -> list[dict[str, Any]]:

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
+from tests.servers import free_port, running_process
 
 S3_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -129,12 +127,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real ``mlflow server`` on 127.0.0.1 with a SQLite store and served artifacts."""
@@ -151,22 +143,6 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "--workers", "1", "--backend-store-uri", store,
         "--artifacts-destination", str(root / "artifacts"),
     ]  # fmt: skip
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"mlflow server exited: {process.stderr.read().decode()}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "mlflow server did not start in 90 s"
-            time.sleep(0.5)
+    with running_process(command, env, "mlflow server", f"{url}/health"):
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)

@@ -23,32 +23,9 @@ from pathlib import Path
 import pytest
 
 from tests.browser import SCREENSHOTS, chromium_page
-from tests.conftest import free_port
+from tests.servers import free_port, running_process
 
 pytestmark = pytest.mark.slow
-
-
-def wait_for(url: str, process: subprocess.Popen, what: str, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if process.poll() is not None:
-            raise AssertionError(f"{what} exited: {process.stderr.read().decode()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"{what} did not answer {url} in {timeout_s} s"
-        time.sleep(0.5)
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +43,8 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     }
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                "--port", str(port)]  # fmt: skip
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        wait_for(f"{api}/health", process, "prefect server")
+    with running_process(command, env, "prefect server", f"{api}/health"):
         yield env
-    finally:
-        stop(process)
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +57,9 @@ def served_pipelines(
     env = {**prefect_server, "MLFLOW_TRACKING_URI": store, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "pipelines.cli", "serve-pipelines", "--workdir", str(workdir),
                "--finetune-cron", "0 3 * * *"]  # fmt: skip
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
+    with running_process(command, env, "serve-pipelines") as process:
         wait_for_deployments(prefect_server["PREFECT_API_URL"], process, count=7)
         yield workdir
-    finally:
-        stop(process)
 
 
 def wait_for_deployments(api: str, process: subprocess.Popen, count: int) -> None:

@@ -9,14 +9,17 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from pipelines.finetune import FinetuneError, list_chat_files, mark_processed, read_state
+from pipelines.finetune import (
+    FinetuneError,
+    list_chat_files,
+    mark_processed,
+    new_chat_files,
+    read_state,
+)
 
 
 def new_files(location: str, state: str) -> list[str]:
-    processed = read_state(state)["processed"]
-    return [
-        f["path"] for f in list_chat_files(location) if processed.get(f["path"]) != f["signature"]
-    ]
+    return [f["path"] for f in new_chat_files(location, state)[1]]
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -37,6 +36,7 @@ from pipelines.cli import build_parser
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from registry.models import register_model, set_alias
 from registry.tracking import ensure_tracking_store
+from tests.servers import free_port, running_process
 from training.models.gpt import GPTModel
 from training.models.package import save_model_package, sha256_file
 
@@ -462,9 +462,7 @@ def test_mlflow_models_serve_answers_the_scoring_protocol(
     store: str, models: dict[int, GPTModel], tokenizer: Tokenizer
 ) -> None:
     """A real ``mlflow models serve --env-manager local`` process on 127.0.0.1."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     repo = Path(__file__).resolve().parents[1]
     env = {
         **os.environ,
@@ -477,10 +475,8 @@ def test_mlflow_models_serve_answers_the_scoring_protocol(
         "-m", f"models:/{MODEL_NAME}@candidate", "--env-manager", "local",
         "-h", "127.0.0.1", "-p", str(port), "-w", "1",
     ]  # fmt: skip
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_until_ready(process, f"{url}/ping", 120)
+    with running_process(command, env, "mlflow models serve", f"{url}/ping"):
         expected = [
             alone(models[2], tokenizer, p, max_new_tokens=6, temperature=0)["text"]
             for p in PROMPTS[:2]
@@ -496,25 +492,6 @@ def test_mlflow_models_serve_answers_the_scoring_protocol(
             assert response.json() == {"predictions": expected}
         bad = httpx.post(f"{url}/invocations", json={"inputs": [""]}, timeout=60)
         assert bad.status_code >= 400 and "non-empty string" in bad.text
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _wait_until_ready(process: subprocess.Popen, url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"mlflow models serve exited: {process.stderr.read().decode()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise AssertionError(f"mlflow models serve did not answer {url} in {timeout_s} s")
 
 
 def test_serve_command_is_registered() -> None:
