@@ -134,7 +134,7 @@ def run_torchrun_worker(
     worker: str, spec: dict[str, Any], out: Path, world: int, label: str
 ) -> Path:
     """Write ``spec`` to OUT/spec.json and run tests/WORKER under torchrun with WORLD ranks."""
-    import subprocess
+    from servers import run_group
 
     (out / "spec.json").write_text(json.dumps(spec))
     command = [
@@ -142,9 +142,7 @@ def run_torchrun_worker(
         "--nproc-per-node", str(world), "--max-restarts", "0",
         str(REPO / "tests" / worker), str(out / "spec.json"),
     ]  # fmt: skip
-    done = subprocess.run(
-        command, env=child_env(), capture_output=True, text=True, timeout=300, check=False
-    )
+    done = run_group(command, child_env(), timeout_s=300)
     assert done.returncode == 0, (
         f"{label} worker failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     )

@@ -10,7 +10,6 @@ guard against hangs, nothing asserts on time.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import uuid
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from parallel_helpers import RECIPE, child_env, megalith, set_args, tiny_settings, tiny_shard_set
+from servers import free_port, run_group, stop_group
 
 from pipelines.cli import main
 from training.launch import LaunchSpec, slurm_script, torchrun_command
@@ -40,20 +40,7 @@ def train_args(shards: Path, output: Path, values: dict | None = None) -> list[s
 
 
 def run(command: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        command,
-        env=child_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-        check=False,
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    return run_group(command, child_env(**env), HANG_GUARD_S)
 
 
 # --- one node, two processes ------------------------------------------------------------
@@ -148,19 +135,25 @@ def test_two_nodes_meet_at_a_c10d_rendezvous_on_loopback(shards: Path, tmp_path:
             "--node-rank", str(node_rank),
             "--rdzv-endpoint", endpoint,
             "--rdzv-id", rdzv_id,
+            "--local-addr", "127.0.0.1",
         )  # fmt: skip
         log = (tmp_path / f"node{node_rank}.log").open("w")
-        agents.append(
-            (subprocess.Popen(command, env=child_env(), stdout=log, stderr=subprocess.STDOUT), log)
+        process = subprocess.Popen(
+            command, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+        agents.append((process, log))
     codes = []
     for process, log in agents:
         try:
             codes.append(process.wait(timeout=HANG_GUARD_S))
+        except subprocess.TimeoutExpired:
+            codes.append(f"still running after {HANG_GUARD_S} s")
         finally:
-            process.kill()
+            stop_group(process, grace_s=5)
             log.close()
-    logs = "\n".join((tmp_path / f"node{r}.log").read_text()[-3000:] for r in (0, 1))
+    logs = "\n".join(
+        f"--- node {r} ---\n" + (tmp_path / f"node{r}.log").read_text()[-3000:] for r in (0, 1)
+    )
     assert codes == [0, 0], logs
     assert [r["step"] for r in read_metrics(output / "metrics.jsonl")] == list(range(1, STEPS + 1))
     state = json.loads((output / "checkpoints" / "step-00000004" / "state.json").read_text())
@@ -219,6 +212,9 @@ def test_torchrun_command_lines() -> None:
         ("--max-restarts", "0"),
     ]:
         assert multi[multi.index(flag) + 1] == value
+    assert "--local-addr" not in multi
+    pinned = torchrun_command(LaunchSpec(**{**spec.__dict__, "local_addr": "10.0.0.2"}), ["m"])
+    assert pinned[pinned.index("--local-addr") + 1] == "10.0.0.2"
 
 
 def test_multi_node_needs_an_endpoint(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:

@@ -176,9 +176,10 @@ def test_good_layout_passes() -> None:
 def test_device_mesh_groups_match_the_layout_on_four_processes() -> None:
     """The groups torch.distributed builds hold exactly the ranks the helpers compute."""
     import os
-    import subprocess
     import sys
     from pathlib import Path
+
+    from servers import run_group
 
     worker = Path(__file__).parent / "groups_worker.py"
     command = [
@@ -186,5 +187,5 @@ def test_device_mesh_groups_match_the_layout_on_four_processes() -> None:
         "--nproc-per-node", "4", "--max-restarts", "0", str(worker),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGALITH_DIST_TIMEOUT_S": "60"}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    done = run_group(command, env, timeout_s=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -63,6 +63,11 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous on the first node"
     )
     launch.add_argument("--rdzv-id", default="megalith", metavar="ID", help="job id for rendezvous")
+    launch.add_argument(
+        "--local-addr",
+        metavar="ADDR",
+        help="this node's address for the workers' store (default: its hostname)",
+    )
     train.set_defaults(handler=_train)
     _register_launch(subcommands)
 
@@ -143,6 +148,7 @@ def _launch(args: argparse.Namespace, config: MegalithConfig) -> int:
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id,
+        local_addr=args.local_addr,
     )
     spec.check()
     # Fail before any process starts.

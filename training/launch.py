@@ -32,6 +32,7 @@ class LaunchSpec:
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str = "megalith"
+    local_addr: str | None = None  # the address other nodes reach this one at
 
     def check(self) -> None:
         if self.nproc_per_node < 1:
@@ -66,6 +67,8 @@ def torchrun_command(spec: LaunchSpec, module_args: Sequence[str]) -> list[str]:
         if spec.node_rank is not None:
             command += ["--node-rank", str(spec.node_rank)]
             command += ["--rdzv-conf", f"is_host={int(spec.node_rank == 0)}"]
+    if spec.local_addr:
+        command += ["--local-addr", spec.local_addr]
     command += [
         "--nnodes", str(spec.nnodes),
         "--nproc-per-node", str(spec.nproc_per_node),
