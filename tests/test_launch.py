@@ -68,14 +68,14 @@ import os
 if os.environ.get("RANK") == "1":
     import training.trainer as trainer
 
-    step = trainer.Trainer.train_step
+    step = trainer.Trainer.launch_step
 
     def failing_step(self, batches):
         if self.step == 1:
             raise RuntimeError("injected failure on rank 1 at step 2")
         return step(self, batches)
 
-    trainer.Trainer.train_step = failing_step
+    trainer.Trainer.launch_step = failing_step
 """
 
 

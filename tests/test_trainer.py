@@ -134,6 +134,29 @@ def test_loss_falls_and_metrics_jsonl_has_one_record_per_step(shards: Path, tmp_
     assert (tmp_path / "model" / "model.safetensors").is_file()
 
 
+def test_recording_each_step_one_step_late_writes_the_same_records(
+    shards: Path, tmp_path: Path
+) -> None:
+    # On a GPU fit reads step k's metrics after launching step k + 1; evaluation and
+    # checkpoint steps are recorded at once, before the weights move on.
+    values = {"training.train_iters": 12, "training.eval_interval": 5, "checkpoint.interval": 4}
+
+    def records(late: bool) -> list[dict[str, Any]]:
+        trainer = Trainer(tiny_config(shards, values), tmp_path / f"late-{late}")
+        trainer.records_one_step_late = late
+        trainer.fit(show_progress=False)
+        return read_metrics(tmp_path / f"late-{late}" / "metrics.jsonl")
+
+    late, at_once = records(True), records(False)
+    assert [r["step"] for r in late] == list(range(1, 13))
+    assert [r["step"] for r in late if "val_loss" in r] == [5, 10, 12]
+    keys = ("step", "loss", "lr", "grad_norm", "val_loss")
+    assert [{k: r.get(k) for k in keys} for r in late] == [
+        {k: r.get(k) for k in keys} for r in at_once
+    ]
+    assert (tmp_path / "late-True" / "checkpoints" / "step-00000008").is_dir()
+
+
 # --- exact resume -------------------------------------------------------------------------
 
 N = 4
@@ -298,6 +321,29 @@ def test_two_micro_batches_of_four_give_the_gradient_of_one_batch_of_eight(
     assert whole_grads.keys() == accumulated_grads.keys()
     for name, grad in whole_grads.items():
         torch.testing.assert_close(accumulated_grads[name], grad, rtol=1e-4, atol=1e-7)
+
+
+def test_clipping_inside_the_fused_step_equals_clipping_before_it(
+    shards: Path, tmp_path: Path
+) -> None:
+    # A clip threshold well below the first step's norm, so the clipping really acts.
+    def three_steps(fused: bool) -> tuple[Trainer, list[dict[str, float]]]:
+        values = {"optimizer.fused": fused, "training.grad_clip": 0.05, "training.train_iters": 3}
+        trainer = Trainer(tiny_config(shards, values), tmp_path / f"fused-{fused}")
+        batches = iter(trainer._loader(trainer.train_data, 0, 24))
+        return trainer, [trainer.train_step(batches) for _ in range(3)]
+
+    folded, folded_records = three_steps(fused=True)
+    separate, separate_records = three_steps(fused=False)
+    assert folded.clips_in_step and not separate.clips_in_step
+    assert folded_records[0]["grad_norm"] > 0.05 * 10
+    for a, b in zip(folded_records, separate_records, strict=True):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    for (name, a), b in zip(
+        folded.model.named_parameters(), separate.model.parameters(), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
 
 
 # --- schedules ----------------------------------------------------------------------------

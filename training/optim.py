@@ -24,3 +24,24 @@ def build_optimizer(
         fused=fused or None,
     )
     return optimizer, ordered_names
+
+
+def folds_clipping(optimizer: object) -> bool:
+    """Whether ``optimizer`` is one fused torch AdamW, which can clip inside its kernel."""
+    return isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
+
+
+def step_with_clipping(optimizer: torch.optim.AdamW, norm: torch.Tensor, max_norm: float) -> None:
+    """One optimizer step with the gradients clipped to ``max_norm``, inside the kernel.
+
+    The fused AdamW kernel divides each gradient by ``grad_scale`` as it reads it (the
+    hook ``torch.amp.GradScaler`` unscales through), so clipping costs no pass of its own
+    over all gradients: ``clip_grad_norm_``'s coefficient ``min(1, max_norm / (norm +
+    1e-6))`` applied as its reciprocal. ``norm`` stays on the device: no host sync.
+    """
+    if max_norm > 0:
+        optimizer.grad_scale = ((norm.float() + 1e-6) / max_norm).clamp(min=1.0)
+    try:
+        optimizer.step()
+    finally:
+        optimizer.__dict__.pop("grad_scale", None)

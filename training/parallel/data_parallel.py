@@ -127,6 +127,11 @@ def clip_grad_norm(
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
+def grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """The norm of the gradients of ``parameters`` (held whole on this rank), unclipped."""
+    return torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+
+
 # --- FSDP2 ------------------------------------------------------------------------------
 
 
