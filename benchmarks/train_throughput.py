@@ -4,12 +4,14 @@ Each variant runs in its own process (so one cannot fragment another's memory) a
 reports tokens/s over the timed steps after warm-up:
 
 * ``matmul``      bf16 8192³ matrix products: the achievable peak on this GPU
-* ``ours``        Megalith's Trainer.train_step: real shards, real DataLoader, fused
-                  AdamW, bf16 autocast, gradient clipping — the step the trainer runs
+* ``ours``        Megalith's training step as ``Trainer.fit`` runs it: real shards, real
+                  DataLoader, fused AdamW, bf16 autocast, gradient clipping; each step's
+                  loss read after the next step is launched
 * ``ours-compile`` the same with ``training.compile=true``
 * ``hf``          transformers' LlamaForCausalLM / GPT2LMHeadModel (SDPA), same shape,
                   bf16 autocast over fp32 weights, fused AdamW, clipping; batches
-                  already on the GPU (no loader cost)
+                  already on the GPU (no loader cost); no per-step host sync (losses
+                  read after timing, as HF Trainer reads them only to log)
 * ``hf-compile``  the same under ``torch.compile``
 
 An ``ours`` variant may carry config settings after ``@`` to measure one switch on its
@@ -128,6 +130,22 @@ def time_steps(step, warmup: int, steps: int) -> float:
     return time.perf_counter() - started
 
 
+def profile_steps(step, out: Path, variant: str, steps: int = 3) -> None:
+    """A few more steps under torch.profiler: the kernels by GPU time, to OUT/profile-VARIANT.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        _synchronize()
+    import torch
+
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=70, max_name_column_width=100)
+    name = variant.replace("/", "_").replace("@", "_at_")
+    (out / f"profile-{name}.txt").write_text(f"{steps} steps of {variant}\n{table}\n")
+
+
 def run_matmul() -> dict:
     import torch
 
@@ -144,7 +162,7 @@ def run_ours(args, compile_model: bool) -> dict:
     config = load_shape(
         args.shape,
         args.shards,
-        args.warmup + args.steps,
+        args.warmup + args.steps + 3 * args.profile,
         compile_model,
         args.micro_batch,
         variant_settings(args.variant),
@@ -152,9 +170,17 @@ def run_ours(args, compile_model: bool) -> dict:
     trainer = Trainer(config, Path(args.out) / f"run-{args.variant}")
     batches = iter(trainer._loader(trainer.train_data, 0, len(trainer.train_data)))
     losses = []
-    seconds = time_steps(
-        lambda: losses.append(trainer.train_step(batches)["loss"]), args.warmup, args.steps
-    )
+
+    pending = []  # as Trainer.fit: step k's metrics are read after step k + 1 is launched
+
+    def step():
+        pending.append(trainer.launch_step(batches))
+        if len(pending) > 1:
+            losses.append(pending.pop(0).result()["loss"])
+
+    seconds = time_steps(step, args.warmup, args.steps)
+    if args.profile:
+        profile_steps(step, Path(args.out), args.variant)
     tokens = args.steps * config.training.global_batch_size * config.data.seq_length
     return _result(config, tokens, seconds, losses, _peak_memory())
 
@@ -203,9 +229,12 @@ def run_hf(args, compile_model: bool) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(loss.detach())  # read after timing, as HF Trainer reads only at logging
 
     seconds = time_steps(step, args.warmup, args.steps)
+    if args.profile:
+        profile_steps(step, Path(args.out), args.variant)
+    losses = [loss.item() for loss in losses]
     return _result(
         config, args.steps * mbs * seq, seconds, losses, torch.cuda.max_memory_allocated()
     )
@@ -295,6 +324,7 @@ def drive(args) -> None:
             sys.executable, __file__, "--worker", "--variant", variant, "--shape", args.shape,
             "--shards", shards, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out),
         ] + (["--micro-batch", str(args.micro_batch)] if args.micro_batch else [])  # fmt: skip
+        command += ["--profile"] * args.profile
         results[variant] = run_worker(command)
         print(variant, json.dumps(results[variant])[:300], flush=True)
     report = {
@@ -348,6 +378,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--micro-batch", type=int, default=None)
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmark-out"))
+    parser.add_argument(
+        "--profile", action="store_true", help="then profile 3 steps: OUT/profile-VARIANT.txt"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--shards", help=argparse.SUPPRESS)
