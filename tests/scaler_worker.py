@@ -45,6 +45,9 @@ def main(spec_path: str) -> None:
         "local": one_step(local, rank),
     }
     (Path(spec["out"]) / f"rank{rank}.json").write_text(json.dumps(result))
+    # Both ranks done before either tears gloo down: under load a rank leaving first
+    # made the other abort in its teardown ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
