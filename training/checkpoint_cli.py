@@ -2,7 +2,7 @@
 whether every byte of it is sound.
 
 A directory is recognised by its manifest: ``index.json`` (a training checkpoint; its
-``format``/``version`` pick the verifier in :data:`VERIFIERS`) or ``checksums.json`` +
+``format``/``version`` pick the verifier, :func:`verifier`) or ``checksums.json`` +
 ``config.json`` (a model package). ``verify`` runs every check the loaders run
 (signature, sha256 of every file, names that cannot escape the directory, bounded
 safetensors headers matching the index or the model) without reading any tensor, and
@@ -18,22 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from training.checkpoint import verify_checkpoint
 from training.errors import MegalithError
 from training.safe_tensors import ITEMSIZE, TORCH_NAMES, check_safetensors
-from training.sharded_checkpoint import verify_sharded_checkpoint
 from training.signing import check_signature, signature_status
 
 INDEX = "index.json"
 CHECKSUMS = "checksums.json"
-# (index format, version) -> ``verify(path, require_signature) -> index``: every check
-# short of reading tensors.
-VERIFIERS: dict[tuple[str, int], Callable[..., dict[str, Any]]] = {
-    ("megalith-checkpoint", 1): verify_checkpoint,
-    ("megalith-sharded-checkpoint", 2): lambda path, require_signature=False: (
-        verify_sharded_checkpoint(path, require_signature=require_signature)
-    ),
-}
+# The index formats :func:`verifiers` knows, as ``(format, version)``.
+FORMATS = [("megalith-checkpoint", 1), ("megalith-sharded-checkpoint", 2)]
 _ITEMSIZE = {TORCH_NAMES[k]: v for k, v in ITEMSIZE.items()}
 
 
@@ -118,13 +110,20 @@ def detect(path: Path) -> tuple[str, dict[str, Any]]:
 
 
 def verifier(path: Path, index: Any) -> Callable[..., dict[str, Any]]:
-    """The verifier for this index's format and version."""
+    """The verifier for this index's format and version: ``verify(path,
+    require_signature) -> index``, every check short of reading tensors."""
     key = (index.get("format"), index.get("version")) if isinstance(index, dict) else None
-    if key not in VERIFIERS:
-        raise UnknownCheckpointError(
-            f"{path / INDEX}: format {key} is not one of {sorted(VERIFIERS)}"
-        )
-    return VERIFIERS[key]
+    if key not in FORMATS:
+        raise UnknownCheckpointError(f"{path / INDEX}: format {key} is not one of {FORMATS}")
+    # Imported here: they load torch, which `megalith --help` should not wait for.
+    from training.checkpoint import verify_checkpoint
+    from training.sharded_checkpoint import verify_sharded_checkpoint
+
+    if key == FORMATS[0]:
+        return verify_checkpoint
+    return lambda path, require_signature=False: verify_sharded_checkpoint(
+        path, require_signature=require_signature
+    )
 
 
 # --------------------------------------------------------------------------- verify
