@@ -61,6 +61,13 @@ class TokenizerConfig(StrictModel):
     byte_fallback: bool = True
     character_coverage: float = Field(default=0.9995, gt=0.0, le=1.0)
     special_tokens: list[str] = Field(default_factory=lambda: list(DEFAULT_SPECIAL_TOKENS))
+    sentinel_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=1000,
+        description="T5 span-corruption sentinels <extra_id_0> .. <extra_id_{n-1}> added to "
+        "the vocabulary after special_tokens (T5 uses 100); 0: none.",
+    )
     max_training_documents: int = Field(
         default=200_000,
         ge=1,
