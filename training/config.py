@@ -84,6 +84,28 @@ class DatasetSource(StrictModel):
     weight: float = Field(default=1.0, gt=0.0)
 
 
+class SpanCorruptionConfig(StrictModel):
+    """T5 span corruption (``model.family: t5``, training.data.t5_dataset): a share of each
+    raw window's tokens, in spans, is replaced by sentinels in the encoder input, and the
+    decoder predicts the spans."""
+
+    noise_density: float = Field(
+        default=0.15, gt=0.0, lt=1.0, description="Share of the raw tokens that are masked."
+    )
+    mean_span_length: float = Field(
+        default=3.0, ge=1.0, description="Mean length of a masked span, in tokens."
+    )
+    encoder_length: int | None = Field(
+        default=None, ge=8, description="Encoder tokens per sample (S); None: data.seq_length."
+    )
+    decoder_length: int | None = Field(
+        default=None,
+        ge=2,
+        description="Decoder tokens per sample (T); None: exactly what the encoder length and "
+        "noise density need (T5's random_spans_helper: 114 for S 512 at 0.15 / 3.0).",
+    )
+
+
 class DataConfig(StrictModel):
     """Raw corpus → shards (preprocessing) and shards → samples (training)."""
 
@@ -130,6 +152,10 @@ class DataConfig(StrictModel):
         default=None,
         description="Where sample indices are cached; defaults to beside local data, "
         "or ~/.cache/megalith for remote data.",
+    )
+    span_corruption: SpanCorruptionConfig = Field(
+        default_factory=SpanCorruptionConfig,
+        description="T5 span-corruption samples (used with model.family t5).",
     )
 
     @model_validator(mode="after")

@@ -1,0 +1,57 @@
+"""Shared by the T5 tests: the sample corpus as shards whose tokenizer has sentinels,
+built once per pytest session, and span un-corruption (the inverse of the dataset)."""
+
+from __future__ import annotations
+
+import fcntl
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+T5_RECIPE = REPO / "configs" / "t5-tiny-cpu.yaml"
+CORPUS = REPO / "preprocessing" / "sample_corpus" / "stories.jsonl"
+SENTINELS = 16
+
+
+def t5_shard_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sample corpus as 2 shards with a 1024-piece tokenizer holding 16 sentinels."""
+    from preprocessing.stage import run_tokenize_stage
+    from training.config import load_config
+
+    root = tmp_path_factory.getbasetemp() / "megalith-t5-shards"
+    root.mkdir(exist_ok=True)
+    output = root / "shards"
+    with (root / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (output / "manifest.json").exists():
+            config = load_config(
+                REPO / "configs" / "sample-data.yaml",
+                [
+                    f"data.output={output}",
+                    "tokenizer.vocab_size=1024",
+                    f"tokenizer.sentinel_tokens={SENTINELS}",
+                    "data.workers=1",
+                    "data.shards=2",
+                ],
+                {"data.inputs": [str(CORPUS)]},
+            )
+            run_tokenize_stage(config, show_progress=False)
+    return output
+
+
+def uncorrupt(encoder: np.ndarray, targets: np.ndarray, sentinels: list[int]) -> np.ndarray:
+    """The raw window back from an encoder input and its targets (EOS and padding cut)."""
+    spans: dict[int, list[int]] = {}
+    current = None
+    for token in targets.tolist():
+        if token in sentinels:
+            current = sentinels.index(token)
+            spans[current] = []
+        else:
+            spans[current].append(token)
+    out: list[int] = []
+    for token in encoder.tolist():
+        out.extend(spans[sentinels.index(token)] if token in sentinels else [token])
+    return np.asarray(out, dtype=np.int64)
