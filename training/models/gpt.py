@@ -58,6 +58,7 @@ from training.models.layers import (
     NormSpec,
     RotaryEmbedding,
     apply_rope,
+    geglu,
     gelu,
     scaled_init_std,
     swiglu,
@@ -160,7 +161,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, backend: LayerBackend):
         super().__init__()
-        gated = config.activation == "swiglu"
+        gated = config.activation in ("swiglu", "geglu")
         chunks = 2 if gated else 1
         self.fc1 = backend.norm_linear(
             config.hidden_size,
@@ -170,7 +171,7 @@ class MLP(nn.Module):
             init_std=config.init_std,
             output_chunks=chunks,
         )
-        self.activation = swiglu if gated else gelu
+        self.activation = {"swiglu": swiglu, "geglu": geglu, "gelu": gelu}[config.activation]
         self.fc2 = backend.row_linear(
             config.ffn_hidden_size,
             config.hidden_size,

@@ -1,0 +1,150 @@
+"""The T5 encoder-decoder: config keys, masks and positions, checkpointing, tensor and
+sequence parallelism, model packages, the Hugging Face export and seq2seq generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pydantic import ValidationError
+
+from training.config import MegalithConfig, ModelConfig
+from training.models import GPTModel, T5Model, build_model
+
+VOCAB = 64
+PAD = 0
+
+
+def tiny_t5(**overrides) -> ModelConfig:
+    values = {
+        "family": "t5",
+        "num_layers": 2,
+        "num_decoder_layers": 3,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 32,
+        "backend": "torch",
+        "relative_attention_num_buckets": 8,
+        "relative_attention_max_distance": 16,
+    }
+    return ModelConfig(**{**values, **overrides})
+
+
+def build(config: ModelConfig, seed: int = 0) -> T5Model:
+    torch.manual_seed(seed)
+    return build_model(config)
+
+
+def ids(batch: int, length: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, length), generator=generator)
+
+
+POSITIONS = ["relative", "rope"]
+
+
+def test_config_defaults_and_refusals():
+    config = ModelConfig(family="t5")
+    assert (config.normalization, config.activation, config.position_embedding) == (
+        "rmsnorm",
+        "geglu",
+        "relative",
+    )
+    assert (config.bias, config.tie_embeddings, config.decoder_layers) == (False, False, 2)
+    assert ModelConfig(family="t5", num_decoder_layers=5).decoder_layers == 5
+    assert ModelConfig().family == "gpt" and ModelConfig().activation == "swiglu"
+    refused = [
+        ({"family": "t5", "num_experts": 4}, "model.num_experts"),
+        ({"family": "t5", "position_embedding": "learned"}, "model.position_embedding"),
+        ({"family": "t5", "tie_embeddings": True}, "model.tie_embeddings"),
+        ({"position_embedding": "relative"}, "model.position_embedding"),
+        ({"activation": "geglu"}, "model.activation"),
+        ({"num_decoder_layers": 2}, "model.num_decoder_layers"),
+    ]
+    for values, key in refused:
+        with pytest.raises(ValidationError, match=key):
+            ModelConfig(**values)
+    with pytest.raises(ValidationError, match="parallel.context"):
+        MegalithConfig(model={"family": "t5"}, parallel={"context": 2})
+    assert isinstance(build_model(tiny_t5()), T5Model)
+    assert isinstance(
+        build_model(ModelConfig(vocab_size=VOCAB, max_position_embeddings=8)), GPTModel
+    )
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_loss_is_cross_entropy_of_logits(position):
+    model = build(tiny_t5(position_embedding=position))
+    enc, dec, labels = ids(2, 9, 1), ids(2, 6, 2), ids(2, 6, 3)
+    labels[1, 4:] = -100
+    logits = model(enc, dec)
+    assert logits.shape == (2, 6, VOCAB) and logits.dtype == torch.float32
+    expected = F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1), ignore_index=-100)
+    torch.testing.assert_close(model(enc, dec, labels), expected)
+    per_token = model(enc, dec, labels, loss_reduction="none")
+    assert per_token.shape == (2, 6) and per_token[1, 4:].eq(0).all()
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_encoder_padding_is_never_read(position):
+    """Logits with a padded encoder equal those of the unpadded prompt, whatever the
+    padded positions hold: the encoder's self-attention and the cross-attention skip them."""
+    model = build(tiny_t5(position_embedding=position)).eval()
+    enc, dec = ids(2, 10, 4), ids(2, 5, 5)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, 6:] = False
+    other = enc.clone()
+    other[1, 6:] = ids(1, 4, 6)
+    with torch.no_grad():
+        padded = model(enc, dec, encoder_mask=mask)
+        refilled = model(other, dec, encoder_mask=mask)
+        alone = model(enc[1:, :6], dec[1:])
+        unmasked = model(enc, dec)
+    torch.testing.assert_close(padded, refilled, rtol=0, atol=0)
+    torch.testing.assert_close(padded[1:], alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded[:1], unmasked[:1], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(padded[1:], unmasked[1:], atol=1e-4)
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_decoder_is_causal_and_encoder_bidirectional(position):
+    model = build(tiny_t5(position_embedding=position)).eval()
+    enc, dec = ids(1, 8, 7), ids(1, 6, 8)
+    with torch.no_grad():
+        base = model(enc, dec)
+        later_dec = dec.clone()
+        later_dec[0, 4] = (dec[0, 4] + 1) % VOCAB
+        changed = model(enc, later_dec)
+        later_enc = enc.clone()
+        later_enc[0, 7] = (enc[0, 7] + 1) % VOCAB
+        changed_enc = model(later_enc, dec)
+    torch.testing.assert_close(changed[:, :4], base[:, :4], rtol=0, atol=0)
+    assert not torch.allclose(changed[:, 4:], base[:, 4:], atol=1e-4)
+    assert not torch.allclose(changed_enc[:, 0], base[:, 0], atol=1e-5)
+
+
+def _loss_and_grads(model: T5Model, enc, dec, labels, mask):
+    model.zero_grad()
+    loss = model(enc, dec, labels, encoder_mask=mask)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_loss_and_gradients(mode):
+    config = tiny_t5(dropout=0.1)
+    enc, dec, labels = ids(2, 8, 9), ids(2, 6, 10), ids(2, 6, 11)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[0, 5:] = False
+    plain = build(config)
+    torch.manual_seed(3)
+    expected = _loss_and_grads(plain, enc, dec, labels, mask)
+    checkpointed = build(tiny_t5(dropout=0.1, activation_checkpointing=mode))
+    torch.manual_seed(3)
+    loss, grads = _loss_and_grads(checkpointed, enc, dec, labels, mask)
+    torch.testing.assert_close(loss, expected[0])
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[1][name], msg=name)
+    assert grads["encoder.relative_bias.weight"].abs().sum() > 0
+    assert grads["decoder.relative_bias.weight"].abs().sum() > 0
