@@ -443,12 +443,15 @@ class GPTModel(nn.Module):
 
 def model_from_tensors(
     config: ModelConfig, params: dict[str, Tensor], buffers: dict[str, Tensor]
-) -> GPTModel:
-    """A plain single-device model on CPU holding ``params`` and ``buffers`` (whole
-    tensors, single-process names): what the parallel layouts gather for checkpoints
-    and the model package. Built on the meta device, so nothing is initialised twice."""
+) -> nn.Module:
+    """A plain single-device model of ``config.family`` on CPU holding ``params`` and
+    ``buffers`` (whole tensors, single-process names): what the parallel layouts gather
+    for checkpoints and the model package. Built on the meta device, so nothing is
+    initialised twice."""
+    from training.models import build_model  # the package imports this module
+
     with torch.device("meta"):
-        model = GPTModel(config)
+        model = build_model(config)
     model.to_empty(device="cpu")
     model.tie_weights()
     with torch.no_grad():

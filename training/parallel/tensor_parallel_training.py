@@ -42,9 +42,9 @@ from training.parallel.tensor_parallel.sharding import (
 
 def build_model(
     config: ModelConfig, state: ParallelState, sequence_parallel: bool, device: torch.device
-) -> GPTModel:
-    """This rank's model: the whole one without TP, else its TP shard of it (with
-    context-parallel attention under CP)."""
+) -> GPTModel | models.T5Model:
+    """This rank's model (of ``config.family``): the whole one without TP, else its TP
+    shard of it (with context-parallel attention under CP)."""
     # Consumes the RNG exactly as one device does (CP attention has no parameters).
     full = models.build_model(config, cp.wrap_backend(resolve_backend(config.backend), state))
     if state.sizes.tp == 1:
