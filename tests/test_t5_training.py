@@ -37,6 +37,7 @@ WORLD = 2
 DP_CASES = {
     "dp2-ddp": {"parallel.data_parallel_mode": "ddp"},
     "dp2-distributed-optimizer": {"parallel.data_parallel_mode": "distributed_optimizer"},
+    "tp2": {"parallel.tensor": 2},  # the trainer's T5 path under tensor parallelism too
 }
 
 
@@ -115,7 +116,8 @@ def test_t5_resumes_exactly(t5_shards: Path, reference: Path, tmp_path: Path) ->
 
 @pytest.fixture(scope="module")
 def dp_runs(t5_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Both data-parallel modes in one torchrun job of 2 gloo ranks (fit, then resume)."""
+    """Both data-parallel modes and TP=2 in one torchrun job of 2 gloo ranks (fit, then
+    resume)."""
     out = tmp_path_factory.mktemp("t5-dp")
     spec = {
         "recipe": str(T5_RECIPE),
@@ -128,7 +130,7 @@ def dp_runs(t5_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("case", DP_CASES)
-def test_data_parallel_matches_one_process(case: str, dp_runs: Path, reference: Path) -> None:
+def test_parallel_trainer_matches_one_process(case: str, dp_runs: Path, reference: Path) -> None:
     """Losses (train and validation) within 1e-5 and grad norms within 1e-4 relative of one
     process at every step; the last checkpoint's weights and AdamW moments within 1e-4
     relative / 1e-5 absolute; a resume repeats the run's losses exactly."""
