@@ -4,8 +4,10 @@ sequence parallelism, model packages, the Hugging Face export and seq2seq genera
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
@@ -13,6 +15,7 @@ from pydantic import ValidationError
 from training.config import MegalithConfig, ModelConfig
 from training.models import GPTModel, T5Model, build_model
 
+REPO = Path(__file__).resolve().parents[1]
 VOCAB = 64
 PAD = 0
 
@@ -203,3 +206,85 @@ def test_trainer_tensor_parallel_helpers_build_and_gather_t5(tp_results):
     SP) with the one-device loss; full_model gathers the whole T5 exactly on rank 0."""
     problems = [line for by_layout in tp_results for line in by_layout["trainer helpers"]]
     assert not problems, "\n".join(problems)
+
+
+# --- model package and Hugging Face export -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory) -> Path:
+    """A 400-piece SentencePiece model with <|eod|>, <|pad|> and two sentinels."""
+    from preprocessing.tokenizer import train_tokenizer
+    from training.config import DEFAULT_SPECIAL_TOKENS, TokenizerConfig
+
+    lines = (REPO / "preprocessing/sample_corpus/stories.jsonl").read_text().splitlines()
+    docs = [json.loads(line)["text"] for line in lines[:300]]
+    prefix = tmp_path_factory.mktemp("tok") / "tok"
+    specials = [*DEFAULT_SPECIAL_TOKENS, "<extra_id_0>", "<extra_id_1>"]
+    config = TokenizerConfig(
+        vocab_size=400, pad_vocab_multiple=64, max_training_documents=300, special_tokens=specials
+    )
+    train_tokenizer(docs, config, str(prefix))
+    return Path(f"{prefix}.model")
+
+
+def packaged_t5(tokenizer_file: Path, out: Path, **overrides) -> tuple[T5Model, Path]:
+    """A T5 with hidden 64 / 4 heads (head_dim 16: the exported 1/4 query scale is exact),
+    norms moved away from 1 so their mapping is tested, saved as a package."""
+    from training.models.package import save_model_package
+
+    pieces = spm.SentencePieceProcessor(model_file=str(tokenizer_file)).get_piece_size()
+    config = tiny_t5(hidden_size=64, vocab_size=-(-pieces // 64) * 64, **overrides)
+    model = build(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    save_model_package(model, config, tokenizer_file, out)
+    return model.eval(), out
+
+
+def test_package_round_trip(tokenizer_file, tmp_path):
+    from training.models.package import load_model_package, read_package_model_config
+
+    model, package = packaged_t5(tokenizer_file, tmp_path / "pkg")
+    loaded, config, _ = load_model_package(package)
+    assert isinstance(loaded, T5Model) and read_package_model_config(package).family == "t5"
+    enc, dec = ids(2, 9, 12), ids(2, 5, 13)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(enc, dec), model(enc, dec), rtol=0, atol=0)
+
+
+def test_hf_export_logits_match_transformers(tokenizer_file, tmp_path):
+    """``megalith export hf`` on a T5 package; T5ForConditionalGeneration's fp32 logits
+    equal ours (padded encoder, encoder longer than relative_attention_max_distance)."""
+    transformers = pytest.importorskip("transformers")
+    from pipelines.cli import main
+
+    model, package = packaged_t5(tokenizer_file, tmp_path / "pkg")
+    out = tmp_path / "hf"
+    assert main(["export", "hf", str(package), str(out)]) == 0
+    hf_config = json.loads((out / "config.json").read_text())
+    pad = spm.SentencePieceProcessor(model_file=str(tokenizer_file)).piece_to_id("<|pad|>")
+    assert hf_config["decoder_start_token_id"] == hf_config["pad_token_id"] == pad
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok_config["additional_special_tokens"] == ["<extra_id_0>", "<extra_id_1>"]
+    hf = transformers.T5ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
+    assert hf.lm_head.weight.data_ptr() != hf.shared.weight.data_ptr()
+
+    enc, dec = ids(2, 20, 14), ids(2, 7, 15)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1, 13:] = False
+    with torch.no_grad():
+        ours = model(enc, dec, encoder_mask=mask)
+        theirs = hf(input_ids=enc, attention_mask=mask.long(), decoder_input_ids=dec).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_hf_export_refuses_rope_t5(tokenizer_file, tmp_path):
+    from training.interop.hf import HFInteropError, export_hf
+
+    _, package = packaged_t5(tokenizer_file, tmp_path / "pkg", position_embedding="rope")
+    with pytest.raises(HFInteropError, match="position_embedding is 'rope'"):
+        export_hf(package, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
