@@ -154,3 +154,48 @@ def test_unsupported_t5_layouts_are_refused(t5_shards: Path, sizes, setting, key
     full = {"tp": 1, "cp": 1, "pp": 1, "dp": 1, "ep": 1, **sizes}
     with pytest.raises(MegalithError, match=f"{key} with model.family=t5"):
         check_trainer_support(config, ParallelSizes(**full))
+
+
+# --- evaluation ----------------------------------------------------------------------------
+
+
+def test_perplexity_scores_the_trainers_validation_targets(t5_shards: Path, reference: Path):
+    """evaluate_perplexity on the package reads the samples the trainer validated on: its
+    loss equals the last logged val_loss (every sample has as many targets)."""
+    from evaluation.perplexity import evaluate_perplexity
+    from training.models.package import load_model_package
+
+    model, config, _ = load_model_package(reference / "model")
+    assert isinstance(model, T5Model)
+    data = t5_config(t5_settings(t5_shards)).data
+    result = evaluate_perplexity(model, data, max_samples=4, batch_size=3)
+    lengths = span_corruption_lengths(data)
+    assert result.samples == 4 and result.tokens == 4 * lengths.targets_used
+    assert result.loss == pytest.approx(metrics(reference)[-1]["val_loss"], abs=1e-5)
+
+
+def test_task_choices_are_scored_as_the_span_after_the_context(reference: Path) -> None:
+    """span_logliks: ``context <extra_id_0> EOS`` in, ``<extra_id_0> choice`` scored; a
+    batch of different lengths (padded, masked) gives each row's single-row value, and
+    that is the log-softmax of the choice tokens read off the logits."""
+    from evaluation.seq2seq import span_logliks, span_prompt
+    from preprocessing.tokenizer import load_tokenizer, sentinel_ids
+    from training.models.package import load_model_package
+
+    model, _, tokenizer_path = load_model_package(reference / "model")
+    tokenizer = load_tokenizer(str(tokenizer_path))
+    sequences = [
+        (tokenizer.encode("Once upon a time, a fox"), 3),
+        (tokenizer.encode("The capital of Valdoria is Mirelle."), 5),
+    ]  # fmt: skip
+    batched = span_logliks(model, tokenizer, sequences)
+    for (tokens, n), value in zip(sequences, batched, strict=True):
+        encoder, start = span_prompt(tokenizer, tokens[:-n])
+        assert encoder[-2:] == [sentinel_ids(tokenizer)[0], tokenizer.eod_id]
+        assert start == [tokenizer.pad_id, sentinel_ids(tokenizer)[0]]
+        with torch.no_grad():
+            logits = model(torch.tensor([encoder]), torch.tensor([start + tokens[-n:-1]]))
+        logprobs = logits.log_softmax(-1)[0, len(start) - 1 :]
+        want = logprobs.gather(1, torch.tensor(tokens[-n:])[:, None]).sum().item()
+        assert value == pytest.approx(want, abs=1e-4)
+        assert span_logliks(model, tokenizer, [(tokens, n)])[0] == pytest.approx(value, abs=1e-4)
