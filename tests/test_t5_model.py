@@ -341,3 +341,21 @@ def test_generate_seq2seq_texts(tokenizer_file, tmp_path):
         assert generation.prompt_tokens == len(tokenizer.encode(prompt)) + 1
         assert generation.finish_reason in ("eod", "length") and generation.new_tokens <= 5
         assert generation.text == tokenizer.decode(generation.token_ids)
+
+
+def test_transformer_engine_backend_builds_t5():
+    """Under the TE backend (a CPU stand-in for transformer_engine) T5 has the torch
+    backend's parameters and outputs: masked attention falls back to SDPA."""
+    from test_te_backend import stand_in_backend
+
+    config = tiny_t5()
+    plain = build(config)
+    torch.manual_seed(0)
+    te = T5Model(config, stand_in_backend())
+    assert list(plain.state_dict()) == list(te.state_dict())
+    enc, dec, labels = ids(2, 8, 30), ids(2, 6, 31), ids(2, 6, 32)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[0, 6:] = False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = [model(enc, dec, labels, encoder_mask=mask) for model in (plain, te)]
+    torch.testing.assert_close(losses[1], losses[0])
