@@ -32,6 +32,7 @@ from typing import Any
 
 from evaluation import EvaluationError
 from evaluation.generate import SamplingConfig, generate
+from evaluation.generate_t5 import generate_seq2seq
 from evaluation.perplexity import evaluate_perplexity
 from evaluation.runtime import AUTOCAST_DTYPES, resolve_precision
 from evaluation.tasks import evaluate_task, load_task, resolve_task_file
@@ -116,7 +117,7 @@ def evaluate_model(
         prompts = T5_DEFAULT_PROMPTS if seq2seq else DEFAULT_PROMPTS
     prompts = list(prompts)
     if prompts and sampling.max_new_tokens > 0:
-        result = (_seq2seq_generate() if seq2seq else generate)(
+        result = (generate_seq2seq if seq2seq else generate)(
             model,
             tokenizer,
             prompts,
@@ -136,12 +137,6 @@ def evaluate_model(
     if output is not None:
         write_report(report, output)
     return report
-
-
-def _seq2seq_generate():
-    from evaluation.generate_t5 import generate_seq2seq
-
-    return generate_seq2seq
 
 
 def headline_metrics(report: dict[str, Any]) -> dict[str, float]:
