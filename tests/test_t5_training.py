@@ -199,3 +199,56 @@ def test_task_choices_are_scored_as_the_span_after_the_context(reference: Path) 
         want = logprobs.gather(1, torch.tensor(tokens[-n:])[:, None]).sum().item()
         assert value == pytest.approx(want, abs=1e-4)
         assert span_logliks(model, tokenizer, [(tokens, n)])[0] == pytest.approx(value, abs=1e-4)
+
+
+# --- the end-to-end flow, selected by model.family -----------------------------------------
+
+
+@pytest.mark.slow
+def test_end_to_end_flow_trains_evaluates_and_registers_a_t5(
+    prefect_api, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """configs/t5-tiny-cpu.yaml shrunk, through the same end-to-end flow as GPT: tokenizer
+    with sentinels → shards → train → eval (span perplexity, tasks, seq2seq generation) →
+    register; the registered model loads back as a T5."""
+    from pipelines.commands import sample_corpus
+    from pipelines.flows import end_to_end
+    from preprocessing.tokenizer import load_tokenizer, sentinel_ids
+    from registry.models import load_registered_model
+    from registry.tracking import ensure_tracking_store
+    from training.config import load_config
+    from training.models.package import load_model_package
+
+    root = tmp_path_factory.mktemp("t5-e2e")
+    lines = sample_corpus().read_text().splitlines()[:300]
+    (root / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
+    ensure_tracking_store(tracking_uri)
+    config = load_config(
+        T5_RECIPE,
+        [
+            "tokenizer.vocab_size=640", "tokenizer.sentinel_tokens=8", "data.workers=1",
+            "data.seq_length=48", "model.num_layers=1", "model.num_decoder_layers=1",
+            "model.hidden_size=32", "model.ffn_hidden_size=64", "training.train_iters=3",
+            "training.eval_interval=3", "training.eval_iters=1", "training.log_interval=1",
+            "logging.registered_model=t5-e2e",
+        ],
+        {"data.inputs": [str(root / "corpus.jsonl")], "data.output": str(root / "shards")},
+    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+        patch.setenv("OMP_NUM_THREADS", "1")
+        result = end_to_end(config, str(root))
+
+    assert result["training"]["steps"] == 3
+    evaluation = result["evaluation"]["metrics"]
+    assert evaluation["valid_perplexity"] > 1.0 and 0.0 <= evaluation["sample_facts_acc"] <= 1.0
+    generations = result["evaluation"]["generations"]
+    assert [g["prompt"] for g in generations] == ["Once upon a time,<extra_id_0>",
+                                                  "The capital of<extra_id_0>"]  # fmt: skip
+    assert result["registration"]["version"] == 1
+    package = load_registered_model("models:/t5-e2e@candidate", root / "loaded",
+                                    tracking_uri=tracking_uri)  # fmt: skip
+    model, model_config, tokenizer_path = load_model_package(package)
+    assert isinstance(model, T5Model) and model_config.family == "t5"
+    assert len(sentinel_ids(load_tokenizer(str(tokenizer_path)))) == 8
