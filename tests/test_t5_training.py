@@ -19,7 +19,7 @@ from parallel_helpers import (
     metrics,
     run_torchrun_worker,
 )
-from t5_helpers import T5_RECIPE, t5_config, t5_settings, t5_shard_set
+from t5_helpers import REPO, T5_RECIPE, t5_config, t5_settings, t5_shard_set
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -252,3 +252,17 @@ def test_end_to_end_flow_trains_evaluates_and_registers_a_t5(
     model, model_config, tokenizer_path = load_model_package(package)
     assert isinstance(model, T5Model) and model_config.family == "t5"
     assert len(sentinel_ids(load_tokenizer(str(tokenizer_path)))) == 8
+
+
+def test_t5_base_recipe_has_the_t5_v1_1_base_shape() -> None:
+    """configs/t5-base.yaml: HF google/t5-v1_1-base's 247,577,856 parameters (counted on the
+    meta device) and T5's 512 -> 114 span-corruption lengths."""
+    from training.config import load_config
+
+    config = load_config(REPO / "configs" / "t5-base.yaml")
+    with torch.device("meta"):
+        model = build_model(config.model)
+    assert sum(p.numel() for p in model.parameters()) == 247_577_856
+    lengths = span_corruption_lengths(config.data)
+    assert (lengths.raw, lengths.encoder, lengths.decoder, lengths.spans) == (568, 512, 114, 28)
+    assert config.tokenizer.sentinel_tokens >= lengths.spans
