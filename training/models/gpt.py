@@ -232,6 +232,13 @@ class Embeddings(nn.Module):
         return self.dropout(self.to_sequence_shards(x))
 
 
+def reset_submodules(model: nn.Module) -> None:
+    """Call ``reset_parameters`` of every submodule that has one (a model's init_weights)."""
+    for module in model.modules():
+        if module is not model and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return (
         CheckpointPolicy.MUST_SAVE
@@ -307,9 +314,7 @@ class GPTModel(nn.Module):
 
     def init_weights(self) -> None:
         """Re-initialise every parameter (after ``to_empty`` from the meta device, say)."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        reset_submodules(self)
 
     def new_kv_cache(
         self,

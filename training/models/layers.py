@@ -177,7 +177,8 @@ class SDPAttention(nn.Module):
         replaces the causal mask: bool ``[B, 1, T, S]`` (True = may attend) for packed
         documents (:mod:`training.models.packing`), or a float mask broadcastable to
         ``[B, heads, T, S]`` added to the scores (T5's relative position biases and
-        padding, :mod:`training.models.t5`; cast to the queries' dtype, as SDPA needs).
+        padding, :mod:`training.models.t5`; cast to the queries' dtype, as SDPA needs,
+        so that masked keys stay finite there too).
         """
         batch, length = q.shape[:2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -192,7 +193,8 @@ class SDPAttention(nn.Module):
         else:
             mask, causal = attn_mask, False
             if mask.is_floating_point() and mask.dtype != q.dtype:
-                mask = mask.to(q.dtype)
+                # Clamped first: fp32's most negative value would become -inf in fp16/bf16.
+                mask = mask.clamp(min=torch.finfo(q.dtype).min).to(q.dtype)
         extra = {"enable_gqa": True} if native_gqa else {}
         out = F.scaled_dot_product_attention(
             q,

@@ -63,6 +63,7 @@ from training.models.gpt import (
     TransformerBlock,
     _norm_spec,
     _selective_context,
+    reset_submodules,
 )
 from training.models.layers import RotaryEmbedding, scaled_init_std
 
@@ -274,9 +275,7 @@ class T5Model(nn.Module):
 
     def init_weights(self) -> None:
         """Re-initialise every parameter (after ``to_empty`` from the meta device, say)."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        reset_submodules(self)
 
     def new_kv_cache(
         self,
