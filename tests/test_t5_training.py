@@ -266,3 +266,10 @@ def test_t5_base_recipe_has_the_t5_v1_1_base_shape() -> None:
     lengths = span_corruption_lengths(config.data)
     assert (lengths.raw, lengths.encoder, lengths.decoder, lengths.spans) == (568, 512, 114, 28)
     assert config.tokenizer.sentinel_tokens >= lengths.spans
+
+
+def test_memory_planner_refuses_t5_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipelines.cli import main
+
+    assert main(["memory", "--config", str(REPO / "configs" / "t5-base.yaml")]) == 1
+    assert "model.family t5" in capsys.readouterr().err
