@@ -40,12 +40,17 @@ RESUME_STEP = 2
 LOSS_ATOL = 1e-5
 
 
-def tiny_shard_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The sample corpus as shards with a 1024-piece tokenizer, built once per session."""
+def tiny_shard_set(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str = "megalith-tiny-shards",
+    overrides: tuple[str, ...] = (),
+) -> Path:
+    """The sample corpus as shards with a 1024-piece tokenizer, built once per session
+    (per ``name``; ``overrides`` are more ``--set`` values, e.g. tokenizer sentinels)."""
     from preprocessing.stage import run_tokenize_stage
     from training.config import load_config
 
-    root = tmp_path_factory.getbasetemp() / "megalith-tiny-shards"
+    root = tmp_path_factory.getbasetemp() / name
     root.mkdir(exist_ok=True)
     output = root / "shards"
     with (root / ".lock").open("w") as lock:
@@ -53,7 +58,12 @@ def tiny_shard_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if not (output / "manifest.json").exists():
             config = load_config(
                 RECIPE,
-                [f"data.output={output}", f"tokenizer.vocab_size={VOCAB}", "data.workers=1"],
+                [
+                    f"data.output={output}",
+                    f"tokenizer.vocab_size={VOCAB}",
+                    "data.workers=1",
+                    *overrides,
+                ],
                 {"data.inputs": [str(CORPUS)]},
             )
             run_tokenize_stage(config, show_progress=False)

@@ -3,7 +3,6 @@ built once per pytest session, and span un-corruption (the inverse of the datase
 
 from __future__ import annotations
 
-import fcntl
 from pathlib import Path
 
 import numpy as np
@@ -11,34 +10,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 T5_RECIPE = REPO / "configs" / "t5-tiny-cpu.yaml"
-CORPUS = REPO / "preprocessing" / "sample_corpus" / "stories.jsonl"
 SENTINELS = 16
 
 
 def t5_shard_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The sample corpus as 2 shards with a 1024-piece tokenizer holding 16 sentinels."""
-    from preprocessing.stage import run_tokenize_stage
-    from training.config import load_config
+    """The sample corpus as shards with a 1024-piece tokenizer holding 16 sentinels."""
+    from parallel_helpers import tiny_shard_set
 
-    root = tmp_path_factory.getbasetemp() / "megalith-t5-shards"
-    root.mkdir(exist_ok=True)
-    output = root / "shards"
-    with (root / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (output / "manifest.json").exists():
-            config = load_config(
-                REPO / "configs" / "sample-data.yaml",
-                [
-                    f"data.output={output}",
-                    "tokenizer.vocab_size=1024",
-                    f"tokenizer.sentinel_tokens={SENTINELS}",
-                    "data.workers=1",
-                    "data.shards=2",
-                ],
-                {"data.inputs": [str(CORPUS)]},
-            )
-            run_tokenize_stage(config, show_progress=False)
-    return output
+    return tiny_shard_set(
+        tmp_path_factory, "megalith-t5-shards", (f"tokenizer.sentinel_tokens={SENTINELS}",)
+    )
 
 
 def uncorrupt(encoder: np.ndarray, targets: np.ndarray, sentinels: list[int]) -> np.ndarray:
