@@ -273,3 +273,10 @@ def test_memory_planner_refuses_t5_by_name(capsys: pytest.CaptureFixture[str]) -
 
     assert main(["memory", "--config", str(REPO / "configs" / "t5-base.yaml")]) == 1
     assert "model.family t5" in capsys.readouterr().err
+
+
+def test_serving_refuses_a_t5_package_by_name(reference: Path) -> None:
+    from deploy.loading import ModelSourceError, load_served_model
+
+    with pytest.raises(ModelSourceError, match="model.family t5 package; serving runs"):
+        load_served_model(str(reference / "model"))
