@@ -144,7 +144,6 @@ def test_parallel_trainer_matches_one_process(case: str, dp_runs: Path, referenc
 @pytest.mark.parametrize(
     "sizes,setting,key",
     [
-        ({"pp": 2}, {}, "parallel.pipeline"),
         ({"cp": 2}, {}, "parallel.context"),
         ({"dp": 2}, {"parallel.data_parallel_mode": "fsdp"}, "parallel.data_parallel_mode=fsdp"),
     ],

@@ -330,21 +330,48 @@ class T5Model(nn.Module):
         """The encoder's normed output ``[B, S, H]`` (this rank's sequence shard under SP)."""
         self._check_tokens("encoder_tokens", tokens)
         length = tokens.size(1)
-        allowed = None
-        if mask is not None:
-            if mask.shape != tokens.shape or mask.dtype != torch.bool:
-                raise ValueError(
-                    f"encoder_mask must be bool {list(tokens.shape)} like encoder_tokens, "
-                    f"got {mask.dtype} {list(mask.shape)}"
-                )
-            allowed = mask[:, None, None, :]
-        bias = self.encoder.position_bias(length, length)
-        attn_mask = additive_mask(bias, allowed, length, length, tokens.device)
+        if mask is not None and (mask.shape != tokens.shape or mask.dtype != torch.bool):
+            raise ValueError(
+                f"encoder_mask must be bool {list(tokens.shape)} like encoder_tokens, "
+                f"got {mask.dtype} {list(mask.shape)}"
+            )
+        attn_mask = self.encoder_attention_mask(length, mask, tokens.device)
         x = self.embedding(tokens, 0)
         rope = self.rope(0, length, x.device) if self.rope is not None else None
         for block in self.encoder.layers:
             x = self._run_block(block, x, rope, attn_mask=attn_mask)
         return self.encoder.dropout(self.encoder.final_norm(x))
+
+    def encoder_attention_mask(
+        self, length: int, mask: Tensor | None, device: torch.device
+    ) -> Tensor:
+        """The encoder self-attention's float mask ``[B or 1, heads, S, S]``: relative
+        bias, padding keys (``mask`` False) at the most negative value. Pipeline stages
+        build it from the full lengths (:mod:`training.parallel.pipeline_t5`)."""
+        allowed = None if mask is None else mask[:, None, None, :]
+        bias = self.encoder.position_bias(length, length)
+        return additive_mask(bias, allowed, length, length, device)
+
+    def decoder_attention_masks(
+        self,
+        length: int,
+        encoder_mask: Tensor | None,
+        device: torch.device,
+        start_pos: int = 0,
+    ) -> tuple[Tensor | None, Tensor]:
+        """``(self_mask, cross_mask)`` of the decoder's ``length`` queries at positions
+        ``start_pos ..``: causal (with the relative bias; None: SDPA's own causal mask),
+        and the cross-attention's padding mask over the encoder positions."""
+        keys = start_pos + length
+        self_mask = None  # SDPA's own causal mask (rope, nothing cached before)
+        bias = self.decoder.position_bias(length, keys, start_pos)
+        if bias is not None or start_pos:
+            allowed = causal_allowed(length, keys, device)
+            self_mask = additive_mask(bias, allowed, length, keys, device)
+        source = encoder_mask.size(1) if encoder_mask is not None else None
+        cross_allowed = None if encoder_mask is None else encoder_mask[:, None, None, :]
+        cross_mask = additive_mask(None, cross_allowed, length, source or 1, device)
+        return self_mask, cross_mask
 
     def decode_hidden(
         self,
@@ -359,17 +386,11 @@ class T5Model(nn.Module):
         ``kv_cache`` they attend to the cached positions before them."""
         self._check_tokens("decoder_tokens", tokens, start_pos)
         length = tokens.size(1)
-        keys = start_pos + length
         if start_pos and kv_cache is None:
             raise ValueError("start_pos > 0 needs a kv_cache holding the earlier positions")
-        self_mask = None  # SDPA's own causal mask (rope, nothing cached before)
-        bias = self.decoder.position_bias(length, keys, start_pos)
-        if bias is not None or start_pos:
-            allowed = causal_allowed(length, keys, tokens.device)
-            self_mask = additive_mask(bias, allowed, length, keys, tokens.device)
-        source = encoder_mask.size(1) if encoder_mask is not None else None
-        cross_allowed = None if encoder_mask is None else encoder_mask[:, None, None, :]
-        cross_mask = additive_mask(None, cross_allowed, length, source or 1, tokens.device)
+        self_mask, cross_mask = self.decoder_attention_masks(
+            length, encoder_mask, tokens.device, start_pos
+        )
         x = self.embedding(tokens, start_pos)
         rope = self.rope(start_pos, length, x.device) if self.rope is not None else None
         for block in self.decoder.layers:

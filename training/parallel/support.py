@@ -108,11 +108,11 @@ def _finetune_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
 
 def t5_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """What the encoder-decoder (model.family t5, training.t5) does not train with yet:
-    data parallelism (ddp, distributed_optimizer) and tensor/sequence parallelism do."""
+    data parallelism (ddp, distributed_optimizer), tensor/sequence parallelism and
+    pipeline stages (training.parallel.pipeline_t5) do."""
     if config.model.family != "t5":
         return []
     refused = {
-        "parallel.pipeline": (sizes.pp > 1, "encoder and decoder pipeline stages"),
         "parallel.context": (sizes.cp > 1, "context-parallel cross-attention"),
         "parallel.data_parallel_mode=fsdp": (
             config.parallel.data_parallel_mode == "fsdp",
