@@ -16,12 +16,17 @@ the stages. Layouts:
 Each must match the single-process run of the same settings: losses and validation
 losses within 1e-5 absolute and grad norms within 1e-4 relative at every step, the
 last checkpoint's whole weights and AdamW moments and one step's gradients within
-rtol 1e-4 / atol 1e-5, the model package's logits, and an exact resume. Measured on
-gloo: the losses are equal to float32 rounding (the stages run one process's ops).
+rtol 1e-4 / atol 1e-5, the model package's logits, and an exact resume; one process
+resumes the interleaved run's sharded checkpoint. A second job of 4 processes runs
+TP=2 × PP=2 with sequence parallelism and PP=2 × DP=2 with the distributed optimizer
+(fit only). Measured on gloo: losses within 9.6e-7 of one process, grad norms within
+2e-6 relative (the stages run one process's ops; the norm is summed per stage).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +135,65 @@ def test_t5_pipeline_gradients_of_one_step_match_one_process(
         (trainer._micro_batch_loss(next(batches)) / accumulation).backward()
     want = {n: p.grad.cpu() for n, p in trainer.model.named_parameters()}
     assert_close_tensors(got, want, f"{layout(case)} step 1 gradients")
+
+
+def test_one_process_resumes_a_t5_pipeline_checkpoint(
+    pipeline_runs: Path, t5_shards: Path, tmp_path: Path
+) -> None:
+    """The interleaved layout's sharded step-2 checkpoint, resumed by one process, gives
+    the pipeline run's losses (within 1e-5) for the remaining steps."""
+    step = f"step-{RESUME_STEP:08d}"
+    shutil.copytree(pipeline_runs / "pp2-interleaved" / "checkpoints" / step, tmp_path / step)
+    config = t5_config(t5_settings(t5_shards, {"checkpoint.directory": tmp_path}))
+    trainer = Trainer(config, tmp_path / "run")
+    assert trainer.resume() and trainer.step == RESUME_STEP
+    trainer.fit(show_progress=False)
+    straight = {r["step"]: r["loss"] for r in metrics(pipeline_runs / "pp2-interleaved")}
+    for record in metrics(tmp_path / "run"):
+        assert record["loss"] == pytest.approx(straight[record["step"]], abs=1e-5), (
+            f"{layout('pp2-interleaved')} checkpoint resumed in one process: loss differs "
+            f"at step {record['step']}"
+        )
+
+
+# 4 processes: pipeline beside tensor (sequence) parallelism and beside data parallelism.
+WIDE_CASES: dict[str, dict[str, Any]] = {
+    "tp2-pp2-sp": {
+        "parallel.tensor": 2,
+        "parallel.pipeline": 2,
+        "parallel.sequence_parallel": "true",
+    },
+    "pp2-dp2-distributed-optimizer": {
+        "parallel.pipeline": 2,
+        "parallel.data_parallel_mode": "distributed_optimizer",
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def wide_runs(t5_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both 4-process layouts, fit only (the resume is tested at 2 processes), one job;
+    the checkpoint boxes each rank writes are checked against the load paths."""
+    out = tmp_path_factory.mktemp("t5-pp-wide")
+    spec = {
+        "recipe": str(T5_RECIPE),
+        "device": DEVICE,
+        "out": str(out),
+        "fit_cases": {name: t5_settings(t5_shards, extra) for name, extra in WIDE_CASES.items()},
+    }
+    return run_torchrun_worker("pp_worker.py", spec, out, 4, "T5 pipeline (4 processes)")
+
+
+@pytest.mark.parametrize("case", WIDE_CASES)
+def test_t5_pipeline_beside_tensor_and_data_parallelism_matches_one_process(
+    case: str, wide_runs: Path, references: dict[str, Path]
+) -> None:
+    name = f"T5 {case} ({BACKEND}, 4 processes)"
+    assert_metrics_match(metrics(wide_runs / case), metrics(references["relative"]), name)
+    assert_whole_checkpoint(wide_runs / case, references["relative"], name)
+    for rank in range(4):
+        boxes = json.loads((wide_runs / case / f"boxes-rank{rank}.json").read_text())
+        assert boxes == [], f"{name}: checkpoint boxes differ from the load paths: {boxes}"
 
 
 @pytest.mark.parametrize("case", ["pp2", "pp2-layers-3-1"])
