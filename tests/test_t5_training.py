@@ -267,13 +267,6 @@ def test_t5_base_recipe_has_the_t5_v1_1_base_shape() -> None:
     assert config.tokenizer.sentinel_tokens >= lengths.spans
 
 
-def test_memory_planner_refuses_t5_by_name(capsys: pytest.CaptureFixture[str]) -> None:
-    from pipelines.cli import main
-
-    assert main(["memory", "--config", str(REPO / "configs" / "t5-base.yaml")]) == 1
-    assert "model.family t5" in capsys.readouterr().err
-
-
 def test_serving_refuses_a_t5_package_by_name(reference: Path) -> None:
     from deploy.loading import ModelSourceError, load_served_model
 

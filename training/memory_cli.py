@@ -53,11 +53,6 @@ def _memory(args: argparse.Namespace) -> int:
         resolve_layout,
     )
 
-    if config.model.family == "t5":
-        raise MemoryPlanError(
-            f"{args.config}: model.family t5: the memory model counts decoder-only blocks; "
-            "an encoder-decoder's activations (cross-attention, two lengths) are not modelled"
-        )
     world = None
     if args.nproc_per_node is not None:
         if args.nproc_per_node < 1 or args.nnodes < 1:
