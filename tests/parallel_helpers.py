@@ -300,3 +300,13 @@ def assert_package_logits_match(run: Path, reference: Path, layout: str) -> None
             model(tokens), want_model(tokens), rtol=1e-4, atol=1e-5,
             msg=lambda m: f"{layout} package logits: {m}",
         )  # fmt: skip
+
+
+def one_step_gradients(trainer) -> dict[str, torch.Tensor]:
+    """One optimizer step's gradients in one process: each accumulation micro-batch's
+    loss divided by their number, as the trainer does (what parallel layouts must equal)."""
+    training, batches = trainer.config.training, trainer.train_batches()
+    accumulation = training.global_batch_size // training.micro_batch_size
+    for _ in range(accumulation):
+        (trainer._micro_batch_loss(next(batches)) / accumulation).backward()
+    return {n: p.grad.cpu() for n, p in trainer.model.named_parameters()}

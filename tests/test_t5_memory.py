@@ -18,6 +18,7 @@ from training.models import T5Model
 from training.parallel.groups import ParallelState, coords_of
 from training.parallel.pipeline_layout import layer_counts, pipelined_layers
 from training.parallel.pipeline_t5 import build_t5_stage_model
+from training.parallel.tensor_parallel.sharding import shard_full_state_dict
 
 REPO = Path(__file__).resolve().parents[1]
 T5_TINY = REPO / "configs" / "t5-tiny-cpu.yaml"
@@ -43,6 +44,16 @@ def test_static_bytes_equal_the_real_t5() -> None:
     config = tiny()
     model = T5Model(config.model)
     assert static_memory(config, resolve_layout(config, 1)).parameters == param_bytes(model)
+
+
+def test_tensor_parallel_shards_match_the_real_t5_split() -> None:
+    config = tiny("parallel.tensor=2")
+    model = T5Model(config.model)
+    estimate = static_memory(config, resolve_layout(config, 2))
+    for rank in range(2):
+        shard = shard_full_state_dict(model.state_dict(), config.model, rank, 2)
+        held = sum(t.numel() * t.element_size() for t in shard.values())
+        assert estimate.parameters == held, f"TP rank {rank}"
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,7 @@ from parallel_helpers import (
     assert_resume_exact,
     assert_whole_checkpoint,
     metrics,
+    one_step_gradients,
     run_torchrun_worker,
 )
 from safetensors.torch import load_file
@@ -129,11 +130,7 @@ def test_t5_pipeline_gradients_of_one_step_match_one_process(
     got = load_file(str(pipeline_runs / f"grads-{case}" / "grads.safetensors"))
     extra = REFERENCES[reference_of(case)]
     trainer = Trainer(t5_config(t5_settings(t5_shards, extra)), tmp_path)
-    training, batches = trainer.config.training, trainer.train_batches()
-    accumulation = training.global_batch_size // training.micro_batch_size
-    for _ in range(accumulation):
-        (trainer._micro_batch_loss(next(batches)) / accumulation).backward()
-    want = {n: p.grad.cpu() for n, p in trainer.model.named_parameters()}
+    want = one_step_gradients(trainer)
     assert_close_tensors(got, want, f"{layout(case)} step 1 gradients")
 
 
