@@ -224,15 +224,8 @@ def test_blended_shard_sets_give_span_corruption_samples(t5_shards: Path) -> Non
     """A blend reads its raw windows through the GPT blend (BlendedDataset)."""
     from training.data import BlendedDataset
 
-    data = t5_data(t5_shards).model_copy(
-        update={
-            "blend": [
-                {"path": str(t5_shards), "weight": 1.0},
-                {"path": str(t5_shards), "weight": 3.0},
-            ]
-        }  # fmt: skip
-    )
-    data = DataConfig.model_validate(data.model_dump())
+    blend = [{"path": str(t5_shards), "weight": 1.0}, {"path": str(t5_shards), "weight": 3.0}]
+    data = DataConfig(blend=blend, seq_length=48, split=(0.9, 0.05, 0.05))
     train, _, _ = build_t5_datasets(data, (16, 0, 0))
     assert isinstance(train.windows, BlendedDataset) and len(train) == 16
     sentinels = train.sentinels
