@@ -218,3 +218,21 @@ def test_a_tokenizer_without_enough_sentinels_is_named(t5_shards: Path, shards: 
         build_t5_datasets(t5_data(shards), (8, 0, 0))
     with pytest.raises(ConfigError, match="data.format=chat"):
         build_t5_datasets(t5_data(t5_shards).model_copy(update={"format": "chat"}), (8, 0, 0))
+
+
+def test_blended_shard_sets_give_span_corruption_samples(t5_shards: Path) -> None:
+    """A blend reads its raw windows through the GPT blend (BlendedDataset)."""
+    from training.data import BlendedDataset
+
+    blend = [{"path": str(t5_shards), "weight": 1.0}, {"path": str(t5_shards), "weight": 3.0}]
+    data = DataConfig(blend=blend, seq_length=48, split=(0.9, 0.05, 0.05))
+    train, _, _ = build_t5_datasets(data, (16, 0, 0))
+    assert isinstance(train.windows, BlendedDataset) and len(train) == 16
+    sentinels = train.sentinels
+    for index in range(16):
+        sample = train[index]
+        used = int(sample["encoder_mask"].sum())
+        labels = sample["labels"][sample["labels"] != -100].numpy()
+        encoder = sample["encoder_tokens"][:used].numpy()
+        restored = uncorrupt(encoder[:-1], labels[:-1], sentinels)
+        assert restored.tolist() == train.raw_tokens(index).tolist()

@@ -254,14 +254,26 @@ def test_end_to_end_flow_trains_evaluates_and_registers_a_t5(
 
 
 def test_t5_base_recipe_has_the_t5_v1_1_base_shape() -> None:
-    """configs/t5-base.yaml: HF google/t5-v1_1-base's 247,577,856 parameters (counted on the
-    meta device) and T5's 512 -> 114 span-corruption lengths."""
+    """configs/t5-base.yaml has as many parameters as transformers' T5 v1.1 base
+    (google/t5-v1_1-base's config: d_model 768, d_ff 2048, 12+12 layers, 12 heads, gated
+    GELU, vocab 32128, untied head), both counted on the meta device, and T5's
+    512 -> 114 span-corruption lengths."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
     from training.config import load_config
 
     config = load_config(REPO / "configs" / "t5-base.yaml")
+    hf_config = T5Config(
+        vocab_size=32128, d_model=768, d_kv=64, d_ff=2048, num_layers=12, num_decoder_layers=12,
+        num_heads=12, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+    )  # fmt: skip
     with torch.device("meta"):
         model = build_model(config.model)
-    assert sum(p.numel() for p in model.parameters()) == 247_577_856
+        hf = T5ForConditionalGeneration(hf_config)
+    hf_params = sum(p.numel() for p in hf.parameters())
+    if hf.lm_head.weight is hf.shared.weight:  # transformers 5 ties at init; v1.1 is untied
+        hf_params += hf.lm_head.weight.numel()
+    assert sum(p.numel() for p in model.parameters()) == hf_params
     lengths = span_corruption_lengths(config.data)
     assert (lengths.raw, lengths.encoder, lengths.decoder, lengths.spans) == (568, 512, 114, 28)
     assert config.tokenizer.sentinel_tokens >= lengths.spans

@@ -95,13 +95,13 @@ def span_corruption_lengths(data: DataConfig) -> SpanLengths:
             f"{config.mean_span_length} leaves {raw - noise} unmasked tokens for {spans} spans "
             "in a window; lower noise_density or raise mean_span_length"
         )
-    lengths = SpanLengths(raw, noise, spans, encoder, 0)
-    decoder = config.decoder_length or lengths.targets_used
-    if decoder < lengths.targets_used:
+    targets = noise + spans + 1
+    decoder = config.decoder_length or targets
+    if decoder < targets:
         raise ConfigError(
-            f"data.span_corruption.decoder_length {decoder} is shorter than the "
-            f"{lengths.targets_used} target tokens each sample has ({spans} sentinels, {noise} "
-            f"masked tokens, EOS) at encoder length {encoder}: raise it, or leave it unset"
+            f"data.span_corruption.decoder_length {decoder} is shorter than the {targets} "
+            f"target tokens each sample has ({spans} sentinels, {noise} masked tokens, EOS) at "
+            f"encoder length {encoder}: raise it, or leave it unset"
         )
     return SpanLengths(raw, noise, spans, encoder, decoder)
 

@@ -125,7 +125,7 @@ def t5_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
         "finetune.base": (config.finetune.base is not None, "fine-tuning an encoder-decoder"),
     }
     return [
-        f"{key} with model.family=t5: {what} is not integrated yet"
+        f"{key} with model.family=t5: not integrated yet ({what})"
         for key, (applies, what) in refused.items()
         if applies
     ]
