@@ -22,6 +22,10 @@ measures the fused output layer + cross-entropy beside the plain head. Short nam
 ``ours-compile@mixed_precision.fp8=true`` (torchao float8, tensorwise),
 ``ours-compile-fp8-rowwise`` the rowwise recipe; more settings may follow ``@``.
 ``--shape tiny`` (configs/tiny-cpu.yaml) smoke-runs the ``ours`` variants on CPU.
+``--shape t5-base`` (configs/t5-base.yaml) measures the T5 encoder-decoder on span
+corruption against transformers' ``T5ForConditionalGeneration``; a T5 sample counts as its
+encoder plus decoder tokens and its FLOPs come from ``encoder_decoder_flops``
+(``--shape t5-tiny`` smoke-runs it on CPU).
 
     python benchmarks/train_throughput.py --shape 1b --steps 20 --out results/
 
@@ -47,6 +51,8 @@ SHAPES = {
     "1b": ROOT / "configs" / "llama-1b.yaml",
     "350m": ROOT / "configs" / "gpt2-350m.yaml",
     "tiny": ROOT / "configs" / "tiny-cpu.yaml",  # CPU smoke runs
+    "t5-base": ROOT / "configs" / "t5-base.yaml",
+    "t5-tiny": ROOT / "configs" / "t5-tiny-cpu.yaml",  # CPU smoke runs
 }
 # Smaller still than the recipe: torch's CPU float8 matmul is a slow reference kernel.
 SHAPE_SETTINGS = {
@@ -103,7 +109,17 @@ def flops_per_token(config) -> float:
     from training.models.flops import flops_per_token as count
     from training.trainer import resolve_model_config
 
+    if config.model.family == "t5":
+        return tokens_and_flops(config)[1]
     return count(resolve_model_config(config), config.data.seq_length, include_output_head=True)
+
+
+def tokens_and_flops(config) -> tuple[int, float]:
+    """A T5 sample's tokens (encoder + decoder) and the FLOPs per such token."""
+    from training import t5
+    from training.trainer import resolve_model_config
+
+    return t5.tokens_and_flops(resolve_model_config(config), config.data)
 
 
 def _synchronize() -> None:
@@ -181,7 +197,7 @@ def run_ours(args, compile_model: bool) -> dict:
     seconds = time_steps(step, args.warmup, args.steps)
     if args.profile:
         profile_steps(step, Path(args.out), args.variant)
-    tokens = args.steps * config.training.global_batch_size * config.data.seq_length
+    tokens = args.steps * config.training.global_batch_size * trainer.tokens_per_sample
     return _result(config, tokens, seconds, losses, _peak_memory())
 
 
@@ -191,6 +207,17 @@ def hf_model(config):
     from training.trainer import resolve_model_config
 
     m = resolve_model_config(config)
+    if m.family == "t5":
+        import torch
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        from training.interop.hf_t5 import hf_t5_config
+
+        ids = {"pad": 0, "eos": 1, "decoder_start": 0}
+        model = T5ForConditionalGeneration(T5Config(**hf_t5_config(m, "float32", ids)))
+        # transformers 5 ties the head to the embedding at init; T5 v1.1 (and ours) does not.
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        return model
     if m.style == "llama":
         hf = LlamaConfig(
             vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
@@ -217,14 +244,27 @@ def run_hf(args, compile_model: bool) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
     forward = torch.compile(model) if compile_model else model
     mbs, seq = config.training.micro_batch_size, config.data.seq_length
-    batches = [torch.randint(0, 2048, (mbs, seq), device="cuda") for _ in range(4)]
+    decoder = seq  # GPT: labels are the inputs
+    if config.model.family == "t5":  # T5: encoder S tokens in, decoder T tokens scored
+        from training.t5 import sample_lengths
+
+        seq, decoder = sample_lengths(config.data)
+    batches = [
+        (
+            torch.randint(0, 2048, (mbs, seq), device="cuda"),
+            torch.randint(0, 2048, (mbs, decoder), device="cuda"),
+        )
+        for _ in range(4)
+    ]
     losses, counter = [], [0]
 
     def step():
-        tokens = batches[counter[0] % len(batches)]
+        tokens, labels = batches[counter[0] % len(batches)]
         counter[0] += 1
+        if config.model.family != "t5":
+            labels = tokens
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = forward(input_ids=tokens, labels=tokens).loss
+            loss = forward(input_ids=tokens, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -235,9 +275,8 @@ def run_hf(args, compile_model: bool) -> dict:
     if args.profile:
         profile_steps(step, Path(args.out), args.variant)
     losses = [loss.item() for loss in losses]
-    return _result(
-        config, args.steps * mbs * seq, seconds, losses, torch.cuda.max_memory_allocated()
-    )
+    tokens = args.steps * mbs * (seq + decoder if config.model.family == "t5" else seq)
+    return _result(config, tokens, seconds, losses, torch.cuda.max_memory_allocated())
 
 
 def _result(config, tokens: int, seconds: float, losses: list[float], memory: int) -> dict:
@@ -281,17 +320,23 @@ def worker(args) -> None:
     )
 
 
-def prepare_shards(out: Path) -> str:
+def prepare_shards(out: Path, sentinels: int = 0) -> str:
+    """The sample corpus with a 2048-piece tokenizer (``sentinels`` T5 sentinels among them)."""
     from preprocessing.prepare import prepare_dataset
     from preprocessing.tokenizer import train_tokenizer
     from training.config import DataConfig, TokenizerConfig
 
-    shards = out / "shards"
+    name = f"-sentinels{sentinels}" if sentinels else ""
+    shards = out / f"shards{name}"
     if (shards / "manifest.json").exists():
         return str(shards)
     corpus = ROOT / "preprocessing" / "sample_corpus" / "stories.jsonl"
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines() if line.strip()]
-    tokenizer = train_tokenizer(texts, TokenizerConfig(vocab_size=2048), str(out / "tokenizer"))
+    tokenizer = train_tokenizer(
+        texts,
+        TokenizerConfig(vocab_size=2048, sentinel_tokens=sentinels),
+        str(out / f"tokenizer{name}"),
+    )
     prepare_dataset(
         DataConfig(inputs=[str(corpus)], output=str(shards), workers=4),
         tokenizer,
@@ -317,7 +362,7 @@ def run_worker(command: list[str], error_chars: int = 1500) -> dict:
 def drive(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    shards = prepare_shards(out)
+    shards = prepare_shards(out, sentinels=100 if args.shape.startswith("t5") else 0)
     results = {}
     for variant in args.variants.split(","):
         command = [

@@ -112,6 +112,11 @@ def _load_package(
     device: torch.device | str,
 ) -> ServedModel:
     model, config, tokenizer_path = load_model_package(package, device)
+    if config.family != "gpt":  # the engine continues text with a decoder-only model
+        raise ModelSourceError(
+            f"{source}: a model.family {config.family} package; serving runs decoder-only "
+            "(gpt) models (T5: evaluation.generate_t5 or export it to Hugging Face)"
+        )
     # Read the bytes now: a registry download is deleted once loaded.
     tokenizer = load_tokenizer(str(tokenizer_path))
     info = ModelInfo(

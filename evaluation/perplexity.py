@@ -4,6 +4,11 @@ Samples come from the same ``GPTDataset`` the trainer validates on (``seq_length
 tokens, crossing document boundaries, every position's next token scored), so the
 numbers are comparable with the training log's validation loss. At most one epoch
 of the split is read, so a small split is never counted twice.
+
+A T5 model (``model.family: t5``) is scored on span corruption instead: the same
+span-corrupted samples the trainer validates on (``training.data.t5_dataset``, so
+``data.span_corruption`` must match training), every target token (sentinels, span
+tokens, EOS) scored given the corrupted input.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from evaluation.runtime import autocast, model_device
 from training.config import DataConfig
 from training.data import build_gpt_datasets, open_shard_set
 from training.data.gpt_dataset import SPLIT_NAMES, plan_epochs, split_document_ranges
+from training.data.t5_dataset import T5_KEYS, build_t5_datasets, span_corruption_lengths
 
 MAX_LOG_PERPLEXITY = 700.0  # math.exp overflows a float a little above 709
 
@@ -56,24 +62,25 @@ def evaluate_perplexity(
         raise ValueError(f"split must be 'valid' or 'test', got {split!r}")
     if max_samples < 1 or batch_size < 1:
         raise ValueError("max_samples and batch_size must be at least 1")
-    max_positions = model.config.max_position_embeddings
-    if data.seq_length > max_positions:
-        raise EvaluationError(
-            f"data.seq_length {data.seq_length} exceeds the model's max_position_embeddings "
-            f"{max_positions}; set data.seq_length <= {max_positions}"
-        )
-    samples = min(max_samples, split_capacity(data, split, tokenizer_id))
+    t5 = model.config.family == "t5"
+    _check_length(model, data)
+    window = span_corruption_lengths(data).raw if t5 else data.seq_length
+    samples = min(max_samples, split_capacity(data, split, tokenizer_id, window))
     counts = [samples if name == split else 0 for name in SPLIT_NAMES]
-    dataset = build_gpt_datasets(data, tuple(counts))[SPLIT_NAMES.index(split)]
+    build = build_t5_datasets if t5 else build_gpt_datasets
+    dataset = build(data, tuple(counts))[SPLIT_NAMES.index(split)]
     if dataset is None:
         raise EvaluationError(f"the {split} split of {_sources(data)} holds no tokens")
 
     start = time.perf_counter()
     total_loss, total_tokens = 0.0, 0
     for first in range(0, samples, batch_size):
-        indices = range(first, min(first + batch_size, samples))
-        tokens = torch.stack([dataset[i]["tokens"] for i in indices])
-        loss_sum, count = token_loss_sum(model, tokens, autocast_dtype)
+        items = [dataset[i] for i in range(first, min(first + batch_size, samples))]
+        batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
+        if t5:
+            loss_sum, count = span_loss_sum(model, batch, autocast_dtype)
+        else:
+            loss_sum, count = token_loss_sum(model, batch["tokens"], autocast_dtype)
         total_loss += loss_sum
         total_tokens += count
     loss = total_loss / total_tokens
@@ -100,8 +107,42 @@ def token_loss_sum(
     return losses.double().sum().item(), labels.numel()
 
 
-def split_capacity(data: DataConfig, split: str, tokenizer_id: str | None = None) -> int:
-    """Samples in one epoch of ``split`` (summed over a blend's shard sets), at least 1."""
+def _check_length(model: nn.Module, data: DataConfig) -> None:
+    """The samples fit the model's positions (T5 with relative positions has no limit)."""
+    config = model.config
+    if config.family == "t5":
+        if config.position_embedding != "rope":
+            return
+        lengths = span_corruption_lengths(data)
+        length, key = max(lengths.encoder, lengths.decoder), "the T5 sample length"
+    else:
+        length, key = data.seq_length, "data.seq_length"
+    max_positions = config.max_position_embeddings
+    if length > max_positions:
+        raise EvaluationError(
+            f"{key} {length} exceeds the model's max_position_embeddings "
+            f"{max_positions}; set data.seq_length <= {max_positions}"
+        )
+
+
+@torch.no_grad()
+def span_loss_sum(
+    model: nn.Module, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None = None
+) -> tuple[float, int]:
+    """Summed cross-entropy of a T5 batch's target tokens and their number."""
+    device = model_device(model)
+    encoder, decoder, labels, mask = (batch[key].to(device) for key in T5_KEYS)
+    with autocast(device, autocast_dtype):
+        losses = model(encoder, decoder, labels, encoder_mask=mask, loss_reduction="none")
+    scored = labels != -100
+    return losses.double()[scored].sum().item(), int(scored.sum())
+
+
+def split_capacity(
+    data: DataConfig, split: str, tokenizer_id: str | None = None, seq_length: int | None = None
+) -> int:
+    """Samples of ``seq_length`` (default data.seq_length) tokens in one epoch of ``split``
+    (summed over a blend's shard sets), at least 1."""
     capacity = 0
     for source in data.training_sources():
         shard_set = open_shard_set(source.path, data.storage_options, data.cache_dir)
@@ -115,7 +156,7 @@ def split_capacity(data: DataConfig, split: str, tokenizer_id: str | None = None
         ]
         tokens = int(shard_set.document_lengths[documents.start : documents.stop].sum())
         if tokens:
-            capacity += plan_epochs(tokens, data.seq_length, 1).samples_per_block
+            capacity += plan_epochs(tokens, seq_length or data.seq_length, 1).samples_per_block
     return max(capacity, 1)
 
 

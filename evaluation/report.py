@@ -12,6 +12,12 @@ The report is a JSON object (``REPORT_FORMAT``, version 1)::
 
 ``metrics`` repeats the headline numbers flat (``valid_perplexity``,
 ``sample_facts_acc``, ...) for experiment trackers and registry tags.
+
+A T5 package (``model.family: t5``) is evaluated the same way, as it was pretrained:
+perplexity on the span-corruption targets, each task choice scored as the span after
+its context (:mod:`evaluation.seq2seq`), and seq2seq generations
+(:mod:`evaluation.generate_t5`) of prompts that end where the span to fill starts
+(``<extra_id_0>``, :data:`T5_DEFAULT_PROMPTS`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 
 from evaluation import EvaluationError
 from evaluation.generate import SamplingConfig, generate
+from evaluation.generate_t5 import generate_seq2seq
 from evaluation.perplexity import evaluate_perplexity
 from evaluation.runtime import AUTOCAST_DTYPES, resolve_precision
 from evaluation.tasks import evaluate_task, load_task, resolve_task_file
@@ -39,6 +46,8 @@ from training.models.package import load_model_package
 REPORT_FORMAT = "megalith-eval-report"
 REPORT_VERSION = 1
 DEFAULT_PROMPTS = ("Once upon a time,", "The capital of")
+# T5 fills a sentinel: the decoder answers "<extra_id_0> the span <extra_id_1> ...".
+T5_DEFAULT_PROMPTS = tuple(f"{prompt}<extra_id_0>" for prompt in DEFAULT_PROMPTS)
 
 
 def evaluate_model(
@@ -103,9 +112,12 @@ def evaluate_model(
     for path in task_paths:
         result = evaluate_task(model, tokenizer, path, autocast_dtype=autocast_dtype)
         report["tasks"][result.name] = result.to_dict()
-    prompts = list(DEFAULT_PROMPTS if prompts is None else prompts)
+    seq2seq = config.family == "t5"
+    if prompts is None:
+        prompts = T5_DEFAULT_PROMPTS if seq2seq else DEFAULT_PROMPTS
+    prompts = list(prompts)
     if prompts and sampling.max_new_tokens > 0:
-        result = generate(
+        result = (generate_seq2seq if seq2seq else generate)(
             model,
             tokenizer,
             prompts,

@@ -31,6 +31,7 @@ import torch
 
 from evaluation import EvaluationError
 from evaluation.runtime import autocast, model_device
+from evaluation.seq2seq import span_logliks
 from preprocessing.tokenizer import Tokenizer
 from training.models.gpt import GPTModel
 
@@ -194,7 +195,11 @@ def score_choices(
     logliks: dict[int, float] = {}
     for first in range(0, len(order), batch_size):
         batch = order[first : first + batch_size]
-        values = sequence_logliks(model, [sequences[r] for r in batch], autocast_dtype)
+        chosen = [sequences[r] for r in batch]
+        if model.config.family == "t5":  # the choice as the span after the context
+            values = span_logliks(model, tokenizer, chosen, autocast_dtype)
+        else:
+            values = sequence_logliks(model, chosen, autocast_dtype)
         logliks.update(zip(batch, values, strict=True))
 
     scores: list[list[ChoiceScore]] = [[] for _ in items]

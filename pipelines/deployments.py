@@ -37,7 +37,8 @@ def deployments(workdir: Path, schedule: FinetuneSchedule | None = None) -> list
         pretrain.to_deployment(
             name="pretrain",
             parameters={"config": as_json, "output": str(run)},
-            description="Train a GPT on prepared shards (resumes from the latest checkpoint).",
+            description="Train a GPT or T5 (model.family) on prepared shards (resumes from the "
+            "latest checkpoint).",
         ),
         evaluate.to_deployment(
             name="evaluate",

@@ -28,7 +28,8 @@ SAMPLE_TASKS = ["sample_facts"]
 
 @flow(name="pretrain", log_prints=True)
 def pretrain(config: MegalithConfig, output: str, nproc_per_node: int = 1) -> dict[str, Any]:
-    """Train a GPT on prepared shards; the run's logs stream here, metrics go to MLflow.
+    """Train a GPT or a T5 (by model.family) on prepared shards; the run's logs stream here,
+    metrics go to MLflow.
 
     ``nproc_per_node`` > 1 launches that many ranks on this machine through torchrun.
     """

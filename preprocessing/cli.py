@@ -36,6 +36,12 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     train.add_argument(
         "--special-tokens", nargs="+", metavar="TOKEN", help="user-defined symbols, e.g. '<|eod|>'"
     )
+    train.add_argument(
+        "--sentinel-tokens",
+        type=int,
+        metavar="N",
+        help="add T5 sentinels <extra_id_0>..<extra_id_N-1> (span corruption; T5 uses 100)",
+    )
     train.add_argument("--max-documents", type=int, help="sampling cap (default 200000)")
     train.set_defaults(handler=_train_tokenizer)
 
@@ -109,6 +115,7 @@ FLAG_KEYS = {
     "vocab_size": "tokenizer.vocab_size",
     "model_type": "tokenizer.model_type",
     "special_tokens": "tokenizer.special_tokens",
+    "sentinel_tokens": "tokenizer.sentinel_tokens",
     "max_documents": "tokenizer.max_training_documents",
     "tokenizer": "tokenizer.model",
 }

@@ -30,6 +30,7 @@ from training.errors import MegalithError
 
 EOD_TOKEN = "<|eod|>"
 PAD_TOKEN = "<|pad|>"
+SENTINEL_FORMAT = "<extra_id_{}>"  # T5's span-corruption sentinels, <extra_id_0> first
 
 # Unigram training sums EM statistics per thread, so the float results (and the
 # model bytes) depend on the thread count. Fixing it keeps the id machine-independent.
@@ -235,7 +236,8 @@ def trainer_options(config: TokenizerConfig, verbose: bool = False) -> dict[str,
         "vocab_size": config.vocab_size,
         "character_coverage": config.character_coverage,
         "byte_fallback": config.byte_fallback,
-        "user_defined_symbols": list(config.special_tokens),
+        "user_defined_symbols": list(config.special_tokens)
+        + sentinel_names(config.sentinel_tokens),
         "max_sentence_length": config.max_sentence_length,
         # Lossless text: no NFKC, keep runs of spaces, so decode(encode(x)) == x.
         "normalization_rule_name": "identity",
@@ -254,12 +256,46 @@ def trainer_options(config: TokenizerConfig, verbose: bool = False) -> dict[str,
     }
 
 
+def sentinel_names(count: int) -> list[str]:
+    """``<extra_id_0>`` .. ``<extra_id_{count-1}>``: T5's sentinels, in the order spans use them."""
+    return [SENTINEL_FORMAT.format(i) for i in range(count)]
+
+
+def sentinel_ids(tokenizer: Tokenizer) -> list[int]:
+    """The ids of the tokenizer's sentinels ``<extra_id_0>, <extra_id_1>, ...`` (consecutive
+    from 0; empty when it has none)."""
+    ids = []
+    while (name := SENTINEL_FORMAT.format(len(ids))) in tokenizer.special_ids:
+        ids.append(tokenizer.special_ids[name])
+    return ids
+
+
+def require_sentinels(tokenizer: Tokenizer, count: int) -> list[int]:
+    """The first ``count`` sentinel ids, or an error naming the tokenizer file: a T5 run
+    whose samples need more sentinels than the tokenizer was trained with."""
+    ids = sentinel_ids(tokenizer)
+    if len(ids) < count:
+        raise TokenizerError(
+            f"{tokenizer.model_path}: has {len(ids)} sentinel tokens (<extra_id_N>) but span "
+            f"corruption needs {count}: train the tokenizer with tokenizer.sentinel_tokens >= "
+            f"{count} (T5 uses 100) and prepare the data again, or shorten "
+            "data.span_corruption.encoder_length"
+        )
+    return ids[:count]
+
+
 def _check_config(config: TokenizerConfig) -> None:
     duplicates = {t for t in config.special_tokens if config.special_tokens.count(t) > 1}
     if duplicates:
         raise TokenizerError(f"tokenizer.special_tokens lists {sorted(duplicates)} more than once")
     if any(not t or t.isspace() for t in config.special_tokens):
         raise TokenizerError("tokenizer.special_tokens contains an empty or blank token")
+    clashes = set(config.special_tokens) & set(sentinel_names(config.sentinel_tokens))
+    if clashes:
+        raise TokenizerError(
+            f"tokenizer.special_tokens lists {sorted(clashes)}, which tokenizer.sentinel_tokens "
+            "adds itself: remove them from special_tokens"
+        )
 
 
 def _train_in_memory(sentences: Sequence[str], config: TokenizerConfig, verbose: bool) -> bytes:

@@ -40,12 +40,17 @@ RESUME_STEP = 2
 LOSS_ATOL = 1e-5
 
 
-def tiny_shard_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The sample corpus as shards with a 1024-piece tokenizer, built once per session."""
+def tiny_shard_set(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str = "megalith-tiny-shards",
+    overrides: tuple[str, ...] = (),
+) -> Path:
+    """The sample corpus as shards with a 1024-piece tokenizer, built once per session
+    (per ``name``; ``overrides`` are more ``--set`` values, e.g. tokenizer sentinels)."""
     from preprocessing.stage import run_tokenize_stage
     from training.config import load_config
 
-    root = tmp_path_factory.getbasetemp() / "megalith-tiny-shards"
+    root = tmp_path_factory.getbasetemp() / name
     root.mkdir(exist_ok=True)
     output = root / "shards"
     with (root / ".lock").open("w") as lock:
@@ -53,7 +58,12 @@ def tiny_shard_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if not (output / "manifest.json").exists():
             config = load_config(
                 RECIPE,
-                [f"data.output={output}", f"tokenizer.vocab_size={VOCAB}", "data.workers=1"],
+                [
+                    f"data.output={output}",
+                    f"tokenizer.vocab_size={VOCAB}",
+                    "data.workers=1",
+                    *overrides,
+                ],
                 {"data.inputs": [str(CORPUS)]},
             )
             run_tokenize_stage(config, show_progress=False)
@@ -290,3 +300,13 @@ def assert_package_logits_match(run: Path, reference: Path, layout: str) -> None
             model(tokens), want_model(tokens), rtol=1e-4, atol=1e-5,
             msg=lambda m: f"{layout} package logits: {m}",
         )  # fmt: skip
+
+
+def one_step_gradients(trainer) -> dict[str, torch.Tensor]:
+    """One optimizer step's gradients in one process: each accumulation micro-batch's
+    loss divided by their number, as the trainer does (what parallel layouts must equal)."""
+    training, batches = trainer.config.training, trainer.train_batches()
+    accumulation = training.global_batch_size // training.micro_batch_size
+    for _ in range(accumulation):
+        (trainer._micro_batch_loss(next(batches)) / accumulation).backward()
+    return {n: p.grad.cpu() for n, p in trainer.model.named_parameters()}

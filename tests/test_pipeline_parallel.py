@@ -41,6 +41,7 @@ from parallel_helpers import (
     fit_one_process,
     last_checkpoint_state,
     metrics,
+    one_step_gradients,
     run_torchrun_worker,
     trainer_settings,
 )
@@ -175,11 +176,7 @@ def test_gradients_of_one_step_match_one_process(
 ) -> None:
     got = load_file(str(parallel_runs / f"grads-{case}" / "grads.safetensors"))
     trainer = Trainer(config_of(settings(shards)), tmp_path)
-    training, batches = trainer.config.training, trainer.train_batches()
-    accumulation = training.global_batch_size // training.micro_batch_size
-    for _ in range(accumulation):
-        (trainer._micro_batch_loss(next(batches)) / accumulation).backward()
-    want = {n: p.grad.cpu() for n, p in trainer.model.named_parameters()}
+    want = one_step_gradients(trainer)
     assert_close_tensors(got, want, f"{layout(case)} step 1 gradients")
 
 

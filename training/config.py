@@ -61,6 +61,13 @@ class TokenizerConfig(StrictModel):
     byte_fallback: bool = True
     character_coverage: float = Field(default=0.9995, gt=0.0, le=1.0)
     special_tokens: list[str] = Field(default_factory=lambda: list(DEFAULT_SPECIAL_TOKENS))
+    sentinel_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=1000,
+        description="T5 span-corruption sentinels <extra_id_0> .. <extra_id_{n-1}> added to "
+        "the vocabulary after special_tokens (T5 uses 100); 0: none.",
+    )
     max_training_documents: int = Field(
         default=200_000,
         ge=1,
@@ -75,6 +82,28 @@ class DatasetSource(StrictModel):
 
     path: str
     weight: float = Field(default=1.0, gt=0.0)
+
+
+class SpanCorruptionConfig(StrictModel):
+    """T5 span corruption (``model.family: t5``, training.data.t5_dataset): a share of each
+    raw window's tokens, in spans, is replaced by sentinels in the encoder input, and the
+    decoder predicts the spans."""
+
+    noise_density: float = Field(
+        default=0.15, gt=0.0, lt=1.0, description="Share of the raw tokens that are masked."
+    )
+    mean_span_length: float = Field(
+        default=3.0, ge=1.0, description="Mean length of a masked span, in tokens."
+    )
+    encoder_length: int | None = Field(
+        default=None, ge=8, description="Encoder tokens per sample (S); None: data.seq_length."
+    )
+    decoder_length: int | None = Field(
+        default=None,
+        ge=2,
+        description="Decoder tokens per sample (T); None: exactly what the encoder length and "
+        "noise density need (T5's random_spans_helper: 114 for S 512 at 0.15 / 3.0).",
+    )
 
 
 class DataConfig(StrictModel):
@@ -124,6 +153,10 @@ class DataConfig(StrictModel):
         description="Where sample indices are cached; defaults to beside local data, "
         "or ~/.cache/megalith for remote data.",
     )
+    span_corruption: SpanCorruptionConfig = Field(
+        default_factory=SpanCorruptionConfig,
+        description="T5 span-corruption samples (used with model.family t5).",
+    )
 
     @model_validator(mode="after")
     def _check_split(self) -> DataConfig:
@@ -156,13 +189,30 @@ STYLE_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 
+# model.family t5 fills unset choices from these instead of ``style`` (T5 v1.1).
+T5_DEFAULTS: dict[str, Any] = {
+    "normalization": "rmsnorm",
+    "activation": "geglu",
+    "position_embedding": "relative",
+    "bias": False,
+    "tie_embeddings": False,
+}
+
 
 class ModelConfig(StrictModel):
-    """A decoder-only transformer. ``style`` fills every architectural choice left unset."""
+    """A transformer. ``style`` fills every architectural choice left unset; with
+    ``family: t5`` (an encoder-decoder, training/models/t5.py) T5 v1.1's choices do."""
 
-    family: Literal["gpt"] = "gpt"
+    family: Literal["gpt", "t5"] = Field(
+        default="gpt",
+        description="gpt: decoder-only (training/models/gpt.py); t5: encoder-decoder "
+        "(training/models/t5.py, num_layers encoder layers), T5 v1.1 defaults.",
+    )
     style: Literal["llama", "gpt2"] = "llama"
     num_layers: int = Field(default=2, ge=1)
+    num_decoder_layers: int | None = Field(
+        default=None, ge=1, description="family t5: decoder layers; None: num_layers."
+    )
     hidden_size: int = Field(default=128, ge=8)
     num_attention_heads: int = Field(default=4, ge=1)
     num_query_groups: int | None = Field(
@@ -180,8 +230,18 @@ class ModelConfig(StrictModel):
         default=None, ge=1, description="None: data.seq_length."
     )
     normalization: Literal["rmsnorm", "layernorm"] | None = None
-    activation: Literal["swiglu", "gelu"] | None = None
-    position_embedding: Literal["rope", "learned"] | None = None
+    activation: Literal["swiglu", "gelu", "geglu"] | None = Field(
+        default=None, description="geglu: gated GELU (tanh), T5 v1.1's; family t5 only."
+    )
+    position_embedding: Literal["rope", "learned", "relative"] | None = Field(
+        default=None, description="relative: T5's bucketed attention biases; family t5 only."
+    )
+    relative_attention_num_buckets: int = Field(
+        default=32, ge=2, description="position_embedding relative: buckets per stack."
+    )
+    relative_attention_max_distance: int = Field(
+        default=128, ge=2, description="position_embedding relative: the farthest bucket."
+    )
     bias: bool | None = None
     tie_embeddings: bool | None = None
     rope_base: float = Field(default=10000.0, gt=0)
@@ -231,13 +291,15 @@ class ModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _fill_style(self) -> ModelConfig:
-        for key, value in STYLE_DEFAULTS[self.style].items():
+        defaults = T5_DEFAULTS if self.family == "t5" else STYLE_DEFAULTS[self.style]
+        for key, value in defaults.items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
+        self._check_family()
         groups = self.num_query_groups or self.num_attention_heads
         object.__setattr__(self, "num_query_groups", groups)
         if self.ffn_hidden_size is None:
-            if self.activation == "swiglu":
+            if self.activation in ("swiglu", "geglu"):
                 ffn = -(-(8 * self.hidden_size // 3) // 64) * 64
             else:
                 ffn = 4 * self.hidden_size
@@ -260,6 +322,34 @@ class ModelConfig(StrictModel):
                     f"moe_top_k {self.moe_top_k} exceeds num_experts {self.num_experts}"
                 )
         return self
+
+    def _check_family(self) -> None:
+        """Refuse the choices the chosen family's model does not implement."""
+        if self.family == "gpt":
+            for key, value in (("position_embedding", "relative"), ("activation", "geglu")):
+                if getattr(self, key) == value:
+                    raise ValueError(f"model.{key} {value!r} needs model.family t5")
+            if self.num_decoder_layers is not None:
+                raise ValueError("model.num_decoder_layers needs model.family t5")
+            return
+        refused = {
+            "position_embedding": ("learned", "T5 uses relative or rope positions"),
+            "normalization": ("layernorm", "T5 uses rmsnorm"),
+            "bias": (True, "T5 has no biases"),
+            "tie_embeddings": (True, "T5 v1.1 has an untied output head"),
+        }
+        for key, (value, why) in refused.items():
+            if getattr(self, key) == value:
+                raise ValueError(f"model.{key} {value!r} with model.family t5: {why}")
+        if self.num_experts:
+            raise ValueError("model.num_experts with model.family t5: T5 MLPs are dense")
+        if self.activation == "swiglu":
+            raise ValueError("model.activation 'swiglu' with model.family t5: use geglu or gelu")
+
+    @property
+    def decoder_layers(self) -> int:
+        """family t5: the decoder's layer count (num_decoder_layers, else num_layers)."""
+        return self.num_decoder_layers or self.num_layers
 
     @property
     def head_dim(self) -> int:
@@ -525,6 +615,16 @@ class MegalithConfig(StrictModel):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     promotion: PromotionConfig = Field(default_factory=PromotionConfig)
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
+
+    @model_validator(mode="after")
+    def _check_t5_parallel(self) -> MegalithConfig:
+        if self.model.family == "t5" and self.parallel.context > 1:
+            raise ValueError(
+                f"model.family t5 with parallel.context={self.parallel.context}: context "
+                "parallelism is not implemented for the encoder-decoder; use tensor/sequence "
+                "or data parallelism"
+            )
+        return self
 
 
 def format_validation_error(error: ValidationError, source: str) -> str:

@@ -62,6 +62,12 @@ torch's schedule holds more warm-up micro-batches than Megatron's formula. The
 activation rows are to be checked on a GPU against
 ``torch.cuda.max_memory_allocated`` of a real step (the CPU allocator cannot be measured
 reliably); the static rows are exact for the tensors they count (tests/test_memory.py).
+
+T5 (``model.family: t5``): the meta model is the encoder-decoder, pipeline ranks hold
+their share of the encoder's then the decoder's layers (every stage also holds both small
+relative-bias tables), the activations count ``S`` encoder and ``T`` decoder tokens with
+the cross-attention and the attention masks (:mod:`training.memory_t5`) and the loss
+buffer the ``T`` decoder tokens.
 """
 
 from __future__ import annotations
@@ -76,7 +82,12 @@ from training.errors import MegalithError
 from training.models.moe import is_expert_param
 from training.parallel.data_parallel import partition
 from training.parallel.groups import ParallelLayoutError, ParallelSizes, validate_layout
-from training.parallel.pipeline_layout import layer_counts, owner_of_parameter
+from training.parallel.pipeline_layout import (
+    layer_counts,
+    owner_of_parameter,
+    owner_of_t5_parameter,
+    pipelined_layers,
+)
 from training.parallel.tensor_parallel.sharding import check_tensor_parallel, partition_spec
 
 GIB = 1024**3
@@ -182,12 +193,13 @@ def resolve_layout(config: MegalithConfig, world_size: int | None) -> ParallelSi
 
 
 def meta_model(config: ModelConfig) -> torch.nn.Module:
-    """The single-process model on the meta device (shapes only; torch layers)."""
-    from training.models.gpt import GPTModel
+    """The single-process model of ``config.family`` on the meta device (shapes only;
+    torch layers)."""
+    from training.models import build_model
 
     model_config = config.model_copy(update={"backend": "torch"})
     with torch.device("meta"):
-        return GPTModel(model_config)
+        return build_model(model_config)
 
 
 def local_numel(name: str, shape: torch.Size, config: ModelConfig, sizes: ParallelSizes) -> int:
@@ -204,12 +216,21 @@ def _stage_params(config: MegalithConfig, sizes: ParallelSizes, stage: int):
     """``(name, shape)`` of the parameters pipeline rank ``stage`` holds."""
     model = meta_model(config.model)
     counts = layer_counts(
-        config.model.num_layers, sizes.pp, sizes.vpp, config.parallel.pipeline_layers
+        pipelined_layers(config.model), sizes.pp, sizes.vpp, config.parallel.pipeline_layers
     )
     tied = config.model.tie_embeddings and sizes.pp > 1
+    t5 = config.model.family == "t5"
     for name, param in model.named_parameters():
-        owner = owner_of_parameter(name, counts, sizes.pp) if sizes.pp > 1 else 0
-        if owner == stage or (tied and name == "embedding.word.weight" and stage == sizes.pp - 1):
+        if sizes.pp == 1:
+            owner = 0
+        elif t5:
+            owner = owner_of_t5_parameter(name, counts, sizes.pp, config.model.num_layers)
+        else:
+            owner = owner_of_parameter(name, counts, sizes.pp)
+        copy = (tied and name == "embedding.word.weight" and stage == sizes.pp - 1) or (
+            t5 and ".relative_bias." in name  # every T5 stage holds both tables
+        )
+        if owner == stage or copy:
             yield name, param.shape
 
 
@@ -268,7 +289,7 @@ def saved_bytes_per_token(config: MegalithConfig, sizes: ParallelSizes, recomput
     mask = h if model.dropout > 0 else 0
     tp = sizes.tp
     sp = tp if config.parallel.sequence_parallel else 1
-    gated = model.activation == "swiglu"
+    gated = model.activation in ("swiglu", "geglu")
     lse = 4 * a  # SDPA's fp32 log-sum-exp per head (divided by TP with the heads below)
     if recompute == "full":
         return r * h / sp
@@ -306,6 +327,10 @@ def loss_buffer_bytes(config: MegalithConfig, sizes: ParallelSizes, mbs: int) ->
     with ``model.loss_chunk_tokens`` (plain head) one chunk's logits (16-bit and fp32)
     plus the fp32 gradient of the output weight it accumulates."""
     tokens = mbs * config.data.seq_length // sizes.cp
+    if config.model.family == "t5":
+        from training.memory_t5 import loss_tokens
+
+        tokens = loss_tokens(config, mbs)
     chunk = config.model.loss_chunk_tokens
     if chunk and sizes.tp == 1:
         per_logit = 4 if compute_dtype(config) == "fp32" else 2 + 4
@@ -349,13 +374,18 @@ def _stage_report(
     recompute: str,
     static: StaticMemory,
 ) -> MemoryReport:
-    tokens = mbs * config.data.seq_length / sizes.cp
-    per_layer = saved_bytes_per_token(config, sizes, recompute) * tokens
-    layers = _stage_layers(config, sizes, stage)
     in_flight = in_flight_micro_batches(config, sizes, mbs) if stage == 0 else 1.0
-    activations = per_layer * layers * in_flight
-    if recompute != "none":  # one layer rebuilt in full during its backward
-        activations += saved_bytes_per_token(config, sizes, "none") * tokens
+    if config.model.family == "t5":
+        from training.memory_t5 import stage_activations
+
+        activations, per_layer = stage_activations(config, sizes, stage, mbs, recompute, in_flight)
+    else:
+        tokens = mbs * config.data.seq_length / sizes.cp
+        per_layer = saved_bytes_per_token(config, sizes, recompute) * tokens
+        layers = _stage_layers(config, sizes, stage)
+        activations = per_layer * layers * in_flight
+        if recompute != "none":  # one layer rebuilt in full during its backward
+            activations += saved_bytes_per_token(config, sizes, "none") * tokens
     loss = loss_buffer_bytes(config, sizes, mbs) if stage == sizes.pp - 1 else 0
     return MemoryReport(
         stage=stage,
@@ -450,7 +480,7 @@ def format_report(report: MemoryReport, sizes: ParallelSizes, config: MegalithCo
     head = (
         f"{sizes.describe()}; {config.parallel.data_parallel_mode}, "
         f"{compute_dtype(config)}, recompute {report.recompute}, "
-        f"micro-batch {report.micro_batch_size} x seq {config.data.seq_length}; "
+        f"micro-batch {report.micro_batch_size} x seq {_lengths(config)}; "
         f"pipeline stage {report.stage}"
     )
     lines = [head, f"  {'per GPU':<28}{'GiB':>10}"]
@@ -462,6 +492,16 @@ def format_report(report: MemoryReport, sizes: ParallelSizes, config: MegalithCo
         f"x{report.in_flight:g} in flight)"
     )
     return "\n".join(lines)
+
+
+def _lengths(config: MegalithConfig) -> str:
+    """The tokens of a sample: ``seq_length``, or T5's ``S enc + T dec``."""
+    if config.model.family == "t5":
+        from training.t5 import sample_lengths
+
+        source, target = sample_lengths(config.data)
+        return f"{source} enc + {target} dec"
+    return str(config.data.seq_length)
 
 
 def format_plan(result: Plan) -> str:

@@ -16,6 +16,8 @@ sequence) parallel peers read the same batches and hold shards of the model
 (``training.parallel.tensor_parallel_training``); the package holds whole tensors.
 Context-parallel peers read the same batches too and each keeps its load-balanced part
 of every sequence (``training.parallel.context_parallel``).
+With ``model.family: t5`` the samples are span-corrupted windows of the same shards and
+the model an encoder-decoder (``training.t5``).
 Pipeline stages run the micro-batches through a 1F1B schedule
 (``training.parallel.pipeline``). Mixture-of-experts models add their load-balancing
 loss to the training loss; expert-parallel ranks hold a share of the experts
@@ -44,12 +46,13 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
 from preprocessing.storage import atomic_write_json
-from training import sft
+from training import sft, t5
 from training.async_checkpoint import Checkpointer, checkpoint_group
 from training.checkpoint import load_checkpoint
 from training.config import MegalithConfig, ModelConfig, dump_config
 from training.data import build_gpt_datasets
 from training.data.shard_set import open_shard_set
+from training.data.t5_dataset import build_t5_datasets
 from training.distributed import env_from_torchrun, local_device
 from training.errors import MegalithError
 from training.finetune.session import FineTune
@@ -150,7 +153,9 @@ class ResumableSampler(Sampler[int]):
 
 
 def resolve_model_config(config: MegalithConfig) -> ModelConfig:
-    """Fill the vocabulary from the training data and the context length from data.seq_length."""
+    """Fill the vocabulary from the training data (T5's sentinels included: they are
+    tokenizer pieces) and the context length from data.seq_length (T5: the longer of the
+    encoder and decoder lengths)."""
     model = config.model
     updates: dict[str, Any] = {}
     if model.vocab_size is None:
@@ -159,12 +164,15 @@ def resolve_model_config(config: MegalithConfig) -> ModelConfig:
             first.path, config.data.storage_options, config.data.cache_dir
         ).manifest
         updates["vocab_size"] = manifest.tokenizer.padded_vocab_size
+    length, what = config.data.seq_length, f"data.seq_length {config.data.seq_length}"
+    if model.family == "t5":
+        length = max(t5.sample_lengths(config.data))
+        what = f"the T5 sample length {length} (data.span_corruption)"
     if model.max_position_embeddings is None:
-        updates["max_position_embeddings"] = config.data.seq_length
-    elif model.max_position_embeddings < config.data.seq_length:
+        updates["max_position_embeddings"] = length
+    elif model.max_position_embeddings < length:
         raise MegalithError(
-            f"data.seq_length {config.data.seq_length} exceeds model.max_position_embeddings "
-            f"{model.max_position_embeddings}"
+            f"{what} exceeds model.max_position_embeddings {model.max_position_embeddings}"
         )
     return model.model_copy(update=updates) if updates else model
 
@@ -243,6 +251,11 @@ class Trainer:
         self.flops_per_token = flops_per_token(
             self.model_config, config.data.seq_length, include_output_head=True
         )
+        self.tokens_per_sample = config.data.seq_length
+        if self.model_config.family == "t5":  # encoder + decoder tokens
+            self.tokens_per_sample, self.flops_per_token = t5.tokens_and_flops(
+                self.model_config, config.data
+            )
         self.step = 0
         self.consumed_samples = 0
         self.checkpoint: Path | str | None = None  # the checkpoint of the current state
@@ -269,7 +282,8 @@ class Trainer:
         # Validation always scores the same first samples of the valid split, so the
         # curve compares like with like.
         valid_samples = training.eval_iters * training.micro_batch_size
-        train, valid, _ = build_gpt_datasets(
+        build = build_t5_datasets if self.model_config.family == "t5" else build_gpt_datasets
+        train, valid, _ = build(
             self.config.data, (training.train_iters * training.global_batch_size, valid_samples, 0)
         )
         if train is None:
@@ -419,6 +433,9 @@ class Trainer:
         if self.config.data.format == "chat":  # assistant tokens of packed conversations
             with self.precision.autocast():
                 return sft.micro_batch_loss(self.forward_model, batch, self.device, loss_weight)
+        if self.model_config.family == "t5":  # span-corruption targets
+            with self.precision.autocast():
+                return t5.micro_batch_loss(self.forward_model, batch, self.device)
         tokens = batch["tokens"].to(self.device, non_blocking=True)
         with self.precision.autocast():
             if self.parallel.sizes.cp > 1:  # this rank's part of the sequence, loss scaled
@@ -558,7 +575,7 @@ class Trainer:
         training = self.config.training
         metrics_file = self._start_run_records()
         batches = self.train_batches()
-        tokens_per_step = training.global_batch_size * self.config.data.seq_length
+        tokens_per_step = training.global_batch_size * self.tokens_per_sample
         bar = tqdm(
             total=training.train_iters,
             initial=self.step,

@@ -19,7 +19,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         description="Convert MODEL_PACKAGE (the model/ directory `megalith train` writes) into "
         "a Hugging Face directory: config.json, generation_config.json, model.safetensors, "
         "tokenizer.model and tokenizer_config.json (LlamaTokenizer). RMSNorm+SwiGLU+RoPE models "
-        "become LlamaForCausalLM, LayerNorm+GELU+learned-position models GPT2LMHeadModel; "
+        "become LlamaForCausalLM, LayerNorm+GELU+learned-position models GPT2LMHeadModel, "
+        "T5 packages (model.family t5, relative positions) T5ForConditionalGeneration; "
         "MoE models are refused. <|eod|> is the tokenizer's bos and eos token, <|pad|> its pad "
         "token. The directory is written under a temporary name and renamed when complete.",
         epilog="example: megalith export hf runs/tiny/model hf-tiny && python -c "

@@ -1,4 +1,5 @@
-"""Hugging Face interop: model packages <-> ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` directories.
+"""Hugging Face interop: model packages <-> ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` directories
+(and T5 packages -> ``T5ForConditionalGeneration``, export only: :mod:`training.interop.hf_t5`).
 
 Which HF architecture a model becomes follows from its architecture, not its ``style``:
 RMSNorm + SwiGLU + RoPE is Llama (GQA, optional biases, tied or untied); LayerNorm +
@@ -386,9 +387,16 @@ def export_hf(package_dir: str | Path, out_dir: str | Path, *, overwrite: bool =
         raise HFInteropError(f"{out_dir} exists and is not empty (pass --overwrite to replace it)")
     model, config, tokenizer = load_model_package(package_dir)
     dtype = next(name for name, dt in DTYPES.items() if dt == model.embedding.word.weight.dtype)
-    tensors = to_hf_tensors(config, model_tensors(model))
-    tok_config, special_ids = tokenizer_files(tokenizer)
-    config_json = hf_config(config, dtype, special_ids)
+    if config.family == "t5":  # T5ForConditionalGeneration (training.interop.hf_t5)
+        from training.interop import hf_t5
+
+        tensors = hf_t5.to_hf_t5_tensors(config, model_tensors(model))
+        tok_config, special_ids = hf_t5.t5_tokenizer_files(tokenizer)
+        config_json = hf_t5.hf_t5_config(config, dtype, special_ids)
+    else:
+        tensors = to_hf_tensors(config, model_tensors(model))
+        tok_config, special_ids = tokenizer_files(tokenizer)
+        config_json = hf_config(config, dtype, special_ids)
     tok_config["model_max_length"] = config.max_position_embeddings
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)

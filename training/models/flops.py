@@ -4,6 +4,7 @@
 backward, with the attention term for full (not causally halved) score matrices.
 With mixture-of-experts blocks N counts the *active* weights a token meets: the
 router and its ``moe_top_k`` experts, not all of them (``total_params`` counts all).
+``encoder_decoder_flops`` is the same count for a T5 sample (``model.family: t5``).
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ from training.config import ModelConfig
 def matmul_params(config: ModelConfig, *, include_output_head: bool = False) -> int:
     """N: weights of the transformer blocks' matrix products (biases, norms and the
     embeddings excluded; the output head only with ``include_output_head``)."""
-    hidden, head_dim = config.hidden_size, config.head_dim
-    qkv = hidden * (config.num_attention_heads + 2 * config.num_query_groups) * head_dim
-    proj = config.num_attention_heads * head_dim * hidden
-    n = config.num_layers * (qkv + proj)
+    hidden = config.hidden_size
+    n = config.num_layers * _attention_params(config)
     for layer in range(config.num_layers):
         if config.is_moe_layer(layer):
             experts = config.moe_top_k * _mlp_params(config, config.moe_ffn_hidden_size)
@@ -33,15 +32,45 @@ def matmul_params(config: ModelConfig, *, include_output_head: bool = False) -> 
     return n
 
 
+def _attention_params(config: ModelConfig) -> int:
+    """qkv (grouped) and proj weights of one self-attention."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    qkv = hidden * (config.num_attention_heads + 2 * config.num_query_groups) * head_dim
+    return qkv + config.num_attention_heads * head_dim * hidden
+
+
 def _mlp_params(config: ModelConfig, ffn: int) -> int:
-    """fc1 (``[gate; up]`` with SwiGLU) and fc2 weights of one MLP of width ``ffn``."""
-    return config.hidden_size * ffn * (3 if config.activation == "swiglu" else 2)
+    """fc1 (``[gate; up]`` when gated: SwiGLU, GeGLU) and fc2 weights of one MLP of width ``ffn``."""
+    gated = config.activation in ("swiglu", "geglu")
+    return config.hidden_size * ffn * (3 if gated else 2)
 
 
 def flops_per_token(config: ModelConfig, seq_len: int, *, include_output_head: bool = False) -> int:
     """Training FLOPs per token: 6·N + 12·L·H·S (N from :func:`matmul_params`)."""
     n = matmul_params(config, include_output_head=include_output_head)
     return 6 * n + 12 * config.num_layers * config.hidden_size * seq_len
+
+
+def encoder_decoder_flops(config: ModelConfig, encoder_length: int, decoder_length: int) -> int:
+    """Training FLOPs (forward + backward) of one T5 sample of ``S`` encoder and ``T`` decoder
+    tokens: 6 per weight a token meets, plus 12·H per (query, key) pair of each layer's
+    attention (full score matrices, as :func:`flops_per_token`).
+
+    Encoder tokens meet the encoder blocks and every decoder layer's cross-attention
+    ``k``/``v``; decoder tokens meet the decoder blocks (self-attention over ``T`` keys,
+    cross-attention ``q``/``proj`` and scores over ``S`` keys, MLP) and the output head.
+    The embedding lookups and relative-position biases are left out.
+    """
+    hidden, width = config.hidden_size, config.num_attention_heads * config.head_dim
+    block = _attention_params(config) + _mlp_params(config, config.ffn_hidden_size)
+    encoder_layers, decoder_layers = config.num_layers, config.decoder_layers
+    s, t = encoder_length, decoder_length
+    encoder = s * (6 * encoder_layers * block + 12 * encoder_layers * hidden * s)
+    cross_kv = s * 6 * decoder_layers * 2 * hidden * width
+    decoder_weights = decoder_layers * (block + 2 * hidden * width)  # + cross q, proj
+    decoder = t * (6 * decoder_weights + 12 * decoder_layers * hidden * (t + s))
+    head = t * 6 * _vocab_size(config) * hidden
+    return encoder + cross_kv + decoder + head
 
 
 def total_params(config: ModelConfig) -> int:

@@ -58,6 +58,7 @@ from training.models.layers import (
     NormSpec,
     RotaryEmbedding,
     apply_rope,
+    geglu,
     gelu,
     scaled_init_std,
     swiglu,
@@ -160,7 +161,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, backend: LayerBackend):
         super().__init__()
-        gated = config.activation == "swiglu"
+        gated = config.activation in ("swiglu", "geglu")
         chunks = 2 if gated else 1
         self.fc1 = backend.norm_linear(
             config.hidden_size,
@@ -170,7 +171,7 @@ class MLP(nn.Module):
             init_std=config.init_std,
             output_chunks=chunks,
         )
-        self.activation = swiglu if gated else gelu
+        self.activation = {"swiglu": swiglu, "geglu": geglu, "gelu": gelu}[config.activation]
         self.fc2 = backend.row_linear(
             config.ffn_hidden_size,
             config.hidden_size,
@@ -229,6 +230,13 @@ class Embeddings(nn.Module):
                 )
             x = x + self.position(positions)
         return self.dropout(self.to_sequence_shards(x))
+
+
+def reset_submodules(model: nn.Module) -> None:
+    """Call ``reset_parameters`` of every submodule that has one (a model's init_weights)."""
+    for module in model.modules():
+        if module is not model and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -306,9 +314,7 @@ class GPTModel(nn.Module):
 
     def init_weights(self) -> None:
         """Re-initialise every parameter (after ``to_empty`` from the meta device, say)."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        reset_submodules(self)
 
     def new_kv_cache(
         self,
@@ -442,12 +448,15 @@ class GPTModel(nn.Module):
 
 def model_from_tensors(
     config: ModelConfig, params: dict[str, Tensor], buffers: dict[str, Tensor]
-) -> GPTModel:
-    """A plain single-device model on CPU holding ``params`` and ``buffers`` (whole
-    tensors, single-process names): what the parallel layouts gather for checkpoints
-    and the model package. Built on the meta device, so nothing is initialised twice."""
+) -> nn.Module:
+    """A plain single-device model of ``config.family`` on CPU holding ``params`` and
+    ``buffers`` (whole tensors, single-process names): what the parallel layouts gather
+    for checkpoints and the model package. Built on the meta device, so nothing is
+    initialised twice."""
+    from training.models import build_model  # the package imports this module
+
     with torch.device("meta"):
-        model = GPTModel(config)
+        model = build_model(config)
     model.to_empty(device="cpu")
     model.tie_weights()
     with torch.no_grad():

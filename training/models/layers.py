@@ -174,8 +174,11 @@ class SDPAttention(nn.Module):
         """``q [B,T,heads,D]``, ``k``/``v [B,S,groups,D]`` -> ``[B,T,heads*D]``.
 
         With ``S > T`` (a KV cache) the queries are the last ``T`` positions. ``attn_mask``
-        (bool ``[B, 1, T, S]``, True = may attend) replaces the causal mask: packed
-        documents (:mod:`training.models.packing`).
+        replaces the causal mask: bool ``[B, 1, T, S]`` (True = may attend) for packed
+        documents (:mod:`training.models.packing`), or a float mask broadcastable to
+        ``[B, heads, T, S]`` added to the scores (T5's relative position biases and
+        padding, :mod:`training.models.t5`; cast to the queries' dtype, as SDPA needs,
+        so that masked keys stay finite there too).
         """
         batch, length = q.shape[:2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -189,6 +192,9 @@ class SDPAttention(nn.Module):
             mask, causal = _causal_mask(length, k.size(2), q.device)
         else:
             mask, causal = attn_mask, False
+            if mask.is_floating_point() and mask.dtype != q.dtype:
+                # Clamped first: fp32's most negative value would become -inf in fp16/bf16.
+                mask = mask.clamp(min=torch.finfo(q.dtype).min).to(q.dtype)
         extra = {"enable_gqa": True} if native_gqa else {}
         out = F.scaled_dot_product_attention(
             q,
@@ -263,6 +269,12 @@ def swiglu(x: Tensor) -> Tensor:
     """``silu(gate) * up`` for ``x = [gate; up]`` along the last dimension."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def geglu(x: Tensor) -> Tensor:
+    """``gelu(gate) * up`` (tanh GELU) for ``x = [gate; up]``: T5 v1.1's gated-GELU."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def gelu(x: Tensor) -> Tensor:

@@ -34,7 +34,9 @@ from preprocessing.storage import sha256_of_file
 from training import __version__
 from training.config import ModelConfig, format_validation_error
 from training.errors import MegalithError
+from training.models import build_model
 from training.models.gpt import GPTModel
+from training.models.t5 import T5Model
 from training.safe_tensors import UnsafeTensorFileError, check_safetensors
 from training.signing import SignatureError, check_signature, should_sign, sign_directory
 
@@ -76,7 +78,7 @@ class PackageTensorError(ModelPackageError):
     """Tensors whose names, shapes or dtypes do not match the model the config describes."""
 
 
-def model_tensors(model: GPTModel) -> dict[str, Tensor]:
+def model_tensors(model: nn.Module) -> dict[str, Tensor]:
     """The state dict to save: tied aliases left out, every tensor detached and contiguous."""
     aliases = model.tied_weights
     return {
@@ -91,7 +93,7 @@ def sha256_file(path: Path) -> str:
 
 
 def save_model_package(
-    model: GPTModel,
+    model: GPTModel | T5Model,
     config: ModelConfig,
     tokenizer_path: str | Path,
     out_dir: str | Path,
@@ -183,8 +185,9 @@ def load_model_package(
     *,
     dtype: torch.dtype | None = None,
     require_signature: bool = False,
-) -> tuple[GPTModel, ModelConfig, Path]:
-    """Verify and load a package; returns ``(model in eval mode, config, tokenizer path)``.
+) -> tuple[GPTModel | T5Model, ModelConfig, Path]:
+    """Verify and load a package; returns ``(model in eval mode, config, tokenizer path)``:
+    a :class:`GPTModel` or :class:`T5Model` by the config's ``family``.
 
     The model is built in the dtype it was saved in, then cast to ``dtype`` if given.
     """
@@ -198,7 +201,7 @@ def load_model_package(
     saved_dtype = DTYPES[meta["dtype"]]
 
     with torch.device("meta"):
-        model = GPTModel(config).to(saved_dtype)
+        model = build_model(config).to(saved_dtype)
     weights_path = package_dir / WEIGHTS_FILE
     _check_header(weights_path, model)
     try:
@@ -236,11 +239,11 @@ def verify_package_weights(package_dir: str | Path, meta: dict[str, Any]) -> Non
             format_validation_error(exc, f"{package_dir / CONFIG_FILE}: model")
         ) from None
     with torch.device("meta"):
-        model = GPTModel(config).to(DTYPES[meta["dtype"]])
+        model = build_model(config).to(DTYPES[meta["dtype"]])
     _check_header(package_dir / WEIGHTS_FILE, model)
 
 
-def _check_header(path: Path, model: GPTModel) -> None:
+def _check_header(path: Path, model: nn.Module) -> None:
     expected = model_tensors(model)
     try:  # our own bounded header check: nothing is allocated before sizes are known sound
         header = {

@@ -145,19 +145,20 @@ class TELinear(layers.Linear):
 
 class TEAttention(layers.SDPAttention):
     """Causal attention through ``te.DotProductAttention`` (``bshd``) on CUDA in bf16/fp16
-    when queries and keys are the same positions; SDPA otherwise."""
+    when queries and keys are the same positions; SDPA otherwise, and whenever a mask
+    replaces the causal one (packed documents, T5's biases and padding)."""
 
     def __init__(self, num_heads, num_groups, head_dim, *, dropout, engine, devices):
         super().__init__(num_heads, num_groups, head_dim, dropout=dropout)
         self.__dict__["_engine"] = engine
         self.__dict__["_devices"] = devices
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         usable = q.dtype in (torch.bfloat16, torch.float16) and q.size(1) == k.size(1)
-        if usable and _engine_device(q, self._devices):
+        if usable and attn_mask is None and _engine_device(q, self._devices):
             out = self._engine(self, q.contiguous(), k.contiguous(), v.contiguous())
             return out.reshape(q.size(0), q.size(1), self.num_heads * self.head_dim)
-        return super().forward(q, k, v)
+        return super().forward(q, k, v, attn_mask)
 
 
 class TransformerEngineBackend(TorchBackend):

@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from training.config import ConfigError, MegalithConfig, ParallelConfig
-from training.parallel.pipeline_layout import layout_problems, schedule_problems
+from training.parallel.pipeline_layout import (
+    layout_problems,
+    pipelined_layers,
+    schedule_problems,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -130,7 +134,9 @@ def validate_layout(config: MegalithConfig, world_size: int) -> ParallelSizes:
         )
     if model.ffn_hidden_size % tp:
         problems.append(f"ffn_hidden_size {model.ffn_hidden_size} is not divisible by tensor {tp}")
-    problems += layout_problems(model.num_layers, pp, sizes.vpp, config.parallel.pipeline_layers)
+    problems += layout_problems(
+        pipelined_layers(model), pp, sizes.vpp, config.parallel.pipeline_layers
+    )
     seq = config.data.seq_length
     if cp > 1 and seq % (2 * cp):
         problems.append(

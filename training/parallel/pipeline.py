@@ -32,6 +32,10 @@ how many layers each virtual stage holds.
   package holds whole tensors: stages (and TP shards) send their parameters to rank 0.
   Whole (v1) checkpoints still load: :meth:`load` picks this rank's parameters.
 
+T5 (``model.family: t5``): the encoder's then the decoder's layers are split over the
+stages, stages exchange ``(encoder side, decoder side)`` pairs and the encoder mask goes
+to every stage as a keyword input (:mod:`training.parallel.pipeline_t5`).
+
 Inputs are made contiguous before the schedule: torch 2.11's ``PipelineStage`` checks
 each micro-batch's strides against those it inferred, and ``tokens[:, :-1]`` is a view
 with the row stride of ``tokens`` (seen as a hang on 2x H200: the first stage raised
@@ -101,7 +105,7 @@ from training.checkpoint import (
     verify_checkpoint,
 )
 from training.config import MegalithConfig, ModelConfig
-from training.models import GPTModel
+from training.models import GPTModel, T5Model, build_model
 from training.models.flops import param_groups
 from training.models.gpt import model_from_tensors
 from training.parallel import data_parallel as dp
@@ -111,8 +115,17 @@ from training.parallel.pipeline_layout import (
     bubble_fraction,
     layer_counts,
     owner_of_parameter,
+    owner_of_t5_parameter,
+    pipelined_layers,
     stage_layers,
     virtual_stages_of,
+)
+from training.parallel.pipeline_t5 import (
+    T5StageChunk,
+    build_t5_stage_model,
+    relative_bias_tables,
+    t5_activation_shapes,
+    t5_schedule_inputs,
 )
 from training.precision import Precision
 
@@ -253,16 +266,19 @@ class PipelineParallel:
         sizes = state.sizes
         self.config, self.model_config, self.state = config, model_config, state
         self.device, self.precision = device, precision
+        self.t5 = model_config.family == "t5"
         self.counts = layer_counts(
-            model_config.num_layers, sizes.pp, sizes.vpp, config.parallel.pipeline_layers
+            pipelined_layers(model_config), sizes.pp, sizes.vpp, config.parallel.pipeline_layers
         )
         whole = tp.build_model(model_config, state, config.parallel.sequence_parallel, device)
-        self.model, chunk_layers = build_stage_model(whole, state, self.counts)
+        build_stage = build_t5_stage_model if self.t5 else build_stage_model
+        self.model, chunk_layers = build_stage(whole, state, self.counts)
         self.virtual_stages = virtual_stages_of(state.pp_rank, sizes.pp, sizes.vpp)
         self.num_virtual = sizes.pp * sizes.vpp
         shards = sizes.tp if config.parallel.sequence_parallel else 1
+        chunk_class = T5StageChunk if self.t5 else StageChunk
         self.chunks = [
-            StageChunk(
+            chunk_class(
                 self.model, layers, stage == 0, stage == self.num_virtual - 1,
                 precision.autocast, shards,
             )
@@ -305,24 +321,33 @@ class PipelineParallel:
 
         Returns the step's loss (mean over micro-batches and data-parallel ranks, on every
         rank) and the bubble metrics."""
-        tokens = torch.cat([next(batches)["tokens"] for _ in range(self.micro_batches)])
-        tokens = tokens.to(self.device, non_blocking=True)
-        args = (tokens[:, :-1].contiguous(),) if self.state.is_first_stage else ()
+        args, kwargs, target = self._schedule_inputs(
+            [next(batches) for _ in range(self.micro_batches)]
+        )
+        args = args if self.state.is_first_stage else ()
         losses: list[Tensor] = []
         self.busy.reset()
         started = time.perf_counter()
         if self.state.is_last_stage:
-            self.schedule.step(
-                *args, target=tokens[:, 1:].contiguous(), losses=losses, return_outputs=False
-            )
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         else:
-            self.schedule.step(*args, return_outputs=False)
+            self.schedule.step(*args, return_outputs=False, **kwargs)
         loss = torch.stack([x.detach() for x in losses]).sum() if losses else self._zero()
         busy = self.busy.total()  # synchronises on CUDA
         elapsed = time.perf_counter() - started
         self.sync_grads()
         loss = self.from_last_stage(dp.all_reduce_mean(loss.float(), self.state))
         return loss, self._bubble_metrics(busy, elapsed)
+
+    def _schedule_inputs(
+        self, batches: list[dict[str, Tensor]]
+    ) -> tuple[tuple[Tensor, ...], dict[str, Tensor], Tensor]:
+        """The schedule's whole-batch inputs: the first stage's positional inputs, every
+        stage's keyword inputs, the last stage's loss target (all contiguous)."""
+        if self.t5:
+            return t5_schedule_inputs(batches, self.device)
+        tokens = torch.cat([b["tokens"] for b in batches]).to(self.device, non_blocking=True)
+        return (tokens[:, :-1].contiguous(),), {}, tokens[:, 1:].contiguous()
 
     def _bubble_metrics(self, busy: float, elapsed: float) -> dict[str, float]:
         """``pipeline_bubble`` (critical stage), ``pipeline_idle``, ``pipeline_imbalance``
@@ -357,7 +382,8 @@ class PipelineParallel:
 
     def sync_grads(self) -> None:
         """Average over data × context (as DDP would), then sum the tied embedding's
-        gradient over its first- and last-stage copies (Megatron's embedding group)."""
+        gradient over its first- and last-stage copies (Megatron's embedding group) and
+        T5's relative-bias tables over the pipeline (every stage holds them)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         size = dp.data_parallel_size(self.state)
         if size > 1:
@@ -375,6 +401,11 @@ class PipelineParallel:
             if grad is None:
                 grad = self._tied_copy().grad = torch.zeros_like(self._tied_copy())
             dist.all_reduce(grad, group=self.state.embedding_group)
+        if self.t5:
+            for table in relative_bias_tables(self.model):
+                if table.grad is None:
+                    table.grad = torch.zeros_like(table)
+                dist.all_reduce(table.grad, group=self.state.pp_group)
 
     def _tied_copy(self) -> nn.Parameter | None:
         """The word embedding where it is tied and held by a first or last stage."""
@@ -383,16 +414,15 @@ class PipelineParallel:
         return self.model.embedding.word.weight
 
     def clip_grad_norm(self, max_norm: float) -> Tensor:
-        """Clip by the norm over every stage and TP shard (the tied embedding counted on
-        the first stage only); returns the norm before clipping."""
+        """Clip by the norm over every stage and TP shard (a parameter held by several
+        stages, the tied embedding or T5's relative-bias tables, counted on its owner
+        only); returns the norm before clipping."""
         from training.parallel.tensor_parallel.layers import tensor_parallel_partition
 
         split_names = set(tensor_parallel_partition(self.model)) if self.state.sizes.tp > 1 else ()
         totals = torch.zeros(2, dtype=torch.float32, device=self.device)  # split, replicated
         for name, param in self.model.named_parameters():
-            if param.grad is None or (
-                name.startswith("embedding.") and not self.state.is_first_stage
-            ):
+            if param.grad is None or not self._owned(name):
                 continue
             totals[0 if name in split_names else 1] += param.grad.detach().float().square().sum()
         if self.state.sizes.tp > 1:
@@ -416,28 +446,37 @@ class PipelineParallel:
     def forward_loss(self, batch: dict[str, Tensor]) -> Tensor:
         """One micro-batch's mean loss, forward only through every virtual stage; the
         value is on the last stage (zero elsewhere: combine with :meth:`from_last_stage`)."""
-        tokens = batch["tokens"].to(self.device, non_blocking=True)
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        inputs, kwargs, labels = self._schedule_inputs([batch])
         pp, group = self.state.sizes.pp, self.state.pp_group
         shards = self.state.sizes.tp if self.config.parallel.sequence_parallel else 1
-        shape = (tokens.size(0), inputs.size(1) // shards, self.model_config.hidden_size)
+        hidden = self.model_config.hidden_size
+        if self.t5:
+            shapes = t5_activation_shapes(batch, hidden, shards)
+        else:
+            shapes = [(labels.size(0), labels.size(1) // shards, hidden)]
         dtype = next(self.model.parameters()).dtype
-        loss, x = self._zero(), None
+        loss, xs = self._zero(), inputs
         for chunk, stage in zip(self.chunks, self.virtual_stages, strict=True):
             if stage > 0:
-                x = torch.empty(shape, dtype=dtype, device=self.device)
-                dist.recv(x, group_src=(stage - 1) % pp, group=group)
-            x = chunk(inputs if stage == 0 else x)
+                xs = tuple(torch.empty(s, dtype=dtype, device=self.device) for s in shapes)
+                for x in xs:
+                    dist.recv(x, group_src=(stage - 1) % pp, group=group)
+            out = chunk(*xs, **kwargs)
             if stage < self.num_virtual - 1:
-                dist.send(x.to(dtype).contiguous(), group_dst=(stage + 1) % pp, group=group)
+                for x in out if isinstance(out, tuple) else (out,):
+                    dist.send(x.to(dtype).contiguous(), group_dst=(stage + 1) % pp, group=group)
             else:
                 with self.precision.autocast():
-                    loss = chunk.output.loss(x, labels)
+                    loss = chunk.output.loss(out, labels)
         return loss
 
     # ---------------------------------------------------------------- whole tensors
 
     def _owner(self, name: str) -> int:
+        if self.t5:
+            return owner_of_t5_parameter(
+                name, self.counts, self.state.sizes.pp, self.model_config.num_layers
+            )
         return owner_of_parameter(name, self.counts, self.state.sizes.pp)
 
     def owner_stage(self, name: str) -> int:
@@ -488,7 +527,7 @@ class PipelineParallel:
         return self._owner(name) == self.state.pp_rank
 
     @contextlib.contextmanager
-    def whole_model(self, is_main: bool) -> Iterator[GPTModel | None]:
+    def whole_model(self, is_main: bool) -> Iterator[GPTModel | T5Model | None]:
         """The whole single-process model on CPU on rank 0 (None elsewhere); collective."""
         local = {n: p for n, p in self.model.named_parameters() if self._owned(n)}
         reference = _meta_model(self.model_config)
@@ -538,9 +577,9 @@ class PipelineParallel:
         return self._to_rank0(local, wanted)
 
 
-def _meta_model(config: ModelConfig) -> GPTModel:
+def _meta_model(config: ModelConfig) -> GPTModel | T5Model:
     with torch.device("meta"):
-        return GPTModel(config)
+        return build_model(config)
 
 
 def whole_param_names(config: ModelConfig) -> list[str]:

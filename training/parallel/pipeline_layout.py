@@ -21,11 +21,23 @@ stage (rank pp - 1).
 
 Every virtual stage holds at least one layer. With ``pipeline`` 1 the key is ignored,
 so a config resumes in a layout without pipeline parallelism unchanged.
+
+T5 (``model.family: t5``): the layers are the encoder's then the decoder's, counted in
+that order (Megatron's encoder-then-decoder split), so ``num_layers + decoder_layers``
+are split and a stage may end the encoder and start the decoder. The shared embedding
+and the encoder's relative-bias table are owned by the first stage, the encoder's final
+norm by the stage of its last layer, the decoder's relative-bias table by the stage of
+its first layer, the decoder's final norm and the output head by the last
+(``training.parallel.pipeline_t5``).
 """
 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from training.config import ModelConfig
 
 Split = str | list[int]
 
@@ -92,6 +104,44 @@ def owner_of_stage(virtual_stage: int, pp: int) -> int:
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
+def pipelined_layers(model: ModelConfig) -> int:
+    """The layers a pipeline splits: GPT's, or T5's encoder then decoder layers."""
+    return model.num_layers + (model.decoder_layers if model.family == "t5" else 0)
+
+
+def stage_of_layer(layer: int, counts: list[int]) -> int:
+    """The virtual stage holding global layer ``layer``."""
+    for stage, layers in enumerate(stage_layers(counts)):
+        if layer in layers:
+            return stage
+    raise ValueError(f"layer {layer} is outside the pipeline split {counts}")
+
+
+_T5_LAYER = re.compile(r"(encoder|decoder)\.layers\.(\d+)\.")
+
+
+def owner_of_t5_parameter(name: str, counts: list[int], pp: int, encoder_layers: int) -> int:
+    """The pipeline rank that owns (saves, counts in the grad norm) a single-process T5
+    parameter name; encoder layer ``i`` is global layer ``i``, decoder layer ``j`` is
+    ``encoder_layers + j``. Relative-bias tables are held by every stage, owned here."""
+    match = _T5_LAYER.match(name)
+    if match is not None:
+        side, index = match.group(1), int(match.group(2))
+        layer = index if side == "encoder" else encoder_layers + index
+    elif name.startswith(("embedding.", "encoder.relative_bias.")):
+        return 0
+    elif name.startswith("encoder.final_norm."):
+        layer = encoder_layers - 1
+    elif name.startswith("decoder.relative_bias."):
+        layer = encoder_layers
+    else:  # decoder.final_norm.*, output.*
+        return pp - 1
+    try:
+        return owner_of_stage(stage_of_layer(layer, counts), pp)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
+
+
 def owner_of_parameter(name: str, counts: list[int], pp: int) -> int:
     """The pipeline rank that holds a single-process parameter name (the first stage for
     the embedding, also when a tied copy lives on the last)."""
@@ -100,11 +150,10 @@ def owner_of_parameter(name: str, counts: list[int], pp: int) -> int:
     match = _LAYER.match(name)
     if match is None:  # final_norm.*, output.*
         return pp - 1
-    layer = int(match.group(1))
-    for stage, layers in enumerate(stage_layers(counts)):
-        if layer in layers:
-            return owner_of_stage(stage, pp)
-    raise ValueError(f"{name}: layer {layer} is outside the pipeline split {counts}")
+    try:
+        return owner_of_stage(stage_of_layer(int(match.group(1)), counts), pp)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
 
 
 def bubble_fraction(pp: int, vpp: int, micro_batches: int) -> float:

@@ -31,6 +31,7 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
     problems += _chat_problems(config, sizes)
     problems += _finetune_problems(config, sizes)
     problems += fp8_problems(config, sizes)
+    problems += t5_problems(config, sizes)
     if problems:
         raise MegalithError("; ".join(problems))
 
@@ -103,6 +104,31 @@ def _finetune_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
             "weights and adapters is not integrated; use ddp or distributed_optimizer"
         )
     return problems
+
+
+def t5_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
+    """What the encoder-decoder (model.family t5, training.t5) does not train with yet:
+    data parallelism (ddp, distributed_optimizer), tensor/sequence parallelism and
+    pipeline stages (training.parallel.pipeline_t5) do."""
+    if config.model.family != "t5":
+        return []
+    refused = {
+        "parallel.context": (sizes.cp > 1, "context-parallel cross-attention"),
+        "parallel.data_parallel_mode=fsdp": (
+            config.parallel.data_parallel_mode == "fsdp",
+            "FSDP of the encoder-decoder",
+        ),
+        "data.format=chat": (
+            config.data.format == "chat",
+            "chat fine-tuning of an encoder-decoder",
+        ),
+        "finetune.base": (config.finetune.base is not None, "fine-tuning an encoder-decoder"),
+    }
+    return [
+        f"{key} with model.family=t5: not integrated yet ({what})"
+        for key, (applies, what) in refused.items()
+        if applies
+    ]
 
 
 def expert_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:

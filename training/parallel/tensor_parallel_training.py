@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from training import models
 from training.config import ModelConfig
 from training.models import GPTModel, resolve_backend
 from training.models.gpt import model_from_tensors
@@ -41,18 +42,18 @@ from training.parallel.tensor_parallel.sharding import (
 
 def build_model(
     config: ModelConfig, state: ParallelState, sequence_parallel: bool, device: torch.device
-) -> GPTModel:
-    """This rank's model: the whole one without TP, else its TP shard of it (with
-    context-parallel attention under CP)."""
+) -> GPTModel | models.T5Model:
+    """This rank's model (of ``config.family``): the whole one without TP, else its TP
+    shard of it (with context-parallel attention under CP)."""
     # Consumes the RNG exactly as one device does (CP attention has no parameters).
-    full = GPTModel(config, cp.wrap_backend(resolve_backend(config.backend), state))
+    full = models.build_model(config, cp.wrap_backend(resolve_backend(config.backend), state))
     if state.sizes.tp == 1:
         return full.to(device)
     check_tensor_parallel(config, state.sizes.tp)
     # Built on meta so that the shard's own init draws nothing from the RNG.
     backend = cp.wrap_backend(TensorParallelBackend(state.tp_group, sequence_parallel), state)
     with torch.device("meta"):
-        model = GPTModel(config, backend)
+        model = models.build_model(config, backend)
     model.to_empty(device=device)
     model.tie_weights()
     shard = shard_full_state_dict(full.state_dict(), config, state.tp_rank, state.sizes.tp)

@@ -1,4 +1,4 @@
-"""Split a full GPT state dict into tensor-parallel shards and join shards back.
+"""Split a full GPT or T5 state dict into tensor-parallel shards and join shards back.
 
 The split follows :class:`training.models.tp_backend.TensorParallelBackend`:
 
@@ -13,6 +13,10 @@ mlp.fc1.linear.weight / .bias              0           per chunk: ``[gate; up]``
 attention.proj.weight, mlp.fc2.weight      1           input features
 *.lora.b of qkv / fc1 (LoRA)                0           as the base weight (per chunk)
 *.lora.a of proj / fc2 (LoRA)               1           as the base weight
+cross_attention.q.linear.weight (T5)       0           heads
+cross_attention.kv.weight (T5)             0           per chunk: ``[k; v]``
+cross_attention.proj.weight (T5)           1           input features
+relative_bias.weight (T5)                  1           the table's head columns
 everything else (norms, row biases,        -           replicated
 position embedding, the other LoRA factor)
 =========================================  ==========  =================================
@@ -40,8 +44,13 @@ _SPLIT_PATTERNS: list[tuple[re.Pattern[str], int]] = [
     # row-parallel one; the other factor is replicated.
     (re.compile(r"(^|\.)(attention\.qkv|mlp\.fc1)\.linear\.lora\.b$"), 0),
     (re.compile(r"(^|\.)(attention\.proj|mlp\.fc2)\.lora\.a$"), 1),
+    # T5 (training.models.t5): the decoder's cross-attention, and each stack's relative
+    # position bias table [buckets, heads], split by head columns.
+    (re.compile(r"(^|\.)cross_attention\.(q\.linear|kv)\.weight$"), 0),
+    (re.compile(r"(^|\.)(cross_attention\.proj|relative_bias)\.weight$"), 1),
 ]
 _FC1 = re.compile(r"(^|\.)mlp\.fc1\.linear\.(weight|bias|lora\.b)$")
+_KV = re.compile(r"(^|\.)cross_attention\.kv\.weight$")
 
 
 def check_tensor_parallel(config: ModelConfig, tp_size: int) -> None:
@@ -70,8 +79,8 @@ def partition_spec(name: str, config: ModelConfig) -> tuple[int, int] | None:
     """``(split dim, output chunks)`` of parameter ``name``, or None when replicated."""
     for pattern, dim in _SPLIT_PATTERNS:
         if pattern.search(name):
-            gated = _FC1.search(name) and config.activation == "swiglu"
-            return dim, 2 if gated else 1
+            gated = _FC1.search(name) and config.activation in ("swiglu", "geglu")
+            return dim, 2 if gated or _KV.search(name) else 1
     return None
 
 

@@ -1,0 +1,135 @@
+"""Seq2seq generation for T5 models (``model.family: t5``): encode once, decode step by step.
+
+A prompt is what the encoder reads: its tokens, then the end-of-document id (EOS), as
+the span-corruption samples end (:mod:`training.data.t5_dataset`); prompts of a batch
+are padded on the right with the pad id and masked. The decoder starts from the pad id
+(T5's decoder start token) and appends one token per step, reading its earlier keys
+and values from a KV cache (:meth:`T5Model.new_kv_cache`), so each step costs one
+token's decoder forward; the cross-attention reads the encoder output computed once.
+
+Sampling reuses :mod:`evaluation.generate` (greedy, temperature, top-k, top-p, one
+``torch.Generator`` per prompt seeded with ``seed + its index``): results are the same
+objects (:class:`GenerationResult`), and a prompt's output does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from evaluation.generate import (
+    Generation,
+    GenerationResult,
+    SamplingConfig,
+    _mask_vocab,
+    sample_rows,
+)
+from evaluation.runtime import autocast, model_device
+from preprocessing.tokenizer import Tokenizer
+from training.models.t5 import T5Model
+
+
+def generate_seq2seq(
+    model: T5Model,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str],
+    sampling: SamplingConfig | None = None,
+    *,
+    batch_size: int = 8,
+    autocast_dtype: torch.dtype | None = None,
+) -> GenerationResult:
+    """The decoder's output for each prompt (the encoder input), in the input order;
+    ``sampling`` defaults to :class:`SamplingConfig`'s defaults."""
+    sampling = sampling or SamplingConfig()
+    if tokenizer.pad_id is None:
+        raise ValueError("T5 generation needs the tokenizer's <|pad|> id (the decoder start)")
+    start = time.perf_counter()
+    encoded = [[*tokenizer.encode(p), tokenizer.eod_id] for p in prompts]
+    generations, sampled = [], 0
+    for first in range(0, len(prompts), batch_size):
+        rows = range(first, min(first + batch_size, len(prompts)))
+        results = generate_seq2seq_ids(
+            model,
+            [encoded[i] for i in rows],
+            sampling,
+            pad_id=tokenizer.pad_id,
+            eod_id=tokenizer.eod_id,
+            vocab_size=tokenizer.vocab_size,
+            seeds=[sampling.seed + i for i in rows],
+            autocast_dtype=autocast_dtype,
+        )
+        for i, (ids, reason) in zip(rows, results, strict=True):
+            sampled += len(ids) + (reason == "eod")
+            text = tokenizer.decode(ids)
+            generations.append(Generation(prompts[i], text, ids, len(encoded[i]), reason))
+    return GenerationResult(generations, sampled, time.perf_counter() - start)
+
+
+@torch.no_grad()
+def generate_seq2seq_ids(
+    model: T5Model,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+    *,
+    pad_id: int,
+    eod_id: int,
+    vocab_size: int | None = None,
+    seeds: Sequence[int] | None = None,
+    autocast_dtype: torch.dtype | None = None,
+) -> list[tuple[list[int], str]]:
+    """``(new ids, finish reason)`` for each encoder prompt of one batch; the final EOD
+    is left out of the ids, and ends the row when ``sampling.stop_at_eod``."""
+    if not prompts or not all(prompts):
+        raise ValueError("every prompt needs at least one token")
+    device = model_device(model)
+    rows, steps = len(prompts), sampling.max_new_tokens
+    encoder_tokens, encoder_mask = _padded(prompts, pad_id, device)
+    seeds = seeds if seeds is not None else [sampling.seed + row for row in range(rows)]
+    generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+    configs = [sampling] * rows
+    new: list[list[int]] = [[] for _ in range(rows)]
+    finish = ["length" if steps == 0 else "" for _ in range(rows)]
+    if steps == 0:
+        return [(ids, reason) for ids, reason in zip(new, finish, strict=True)]
+
+    cache = model.new_kv_cache(rows, steps, dtype=autocast_dtype)
+    step = torch.full((rows, 1), pad_id, dtype=torch.long, device=device)
+    with autocast(device, autocast_dtype):
+        encoded = model.encode(encoder_tokens, encoder_mask)
+    for position in range(steps):
+        with autocast(device, autocast_dtype):
+            logits = model.decode(step, encoded, encoder_mask, kv_cache=cache, start_pos=position)[
+                :, -1
+            ]
+        active = [row for row in range(rows) if not finish[row]]
+        sampled = sample_rows(_mask_vocab(logits, vocab_size), configs, generators, active)
+        for row, token in zip(active, sampled[active].tolist(), strict=True):
+            if sampling.stop_at_eod and token == eod_id:
+                finish[row] = "eod"
+                continue
+            new[row].append(token)
+            if len(new[row]) == steps:
+                finish[row] = "length"
+        if all(finish):
+            break
+        step = sampled[:, None]
+    return [(ids, reason) for ids, reason in zip(new, finish, strict=True)]
+
+
+def _padded(
+    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """``tokens [B, S]`` right-padded with ``pad_id``, and the bool mask of real tokens."""
+    length = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = torch.tensor(prompt)
+        mask[row, : len(prompt)] = True
+    return tokens.to(device), mask.to(device)
+
+
+__all__ = ["generate_seq2seq", "generate_seq2seq_ids"]

@@ -1,0 +1,286 @@
+"""T5 in the trainer: span-corruption batches, the loss, FLOPs, resume and data parallelism
+(real torchrun + gloo, DDP and the distributed optimizer, against one process)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from parallel_helpers import (
+    BACKEND,
+    DEVICE,
+    RESUME_STEP,
+    STEPS,
+    assert_metrics_match,
+    assert_resume_exact,
+    assert_whole_checkpoint,
+    metrics,
+    run_torchrun_worker,
+)
+from t5_helpers import REPO, T5_RECIPE, t5_config, t5_settings, t5_shard_set
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from preprocessing.manifest import read_manifest
+from training.config import ModelConfig
+from training.data.t5_dataset import span_corruption_lengths
+from training.errors import MegalithError
+from training.models import T5Model, build_model
+from training.models.flops import encoder_decoder_flops
+from training.parallel.groups import ParallelSizes
+from training.parallel.support import check_trainer_support
+from training.trainer import Trainer
+
+WORLD = 2
+DP_CASES = {
+    "dp2-ddp": {"parallel.data_parallel_mode": "ddp"},
+    "dp2-distributed-optimizer": {"parallel.data_parallel_mode": "distributed_optimizer"},
+    "tp2": {"parallel.tensor": 2},  # the trainer's T5 path under tensor parallelism too
+}
+
+
+@pytest.fixture(scope="module")
+def t5_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return t5_shard_set(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(t5_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One process: fit STEPS steps, then resume a copy of the RESUME_STEP checkpoint."""
+    out = tmp_path_factory.mktemp("t5-reference")
+    Trainer(t5_config(t5_settings(t5_shards)), out / "run").fit(show_progress=False)
+    return out / "run"
+
+
+def test_encoder_decoder_flops_match_a_flop_counter() -> None:
+    """6 FLOPs per weight and token, 12·H per attention (query, key) pair: exactly what
+    torch's FlopCounter counts for a training step of the real model (math SDPA)."""
+    for position in ("relative", "rope"):
+        config = ModelConfig(
+            family="t5", num_layers=2, num_decoder_layers=3, hidden_size=32,
+            num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48, vocab_size=256,
+            backend="torch", position_embedding=position, max_position_embeddings=64,
+        )  # fmt: skip
+        model = build_model(config)
+        encoder, decoder = torch.randint(0, 256, (2, 24)), torch.randint(0, 256, (2, 8))
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            model(encoder, decoder, decoder).backward()
+        assert counter.get_total_flops() == 2 * encoder_decoder_flops(config, 24, 8), position
+
+
+def test_trainer_trains_t5_on_span_corruption(t5_shards: Path, reference: Path) -> None:
+    config = t5_config(t5_settings(t5_shards))
+    trainer = Trainer(config, reference.parent / "inspect")
+    assert isinstance(trainer.model, T5Model)
+    # The vocabulary comes from the data, sentinels included; positions cover S and T.
+    manifest = read_manifest(str(t5_shards))
+    lengths = span_corruption_lengths(config.data)
+    assert trainer.model_config.vocab_size == manifest.tokenizer.padded_vocab_size
+    assert trainer.model_config.max_position_embeddings == max(lengths.encoder, lengths.decoder)
+    assert trainer.tokens_per_sample == lengths.encoder + lengths.decoder
+    per_sample = encoder_decoder_flops(trainer.model_config, lengths.encoder, lengths.decoder)
+    assert trainer.flops_per_token * trainer.tokens_per_sample == pytest.approx(per_sample)
+    # The step's loss is the mean over the batch's target tokens, recomputed by hand.
+    batch = next(trainer.train_batches())
+    with torch.no_grad():
+        logits = trainer.model(batch["encoder_tokens"], batch["decoder_tokens"],
+                               encoder_mask=batch["encoder_mask"])  # fmt: skip
+        want = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100
+        )
+        assert trainer._micro_batch_loss(batch).item() == pytest.approx(want.item(), rel=1e-5)
+
+    records = metrics(reference)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert all(r["tokens_per_s"] > 0 for r in records)
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
+    package = json.loads((reference / "model" / "config.json").read_text())
+    assert package["model"]["family"] == "t5"
+
+
+def test_t5_resumes_exactly(t5_shards: Path, reference: Path, tmp_path: Path) -> None:
+    first = reference / "checkpoints" / f"step-{RESUME_STEP:08d}"
+    (tmp_path / "checkpoints").mkdir()
+    import shutil
+
+    shutil.copytree(first, tmp_path / "checkpoints" / first.name)
+    config = t5_config(t5_settings(t5_shards, {"checkpoint.directory": tmp_path / "checkpoints"}))
+    trainer = Trainer(config, tmp_path / "run")
+    assert trainer.resume() and trainer.step == RESUME_STEP
+    trainer.fit(show_progress=False)
+    assert_resume_exact(reference, tmp_path / "run", "T5 one process")
+
+
+@pytest.fixture(scope="module")
+def dp_runs(t5_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both data-parallel modes and TP=2 in one torchrun job of 2 gloo ranks (fit, then
+    resume)."""
+    out = tmp_path_factory.mktemp("t5-dp")
+    spec = {
+        "recipe": str(T5_RECIPE),
+        "device": DEVICE,
+        "cases": {name: t5_settings(t5_shards, extra) for name, extra in DP_CASES.items()},
+        "resume_step": RESUME_STEP,
+        "out": str(out),
+    }
+    return run_torchrun_worker("tp_trainer_worker.py", spec, out, WORLD, "T5 data parallel")
+
+
+@pytest.mark.parametrize("case", DP_CASES)
+def test_parallel_trainer_matches_one_process(case: str, dp_runs: Path, reference: Path) -> None:
+    """Losses (train and validation) within 1e-5 and grad norms within 1e-4 relative of one
+    process at every step; the last checkpoint's weights and AdamW moments within 1e-4
+    relative / 1e-5 absolute; a resume repeats the run's losses exactly."""
+    layout = f"T5 {case} ({BACKEND}, {WORLD} processes)"
+    got = metrics(dp_runs / case)
+    assert_metrics_match(got, metrics(reference), layout)
+    assert_whole_checkpoint(dp_runs / case, reference, layout)
+    assert_resume_exact(dp_runs / case, dp_runs / f"{case}-resumed", layout)
+
+
+@pytest.mark.parametrize(
+    "sizes,setting,key",
+    [
+        ({"cp": 2}, {}, "parallel.context"),
+        ({"dp": 2}, {"parallel.data_parallel_mode": "fsdp"}, "parallel.data_parallel_mode=fsdp"),
+    ],
+)
+def test_unsupported_t5_layouts_are_refused(t5_shards: Path, sizes, setting, key) -> None:
+    config = t5_config(t5_settings(t5_shards, setting))
+    full = {"tp": 1, "cp": 1, "pp": 1, "dp": 1, "ep": 1, **sizes}
+    with pytest.raises(MegalithError, match=f"{key} with model.family=t5"):
+        check_trainer_support(config, ParallelSizes(**full))
+
+
+# --- evaluation ----------------------------------------------------------------------------
+
+
+def test_perplexity_scores_the_trainers_validation_targets(t5_shards: Path, reference: Path):
+    """evaluate_perplexity on the package reads the samples the trainer validated on: its
+    loss equals the last logged val_loss (every sample has as many targets)."""
+    from evaluation.perplexity import evaluate_perplexity
+    from training.models.package import load_model_package
+
+    model, config, _ = load_model_package(reference / "model")
+    assert isinstance(model, T5Model)
+    data = t5_config(t5_settings(t5_shards)).data
+    result = evaluate_perplexity(model, data, max_samples=4, batch_size=3)
+    lengths = span_corruption_lengths(data)
+    assert result.samples == 4 and result.tokens == 4 * lengths.targets_used
+    assert result.loss == pytest.approx(metrics(reference)[-1]["val_loss"], abs=1e-5)
+
+
+def test_task_choices_are_scored_as_the_span_after_the_context(reference: Path) -> None:
+    """span_logliks: ``context <extra_id_0> EOS`` in, ``<extra_id_0> choice`` scored; a
+    batch of different lengths (padded, masked) gives each row's single-row value, and
+    that is the log-softmax of the choice tokens read off the logits."""
+    from evaluation.seq2seq import span_logliks, span_prompt
+    from preprocessing.tokenizer import load_tokenizer, sentinel_ids
+    from training.models.package import load_model_package
+
+    model, _, tokenizer_path = load_model_package(reference / "model")
+    tokenizer = load_tokenizer(str(tokenizer_path))
+    sequences = [
+        (tokenizer.encode("Once upon a time, a fox"), 3),
+        (tokenizer.encode("The capital of Valdoria is Mirelle."), 5),
+    ]  # fmt: skip
+    batched = span_logliks(model, tokenizer, sequences)
+    for (tokens, n), value in zip(sequences, batched, strict=True):
+        encoder, start = span_prompt(tokenizer, tokens[:-n])
+        assert encoder[-2:] == [sentinel_ids(tokenizer)[0], tokenizer.eod_id]
+        assert start == [tokenizer.pad_id, sentinel_ids(tokenizer)[0]]
+        with torch.no_grad():
+            logits = model(torch.tensor([encoder]), torch.tensor([start + tokens[-n:-1]]))
+        logprobs = logits.log_softmax(-1)[0, len(start) - 1 :]
+        want = logprobs.gather(1, torch.tensor(tokens[-n:])[:, None]).sum().item()
+        assert value == pytest.approx(want, abs=1e-4)
+        assert span_logliks(model, tokenizer, [(tokens, n)])[0] == pytest.approx(value, abs=1e-4)
+
+
+# --- the end-to-end flow, selected by model.family -----------------------------------------
+
+
+@pytest.mark.slow
+def test_end_to_end_flow_trains_evaluates_and_registers_a_t5(
+    prefect_api, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """configs/t5-tiny-cpu.yaml shrunk, through the same end-to-end flow as GPT: tokenizer
+    with sentinels → shards → train → eval (span perplexity, tasks, seq2seq generation) →
+    register; the registered model loads back as a T5."""
+    from pipelines.commands import sample_corpus
+    from pipelines.flows import end_to_end
+    from preprocessing.tokenizer import load_tokenizer, sentinel_ids
+    from registry.models import load_registered_model
+    from registry.tracking import ensure_tracking_store
+    from training.config import load_config
+    from training.models.package import load_model_package
+
+    root = tmp_path_factory.mktemp("t5-e2e")
+    lines = sample_corpus().read_text().splitlines()[:300]
+    (root / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    tracking_uri = f"sqlite:///{root / 'mlflow.db'}"
+    ensure_tracking_store(tracking_uri)
+    config = load_config(
+        T5_RECIPE,
+        [
+            "tokenizer.vocab_size=640", "tokenizer.sentinel_tokens=8", "data.workers=1",
+            "data.seq_length=48", "model.num_layers=1", "model.num_decoder_layers=1",
+            "model.hidden_size=32", "model.ffn_hidden_size=64", "training.train_iters=3",
+            "training.eval_interval=3", "training.eval_iters=1", "training.log_interval=1",
+            "logging.registered_model=t5-e2e",
+        ],
+        {"data.inputs": [str(root / "corpus.jsonl")], "data.output": str(root / "shards")},
+    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+        patch.setenv("OMP_NUM_THREADS", "1")
+        result = end_to_end(config, str(root))
+
+    assert result["training"]["steps"] == 3
+    evaluation = result["evaluation"]["metrics"]
+    assert evaluation["valid_perplexity"] > 1.0 and 0.0 <= evaluation["sample_facts_acc"] <= 1.0
+    generations = result["evaluation"]["generations"]
+    assert [g["prompt"] for g in generations] == ["Once upon a time,<extra_id_0>",
+                                                  "The capital of<extra_id_0>"]  # fmt: skip
+    assert result["registration"]["version"] == 1
+    package = load_registered_model("models:/t5-e2e@candidate", root / "loaded",
+                                    tracking_uri=tracking_uri)  # fmt: skip
+    model, model_config, tokenizer_path = load_model_package(package)
+    assert isinstance(model, T5Model) and model_config.family == "t5"
+    assert len(sentinel_ids(load_tokenizer(str(tokenizer_path)))) == 8
+
+
+def test_t5_base_recipe_has_the_t5_v1_1_base_shape() -> None:
+    """configs/t5-base.yaml has as many parameters as transformers' T5 v1.1 base
+    (google/t5-v1_1-base's config: d_model 768, d_ff 2048, 12+12 layers, 12 heads, gated
+    GELU, vocab 32128, untied head), both counted on the meta device, and T5's
+    512 -> 114 span-corruption lengths."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from training.config import load_config
+
+    config = load_config(REPO / "configs" / "t5-base.yaml")
+    hf_config = T5Config(
+        vocab_size=32128, d_model=768, d_kv=64, d_ff=2048, num_layers=12, num_decoder_layers=12,
+        num_heads=12, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = build_model(config.model)
+        hf = T5ForConditionalGeneration(hf_config)
+    hf_params = sum(p.numel() for p in hf.parameters())
+    if hf.lm_head.weight is hf.shared.weight:  # transformers 5 ties at init; v1.1 is untied
+        hf_params += hf.lm_head.weight.numel()
+    assert sum(p.numel() for p in model.parameters()) == hf_params
+    lengths = span_corruption_lengths(config.data)
+    assert (lengths.raw, lengths.encoder, lengths.decoder, lengths.spans) == (568, 512, 114, 28)
+    assert config.tokenizer.sentinel_tokens >= lengths.spans
+
+
+def test_serving_refuses_a_t5_package_by_name(reference: Path) -> None:
+    from deploy.loading import ModelSourceError, load_served_model
+
+    with pytest.raises(ModelSourceError, match="model.family t5 package; serving runs"):
+        load_served_model(str(reference / "model"))
