@@ -37,6 +37,7 @@ WORLD = 2
 DP_CASES = {
     "dp2-ddp": {"parallel.data_parallel_mode": "ddp"},
     "dp2-distributed-optimizer": {"parallel.data_parallel_mode": "distributed_optimizer"},
+    "dp2-fsdp": {"parallel.data_parallel_mode": "fsdp"},
     "tp2": {"parallel.tensor": 2},  # the trainer's T5 path under tensor parallelism too
 }
 
@@ -116,7 +117,7 @@ def test_t5_resumes_exactly(t5_shards: Path, reference: Path, tmp_path: Path) ->
 
 @pytest.fixture(scope="module")
 def dp_runs(t5_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Both data-parallel modes and TP=2 in one torchrun job of 2 gloo ranks (fit, then
+    """The three data-parallel modes and TP=2 in one torchrun job of 2 gloo ranks (fit, then
     resume)."""
     out = tmp_path_factory.mktemp("t5-dp")
     spec = {
@@ -145,7 +146,7 @@ def test_parallel_trainer_matches_one_process(case: str, dp_runs: Path, referenc
     "sizes,setting,key",
     [
         ({"cp": 2}, {}, "parallel.context"),
-        ({"dp": 2}, {"parallel.data_parallel_mode": "fsdp"}, "parallel.data_parallel_mode=fsdp"),
+        ({}, {"data.format": "chat"}, "data.format=chat"),
     ],
 )
 def test_unsupported_t5_layouts_are_refused(t5_shards: Path, sizes, setting, key) -> None:

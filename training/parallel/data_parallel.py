@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from training.checkpoint import optimizer_group_indices
 from training.config import OptimizerConfig, ParallelConfig
 from training.errors import MegalithError
-from training.models import GPTModel
+from training.models import build_model
 from training.models.flops import param_groups
 from training.parallel.groups import ParallelState
 
@@ -136,13 +136,20 @@ def grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
 
 
 def shard_model(model: nn.Module, state: ParallelState) -> nn.Module:
-    """FSDP2 over data × context: one unit per transformer block, the rest in the root
-    (embedding, final norm and a tied output head share the root's all-gather)."""
+    """FSDP2 over data × context: one unit per transformer block (a T5's encoder blocks,
+    then its decoder blocks), the rest in the root (embedding, final norms, relative-bias
+    tables and a tied output head share the root's all-gather)."""
     mesh = state.dp_cp_mesh
-    for block in model.layers:
+    for block in _transformer_blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def _transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    if model.config.family == "t5":
+        return [*model.encoder.layers, *model.decoder.layers]
+    return list(model.layers)
 
 
 def _is_sharded(model: nn.Module) -> bool:
@@ -164,7 +171,7 @@ def full_model(model: nn.Module, is_main: bool) -> Iterator[nn.Module | None]:
         yield None
         return
     with torch.device("meta"):
-        copy = GPTModel(model.config, backend=model.backend)
+        copy = build_model(model.config, backend=model.backend)
     copy.to_empty(device="cpu")
     copy.tie_weights()
     with torch.no_grad():

@@ -108,16 +108,12 @@ def _finetune_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
 
 def t5_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """What the encoder-decoder (model.family t5, training.t5) does not train with yet:
-    data parallelism (ddp, distributed_optimizer), tensor/sequence parallelism and
+    data parallelism (ddp, distributed_optimizer, fsdp), tensor/sequence parallelism and
     pipeline stages (training.parallel.pipeline_t5) do."""
     if config.model.family != "t5":
         return []
     refused = {
         "parallel.context": (sizes.cp > 1, "context-parallel cross-attention"),
-        "parallel.data_parallel_mode=fsdp": (
-            config.parallel.data_parallel_mode == "fsdp",
-            "FSDP of the encoder-decoder",
-        ),
         "data.format=chat": (
             config.data.format == "chat",
             "chat fine-tuning of an encoder-decoder",
