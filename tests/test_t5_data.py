@@ -198,10 +198,17 @@ def test_samples_are_deterministic_and_resumable(t5_shards: Path) -> None:
     assert any(
         not torch.equal(first[i]["labels"], reseeded[i]["labels"]) for i in range(len(first))
     )
-    # A worker process (the dataset pickled) resuming at sample 8 reads the same samples.
+    # A worker process (the dataset pickled: spawned, not forked from this busy test
+    # process) resuming at sample 8 reads the same samples.
     from training.trainer import ResumableSampler
 
-    loader = DataLoader(first, batch_size=4, sampler=ResumableSampler(8, 24, 4), num_workers=1)
+    loader = DataLoader(
+        first,
+        batch_size=4,
+        sampler=ResumableSampler(8, 24, 4),
+        num_workers=1,
+        multiprocessing_context="spawn",
+    )
     batches = list(loader)
     assert len(batches) == 4
     for number, batch in enumerate(batches):
