@@ -222,7 +222,9 @@ def test_dead_worker_fails_the_run(tokenizer: Tokenizer, texts: list[str]) -> No
     """A worker killed mid-batch (as the OOM killer does) must fail the run, not hang it."""
     pool = OrderedPool(1, tokenizer.model_bytes)
     try:
-        assert list(pool.submit((0, texts * 4, tokenizer.eod_id, "uint16"))) == []
+        # About 10 s of encoding on one core, so the kill lands mid-batch.
+        job = (0, texts * 12, tokenizer.eod_id, "uint16", False)
+        assert list(pool.submit(job)) == []
         time.sleep(0.5)
         for pid in list(pool.pool._processes):
             os.kill(pid, signal.SIGKILL)
