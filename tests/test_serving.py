@@ -396,17 +396,22 @@ def test_reload_switches_version_under_load_without_failures(
     threads = [threading.Thread(target=client_loop) for _ in range(4)]
     for thread in threads:
         thread.start()
-    try:
-        while len(answers) < 8:
+
+    def wait_for_answers(count: int) -> None:
+        deadline = time.monotonic() + 120
+        while len(answers) < count:
+            assert not failures, failures
+            assert time.monotonic() < deadline, f"{len(answers)} of {count} answers in 120 s"
             time.sleep(0.01)
+
+    try:
+        wait_for_answers(8)
         assert http.post("/admin/reload").json()["reloaded"] is False  # alias unchanged
         set_alias(MODEL_NAME, "champion", 2, tracking_uri=store)
         reload = http.post("/admin/reload").json()
         assert reload["reloaded"] is True
         assert (reload["previous"]["version"], reload["model"]["version"]) == (1, 2)
-        served_after = len(answers)
-        while len(answers) < served_after + 8:
-            time.sleep(0.01)
+        wait_for_answers(len(answers) + 8)
     finally:
         stop.set()
         for thread in threads:
