@@ -21,7 +21,7 @@ measures the fused output layer + cross-entropy beside the plain head. Short nam
 (:data:`ALIASES`) stand for common settings: ``ours-compile-fp8`` is
 ``ours-compile@mixed_precision.fp8=true`` (torchao float8, tensorwise),
 ``ours-compile-fp8-rowwise`` the rowwise recipe; more settings may follow ``@``.
-``--shape tiny`` (configs/tiny-cpu.yaml) smoke-runs the ``ours`` variants on CPU.
+``--shape tiny`` (configs/tiny-cpu.yaml) smoke-runs the ``ours`` and ``hf`` variants on CPU.
 ``--shape t5-base`` (configs/t5-base.yaml) measures the T5 encoder-decoder on span
 corruption against transformers' ``T5ForConditionalGeneration``; a T5 sample counts as its
 encoder plus decoder tokens and its FLOPs come from ``encoder_decoder_flops``
@@ -240,7 +240,8 @@ def run_hf(args, compile_model: bool) -> dict:
 
     config = load_shape(args.shape, args.shards, 1, False, args.micro_batch)
     torch.manual_seed(0)
-    model = hf_model(config).cuda().train()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the smoke shapes only
+    model = hf_model(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
     forward = torch.compile(model) if compile_model else model
     mbs, seq = config.training.micro_batch_size, config.data.seq_length
@@ -251,8 +252,8 @@ def run_hf(args, compile_model: bool) -> dict:
         seq, decoder = sample_lengths(config.data)
     batches = [
         (
-            torch.randint(0, 2048, (mbs, seq), device="cuda"),
-            torch.randint(0, 2048, (mbs, decoder), device="cuda"),
+            torch.randint(0, 2048, (mbs, seq), device=device),
+            torch.randint(0, 2048, (mbs, decoder), device=device),
         )
         for _ in range(4)
     ]
@@ -263,7 +264,7 @@ def run_hf(args, compile_model: bool) -> dict:
         counter[0] += 1
         if config.model.family != "t5":
             labels = tokens
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             loss = forward(input_ids=tokens, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -276,7 +277,7 @@ def run_hf(args, compile_model: bool) -> dict:
         profile_steps(step, Path(args.out), args.variant)
     losses = [loss.item() for loss in losses]
     tokens = args.steps * mbs * (seq + decoder if config.model.family == "t5" else seq)
-    return _result(config, tokens, seconds, losses, torch.cuda.max_memory_allocated())
+    return _result(config, tokens, seconds, losses, _peak_memory())
 
 
 def _result(config, tokens: int, seconds: float, losses: list[float], memory: int) -> dict:

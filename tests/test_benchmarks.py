@@ -1,0 +1,31 @@
+"""The GPU benchmarks run end to end on CPU at their smoke shapes, so a device call never
+spends its minutes finding a broken path."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_t5_throughput_runs_ours_and_the_hugging_face_baseline(tmp_path: Path) -> None:
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--shape", "t5-tiny",
+        "--variants", "ours,hf", "--steps", "1", "--warmup", "1", "--micro-batch", "2",
+        "--out", str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+
+    results = json.loads((tmp_path / "throughput-t5-tiny.json").read_text())["results"]
+    for variant in ("ours", "hf"):
+        result = results[variant]
+        assert "error" not in result, f"{variant}: {result.get('error')}"
+        assert result["tokens_per_s"] > 0 and math.isfinite(result["last_loss"]), result
+    # Both count the same model: encoder + decoder FLOPs of one T5 sample.
+    assert results["ours"]["flops_per_token"] == results["hf"]["flops_per_token"]
+    assert "| hf |" in completed.stdout and "| ours |" in completed.stdout
