@@ -5,6 +5,11 @@ tokens, crossing document boundaries, every position's next token scored), so th
 numbers are comparable with the training log's validation loss. At most one epoch
 of the split is read, so a small split is never counted twice.
 
+Chat data (``data.format: chat``) is scored as the fine-tune validates it: packed
+conversations that attend only within themselves, and only assistant tokens counted
+(:func:`training.sft.micro_batch_loss`), so a promotion gate compares the answers, not
+the prompts every model is given.
+
 A T5 model (``model.family: t5``) is scored on span corruption instead: the same
 span-corrupted samples the trainer validates on (``training.data.t5_dataset``, so
 ``data.span_corruption`` must match training), every target token (sentinels, span
@@ -27,6 +32,7 @@ from training.config import DataConfig
 from training.data import build_gpt_datasets, open_shard_set
 from training.data.gpt_dataset import SPLIT_NAMES, plan_epochs, split_document_ranges
 from training.data.t5_dataset import T5_KEYS, build_t5_datasets, span_corruption_lengths
+from training.sft import micro_batch_loss
 
 MAX_LOG_PERPLEXITY = 700.0  # math.exp overflows a float a little above 709
 
@@ -39,6 +45,7 @@ class PerplexityResult:
     loss: float  # mean cross-entropy per token, nats
     perplexity: float
     seconds: float
+    scored: str = "every next token"  # or "assistant tokens" (chat), "span targets" (T5)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,6 +79,7 @@ def evaluate_perplexity(
     if dataset is None:
         raise EvaluationError(f"the {split} split of {_sources(data)} holds no tokens")
 
+    chat = not t5 and data.format == "chat"
     start = time.perf_counter()
     total_loss, total_tokens = 0.0, 0
     for first in range(0, samples, batch_size):
@@ -79,6 +87,8 @@ def evaluate_perplexity(
         batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
         if t5:
             loss_sum, count = span_loss_sum(model, batch, autocast_dtype)
+        elif chat:
+            loss_sum, count = assistant_loss_sum(model, batch, autocast_dtype)
         else:
             loss_sum, count = token_loss_sum(model, batch["tokens"], autocast_dtype)
         total_loss += loss_sum
@@ -91,6 +101,7 @@ def evaluate_perplexity(
         loss=loss,
         perplexity=math.exp(loss) if loss < MAX_LOG_PERPLEXITY else math.inf,
         seconds=time.perf_counter() - start,
+        scored="span targets" if t5 else "assistant tokens" if chat else "every next token",
     )
 
 
@@ -105,6 +116,17 @@ def token_loss_sum(
     with autocast(device, autocast_dtype):
         losses = model(inputs, labels, loss_reduction="none")
     return losses.double().sum().item(), labels.numel()
+
+
+@torch.no_grad()
+def assistant_loss_sum(
+    model: nn.Module, batch: dict[str, torch.Tensor], autocast_dtype: torch.dtype | None = None
+) -> tuple[float, int]:
+    """Summed cross-entropy of a packed chat batch's assistant tokens and their number."""
+    device = model_device(model)
+    with autocast(device, autocast_dtype):
+        loss_sum = micro_batch_loss(model, batch, device, weight=torch.ones((), device=device))
+    return loss_sum.item(), int(batch["loss_mask"].sum())
 
 
 def _check_length(model: nn.Module, data: DataConfig) -> None:

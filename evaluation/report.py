@@ -184,7 +184,8 @@ def format_table(report: dict[str, Any], max_text_chars: int = 240) -> str:
         lines += [
             "",
             f"perplexity  {ppl['perplexity']:.3f}  (loss {ppl['loss']:.4f}, {ppl['split']} split, "
-            f"{ppl['samples']} samples, {ppl['tokens']:,} tokens)",
+            f"{ppl['samples']} samples, {ppl['tokens']:,} tokens: "
+            f"{ppl.get('scored', 'every next token')})",
         ]
     if report.get("tasks"):
         lines += ["", _task_table(report["tasks"])]

@@ -362,6 +362,34 @@ def test_loss_counts_assistant_tokens_only(chat_shards: Path) -> None:
     assert weighted.item() == pytest.approx(total / count, rel=1e-5)
 
 
+def test_evaluation_scores_the_assistant_tokens_of_whole_conversations(chat_shards: Path) -> None:
+    """The eval report's perplexity on chat data is the fine-tune's own loss: each
+    conversation alone, assistant tokens only (what a promotion gate should compare)."""
+    from evaluation.perplexity import evaluate_perplexity
+
+    data = DataConfig(output=str(chat_shards), format="chat", seq_length=SEQ, split=(50, 50, 0))
+    torch.manual_seed(0)
+    model = GPTModel(
+        ModelConfig(num_layers=1, hidden_size=32, vocab_size=512, max_position_embeddings=SEQ)
+    ).eval()
+    result = evaluate_perplexity(model, data, split="valid", max_samples=4, batch_size=2)
+
+    valid = build_gpt_datasets(data, (0, 4, 0))[1]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for index in range(4):
+            tokens, mask, ids = (valid[index][k] for k in ("tokens", "loss_mask", "document_ids"))
+            for document in ids.unique().tolist():
+                where = (ids == document).nonzero().flatten()
+                start, stop = int(where[0]), int(where[-1]) + 1
+                logits = model(tokens[start:stop].unsqueeze(0))[0]
+                losses = F.cross_entropy(logits, tokens[start + 1 : stop + 1], reduction="none")
+                total += (losses * mask[start:stop]).sum().item()
+                count += int(mask[start:stop].sum())
+    assert (result.samples, result.tokens, result.scored) == (4, count, "assistant tokens")
+    assert result.loss == pytest.approx(total / count, rel=1e-5)
+
+
 # --- config, trainer -----------------------------------------------------------------------
 
 
