@@ -1,4 +1,8 @@
-"""The generation request: its JSON schema, and the checks that need the model and limits.
+"""The generation requests: their JSON schemas, and the checks that need the model and limits.
+
+``POST /v1/generate`` continues a plain ``prompt``; ``POST /v1/chat`` answers ``messages``
+through the chat template the model was fine-tuned with (``preprocessing.chat``): the
+turns, then ``<|assistant|>``, stopping at ``<|end|>``. Both share the sampling fields.
 
 Pydantic checks the body itself (unknown fields, types, an empty prompt, ranges) and
 FastAPI answers 422 with ``{"detail": [{"loc": ["body", FIELD], "msg": ...}]}``.
@@ -12,23 +16,28 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from deploy.loading import ServedModel
 from evaluation.generate import SamplingConfig
+from preprocessing.chat import (
+    ChatRecordError,
+    ChatTemplateError,
+    generation_prompt,
+    prompt_messages,
+)
 
 MAX_SEED = 2**63 - 1
 
 
-class GenerateRequest(BaseModel):
-    """``POST /v1/generate``. Omitted ``max_tokens``: the server's limit, or the room left
-    in the context if that is less. Omitted ``seed``: a random one (returned)."""
+class SamplingRequest(BaseModel):
+    """The fields both endpoints share. Omitted ``max_tokens``: the server's limit, or the
+    room left in the context if that is less. Omitted ``seed``: a random one (returned)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=0.8, ge=0, le=100, description="0: greedy")
     top_k: int | None = Field(default=None, ge=1)
@@ -38,6 +47,25 @@ class GenerateRequest(BaseModel):
     timeout_s: float | None = Field(
         default=None, gt=0, description="at most the server's --timeout"
     )
+
+
+class GenerateRequest(SamplingRequest):
+    """``POST /v1/generate``: continue ``prompt``."""
+
+    prompt: str = Field(min_length=1)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(SamplingRequest):
+    """``POST /v1/chat``: the assistant's reply to ``messages`` (the last not the assistant's)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
 
 
 class RequestRejected(Exception):
@@ -51,13 +79,17 @@ class RequestRejected(Exception):
 
 @dataclass(frozen=True)
 class Prepared:
-    prompt_ids: list[int]  # the EOD token, then the prompt's tokens
+    prompt_ids: list[int]  # the EOD token then the prompt, or the chat template
     sampling: SamplingConfig
     timeout_s: float
 
 
 def prepare(
-    body: GenerateRequest, served: ServedModel, *, max_tokens_limit: int, timeout_s: float
+    body: GenerateRequest | ChatRequest,
+    served: ServedModel,
+    *,
+    max_tokens_limit: int,
+    timeout_s: float,
 ) -> Prepared:
     """Tokenize the prompt and fix the sampling settings; raises ``RequestRejected``."""
     if body.max_tokens is not None and body.max_tokens > max_tokens_limit:
@@ -67,15 +99,14 @@ def prepare(
             f"max_tokens is {body.max_tokens}; this server allows at most {max_tokens_limit}",
             "value_error.max_tokens_limit",
         )
-    tokenizer = served.tokenizer
-    prompt_ids = [tokenizer.eod_id, *tokenizer.encode(body.prompt)]
+    prompt_ids, stop_ids = _prompt_ids(body, served)
     context = served.info.max_positions
     room = context - len(prompt_ids)
     if room < 1:
         raise RequestRejected(
             413,
             "prompt",
-            f"prompt is {len(prompt_ids)} tokens (with the leading EOD); the model's context "
+            f"prompt is {len(prompt_ids)} tokens (with the template's); the model's context "
             f"is {context} tokens, which leaves no room to generate",
             "value_error.prompt_too_long",
         )
@@ -93,9 +124,28 @@ def prepare(
         top_k=body.top_k,
         top_p=body.top_p,
         seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
+        stop_ids=stop_ids,
     )
     timeout = min(body.timeout_s or timeout_s, timeout_s)
     return Prepared(prompt_ids, sampling, timeout)
+
+
+def _prompt_ids(
+    body: GenerateRequest | ChatRequest, served: ServedModel
+) -> tuple[list[int], tuple[int, ...]]:
+    """The prompt's tokens and the tokens that end the reply besides EOD."""
+    tokenizer = served.tokenizer
+    if isinstance(body, GenerateRequest):
+        return [tokenizer.eod_id, *tokenizer.encode(body.prompt)], ()
+    try:
+        messages = prompt_messages([message.model_dump() for message in body.messages])
+        tokens, end_of_turn = generation_prompt(tokenizer, messages)
+    except ChatRecordError as error:
+        raise RequestRejected(422, error.key, str(error), "value_error.chat") from None
+    except ChatTemplateError:
+        message = "this model's tokenizer has no chat template tokens; use /v1/generate"
+        raise RequestRejected(422, "messages", message, "value_error.no_chat_template") from None
+    return tokens, (end_of_turn,)
 
 
 def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:

@@ -8,12 +8,16 @@ Endpoints:
   ``"stream": true`` it answers ``text/event-stream``: one ``data: {"text": delta,
   "token_id": id}`` event per token, then ``data: {...}`` with the whole response and
   ``"done": true``, then ``data: [DONE]``.
+- ``POST /v1/chat``: ``{"messages": [{"role", "content"}, ...]}`` plus the same sampling
+  fields (``deploy.schema.ChatRequest``); the reply to the last turn, through the chat
+  template the model was fine-tuned with, stopping at ``<|end|>``. Same answers.
 - ``GET /health``, ``GET /v1/model`` (source, name, version, alias, content id, limits).
 - ``POST /admin/reload``: load what the source names now (the alias's current version)
   beside the model being served, swap, and let requests already submitted finish on the
   old model (``BatchingEngine.retire``). ``--watch SECONDS`` does the same on a timer.
 
-Finish reasons: ``eod`` (the model ended the text), ``length`` (``max_tokens`` reached),
+Finish reasons: ``eod`` (the model ended the text), ``stop`` (a chat reply's end of
+turn), ``length`` (``max_tokens`` reached),
 ``timeout`` (the request's time limit passed: the answer is 200 with the text generated
 so far; a request that timed out while waiting has no text). 504 is only answered when
 the engine gives no answer at all within the limit plus ``STUCK_GRACE_S``.
@@ -40,7 +44,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from deploy.engine import BatchingEngine, EngineBusy, EngineClosed, Finished, PendingRequest
 from deploy.loading import ServedModel, load_served_model, source_version
-from deploy.schema import GenerateRequest, Prepared, RequestRejected, prepare, sse
+from deploy.schema import (
+    ChatRequest,
+    GenerateRequest,
+    Prepared,
+    RequestRejected,
+    prepare,
+    sse,
+)
 from evaluation.generate import continuation_text
 from training.errors import MegalithError
 
@@ -124,7 +135,9 @@ class Deployment:
             except Exception:  # keep serving the current model; try again next time
                 log.exception("reload of %s failed", self.config.model)
 
-    def submit(self, body: GenerateRequest, stream: TokenStream) -> tuple[ServedModel, Prepared]:
+    def submit(
+        self, body: GenerateRequest | ChatRequest, stream: TokenStream
+    ) -> tuple[ServedModel, Prepared]:
         """Validate ``body`` against the current model and queue it there."""
         while True:
             engine = self.engine
@@ -257,27 +270,38 @@ def create_app(deployment: Deployment) -> FastAPI:
 
     @app.post("/v1/generate", response_model=None)
     async def generate(body: GenerateRequest) -> JSONResponse | StreamingResponse:
-        stream = TokenStream()
-        try:
-            served, prepared = deployment.submit(body, stream)
-        except RequestRejected as rejected:
-            return JSONResponse({"detail": rejected.detail}, status_code=rejected.status)
-        except EngineBusy as busy:
-            return JSONResponse({"detail": f"server busy: {busy}"}, status_code=503)
-        if body.stream:
-            events = _sse_events(stream, served, prepared)
-            return StreamingResponse(events, media_type="text/event-stream")
-        try:
-            async for item in stream.events(prepared.timeout_s):
-                if isinstance(item, Finished):
-                    return JSONResponse(response_body(served, prepared, item))
-        except asyncio.TimeoutError:
-            return JSONResponse({"detail": "generation did not answer in time"}, status_code=504)
-        except Exception as error:
-            return JSONResponse({"detail": f"generation failed: {error}"}, status_code=500)
-        raise AssertionError("the engine ended a request without a result")
+        return await _answer(deployment, body)
+
+    @app.post("/v1/chat", response_model=None)
+    async def chat(body: ChatRequest) -> JSONResponse | StreamingResponse:
+        return await _answer(deployment, body)
 
     return app
+
+
+async def _answer(
+    deployment: Deployment, body: GenerateRequest | ChatRequest
+) -> JSONResponse | StreamingResponse:
+    """Queue ``body`` and answer it whole, or stream it."""
+    stream = TokenStream()
+    try:
+        served, prepared = deployment.submit(body, stream)
+    except RequestRejected as rejected:
+        return JSONResponse({"detail": rejected.detail}, status_code=rejected.status)
+    except EngineBusy as busy:
+        return JSONResponse({"detail": f"server busy: {busy}"}, status_code=503)
+    if body.stream:
+        events = _sse_events(stream, served, prepared)
+        return StreamingResponse(events, media_type="text/event-stream")
+    try:
+        async for item in stream.events(prepared.timeout_s):
+            if isinstance(item, Finished):
+                return JSONResponse(response_body(served, prepared, item))
+    except asyncio.TimeoutError:
+        return JSONResponse({"detail": "generation did not answer in time"}, status_code=504)
+    except Exception as error:
+        return JSONResponse({"detail": f"generation failed: {error}"}, status_code=500)
+    raise AssertionError("the engine ended a request without a result")
 
 
 async def _sse_events(

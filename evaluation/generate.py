@@ -42,6 +42,7 @@ class SamplingConfig:
     top_p: float | None = 0.95  # keep the smallest set holding this much probability; None: all
     seed: int = 1234
     stop_at_eod: bool = True
+    stop_ids: tuple[int, ...] = ()  # more tokens that end the text (finish "stop"), left out
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -67,7 +68,7 @@ class Generation:
     text: str  # the continuation only
     token_ids: list[int]  # generated tokens, the final EOD left out
     prompt_tokens: int
-    finish_reason: Literal["eod", "length"]
+    finish_reason: Literal["eod", "stop", "length"]
 
     @property
     def new_tokens(self) -> int:
@@ -124,7 +125,7 @@ def generate(
     generations, sampled = [], 0
     for i, prompt in enumerate(prompts):
         ids, reason, prompt_tokens = outputs[i]
-        sampled += len(ids) + (reason == "eod")
+        sampled += len(ids) + (reason in ("eod", "stop"))
         text = continuation_text(tokenizer, encoded[i][-prompt_tokens:], ids)
         generations.append(Generation(prompt, text, ids, prompt_tokens, reason))
     return GenerationResult(generations, sampled, time.perf_counter() - start)
@@ -183,6 +184,9 @@ def generate_ids(
         for row, token in zip(active, sampled[active].tolist(), strict=True):
             if configs[row].stop_at_eod and token == eod_id:
                 finish[row] = "eod"
+                continue
+            if token in configs[row].stop_ids:
+                finish[row] = "stop"
                 continue
             new[row].append(token)
             if on_token is not None:

@@ -90,6 +90,16 @@ def conversation_from_record(record: Any) -> list[dict[str, str]]:
     return messages
 
 
+def prompt_messages(value: Any) -> list[dict[str, str]]:
+    """The checked messages of a generation request: the same rules as a record's, and the
+    last turn is not the assistant's (the reply is the next one)."""
+    messages = _messages(value)
+    if messages[-1]["role"] == "assistant":
+        key = f"messages[{len(messages) - 1}].role"
+        raise ChatRecordError("invalid_chat", key, "is 'assistant'; end with the turn to answer")
+    return messages
+
+
 def _messages(value: Any) -> list[dict[str, str]]:
     if not isinstance(value, list):
         raise ChatRecordError("invalid_chat", "messages", f"is {_kind(value)}, not an array")
