@@ -62,7 +62,7 @@ def generate_seq2seq(
             autocast_dtype=autocast_dtype,
         )
         for i, (ids, reason) in zip(rows, results, strict=True):
-            sampled += len(ids) + (reason == "eod")
+            sampled += len(ids) + (reason in ("eod", "stop"))
             text = tokenizer.decode(ids)
             generations.append(Generation(prompts[i], text, ids, len(encoded[i]), reason))
     return GenerationResult(generations, sampled, time.perf_counter() - start)
@@ -81,7 +81,8 @@ def generate_seq2seq_ids(
     autocast_dtype: torch.dtype | None = None,
 ) -> list[tuple[list[int], str]]:
     """``(new ids, finish reason)`` for each encoder prompt of one batch; the final EOD
-    is left out of the ids, and ends the row when ``sampling.stop_at_eod``."""
+    is left out of the ids, and ends the row when ``sampling.stop_at_eod``; a token of
+    ``sampling.stop_ids`` ends it too (finish reason ``stop``), also left out."""
     if not prompts or not all(prompts):
         raise ValueError("every prompt needs at least one token")
     device = model_device(model)
@@ -109,6 +110,9 @@ def generate_seq2seq_ids(
         for row, token in zip(active, sampled[active].tolist(), strict=True):
             if sampling.stop_at_eod and token == eod_id:
                 finish[row] = "eod"
+                continue
+            if token in sampling.stop_ids:
+                finish[row] = "stop"
                 continue
             new[row].append(token)
             if len(new[row]) == steps:

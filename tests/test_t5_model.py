@@ -319,6 +319,12 @@ def test_greedy_generation_equals_argmax_of_full_forwards(position):
             assert reason == "length"
             assert new_ids == _argmax_by_full_forwards(model, prompt, 8)
 
+    first = results[0][0]
+    stop = first[4]
+    stopped = SamplingConfig(8, temperature=0.0, stop_at_eod=False, stop_ids=(stop,))
+    new_ids, reason = generate_seq2seq_ids(model, prompts[:1], stopped, pad_id=PAD, eod_id=1)[0]
+    assert (new_ids, reason) == (first[: first.index(stop)], "stop")
+
 
 def test_generate_seq2seq_texts(tokenizer_file, tmp_path):
     """The text-level API: prompt + EOS into the encoder, EOD ends a row, seeded sampling
