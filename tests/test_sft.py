@@ -435,3 +435,29 @@ def test_a_short_sft_run_lowers_the_assistant_token_loss(chat_shards: Path, tmp_
     val = [r["val_loss"] for r in metrics if "val_loss" in r]
     assert len(val) == 2 and val[-1] < val[0]
     assert result.val_loss == val[-1]
+
+
+def test_data_parallel_fine_tuning_matches_one_process(chat_shards: Path, tmp_path: Path) -> None:
+    """DP=2 (DDP and ZeRO-1) on torchrun + gloo: each rank's micro-batches hold different
+    numbers of assistant tokens, so only the step-wide count gives one process's losses
+    and gradients (a per-rank mean would not)."""
+    from parallel_helpers import (
+        assert_metrics_match,
+        fit_one_process,
+        metrics,
+        run_trainer_worker,
+        trainer_settings,
+    )
+
+    settings = trainer_settings(
+        chat_shards,
+        {"data.format": "chat", "data.seq_length": 64, "model.max_position_embeddings": 64},
+    )
+    reference = fit_one_process(settings, tmp_path / "one")
+    cases = {
+        "ddp": settings,
+        "zero1": {**settings, "parallel.data_parallel_mode": "distributed_optimizer"},
+    }
+    run_trainer_worker(tmp_path, cases, world=2, label="SFT DP=2")
+    for layout in cases:
+        assert_metrics_match(metrics(tmp_path / layout), metrics(reference), f"SFT {layout}")
