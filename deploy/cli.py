@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 DEFAULT_PORT = 8000
+ADMIN_TOKEN_ENV = "MEGALITH_ADMIN_TOKEN"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -14,16 +18,19 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         description="Serve a registered model version (models:/NAME@ALIAS or "
         "models:/NAME/VERSION, from MLFLOW_TRACKING_URI or --tracking-uri) or a model "
         "package directory over HTTP: POST /v1/generate (SSE streaming with "
-        '"stream": true), GET /health, GET /v1/model, POST /admin/reload (switch to the '
-        "alias's current version without dropping requests). Concurrent requests are "
-        "decoded together in batches with a KV cache.",
+        '"stream": true), POST /v1/chat (messages through the chat template), GET /health, GET /v1/model, POST /admin/reload (switch to the '
+        "alias's current version without dropping requests; it needs 'Authorization: Bearer "
+        f"TOKEN' when {ADMIN_TOKEN_ENV} is set). Concurrent requests are decoded together in "
+        "batches with a KV cache.",
     )
     parser.add_argument(
         "--model", required=True, metavar="SOURCE", help="models:/NAME@ALIAS, or a package dir"
     )
     parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLflow's own)")
     parser.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (127.0.0.1; reload is unauthenticated)"
+        "--host",
+        default="127.0.0.1",
+        help=f"address to bind (127.0.0.1); set {ADMIN_TOKEN_ENV} before binding another",
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"({DEFAULT_PORT})")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (cpu)")
@@ -74,7 +81,14 @@ def _serve(args: argparse.Namespace) -> int:
         batch_window_ms=args.batch_window_ms,
         max_queue=args.max_queue,
         watch_s=args.watch,
+        admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
     )
+    if config.admin_token is None and args.host not in LOOPBACK:
+        print(
+            f"warning: {args.host} is reachable from other hosts and {ADMIN_TOKEN_ENV} is "
+            "not set: anyone who reaches it can reload the model",
+            file=sys.stderr,
+        )
     deployment = Deployment(config)
     info = deployment.engine.served.info
     what = info.name if info.version is None else f"{info.name} version {info.version}"

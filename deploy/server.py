@@ -25,21 +25,24 @@ Errors: 422 for a bad body (FastAPI's ``detail`` list naming the field), 413 for
 that fills the model's context, 503 when ``--max-queue`` requests already wait, 409 for a
 reload that cannot load (the alias is gone, a file is altered): the old model stays.
 
-Meant for a trusted network: ``/admin/reload`` has no authentication, and the server
-binds 127.0.0.1 unless told otherwise.
+``/admin/reload`` asks for ``Authorization: Bearer TOKEN`` when the server has an admin
+token (``MEGALITH_ADMIN_TOKEN``; 401 otherwise) and is open without one. The server binds
+127.0.0.1 unless told otherwise; generation itself has no authentication, so put a proxy
+that checks callers in front of a server other hosts reach.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Header
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deploy.engine import BatchingEngine, EngineBusy, EngineClosed, Finished, PendingRequest
@@ -74,6 +77,8 @@ class ServeConfig:
     batch_window_ms: float = 5.0
     max_queue: int = 256
     watch_s: float | None = None  # reload when the alias moves, checked this often
+    # /admin/reload wants "Authorization: Bearer TOKEN" when set (MEGALITH_ADMIN_TOKEN).
+    admin_token: str | None = field(default=None, repr=False)
 
 
 class Deployment:
@@ -254,15 +259,20 @@ def create_app(deployment: Deployment) -> FastAPI:
 
     @app.get("/v1/model")
     def model_info() -> dict[str, Any]:
-        limits = {
-            k: v for k, v in asdict(deployment.config).items() if k not in ("model", "tracking_uri")
-        }
+        private = ("model", "tracking_uri", "admin_token")
+        limits = {k: v for k, v in asdict(deployment.config).items() if k not in private}
         stats = asdict(deployment.engine.stats)
         info = deployment.engine.served.info.to_dict()
         return {**info, "limits": limits, "stats": stats, "reloads": deployment.reloads}
 
     @app.post("/admin/reload", response_model=None)
-    async def reload() -> dict[str, Any] | JSONResponse:
+    async def reload(authorization: str = Header(default="")) -> dict[str, Any] | JSONResponse:
+        if not _authorized(deployment.config.admin_token, authorization):
+            return JSONResponse(
+                {"detail": "reload needs the header 'Authorization: Bearer <admin token>'"},
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         try:
             return await deployment.reload()
         except MegalithError as error:  # unknown alias, bad files: keep serving the old model
@@ -277,6 +287,12 @@ def create_app(deployment: Deployment) -> FastAPI:
         return await _answer(deployment, body)
 
     return app
+
+
+def _authorized(token: str | None, authorization: str) -> bool:
+    if token is None:
+        return True
+    return hmac.compare_digest(authorization.encode(), f"Bearer {token}".encode())
 
 
 async def _answer(

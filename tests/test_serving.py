@@ -514,6 +514,22 @@ def test_watch_follows_the_alias(store: str) -> None:
 # --- MLflow ---------------------------------------------------------------------------
 
 
+def test_an_admin_token_guards_reload_and_is_never_shown(store: str) -> None:
+    token = "s3cret-admin-token"
+    config = ServeConfig(
+        model=f"models:/{MODEL_NAME}@champion", tracking_uri=store, admin_token=token
+    )
+    assert token not in repr(config)
+    with running(config) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
+        for header in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
+            refused = client.post("/admin/reload", headers=header)
+            assert refused.status_code == 401, header
+            assert refused.headers["www-authenticate"] == "Bearer"
+        allowed = client.post("/admin/reload", headers={"Authorization": f"Bearer {token}"})
+        assert allowed.status_code == 200 and allowed.json()["reloaded"] is False
+        assert token not in client.get("/v1/model").text
+
+
 def test_pyfunc_load_model_generates_like_evaluation(
     store: str, models: dict[int, GPTModel], tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
