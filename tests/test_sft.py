@@ -334,6 +334,24 @@ def test_packed_samples_hold_whole_conversations_and_their_masks(chat_shards: Pa
     assert not torch.equal(sft_dataset(chat_shards, 40, seed=8)[0]["tokens"], dataset[0]["tokens"])
 
 
+def assistant_loss_by_hand(
+    model: GPTModel, samples: list[dict[str, torch.Tensor]]
+) -> tuple[float, int]:
+    """Each conversation of each packed sample alone: summed cross-entropy on its masked
+    label positions, and their number."""
+    total, count = 0.0, 0
+    for sample in samples:
+        tokens, mask, ids = (sample[k] for k in ("tokens", "loss_mask", "document_ids"))
+        for document in ids.unique().tolist():
+            where = (ids == document).nonzero().flatten()
+            start, stop = int(where[0]), int(where[-1]) + 1
+            logits = model(tokens[start:stop].unsqueeze(0))[0]
+            losses = F.cross_entropy(logits, tokens[start + 1 : stop + 1], reduction="none")
+            total += (losses * mask[start:stop]).sum().item()
+            count += int(mask[start:stop].sum())
+    return total, count
+
+
 def test_loss_counts_assistant_tokens_only(chat_shards: Path) -> None:
     dataset = sft_dataset(chat_shards, 4)
     batch = {key: torch.stack([dataset[i][key] for i in range(4)]) for key in dataset[0]}
@@ -343,17 +361,7 @@ def test_loss_counts_assistant_tokens_only(chat_shards: Path) -> None:
     )
     loss = micro_batch_loss(model, batch, torch.device("cpu"), None)
 
-    # By hand: each conversation alone, cross-entropy on the masked label positions.
-    total, count = 0.0, 0
-    for row in range(4):
-        tokens, mask, ids = (batch[k][row] for k in ("tokens", "loss_mask", "document_ids"))
-        for document in ids.unique().tolist():
-            where = (ids == document).nonzero().flatten()
-            start, stop = int(where[0]), int(where[-1]) + 1
-            logits = model(tokens[start:stop].unsqueeze(0))[0]
-            losses = F.cross_entropy(logits, tokens[start + 1 : stop + 1], reduction="none")
-            total += (losses * mask[start:stop]).sum().item()
-            count += int(mask[start:stop].sum())
+    total, count = assistant_loss_by_hand(model, [dataset[i] for i in range(4)])
     assert count > 0
     assert loss.item() == pytest.approx(total / count, rel=1e-5)
 
@@ -375,17 +383,8 @@ def test_evaluation_scores_the_assistant_tokens_of_whole_conversations(chat_shar
     result = evaluate_perplexity(model, data, split="valid", max_samples=4, batch_size=2)
 
     valid = build_gpt_datasets(data, (0, 4, 0))[1]
-    total, count = 0.0, 0
     with torch.no_grad():
-        for index in range(4):
-            tokens, mask, ids = (valid[index][k] for k in ("tokens", "loss_mask", "document_ids"))
-            for document in ids.unique().tolist():
-                where = (ids == document).nonzero().flatten()
-                start, stop = int(where[0]), int(where[-1]) + 1
-                logits = model(tokens[start:stop].unsqueeze(0))[0]
-                losses = F.cross_entropy(logits, tokens[start + 1 : stop + 1], reduction="none")
-                total += (losses * mask[start:stop]).sum().item()
-                count += int(mask[start:stop].sum())
+        total, count = assistant_loss_by_hand(model, [valid[i] for i in range(4)])
     assert (result.samples, result.tokens, result.scored) == (4, count, "assistant tokens")
     assert result.loss == pytest.approx(total / count, rel=1e-5)
 
