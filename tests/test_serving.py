@@ -516,8 +516,9 @@ def test_watch_follows_the_alias(store: str) -> None:
 
 def test_an_admin_token_guards_reload_and_is_never_shown(store: str) -> None:
     token = "s3cret-admin-token"
+    # @candidate stays on version 2 throughout; earlier tests move and delete @champion.
     config = ServeConfig(
-        model=f"models:/{MODEL_NAME}@champion", tracking_uri=store, admin_token=token
+        model=f"models:/{MODEL_NAME}@candidate", tracking_uri=store, admin_token=token
     )
     assert token not in repr(config)
     with running(config) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
