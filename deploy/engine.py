@@ -9,6 +9,10 @@ streaming works from inside a batch. Since every row of a batch stays at the sam
 position, a request's tokens equal those it gets alone (greedy: exactly, up to
 floating-point rounding of near ties).
 
+A T5 package is served the same way with ``evaluation.generate_t5.generate_seq2seq_ids``:
+the prompt (then EOS) is the encoder's input, encoded once per batch, and the answer is
+the decoder's output, each row with its own settings as above.
+
 Requests arriving while a batch decodes wait for the next batch (static batching: the
 rows of one KV cache share positions, so a request cannot join mid-decode).
 
@@ -35,6 +39,7 @@ import torch
 
 from deploy.loading import ServedModel
 from evaluation.generate import SamplingConfig, generate_ids
+from evaluation.generate_t5 import generate_seq2seq_ids
 from training.errors import MegalithError
 
 log = logging.getLogger(__name__)
@@ -180,19 +185,8 @@ class BatchingEngine:
         self.stats.batches += 1
         self.stats.requests += len(live)
         self.stats.largest_batch = max(self.stats.largest_batch, len(live))
-        tokenizer = self.served.tokenizer
         try:
-            results = generate_ids(
-                self.served.model,
-                [r.prompt_ids for r in live],
-                [r.sampling for r in live],
-                eod_id=tokenizer.eod_id,
-                vocab_size=tokenizer.vocab_size,
-                seeds=[r.sampling.seed for r in live],
-                autocast_dtype=self.autocast_dtype,
-                on_token=lambda row, token: _notify(live[row].on_token, token),
-                stop=lambda row: live[row].stop_reason(),
-            )
+            results = self._generate(live)
         except Exception as error:  # a bug or out of memory: fail this batch, keep serving
             log.exception("generation failed for a batch of %d", len(live))
             for request in live:
@@ -200,6 +194,26 @@ class BatchingEngine:
             return
         for request, (ids, reason, prompt_tokens) in zip(live, results, strict=True):
             _notify(request.on_done, Finished(ids, reason, prompt_tokens))
+
+    def _generate(self, live: list[PendingRequest]) -> list[tuple[list[int], str, int]]:
+        """``(new ids, finish reason, prompt tokens)`` per request, for a GPT or a T5."""
+        tokenizer = self.served.tokenizer
+        prompts = [r.prompt_ids for r in live]
+        common: dict[str, Any] = {
+            "eod_id": tokenizer.eod_id,
+            "vocab_size": tokenizer.vocab_size,
+            "seeds": [r.sampling.seed for r in live],
+            "autocast_dtype": self.autocast_dtype,
+            "on_token": lambda row, token: _notify(live[row].on_token, token),
+            "stop": lambda row: live[row].stop_reason(),
+        }
+        samplings = [r.sampling for r in live]
+        if not self.served.seq2seq:
+            return generate_ids(self.served.model, prompts, samplings, **common)
+        results = generate_seq2seq_ids(
+            self.served.model, prompts, samplings, pad_id=tokenizer.pad_id, **common
+        )
+        return [(ids, reason, len(p)) for (ids, reason), p in zip(results, prompts, strict=True)]
 
 
 def _notify(callback: Callable[[Any], None], value: Any) -> None:

@@ -23,10 +23,12 @@ from typing import Any
 
 import torch
 
+from evaluation.generate import continuation_text
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from training.errors import MegalithError
 from training.models.gpt import GPTModel
 from training.models.package import CHECKSUMS_FILE, load_model_package, sha256_file
+from training.models.t5 import T5Model
 
 MODELS_SCHEME = "models:/"
 
@@ -53,9 +55,21 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class ServedModel:
-    model: GPTModel
+    model: GPTModel | T5Model
     tokenizer: Tokenizer
     info: ModelInfo
+
+    @property
+    def seq2seq(self) -> bool:
+        """A T5: the prompt is the encoder's input and the answer a new text, not a
+        continuation of the prompt."""
+        return self.model.config.family == "t5"
+
+    def text(self, prompt_ids: list[int], new_ids: list[int]) -> str:
+        """The answer's text: a T5's decoded output, or what a GPT's tokens add to the prompt."""
+        if self.seq2seq:
+            return self.tokenizer.decode(new_ids)
+        return continuation_text(self.tokenizer, prompt_ids, new_ids)
 
 
 def is_registry_uri(source: str) -> bool:
@@ -112,13 +126,12 @@ def _load_package(
     device: torch.device | str,
 ) -> ServedModel:
     model, config, tokenizer_path = load_model_package(package, device)
-    if config.family != "gpt":  # the engine continues text with a decoder-only model
-        raise ModelSourceError(
-            f"{source}: a model.family {config.family} package; serving runs decoder-only "
-            "(gpt) models (T5: evaluation.generate_t5 or export it to Hugging Face)"
-        )
     # Read the bytes now: a registry download is deleted once loaded.
     tokenizer = load_tokenizer(str(tokenizer_path))
+    if config.family == "t5" and tokenizer.pad_id is None:
+        raise ModelSourceError(
+            f"{source}: a T5 package whose tokenizer has no <|pad|> token (the decoder's start)"
+        )
     info = ModelInfo(
         source=source,
         name=name,

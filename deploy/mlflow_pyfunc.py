@@ -25,6 +25,7 @@ from typing import Any
 
 from deploy.loading import ServedModel, load_served_model
 from evaluation.generate import SamplingConfig, generate
+from evaluation.generate_t5 import generate_seq2seq
 from training.errors import MegalithError
 
 PARAM_DEFAULTS: dict[str, int | float] = {
@@ -64,7 +65,8 @@ class MegalithPyfunc:
     def predict(self, model_input: Any, params: Mapping[str, Any] | None = None) -> list[str]:
         prompts = prompts_of(model_input)
         sampling = sampling_of(params or {}, self.served.info.max_positions)
-        result = generate(
+        run = generate_seq2seq if self.served.seq2seq else generate
+        result = run(
             self.served.model, self.served.tokenizer, prompts, sampling, batch_size=BATCH_SIZE
         )
         return [g.text for g in result.generations]

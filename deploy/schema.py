@@ -79,7 +79,7 @@ class RequestRejected(Exception):
 
 @dataclass(frozen=True)
 class Prepared:
-    prompt_ids: list[int]  # the EOD token then the prompt, or the chat template
+    prompt_ids: list[int]  # EOD then the prompt, the chat template, or a T5's prompt then EOD
     sampling: SamplingConfig
     timeout_s: float
 
@@ -101,21 +101,23 @@ def prepare(
         )
     prompt_ids, stop_ids = _prompt_ids(body, served)
     context = served.info.max_positions
-    room = context - len(prompt_ids)
-    if room < 1:
+    # A T5 decoder starts empty; a GPT's answer follows the prompt in the same positions.
+    room = context if served.seq2seq else context - len(prompt_ids)
+    if room < 1 or len(prompt_ids) > context:
         raise RequestRejected(
             413,
             "prompt",
-            f"prompt is {len(prompt_ids)} tokens (with the template's); the model's context "
-            f"is {context} tokens, which leaves no room to generate",
+            f"prompt is {len(prompt_ids)} tokens (special tokens included); the model's "
+            f"context is {context} tokens, which leaves no room to generate",
             "value_error.prompt_too_long",
         )
     if body.max_tokens is not None and body.max_tokens > room:
+        used = "" if served.seq2seq else f"prompt uses {len(prompt_ids)} of the model's "
         raise RequestRejected(
             422,
             "max_tokens",
-            f"prompt uses {len(prompt_ids)} of the model's {context} positions: max_tokens "
-            f"must be at most {room}, got {body.max_tokens}",
+            f"{used or 'the model has '}{context} positions: max_tokens must be at most "
+            f"{room}, got {body.max_tokens}",
             "value_error.context_length",
         )
     sampling = SamplingConfig(
@@ -135,8 +137,13 @@ def _prompt_ids(
 ) -> tuple[list[int], tuple[int, ...]]:
     """The prompt's tokens and the tokens that end the reply besides EOD."""
     tokenizer = served.tokenizer
+    if isinstance(body, GenerateRequest) and served.seq2seq:  # the encoder's input, as trained
+        return [*tokenizer.encode(body.prompt), tokenizer.eod_id], ()
     if isinstance(body, GenerateRequest):
         return [tokenizer.eod_id, *tokenizer.encode(body.prompt)], ()
+    if served.seq2seq:
+        message = "chat needs a decoder-only model fine-tuned on chat; this is a T5"
+        raise RequestRejected(422, "messages", message, "value_error.no_chat_template")
     try:
         messages = prompt_messages([message.model_dump() for message in body.messages])
         tokens, end_of_turn = generation_prompt(tokenizer, messages)

@@ -55,7 +55,6 @@ from deploy.schema import (
     prepare,
     sse,
 )
-from evaluation.generate import continuation_text
 from training.errors import MegalithError
 
 log = logging.getLogger(__name__)
@@ -208,14 +207,14 @@ class TextDelta:
     """The text each new token adds, for streaming (held back while a character is split)."""
 
     def __init__(self, served: ServedModel, prompt_ids: list[int]) -> None:
-        self.tokenizer = served.tokenizer
+        self.served = served
         self.prompt_ids = prompt_ids
         self.ids: list[int] = []
         self.sent = ""
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = continuation_text(self.tokenizer, self.prompt_ids, self.ids)
+        text = self.served.text(self.prompt_ids, self.ids)
         if not text.startswith(self.sent) or text.endswith("\ufffd"):
             return ""
         delta, self.sent = text[len(self.sent) :], text
@@ -223,7 +222,7 @@ class TextDelta:
 
 
 def response_body(served: ServedModel, prepared: Prepared, finished: Finished) -> dict[str, Any]:
-    text = continuation_text(served.tokenizer, prepared.prompt_ids, finished.token_ids)
+    text = served.text(prepared.prompt_ids, finished.token_ids)
     return {
         "text": text,
         "prompt_tokens": finished.prompt_tokens,

@@ -15,7 +15,7 @@ objects (:class:`GenerationResult`), and a prompt's output does not depend on it
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -24,6 +24,7 @@ from evaluation.generate import (
     Generation,
     GenerationResult,
     SamplingConfig,
+    _apply_stop,
     _mask_vocab,
     sample_rows,
 )
@@ -72,27 +73,37 @@ def generate_seq2seq(
 def generate_seq2seq_ids(
     model: T5Model,
     prompts: Sequence[Sequence[int]],
-    sampling: SamplingConfig,
+    sampling: SamplingConfig | Sequence[SamplingConfig],
     *,
     pad_id: int,
     eod_id: int,
     vocab_size: int | None = None,
     seeds: Sequence[int] | None = None,
     autocast_dtype: torch.dtype | None = None,
+    on_token: Callable[[int, int], None] | None = None,
+    stop: Callable[[int], str | None] | None = None,
 ) -> list[tuple[list[int], str]]:
-    """``(new ids, finish reason)`` for each encoder prompt of one batch; the final EOD
-    is left out of the ids, and ends the row when ``sampling.stop_at_eod``; a token of
-    ``sampling.stop_ids`` ends it too (finish reason ``stop``), also left out."""
+    """``(new ids, finish reason)`` for each encoder prompt of one batch.
+
+    ``sampling`` is one config for every row or one per row. The final EOD is left out
+    of the ids, and ends the row when its ``stop_at_eod``; a token of its ``stop_ids``
+    ends it too (finish reason ``stop``), also left out. ``on_token(row, id)`` and
+    ``stop(row)`` work as in :func:`evaluation.generate.generate_ids`.
+    """
     if not prompts or not all(prompts):
         raise ValueError("every prompt needs at least one token")
     device = model_device(model)
-    rows, steps = len(prompts), sampling.max_new_tokens
+    rows = len(prompts)
+    configs = [sampling] * rows if isinstance(sampling, SamplingConfig) else list(sampling)
+    if len(configs) != rows:
+        raise ValueError(f"{len(configs)} sampling configs for {rows} prompts")
+    steps = max(config.max_new_tokens for config in configs)
     encoder_tokens, encoder_mask = _padded(prompts, pad_id, device)
-    seeds = seeds if seeds is not None else [sampling.seed + row for row in range(rows)]
+    if seeds is None:
+        seeds = [config.seed + row for row, config in enumerate(configs)]
     generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
-    configs = [sampling] * rows
     new: list[list[int]] = [[] for _ in range(rows)]
-    finish = ["length" if steps == 0 else "" for _ in range(rows)]
+    finish = ["length" if config.max_new_tokens == 0 else "" for config in configs]
     if steps == 0:
         return [(ids, reason) for ids, reason in zip(new, finish, strict=True)]
 
@@ -101,24 +112,26 @@ def generate_seq2seq_ids(
     with autocast(device, autocast_dtype):
         encoded = model.encode(encoder_tokens, encoder_mask)
     for position in range(steps):
+        _apply_stop(stop, finish)
+        if all(finish):
+            break
         with autocast(device, autocast_dtype):
-            logits = model.decode(step, encoded, encoder_mask, kv_cache=cache, start_pos=position)[
-                :, -1
-            ]
+            logits = model.decode(step, encoded, encoder_mask, kv_cache=cache, start_pos=position)
         active = [row for row in range(rows) if not finish[row]]
-        sampled = sample_rows(_mask_vocab(logits, vocab_size), configs, generators, active)
+        sampled = sample_rows(_mask_vocab(logits[:, -1], vocab_size), configs, generators, active)
         for row, token in zip(active, sampled[active].tolist(), strict=True):
-            if sampling.stop_at_eod and token == eod_id:
+            config = configs[row]
+            if config.stop_at_eod and token == eod_id:
                 finish[row] = "eod"
                 continue
-            if token in sampling.stop_ids:
+            if token in config.stop_ids:
                 finish[row] = "stop"
                 continue
             new[row].append(token)
-            if len(new[row]) == steps:
+            if on_token is not None:
+                on_token(row, token)
+            if len(new[row]) == config.max_new_tokens:
                 finish[row] = "length"
-        if all(finish):
-            break
         step = sampled[:, None]
     return [(ids, reason) for ids, reason in zip(new, finish, strict=True)]
 

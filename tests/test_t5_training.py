@@ -280,8 +280,62 @@ def test_t5_base_recipe_has_the_t5_v1_1_base_shape() -> None:
     assert config.tokenizer.sentinel_tokens >= lengths.spans
 
 
-def test_serving_refuses_a_t5_package_by_name(reference: Path) -> None:
-    from deploy.loading import ModelSourceError, load_served_model
+def test_a_t5_package_is_served_like_seq2seq_generation(reference: Path) -> None:
+    """``megalith serve`` takes a T5 package: one batch of requests with their own settings
+    gives each the output of ``generate_seq2seq`` alone, and so does HTTP; chat is refused."""
+    import time
 
-    with pytest.raises(ModelSourceError, match="model.family t5 package; serving runs"):
-        load_served_model(str(reference / "model"))
+    import httpx
+    from test_serving import Collector, running
+
+    from deploy.engine import BatchingEngine, Finished, PendingRequest
+    from deploy.loading import load_served_model
+    from deploy.mlflow_pyfunc import MegalithPyfunc
+    from deploy.server import ServeConfig
+    from evaluation.generate import SamplingConfig
+    from evaluation.generate_t5 import generate_seq2seq
+
+    served = load_served_model(str(reference / "model"))
+    tokenizer = served.tokenizer
+    prompts = ["Once upon a time", "The cat sat <extra_id_0> mat.", "Five"]
+    settings = [
+        {"max_new_tokens": 6, "temperature": 0.0},
+        {"max_new_tokens": 4, "temperature": 1.0, "top_p": 0.9, "seed": 5},
+        {"max_new_tokens": 8, "temperature": 0.7, "top_k": 20, "seed": 9},
+    ]
+    engine = BatchingEngine(served, max_batch_size=8)
+    sinks = [Collector() for _ in prompts]
+    for prompt, setting, sink in zip(prompts, settings, sinks, strict=True):
+        ids = [*tokenizer.encode(prompt), tokenizer.eod_id]
+        deadline = time.monotonic() + 60
+        request = PendingRequest(
+            ids, SamplingConfig(**setting), deadline, sink.on_token, sink.on_done
+        )
+        engine.submit(request)
+    engine.start()
+    for prompt, setting, sink in zip(prompts, settings, sinks, strict=True):
+        assert sink.done.wait(60) and isinstance(sink.result, Finished)
+        alone = generate_seq2seq(served.model, tokenizer, [prompt], SamplingConfig(**setting))
+        expected = alone.generations[0]
+        assert sink.result.token_ids == sink.tokens == expected.token_ids, prompt
+        assert sink.result.finish_reason == expected.finish_reason
+    assert (engine.stats.batches, engine.stats.largest_batch) == (1, len(prompts))
+    engine.retire()
+    assert engine.join(30)
+
+    greedy = generate_seq2seq(served.model, tokenizer, prompts[:1], SamplingConfig(6, 0.0))
+    config = ServeConfig(model=str(reference / "model"))
+    with running(config) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
+        body = {"prompt": prompts[0], "max_tokens": 6, "temperature": 0}
+        answer = client.post("/v1/generate", json=body).json()
+        assert answer["text"] == greedy.generations[0].text != ""
+        assert answer["prompt_tokens"] == len(tokenizer.encode(prompts[0])) + 1
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        refused = client.post("/v1/chat", json=chat)
+        assert refused.status_code == 422
+        assert refused.json()["detail"][0]["loc"] == ["body", "messages"]
+
+    # MLflow's pyfunc flavour (what `mlflow models serve` calls) generates seq2seq too.
+    pyfunc = MegalithPyfunc(served)
+    texts = pyfunc.predict([prompts[0]], {"max_tokens": 6, "temperature": 0.0})
+    assert texts == [greedy.generations[0].text]
