@@ -153,21 +153,14 @@ def generate_ids(
     ``stop(row)`` may end an unfinished row with the reason it returns.
     """
     device = model_device(model)
-    rows = len(prompts)
-    configs = [sampling] * rows if isinstance(sampling, SamplingConfig) else list(sampling)
-    if len(configs) != rows:
-        raise ValueError(f"{len(configs)} sampling configs for {rows} prompts")
-    max_new = [c.max_new_tokens for c in configs]
+    batch = BatchRows(sampling, len(prompts), seeds, device)
+    max_new = [c.max_new_tokens for c in batch.configs]
     limit = model.config.max_position_embeddings
     prompts = [_fit_prompt(p, limit, m) for p, m in zip(prompts, max_new, strict=True)]
     lengths = [len(p) for p in prompts]
     total = max(length + m for length, m in zip(lengths, max_new, strict=True))
     tokens, in_prompt = _prompt_grid(prompts, total, eod_id, device)
-    if seeds is None:
-        seeds = [c.seed + row for row, c in enumerate(configs)]
-    generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
-    new: list[list[int]] = [[] for _ in prompts]
-    finish = ["length" if m == 0 else "" for m in max_new]
+    rows, finish = len(prompts), batch.finish
 
     # Under autocast keys and values are computed in its dtype: store them so.
     cache = model.new_kv_cache(rows, total, dtype=autocast_dtype)
@@ -179,26 +172,57 @@ def generate_ids(
         if position >= total or all(finish):
             break
         active = [r for r in range(rows) if not finish[r] and position >= lengths[r]]
-        sampled = sample_rows(_mask_vocab(logits, vocab_size), configs, generators, active)
+        sampled = batch.sample(_mask_vocab(logits, vocab_size), active)
         tokens[:, position] = torch.where(in_prompt[:, position], tokens[:, position], sampled)
         for row, token in zip(active, sampled[active].tolist(), strict=True):
-            if configs[row].stop_at_eod and token == eod_id:
-                finish[row] = "eod"
-                continue
-            if token in configs[row].stop_ids:
-                finish[row] = "stop"
-                continue
-            new[row].append(token)
-            if on_token is not None:
-                on_token(row, token)
-            if len(new[row]) == max_new[row]:
-                finish[row] = "length"
+            batch.take(row, token, eod_id, on_token)
         position += 1
         if position < total and not all(finish):
             with autocast(device, autocast_dtype):
                 step = tokens[:, position - 1 : position]
                 logits = model(step, kv_cache=cache, start_pos=position - 1)[:, -1]
-    return [(new[r], finish[r], lengths[r]) for r in range(rows)]
+    return [(batch.new[r], finish[r], lengths[r]) for r in range(rows)]
+
+
+class BatchRows:
+    """The rows of one generation batch: each one's settings and random generator (seeded
+    with ``seeds[row]``, by default its ``seed + row``), its new tokens and how it ended."""
+
+    def __init__(
+        self,
+        sampling: SamplingConfig | Sequence[SamplingConfig],
+        rows: int,
+        seeds: Sequence[int] | None,
+        device: torch.device,
+    ) -> None:
+        configs = [sampling] * rows if isinstance(sampling, SamplingConfig) else list(sampling)
+        if len(configs) != rows:
+            raise ValueError(f"{len(configs)} sampling configs for {rows} prompts")
+        if seeds is None:
+            seeds = [config.seed + row for row, config in enumerate(configs)]
+        self.configs = configs
+        self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+        self.new: list[list[int]] = [[] for _ in range(rows)]
+        self.finish = ["length" if c.max_new_tokens == 0 else "" for c in configs]
+
+    def sample(self, logits: Tensor, active: list[int]) -> Tensor:
+        return sample_rows(logits, self.configs, self.generators, active)
+
+    def take(
+        self, row: int, token: int, eod_id: int, on_token: Callable[[int, int], None] | None
+    ) -> None:
+        """Record a sampled token: EOD or a stop token ends the row (and is left out)."""
+        config = self.configs[row]
+        if config.stop_at_eod and token == eod_id:
+            self.finish[row] = "eod"
+        elif token in config.stop_ids:
+            self.finish[row] = "stop"
+        else:
+            self.new[row].append(token)
+            if on_token is not None:
+                on_token(row, token)
+            if len(self.new[row]) == config.max_new_tokens:
+                self.finish[row] = "length"
 
 
 def _apply_stop(stop: Callable[[int], str | None] | None, finish: list[str]) -> None:

@@ -21,12 +21,12 @@ import torch
 from torch import Tensor
 
 from evaluation.generate import (
+    BatchRows,
     Generation,
     GenerationResult,
     SamplingConfig,
     _apply_stop,
     _mask_vocab,
-    sample_rows,
 )
 from evaluation.runtime import autocast, model_device
 from preprocessing.tokenizer import Tokenizer
@@ -94,23 +94,15 @@ def generate_seq2seq_ids(
         raise ValueError("every prompt needs at least one token")
     device = model_device(model)
     rows = len(prompts)
-    configs = [sampling] * rows if isinstance(sampling, SamplingConfig) else list(sampling)
-    if len(configs) != rows:
-        raise ValueError(f"{len(configs)} sampling configs for {rows} prompts")
-    steps = max(config.max_new_tokens for config in configs)
+    batch = BatchRows(sampling, rows, seeds, device)
+    steps = max(config.max_new_tokens for config in batch.configs)
     encoder_tokens, encoder_mask = _padded(prompts, pad_id, device)
-    if seeds is None:
-        seeds = [config.seed + row for row, config in enumerate(configs)]
-    generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
-    new: list[list[int]] = [[] for _ in range(rows)]
-    finish = ["length" if config.max_new_tokens == 0 else "" for config in configs]
-    if steps == 0:
-        return [(ids, reason) for ids, reason in zip(new, finish, strict=True)]
-
-    cache = model.new_kv_cache(rows, steps, dtype=autocast_dtype)
-    step = torch.full((rows, 1), pad_id, dtype=torch.long, device=device)
-    with autocast(device, autocast_dtype):
-        encoded = model.encode(encoder_tokens, encoder_mask)
+    finish = batch.finish
+    if steps > 0:
+        cache = model.new_kv_cache(rows, steps, dtype=autocast_dtype)
+        step = torch.full((rows, 1), pad_id, dtype=torch.long, device=device)
+        with autocast(device, autocast_dtype):
+            encoded = model.encode(encoder_tokens, encoder_mask)
     for position in range(steps):
         _apply_stop(stop, finish)
         if all(finish):
@@ -118,22 +110,11 @@ def generate_seq2seq_ids(
         with autocast(device, autocast_dtype):
             logits = model.decode(step, encoded, encoder_mask, kv_cache=cache, start_pos=position)
         active = [row for row in range(rows) if not finish[row]]
-        sampled = sample_rows(_mask_vocab(logits[:, -1], vocab_size), configs, generators, active)
+        sampled = batch.sample(_mask_vocab(logits[:, -1], vocab_size), active)
         for row, token in zip(active, sampled[active].tolist(), strict=True):
-            config = configs[row]
-            if config.stop_at_eod and token == eod_id:
-                finish[row] = "eod"
-                continue
-            if token in config.stop_ids:
-                finish[row] = "stop"
-                continue
-            new[row].append(token)
-            if on_token is not None:
-                on_token(row, token)
-            if len(new[row]) == config.max_new_tokens:
-                finish[row] = "length"
+            batch.take(row, token, eod_id, on_token)
         step = sampled[:, None]
-    return [(ids, reason) for ids, reason in zip(new, finish, strict=True)]
+    return list(zip(batch.new, finish, strict=True))
 
 
 def _padded(
