@@ -18,7 +18,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         description="Serve a registered model version (models:/NAME@ALIAS or "
         "models:/NAME/VERSION, from MLFLOW_TRACKING_URI or --tracking-uri) or a model "
         "package directory over HTTP: POST /v1/generate (SSE streaming with "
-        '"stream": true), POST /v1/chat (messages through the chat template), GET /health, GET /v1/model, POST /admin/reload (switch to the '
+        '"stream": true), POST /v1/chat (messages through the chat template), GET /health, '
+        "GET /v1/model, POST /admin/reload (switch to the "
         "alias's current version without dropping requests; it needs 'Authorization: Bearer "
         f"TOKEN' when {ADMIN_TOKEN_ENV} is set). Concurrent requests are decoded together in "
         "batches with a KV cache.",

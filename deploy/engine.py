@@ -58,8 +58,8 @@ class Finished:
     """How a request ended: its new token ids (the final EOD left out)."""
 
     token_ids: list[int]
-    finish_reason: str  # eod, stop (a stop token: a chat's end of turn), length, timeout, cancelled
-    prompt_tokens: int  # the leading EOD included
+    finish_reason: str  # eod, stop (a chat's end of turn), length, timeout or cancelled
+    prompt_tokens: int  # special tokens included
 
 
 @dataclass(eq=False)
@@ -70,7 +70,7 @@ class PendingRequest:
     they must be quick (a server hands the values to its event loop); a failure is logged.
     """
 
-    prompt_ids: list[int]  # the EOD token then a prompt, or a chat template; fits the model
+    prompt_ids: list[int]  # ServedModel.prompt_ids or a chat template; fits the model
     sampling: SamplingConfig
     deadline: float  # time.monotonic() after which the request stops
     on_token: Callable[[int], None]

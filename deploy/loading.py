@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from evaluation.generate import continuation_text
+from evaluation.generate import continuation_text, prompt_ids
+from evaluation.generate_t5 import encoder_ids
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from training.errors import MegalithError
 from training.models.gpt import GPTModel
@@ -64,6 +65,12 @@ class ServedModel:
         """A T5: the prompt is the encoder's input and the answer a new text, not a
         continuation of the prompt."""
         return self.model.config.family == "t5"
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A plain prompt's tokens as this kind of model was trained to read them."""
+        if self.seq2seq:
+            return encoder_ids(self.tokenizer, text)
+        return prompt_ids(self.tokenizer, text)
 
     def text(self, prompt_ids: list[int], new_ids: list[int]) -> str:
         """The answer's text: a T5's decoded output, or what a GPT's tokens add to the prompt."""

@@ -112,12 +112,14 @@ def prepare(
             "value_error.prompt_too_long",
         )
     if body.max_tokens is not None and body.max_tokens > room:
-        used = "" if served.seq2seq else f"prompt uses {len(prompt_ids)} of the model's "
+        if served.seq2seq:
+            where = f"the model's decoder has {context} positions"
+        else:
+            where = f"prompt uses {len(prompt_ids)} of the model's {context} positions"
         raise RequestRejected(
             422,
             "max_tokens",
-            f"{used or 'the model has '}{context} positions: max_tokens must be at most "
-            f"{room}, got {body.max_tokens}",
+            f"{where}: max_tokens must be at most {room}, got {body.max_tokens}",
             "value_error.context_length",
         )
     sampling = SamplingConfig(
@@ -136,17 +138,14 @@ def _prompt_ids(
     body: GenerateRequest | ChatRequest, served: ServedModel
 ) -> tuple[list[int], tuple[int, ...]]:
     """The prompt's tokens and the tokens that end the reply besides EOD."""
-    tokenizer = served.tokenizer
-    if isinstance(body, GenerateRequest) and served.seq2seq:  # the encoder's input, as trained
-        return [*tokenizer.encode(body.prompt), tokenizer.eod_id], ()
     if isinstance(body, GenerateRequest):
-        return [tokenizer.eod_id, *tokenizer.encode(body.prompt)], ()
+        return served.prompt_ids(body.prompt), ()
     if served.seq2seq:
         message = "chat needs a decoder-only model fine-tuned on chat; this is a T5"
         raise RequestRejected(422, "messages", message, "value_error.no_chat_template")
     try:
         messages = prompt_messages([message.model_dump() for message in body.messages])
-        tokens, end_of_turn = generation_prompt(tokenizer, messages)
+        tokens, end_of_turn = generation_prompt(served.tokenizer, messages)
     except ChatRecordError as error:
         raise RequestRejected(422, error.key, str(error), "value_error.chat") from None
     except ChatTemplateError:

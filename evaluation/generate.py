@@ -106,7 +106,7 @@ def generate(
 ) -> GenerationResult:
     """Continue each prompt; prompts are batched by length, results keep the input order."""
     start = time.perf_counter()
-    encoded = [[tokenizer.eod_id, *tokenizer.encode(p)] for p in prompts]
+    encoded = [prompt_ids(tokenizer, p) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(encoded[i]))
     outputs: dict[int, tuple[list[int], str, int]] = {}
     for first in range(0, len(order), batch_size):
@@ -129,6 +129,11 @@ def generate(
         text = continuation_text(tokenizer, encoded[i][-prompt_tokens:], ids)
         generations.append(Generation(prompt, text, ids, prompt_tokens, reason))
     return GenerationResult(generations, sampled, time.perf_counter() - start)
+
+
+def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A GPT prompt's tokens: EOD first, as every pretraining document follows one."""
+    return [tokenizer.eod_id, *tokenizer.encode(text)]
 
 
 @torch.no_grad()

@@ -48,7 +48,7 @@ def generate_seq2seq(
     if tokenizer.pad_id is None:
         raise ValueError("T5 generation needs the tokenizer's <|pad|> id (the decoder start)")
     start = time.perf_counter()
-    encoded = [[*tokenizer.encode(p), tokenizer.eod_id] for p in prompts]
+    encoded = [encoder_ids(tokenizer, p) for p in prompts]
     generations, sampled = [], 0
     for first in range(0, len(prompts), batch_size):
         rows = range(first, min(first + batch_size, len(prompts)))
@@ -67,6 +67,11 @@ def generate_seq2seq(
             text = tokenizer.decode(ids)
             generations.append(Generation(prompts[i], text, ids, len(encoded[i]), reason))
     return GenerationResult(generations, sampled, time.perf_counter() - start)
+
+
+def encoder_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A T5 prompt's encoder input: its tokens, then EOS, as span-corruption samples end."""
+    return [*tokenizer.encode(text), tokenizer.eod_id]
 
 
 @torch.no_grad()

@@ -27,8 +27,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     demo = subcommands.add_parser(
         "demo",
         help="run the end-to-end pipeline on the shipped corpus (CPU, a few minutes)",
-        description="Tokenize the shipped sample corpus, pretrain a tiny GPT (or the recipe's model), evaluate it and "
-        "register it in MLflow as @candidate, all through the Prefect `end-to-end` flow. "
+        description="Tokenize the shipped sample corpus, pretrain a tiny GPT (or the recipe's "
+        "model), evaluate it and register it in MLflow as @candidate, all through the Prefect `end-to-end` flow. "
         "MLflow: MLFLOW_TRACKING_URI, else WORKDIR/mlflow.db. Prefect: PREFECT_API_URL, else "
         f"a server on {PREFECT_URL} if one runs, else a temporary local one.",
     )

@@ -602,8 +602,7 @@ class Trainer:
                 record, clock = self._record_step(self.step, pending, clock, log)
                 pending = None
                 val_loss = record.get("val_loss", val_loss)
-                interval = self.config.checkpoint.interval
-                if interval and self.step % interval == 0 and self.step < training.train_iters:
+                if self._checkpoints_after(self.step):
                     last_checkpoint = self.save(background=self.config.checkpoint.async_save)
                 clock = time.perf_counter()  # evaluation and saving are not the next step's time
             # A run resumed at its end has its final checkpoint already.
@@ -659,13 +658,22 @@ class Trainer:
 
     def _runs_after_step(self, step: int) -> bool:
         """Whether evaluation, a checkpoint or the end of training follows ``step``."""
-        training = self.config.training
-        interval = self.config.checkpoint.interval
         return (
-            step >= training.train_iters
-            or bool(training.eval_interval and step % training.eval_interval == 0)
-            or bool(interval and step % interval == 0)
+            step >= self.config.training.train_iters
+            or self._evaluates_after(step)
+            or self._checkpoints_after(step)
         )
+
+    def _evaluates_after(self, step: int) -> bool:
+        training = self.config.training
+        return bool(training.eval_interval) and (
+            step % training.eval_interval == 0 or step == training.train_iters
+        )
+
+    def _checkpoints_after(self, step: int) -> bool:
+        """A periodic checkpoint (the final one is saved after the loop)."""
+        interval = self.config.checkpoint.interval
+        return bool(interval) and step % interval == 0 and step < self.config.training.train_iters
 
     def _record_step(
         self, step: int, pending: PendingMetrics, clock: float, log: _FitLog
@@ -679,11 +687,7 @@ class Trainer:
         record = {"step": step, **values, **self._speed(log.tokens_per_step, ready - clock)}
         record.update(self.checkpointer.pop_timings())  # the last save's, if done
         log.rates.append(record["tokens_per_s"])
-        if (
-            step == self.step
-            and training.eval_interval
-            and (step % training.eval_interval == 0 or step == training.train_iters)
-        ):
+        if step == self.step and self._evaluates_after(step):
             val_loss = self.evaluate()
             if val_loss is not None:
                 record["val_loss"] = val_loss
