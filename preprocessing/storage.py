@@ -12,6 +12,8 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
+from preprocessing import safe_read
+
 HASH_CHUNK = 8 << 20
 
 
@@ -79,9 +81,5 @@ def atomic_write_json(url: str, obj: Any, storage_options: dict[str, Any] | None
 
 
 def read_json(url: str, storage_options: dict[str, Any] | None = None) -> Any:
-    with fsspec.open(url, "rb", **(storage_options or {})) as handle:
-        data = handle.read()
-    try:
-        return json.loads(data)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{url}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    """A JSON file within the shared limits (:mod:`preprocessing.safe_read`)."""
+    return safe_read.read_json(url, storage_options=storage_options)

@@ -4,7 +4,8 @@ One Pydantic model per section. The same classes are the YAML recipe schema, the
 values behind ``--set key=value`` on the command line, and the parameters of the
 Prefect flows (Prefect renders them as forms). Unknown keys are errors.
 
-This module imports only Pydantic and PyYAML so that any stage can use it.
+This module imports only Pydantic, PyYAML and the shared safe reader so that any stage
+can use it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from preprocessing import safe_read
 from training.errors import MegalithError
 
 
@@ -677,9 +679,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not path:
         raise ConfigError(f"--set {text!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {text!r}: value is not valid YAML: {exc}") from exc
+        value = safe_read.loads_yaml(raw, f"--set {text!r}") if raw.strip() else ""
+    except safe_read.UnsafeFileError as exc:
+        raise ConfigError(str(exc)) from None
     return path, value
 
 
@@ -706,13 +708,11 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        tree = safe_read.read_yaml(path)
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from exc
-    try:
-        tree = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    except safe_read.UnsafeFileError as exc:
+        raise ConfigError(str(exc)) from None
     if tree is None:
         return {}
     if not isinstance(tree, dict):
