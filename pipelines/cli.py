@@ -8,6 +8,7 @@ imports happen only when its command runs.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 from collections.abc import Sequence
@@ -30,8 +31,24 @@ COMMAND_MODULES = [
 ]
 
 
+class SuggestingParser(argparse.ArgumentParser):
+    """An argument parser whose "invalid choice" errors name the nearest valid choice
+    (``megalith trian`` → did you mean 'train'?). Subcommand parsers inherit the class."""
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        choices = action.choices
+        if choices is not None and value not in choices and isinstance(value, str):
+            names = [str(choice) for choice in choices]
+            nearest = difflib.get_close_matches(value, names, n=1, cutoff=0.6)
+            if nearest:
+                raise argparse.ArgumentError(
+                    action, f"invalid choice: {value!r}; did you mean {nearest[0]!r}?"
+                )
+        super()._check_value(action, value)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="megalith",
         description="Train Megatron-style language models as orchestrated, observable pipelines.",
     )
