@@ -25,6 +25,21 @@ manifest bytes``, so a signature for one kind of manifest cannot be replayed as
 another. Loaders call :func:`check_signature`; with ``required=True`` an unsigned or
 wrongly signed directory is refused, and a signature that is present is always
 checked when the key is available.
+
+The scheme is the verifier's, never the file's: whoever holds an Ed25519 public key
+(``MEGALITH_ED25519_PUBLIC_KEY``) accepts only Ed25519 signatures, and requires one
+(a public key exists only to verify); whoever holds only an HMAC key accepts only
+HMAC. A ``signature.json`` that names another algorithm is refused, so an attacker
+cannot pick the scheme the verifier has no key for and pass unchecked.
+
+``MEGALITH_REQUIRE_SIGNATURE=1`` requires a valid signature at every loader (training
+resume, fine-tuning bases, evaluation, serving, export, ``ckpt``), in addition to the
+``checkpoint.require_signature`` / ``--require-signature`` switches.
+
+What a signature vouches for is the manifest's bytes, hence every file's sha256,
+hence the checkpoint's identity in them (its step, in ``index.json`` and in the hashed
+``state.json``); loaders compare that step with the one they asked for
+(:mod:`training.checkpoint`).
 """
 
 from __future__ import annotations
@@ -43,6 +58,7 @@ from training.errors import MegalithError
 KEY_ENV = "MEGALITH_SIGNING_KEY"
 ED25519_PRIVATE_ENV = "MEGALITH_ED25519_PRIVATE_KEY"
 ED25519_PUBLIC_ENV = "MEGALITH_ED25519_PUBLIC_KEY"
+REQUIRE_ENV = "MEGALITH_REQUIRE_SIGNATURE"
 MIN_KEY_BYTES = 32
 SIGNATURE_FILE = "signature.json"
 ALGORITHM = "hmac-sha256"
@@ -178,22 +194,28 @@ def check_signature(directory: str | Path, manifest_name: str, required: bool) -
     """Check ``directory``'s signature over ``manifest_name``; returns whether one was verified.
 
     ``required``: refuse a directory without a valid signature (and refuse when the key is
-    not set). Not required: an unsigned directory passes; a signature that is present is
-    checked whenever the key is set, so a tampered signed checkpoint never loads quietly.
-    Call this before trusting the manifest's sha256 values.
+    not set). Not required: an unsigned directory passes (unless an Ed25519 public key or
+    ``MEGALITH_REQUIRE_SIGNATURE`` is set); a signature that is present is checked whenever
+    a key is set, so a tampered signed checkpoint never loads quietly. Call this before
+    trusting the manifest's sha256 values; a caller that parses the manifest should use
+    :func:`read_signature` and :func:`check_signature_bytes` on the bytes it parses.
     """
     directory = Path(directory)
-    sig_path = directory / SIGNATURE_FILE
-    if not sig_path.exists() and not sig_path.is_symlink():
-        return check_signature_bytes(None, manifest_name, b"", required, str(directory))
-    record = _read_signature(sig_path)
     return check_signature_bytes(
-        record,
+        read_signature(directory),
         manifest_name,
         lambda: _read_manifest(directory, manifest_name),
         required,
-        str(sig_path),
+        str(directory / SIGNATURE_FILE),
     )
+
+
+def read_signature(directory: str | Path) -> dict[str, Any] | None:
+    """``directory``'s ``signature.json``, validated; None when there is none."""
+    path = Path(directory) / SIGNATURE_FILE
+    if not path.exists() and not path.is_symlink():
+        return None
+    return _read_signature(path)
 
 
 def check_signature_bytes(
@@ -206,40 +228,76 @@ def check_signature_bytes(
     """:func:`check_signature` on a parsed ``signature.json`` (None: absent) and the
     manifest's bytes (or a function reading them), for stores that are not local
     directories; ``where`` names the signature in errors."""
+    scheme = verifier_scheme()
+    required = required or signature_required() or scheme == ED25519
     if record is None:
         if required:
             raise SignatureError(
                 f"{where}: unsigned ({SIGNATURE_FILE} is missing) and signatures are "
-                "required (checkpoint.require_signature / --require-signature)"
+                f"required (checkpoint.require_signature / --require-signature / {REQUIRE_ENV}"
+                f"{' / ' + ED25519_PUBLIC_ENV + ' is set' if scheme == ED25519 else ''})"
             )
         return False
     if record["manifest"] != manifest_name:
         raise SignatureError(
             f"{where}: signs {record['manifest']!r}, expected a signature of {manifest_name!r}"
         )
-    if record["algorithm"] == ED25519:
-        public = _ed25519_key(ED25519_PUBLIC_ENV, private=False, required=required)
-        if public is None:
-            return False
-        from cryptography.exceptions import InvalidSignature
-
-        try:
-            public.verify(bytes.fromhex(record["signature"]), _message(manifest_name, _bytes(data)))
-        except (InvalidSignature, ValueError):
+    if scheme is None:
+        if required:
             raise SignatureError(
-                f"{where}: the Ed25519 signature of {manifest_name} does not verify with "
-                f"{ED25519_PUBLIC_ENV} (the manifest was changed after signing, or another key)"
-            ) from None
-        return True
-    key = signing_key(required=required)
-    if key is None:
+                f"{where}: signatures are required but no verification key is set: "
+                f"{ED25519_PUBLIC_ENV} is not set (Ed25519) and {KEY_ENV} is not set (HMAC)"
+            )
         return False
+    if record["algorithm"] != scheme:
+        raise SignatureError(
+            f"{where}: signed with {record['algorithm']}, but this verifier holds "
+            f"{'an Ed25519 public key' if scheme == ED25519 else 'an HMAC key'} and accepts "
+            f"only {scheme} signatures (the scheme is the verifier's, not the file's)"
+        )
+    if scheme == ED25519:
+        _verify_ed25519(record, manifest_name, _bytes(data), where)
+        return True
+    key = signing_key(required=True)
     if not hmac.compare_digest(record["signature"], _mac(key, manifest_name, _bytes(data))):
         raise SignatureError(
             f"{where}: the HMAC-SHA256 signature of {manifest_name} does not match "
             f"(the manifest was changed after signing, or it was signed with another key)"
         )
     return True
+
+
+def verifier_scheme() -> str | None:
+    """The scheme this process verifies with: ``ed25519`` when a public key is set, else
+    ``hmac-sha256`` when an HMAC key is set, else None."""
+    if os.environ.get(ED25519_PUBLIC_ENV):
+        return ED25519
+    if os.environ.get(KEY_ENV):
+        return ALGORITHM
+    return None
+
+
+def signature_required() -> bool:
+    """``MEGALITH_REQUIRE_SIGNATURE``: 1/true/yes requires a signature at every loader."""
+    value = os.environ.get(REQUIRE_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise SignatureError(f"{REQUIRE_ENV}={value!r}: expected 1/true/yes or 0/false/no")
+
+
+def _verify_ed25519(record: dict[str, Any], manifest_name: str, data: bytes, where: str) -> None:
+    from cryptography.exceptions import InvalidSignature
+
+    public = _ed25519_key(ED25519_PUBLIC_ENV, private=False, required=True)
+    try:
+        public.verify(bytes.fromhex(record["signature"]), _message(manifest_name, data))
+    except (InvalidSignature, ValueError):
+        raise SignatureError(
+            f"{where}: the Ed25519 signature of {manifest_name} does not verify with "
+            f"{ED25519_PUBLIC_ENV} (the manifest was changed after signing, or another key)"
+        ) from None
 
 
 def _bytes(data: bytes | Callable[[], bytes]) -> bytes:
