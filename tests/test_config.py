@@ -10,6 +10,7 @@ from training.config import (
     ConfigError,
     DataConfig,
     MegalithConfig,
+    ModelConfig,
     TokenizerConfig,
     dump_config,
     load_config,
@@ -261,3 +262,80 @@ def test_assignment_is_validated() -> None:
     config = TokenizerConfig()
     with pytest.raises(ValueError, match="vocab_size"):
         config.vocab_size = "many"  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------- size limits, suggestions
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "limit"),
+    [
+        ("model:\n  num_layers: 10000000\n", "model.num_layers", "1024"),
+        (
+            "model:\n  max_position_embeddings: 10000000000\n",
+            "model.max_position_embeddings",
+            "16777216",
+        ),
+        ("model:\n  num_experts: 1000000\n", "model.num_experts", "4096"),
+        ("model:\n  vocab_size: 1000000000\n", "model.vocab_size", "2097152"),
+        ("data:\n  seq_length: 100000000000\n", "data.seq_length", "16777216"),
+        ("data:\n  workers: 100000\n", "data.workers", "1024"),
+    ],
+)
+def test_sizes_beyond_the_limits_are_refused_naming_key_and_limit(
+    tmp_path: Path, text: str, key: str, limit: str
+) -> None:
+    message = config_error(tmp_path, text)
+    assert f"{key}:" in message
+    assert f"less than or equal to {limit}" in message
+
+
+def test_the_largest_public_models_fit_the_limits() -> None:
+    llama_405b = ModelConfig(
+        num_layers=126,
+        hidden_size=16384,
+        num_attention_heads=128,
+        num_query_groups=8,
+        ffn_hidden_size=53248,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+    )
+    assert 4.0e11 < llama_405b.approximate_parameters() < 4.1e11
+    deepseek_v3 = ModelConfig(
+        num_layers=61,
+        hidden_size=7168,
+        num_attention_heads=128,
+        ffn_hidden_size=18432,
+        num_experts=256,
+        moe_top_k=8,
+        moe_ffn_hidden_size=2048,
+        vocab_size=129280,
+        max_position_embeddings=163840,
+    )
+    assert deepseek_v3.num_experts == 256
+
+
+def test_a_model_too_large_in_total_is_refused(tmp_path: Path) -> None:
+    text = "model:\n  num_layers: 1024\n  hidden_size: 65536\n  num_attention_heads: 512\n"
+    message = config_error(tmp_path, text)
+    assert "model:" in message
+    assert "parameters, more than the 1e+13 limit" in message
+
+
+def test_mistyped_recipe_key_suggests_the_nearest(tmp_path: Path) -> None:
+    message = config_error(tmp_path, "model:\n  num_layer: 2\n")
+    assert "model.num_layer: unknown key (did you mean model.num_layers?)" in message
+
+
+def test_mistyped_override_suggests_the_nearest() -> None:
+    with pytest.raises(ConfigError, match=r"did you mean model\.num_layers\?"):
+        load_config(None, ["model.num_layer=2"])
+    with pytest.raises(ConfigError, match=r"modle: unknown key \(did you mean model\?\)"):
+        load_config(None, ["modle.num_layers=2"])
+
+
+def test_unknown_key_far_from_every_key_suggests_nothing() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["model.zzzzzz=2"])
+    assert "did you mean" not in str(caught.value)
+    assert "expected one of: family" in str(caught.value)

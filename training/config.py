@@ -10,6 +10,7 @@ can use it.
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -19,6 +20,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from preprocessing import safe_read
 from training.errors import MegalithError
+
+# Upper bounds on every number that sizes a model, a buffer or a process count, so a
+# crafted recipe, package, checkpoint or HF config.json is refused before anything is
+# built. Each admits the largest public models with room to spare (Llama 3.1 405B: 126
+# layers, hidden 16384, 128 heads, vocab 128256, 131072 positions; DeepSeek-V3: 256
+# experts, vocab 129280; Llama 4: 10M positions) and refuses what no machine could hold.
+MAX_LAYERS = 1024
+MAX_HIDDEN = 65536
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 4096
+MAX_FFN = 262144
+MAX_VOCAB = 1 << 21
+MAX_POSITIONS = 1 << 24
+MAX_EXPERTS = 4096
+MAX_PARAMETERS = 10**13
 
 
 class ConfigError(MegalithError, ValueError):
@@ -58,6 +74,7 @@ class TokenizerConfig(StrictModel):
     pad_vocab_multiple: int = Field(
         default=128,
         ge=1,
+        le=65536,
         description="The model's embedding table is padded to a multiple of this.",
     )
     byte_fallback: bool = True
@@ -75,7 +92,7 @@ class TokenizerConfig(StrictModel):
         ge=1,
         description="Sampling cap: at most this many documents (reservoir-sampled) train the model.",
     )
-    max_sentence_length: int = Field(default=16384, ge=16)
+    max_sentence_length: int = Field(default=16384, ge=16, le=1 << 30)
     seed: int = 1234
 
 
@@ -98,11 +115,15 @@ class SpanCorruptionConfig(StrictModel):
         default=3.0, ge=1.0, description="Mean length of a masked span, in tokens."
     )
     encoder_length: int | None = Field(
-        default=None, ge=8, description="Encoder tokens per sample (S); None: data.seq_length."
+        default=None,
+        ge=8,
+        le=MAX_POSITIONS,
+        description="Encoder tokens per sample (S); None: data.seq_length.",
     )
     decoder_length: int | None = Field(
         default=None,
         ge=2,
+        le=MAX_POSITIONS,
         description="Decoder tokens per sample (T); None: exactly what the encoder length and "
         "noise density need (T5's random_spans_helper: 114 for S 512 at 0.15 / 3.0).",
     )
@@ -124,12 +145,14 @@ class DataConfig(StrictModel):
         description="How plain text splits into documents: blank-line separated paragraphs, "
         "single lines, or one document per file.",
     )
-    workers: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1)
-    shards: int = Field(default=1, ge=1)
+    workers: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=1024)
+    shards: int = Field(default=1, ge=1, le=1_000_000)
     on_bad_record: Literal["fail", "skip"] = "fail"
     max_bad_examples: int = Field(default=20, ge=0)
     append_eod: bool = True
-    batch_documents: int = Field(default=512, ge=1, description="Documents per worker batch.")
+    batch_documents: int = Field(
+        default=512, ge=1, le=1 << 20, description="Documents per worker batch."
+    )
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec options (e.g. endpoint_url for S3)."
     )
@@ -148,7 +171,7 @@ class DataConfig(StrictModel):
     split: tuple[float, float, float] = Field(
         default=(0.98, 0.01, 0.01), description="train/valid/test shares, by document."
     )
-    seq_length: int = Field(default=1024, ge=8)
+    seq_length: int = Field(default=1024, ge=8, le=MAX_POSITIONS)
     seed: int = 1234
     cache_dir: str | None = Field(
         default=None,
@@ -211,25 +234,35 @@ class ModelConfig(StrictModel):
         "(training/models/t5.py, num_layers encoder layers), T5 v1.1 defaults.",
     )
     style: Literal["llama", "gpt2"] = "llama"
-    num_layers: int = Field(default=2, ge=1)
+    num_layers: int = Field(default=2, ge=1, le=MAX_LAYERS)
     num_decoder_layers: int | None = Field(
-        default=None, ge=1, description="family t5: decoder layers; None: num_layers."
+        default=None,
+        ge=1,
+        le=MAX_LAYERS,
+        description="family t5: decoder layers; None: num_layers.",
     )
-    hidden_size: int = Field(default=128, ge=8)
-    num_attention_heads: int = Field(default=4, ge=1)
+    hidden_size: int = Field(default=128, ge=8, le=MAX_HIDDEN)
+    num_attention_heads: int = Field(default=4, ge=1, le=MAX_HEADS)
     num_query_groups: int | None = Field(
         default=None,
         ge=1,
+        le=MAX_HEADS,
         description="Grouped-query attention KV groups; None means one per head.",
     )
     ffn_hidden_size: int | None = Field(
-        default=None, ge=1, description="None: 4h for GELU, 8h/3 rounded up to 64 for SwiGLU."
+        default=None,
+        ge=1,
+        le=MAX_FFN,
+        description="None: 4h for GELU, 8h/3 rounded up to 64 for SwiGLU.",
     )
     vocab_size: int | None = Field(
-        default=None, ge=1, description="None: the padded vocabulary of the training data."
+        default=None,
+        ge=1,
+        le=MAX_VOCAB,
+        description="None: the padded vocabulary of the training data.",
     )
     max_position_embeddings: int | None = Field(
-        default=None, ge=1, description="None: data.seq_length."
+        default=None, ge=1, le=MAX_POSITIONS, description="None: data.seq_length."
     )
     normalization: Literal["rmsnorm", "layernorm"] | None = None
     activation: Literal["swiglu", "gelu", "geglu"] | None = Field(
@@ -239,10 +272,13 @@ class ModelConfig(StrictModel):
         default=None, description="relative: T5's bucketed attention biases; family t5 only."
     )
     relative_attention_num_buckets: int = Field(
-        default=32, ge=2, description="position_embedding relative: buckets per stack."
+        default=32, ge=2, le=4096, description="position_embedding relative: buckets per stack."
     )
     relative_attention_max_distance: int = Field(
-        default=128, ge=2, description="position_embedding relative: the farthest bucket."
+        default=128,
+        ge=2,
+        le=MAX_POSITIONS,
+        description="position_embedding relative: the farthest bucket.",
     )
     bias: bool | None = None
     tie_embeddings: bool | None = None
@@ -264,17 +300,26 @@ class ModelConfig(StrictModel):
     loss_chunk_tokens: int = Field(
         default=0,
         ge=0,
+        le=MAX_POSITIONS,
         description="Fuse the output layer with the cross-entropy, this many tokens at a "
         "time, so the whole [tokens, vocabulary] fp32 logits never exist (plain head, "
         "tensor parallelism 1); 0: off.",
     )
     # Mixture of experts (training/models/moe.py); None or 0 experts: every MLP is dense.
     num_experts: int | None = Field(
-        default=None, ge=0, description="Experts per MoE layer; None or 0: dense MLPs."
+        default=None,
+        ge=0,
+        le=MAX_EXPERTS,
+        description="Experts per MoE layer; None or 0: dense MLPs.",
     )
-    moe_top_k: int = Field(default=2, ge=1, description="Experts each token is routed to.")
+    moe_top_k: int = Field(
+        default=2, ge=1, le=MAX_EXPERTS, description="Experts each token is routed to."
+    )
     moe_ffn_hidden_size: int | None = Field(
-        default=None, ge=1, description="Each expert's FFN width; None: ffn_hidden_size."
+        default=None,
+        ge=1,
+        le=MAX_FFN,
+        description="Each expert's FFN width; None: ffn_hidden_size.",
     )
     moe_aux_loss_coeff: float = Field(
         default=0.01,
@@ -288,7 +333,10 @@ class ModelConfig(StrictModel):
         "experts); the lowest-weight assignments beyond it are dropped. None: dropless.",
     )
     moe_layer_frequency: int = Field(
-        default=1, ge=1, description="Every k-th block (0, k, 2k, ...) is MoE; 1: every block."
+        default=1,
+        ge=1,
+        le=MAX_LAYERS,
+        description="Every k-th block (0, k, 2k, ...) is MoE; 1: every block.",
     )
 
     @model_validator(mode="after")
@@ -316,6 +364,11 @@ class ModelConfig(StrictModel):
                 f"num_attention_heads {self.num_attention_heads} is not divisible by "
                 f"num_query_groups {groups}"
             )
+        if self.head_dim > MAX_HEAD_DIM:
+            raise ValueError(
+                f"head_dim {self.head_dim} (hidden_size / num_attention_heads) exceeds "
+                f"{MAX_HEAD_DIM}"
+            )
         if self.num_experts:
             if self.moe_ffn_hidden_size is None:
                 object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
@@ -323,7 +376,29 @@ class ModelConfig(StrictModel):
                 raise ValueError(
                     f"moe_top_k {self.moe_top_k} exceeds num_experts {self.num_experts}"
                 )
+        if self.approximate_parameters() > MAX_PARAMETERS:
+            raise ValueError(
+                f"num_layers, hidden_size, ffn_hidden_size, num_experts and vocab_size "
+                f"describe about {self.approximate_parameters():.2e} parameters, more than "
+                f"the {MAX_PARAMETERS:.0e} limit"
+            )
         return self
+
+    def approximate_parameters(self) -> int:
+        """A quick upper estimate of the weights (for the size limit; training.models.flops
+        counts them exactly): every block's attention and MLP (all experts), T5's decoder
+        cross-attention, untied embedding and head, learned positions."""
+        hidden, width = self.hidden_size, self.num_attention_heads * self.head_dim
+        attention = 2 * hidden * width + 2 * hidden * self.num_query_groups * self.head_dim
+        mlp = (3 if self.activation in ("swiglu", "geglu") else 2) * hidden
+        dense = mlp * self.ffn_hidden_size
+        moe_layers = -(-self.num_layers // self.moe_layer_frequency) if self.num_experts else 0
+        experts = moe_layers * (self.num_experts or 0) * mlp * (self.moe_ffn_hidden_size or 0)
+        layers = self.num_layers + (self.decoder_layers if self.family == "t5" else 0)
+        cross = (self.decoder_layers if self.family == "t5" else 0) * 2 * hidden * width
+        positions = self.max_position_embeddings if self.position_embedding == "learned" else 0
+        tables = (2 * (self.vocab_size or 0) + (positions or 0)) * hidden
+        return layers * (attention + dense) + experts + cross + tables
 
     def _check_family(self) -> None:
         """Refuse the choices the chosen family's model does not implement."""
@@ -385,7 +460,7 @@ class ParallelConfig(StrictModel):
         description="ddp: bucketed all-reduce overlapped with backward; distributed_optimizer: "
         "optimizer state sharded over data-parallel ranks (ZeRO-1/2); fsdp: FSDP2.",
     )
-    ddp_bucket_mb: float = Field(default=25.0, gt=0, description="Gradient bucket size.")
+    ddp_bucket_mb: float = Field(default=25.0, gt=0, le=16384, description="Gradient bucket size.")
     pipeline_schedule: Literal["1f1b", "interleaved", "zero-bubble"] = Field(
         default="1f1b",
         description="1f1b; interleaved (needs virtual_pipeline >= 2); zero-bubble (ZB1P: weight "
@@ -401,9 +476,14 @@ class ParallelConfig(StrictModel):
 class TrainingConfig(StrictModel):
     """The training loop: batch sizes, length, evaluation cadence, device."""
 
-    micro_batch_size: int = Field(default=4, ge=1, description="Samples per forward pass.")
+    micro_batch_size: int = Field(
+        default=4, ge=1, le=1 << 20, description="Samples per forward pass."
+    )
     global_batch_size: int = Field(
-        default=8, ge=1, description="Samples per optimizer step (gradient accumulation fills it)."
+        default=8,
+        ge=1,
+        le=1 << 24,
+        description="Samples per optimizer step (gradient accumulation fills it).",
     )
     train_iters: int = Field(default=100, ge=1, description="Optimizer steps.")
     eval_interval: int = Field(default=50, ge=0, description="Steps between validation; 0: never.")
@@ -413,7 +493,7 @@ class TrainingConfig(StrictModel):
     grad_clip: float = Field(default=1.0, ge=0.0, description="Max global grad norm; 0: off.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     compile: bool = Field(default=False, description="torch.compile the model.")
-    num_workers: int = Field(default=1, ge=0, description="DataLoader worker processes.")
+    num_workers: int = Field(default=1, ge=0, le=256, description="DataLoader worker processes.")
 
     @model_validator(mode="after")
     def _check_batches(self) -> TrainingConfig:
@@ -560,7 +640,7 @@ class LoRAConfig(StrictModel):
     partial product reduced like the base's, and ``B`` replicated (training.finetune.lora).
     """
 
-    rank: int = Field(default=8, ge=1, description="Rank r of the update B·A.")
+    rank: int = Field(default=8, ge=1, le=65536, description="Rank r of the update B·A.")
     alpha: float = Field(default=16.0, gt=0, description="The update is scaled by alpha / rank.")
     dropout: float = Field(
         default=0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input only."
@@ -635,14 +715,22 @@ def format_validation_error(error: ValidationError, source: str) -> str:
         key = ".".join(str(part) for part in item["loc"]) or "(root)"
         message = item["msg"]
         if item["type"] == "extra_forbidden":
-            allowed = keys_of_section(MegalithConfig, item["loc"][:-1])
-            message = "unknown key" + (
-                f"; expected one of: {', '.join(allowed)}" if allowed else ""
-            )
+            message = _unknown_key_message(item["loc"])
         elif "input" in item and item["type"] != "missing":
             message = f"{message} (got {item['input']!r})"
         lines.append(f"  {key}: {message}")
     return "\n".join(lines)
+
+
+def _unknown_key_message(loc: tuple) -> str:
+    """ "unknown key", the nearest valid key when one is close, and the keys allowed."""
+    allowed = keys_of_section(MegalithConfig, loc[:-1])
+    if not allowed:
+        return "unknown key"
+    near = difflib.get_close_matches(str(loc[-1]), allowed, n=1, cutoff=0.6)
+    section = "".join(f"{part}." for part in loc[:-1])
+    hint = f" (did you mean {section}{near[0]}?)" if near else ""
+    return f"unknown key{hint}; expected one of: {', '.join(allowed)}"
 
 
 def keys_of_section(model: type[BaseModel], loc: tuple) -> list[str]:
