@@ -221,9 +221,15 @@ def _causal_mask(queries: int, keys: int, device: torch.device) -> tuple[Tensor 
 class RotaryEmbedding(nn.Module):
     """RoPE tables in the rotate-half (GPT-NeoX / Hugging Face Llama / Megatron) convention.
 
-    The cos/sin table is fp32, built lazily per device and kept out of the state dict
-    and out of ``model.to(dtype)``; it is cast to the activations' dtype when applied.
+    The cos/sin table is fp32, kept out of the state dict and out of ``model.to(dtype)``;
+    it is cast to the activations' dtype when applied. It is built lazily per device and
+    only as long as the positions asked for so far (doubling, at least ``MIN_TABLE``), so
+    ``max_positions`` from a config never sizes an allocation by itself. Explicit
+    ``positions`` (packed documents, context parallelism) get their angles computed
+    directly, without a table.
     """
+
+    MIN_TABLE = 4096
 
     def __init__(self, head_dim: int, max_positions: int, base: float):
         super().__init__()
@@ -234,24 +240,35 @@ class RotaryEmbedding(nn.Module):
         self.base = base
         self._table: tuple[Tensor, Tensor] | None = None
 
-    def _build(self, device: torch.device) -> tuple[Tensor, Tensor]:
+    def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
-        inv_freq = (1.0 / self.base**exponents).to(device=device, dtype=torch.float32)
-        positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)
+        inv_freq = (1.0 / self.base**exponents).to(device=positions.device, dtype=torch.float32)
+        angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos(), angles.sin()
+
+    def _table_for(self, end: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        table = self._table
+        if table is None or table[0].device != device or table[0].size(0) < end:
+            size = max(self.MIN_TABLE, 1 << max(end - 1, 0).bit_length())
+            size = min(size, self.max_positions)
+            table = self._cos_sin(torch.arange(size, device=device, dtype=torch.float32))
+            self._table = table
+        return table
 
     def forward(
         self, start_pos: int, length: int, device: torch.device, positions: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """cos and sin for positions ``start_pos .. start_pos+length-1``, or for the given
         ``positions [length]``; each ``[length, D]``."""
-        if self._table is None or self._table[0].device != device:
-            self._table = self._build(device)
-        cos, sin = self._table
         if positions is not None:
-            return cos[positions], sin[positions]
+            return self._cos_sin(positions)
+        if start_pos < 0 or start_pos + length > self.max_positions:
+            raise ValueError(
+                f"positions {start_pos}..{start_pos + length - 1} are outside "
+                f"0..{self.max_positions - 1} (model.max_position_embeddings)"
+            )
+        cos, sin = self._table_for(start_pos + length, device)
         return cos[start_pos : start_pos + length], sin[start_pos : start_pos + length]
 
 
