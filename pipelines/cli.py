@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from training import __version__
-from training.errors import MegalithError
+from training.errors import MegalithError, storage_error_message
 
 # Modules whose register(subparsers) adds a stage's subcommands.
 COMMAND_MODULES = [
@@ -73,6 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except (MegalithError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a full disk, a quota, a size limit: one line naming the file
+        message = storage_error_message(exc)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
         return 1
 
 

@@ -1,9 +1,43 @@
-"""The base class for errors a user can act on.
+"""The base class for errors a user can act on, and the storage faults they can act on.
 
 The command line prints these as one clear message instead of a traceback; every
 message names the file, line or key at fault and what was expected.
 """
 
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 
 class MegalithError(Exception):
     """A problem with the user's input, config or data, not a bug."""
+
+
+# A full disk, a quota, a file-size limit, a read-only or forbidden place: the user can
+# act on these (free space, another --output), so they get one line, not a traceback.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES})
+
+
+def storage_error_message(exc: OSError) -> str | None:
+    """``PATH: cause (ENOSPC)`` for a storage fault the user can act on; None otherwise."""
+    if exc.errno not in STORAGE_ERRNOS:
+        return None
+    cause = f"{exc.strerror or os.strerror(exc.errno)} ({errno.errorcode[exc.errno]})"
+    where = exc.filename if exc.filename is not None else "a file being written (name unknown)"
+    return f"{where}: {cause}"
+
+
+@contextmanager
+def naming_path(path: str | Path) -> Iterator[None]:
+    """Put ``path`` into an OSError raised without a file name (a write or flush to an
+    open file reports none), so the one-line message can say which file it was."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
