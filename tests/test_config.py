@@ -339,3 +339,9 @@ def test_unknown_key_far_from_every_key_suggests_nothing() -> None:
         load_config(None, ["model.zzzzzz=2"])
     assert "did you mean" not in str(caught.value)
     assert "expected one of: family" in str(caught.value)
+
+
+def test_a_boolean_where_a_number_belongs_is_refused(tmp_path: Path) -> None:
+    message = config_error(tmp_path, "model:\n  num_layers: true\n")
+    assert "model.num_layers:" in message
+    assert "not a boolean" in message

@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from preprocessing import safe_read
 from training.errors import MegalithError
@@ -45,6 +53,16 @@ class StrictModel(BaseModel):
     """Base for every config section: unknown keys and type mismatches are errors."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """Pydantic reads true as 1 for a number; a file saying ``num_layers: true`` is wrong."""
+        if isinstance(value, bool) and info.field_name:
+            annotation = cls.model_fields[info.field_name].annotation
+            if not any(t in (bool, Any) for t in _types_in(annotation)):
+                raise ValueError("expected a number or text, not a boolean")
+        return value
 
 
 DEFAULT_SPECIAL_TOKENS = [
