@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from preprocessing.storage import filesystem, sha256_of_file
+from preprocessing import safe_read
+from preprocessing.storage import sha256_of_file
 from training.config import LoggingConfig
 from training.tracking import NullLogger, RunLogger, read_metrics
 
@@ -219,10 +220,9 @@ def lineage_tags(
 
 
 def _manifest_tokenizer_id(url: str, storage_options: dict[str, Any] | None) -> str | None:
-    fs, path = filesystem(url, storage_options)
-    with fs.open(path, "rb") as handle:
-        manifest = json.load(handle)
-    return manifest.get("tokenizer", {}).get("id")
+    manifest = safe_read.read_json(url, storage_options=storage_options, expect=dict)
+    tokenizer = safe_read.field(manifest, "tokenizer", dict, url, default={})
+    return safe_read.field(tokenizer, "id", str, f"{url} (tokenizer)", default=None)
 
 
 def git_commit() -> tuple[str | None, bool]:
