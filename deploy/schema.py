@@ -18,7 +18,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deploy.loading import ServedModel
 from evaluation.generate import SamplingConfig
@@ -30,23 +30,34 @@ from preprocessing.chat import (
 )
 
 MAX_SEED = 2**63 - 1
+# Dividing the logits by a temperature below this, or keeping a nucleus below MIN_TOP_P
+# (0 in float32), turns every probability into NaN: the whole batch would fail.
+MIN_TEMPERATURE = 1e-3
+MIN_TOP_P = 1e-6
 
 
 class SamplingRequest(BaseModel):
     """The fields both endpoints share. Omitted ``max_tokens``: the server's limit, or the
     room left in the context if that is less. Omitted ``seed``: a random one (returned)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=0.8, ge=0, le=100, description="0: greedy")
     top_k: int | None = Field(default=None, ge=1)
-    top_p: float | None = Field(default=0.95, gt=0, le=1)
+    top_p: float | None = Field(default=0.95, ge=MIN_TOP_P, le=1)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stream: bool = False
     timeout_s: float | None = Field(
         default=None, gt=0, description="at most the server's --timeout"
     )
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_usable(cls, value: float) -> float:
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"expected 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return value
 
 
 class GenerateRequest(SamplingRequest):

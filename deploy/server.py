@@ -21,9 +21,12 @@ turn), ``length`` (``max_tokens`` reached),
 ``timeout`` (the request's time limit passed: the answer is 200 with the text generated
 so far; a request that timed out while waiting has no text). 504 is only answered when
 the engine gives no answer at all within the limit plus ``STUCK_GRACE_S``.
-Errors: 422 for a bad body (FastAPI's ``detail`` list naming the field), 413 for a prompt
-that fills the model's context, 503 when ``--max-queue`` requests already wait, 409 for a
-reload that cannot load (the alias is gone, a file is altered): the old model stays.
+Errors: 422 for a bad body (FastAPI's ``detail`` list naming the field: types, ranges, NaN,
+``Infinity``, invalid or too deeply nested JSON), 415 for a body that is not
+``application/json``, 413 for a body over ``max_body_bytes`` (refused before it is read
+whole: ``deploy.request_body``) or a prompt that fills the model's context, 503 when
+``--max-queue`` requests already wait, 409 for a reload that cannot load (the alias is
+gone, a file is altered): the old model stays.
 
 ``/admin/reload`` asks for ``Authorization: Bearer TOKEN`` when the server has an admin
 token (``MEGALITH_ADMIN_TOKEN``; 401 otherwise) and is open without one. The server binds
@@ -42,11 +45,13 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Header
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deploy.engine import BatchingEngine, EngineBusy, EngineClosed, Finished, PendingRequest
 from deploy.loading import ServedModel, load_served_model, source_version
+from deploy.request_body import DEFAULT_MAX_BODY_BYTES, RequestBodyGuard
 from deploy.schema import (
     ChatRequest,
     GenerateRequest,
@@ -60,6 +65,7 @@ from training.errors import MegalithError
 log = logging.getLogger(__name__)
 
 STUCK_GRACE_S = 5.0
+MAX_ERRORS_SHOWN = 10  # a body with 10,000 unknown keys needs no 10,000-line answer
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,7 @@ class ServeConfig:
     max_batch_size: int = 8
     batch_window_ms: float = 5.0
     max_queue: int = 256
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies answer 413
     watch_s: float | None = None  # reload when the alias moves, checked this often
     # /admin/reload wants "Authorization: Bearer TOKEN" when set (MEGALITH_ADMIN_TOKEN).
     admin_token: str | None = field(default=None, repr=False)
@@ -250,6 +257,12 @@ def create_app(deployment: Deployment) -> FastAPI:
 
     app = FastAPI(title="Megalith generation server", lifespan=lifespan)
     app.state.deployment = deployment
+    app.add_middleware(
+        RequestBodyGuard,
+        max_bytes=deployment.config.max_body_bytes,
+        json_paths=("/v1/generate", "/v1/chat"),
+    )
+    app.add_exception_handler(RequestValidationError, _invalid_request)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -286,6 +299,21 @@ def create_app(deployment: Deployment) -> FastAPI:
         return await _answer(deployment, body)
 
     return app
+
+
+async def _invalid_request(_: Request, error: Exception) -> JSONResponse:
+    """FastAPI's 422, without echoing the input: it may be megabytes, or NaN, which JSON
+    cannot carry (the default handler then fails with a 500)."""
+    assert isinstance(error, RequestValidationError)
+    detail = [
+        {"loc": [_short(part) for part in item["loc"]], "msg": item["msg"], "type": item["type"]}
+        for item in error.errors()[:MAX_ERRORS_SHOWN]
+    ]
+    return JSONResponse({"detail": detail}, status_code=422)
+
+
+def _short(part: str | int) -> str | int:
+    return part if isinstance(part, int) or len(part) <= 80 else part[:77] + "..."
 
 
 def _authorized(token: str | None, authorization: str) -> bool:
