@@ -19,7 +19,9 @@ imports torch or megatron.
 from __future__ import annotations
 
 import os
+import stat
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +31,7 @@ from training.errors import MegalithError
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, N, D
+CHECK_CHUNK = 1 << 22  # entries per vectorised check: bounds the temporaries on big shards
 
 DTYPE_CODES: dict[int, np.dtype] = {
     1: np.dtype(np.uint8),
@@ -183,49 +186,30 @@ class IndexedDatasetReader:
 
     def __init__(self, path_prefix: str):
         self.path_prefix = str(path_prefix)
-        index = _map(idx_path(self.path_prefix))
-        self.dtype, count, doc_count, offset = _parse_header(idx_path(self.path_prefix), index)
+        path = idx_path(self.path_prefix)
+        index = _map(path)
+        self.dtype, count, doc_count, offset = _parse_header(path, index)
         self.sequence_lengths = np.frombuffer(index, np.int32, count, offset)
         offset += 4 * count
         self.sequence_pointers = np.frombuffer(index, np.int64, count, offset)
         offset += 8 * count
         self.document_indices = np.frombuffer(index, np.int64, doc_count, offset)
-        self._check_document_indices()
-        self.num_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
-        self.tokens = self._map_tokens()
+        bin_size = _bin_size(bin_path(self.path_prefix))
+        check_index(
+            path,
+            self.dtype,
+            self.sequence_lengths,
+            self.sequence_pointers,
+            self.document_indices,
+            bin_size,
+        )
+        self.num_tokens = bin_size // self.dtype.itemsize
+        self.tokens = self._map_tokens(bin_size)
 
-    def _check_document_indices(self) -> None:
-        docs = self.document_indices
-        if docs.size == 0 or docs[0] != 0 or docs[-1] != len(self):
-            raise IndexedDatasetError(
-                f"{idx_path(self.path_prefix)}: document indices must run from 0 to the "
-                f"sequence count {len(self)}, found "
-                f"{[int(docs[0]), int(docs[-1])] if docs.size else 'none'}"
-            )
-
-    def _map_tokens(self) -> np.ndarray:
-        path = bin_path(self.path_prefix)
-        try:
-            size = os.path.getsize(path)
-        except FileNotFoundError:
-            raise IndexedDatasetError(f"{path}: missing (its .idx exists)") from None
-        expected = self.num_tokens * self.dtype.itemsize
-        if size != expected:
-            raise IndexedDatasetError(
-                f"{path}: {size} bytes, but the .idx lists {self.num_tokens} tokens of "
-                f"{self.dtype} = {expected} bytes (truncated or mismatched pair)"
-            )
-        if (
-            len(self)
-            and self.sequence_pointers[-1] + self.sequence_lengths[-1] * self.dtype.itemsize != size
-        ):
-            raise IndexedDatasetError(
-                f"{idx_path(self.path_prefix)}: the last sequence pointer does not end at the "
-                f"end of {path}"
-            )
+    def _map_tokens(self, size: int) -> np.ndarray:
         if size == 0:  # mmap refuses empty files
             return np.zeros(0, dtype=self.dtype)
-        return np.memmap(path, dtype=self.dtype, mode="r")
+        return np.memmap(bin_path(self.path_prefix), dtype=self.dtype, mode="r")
 
     @property
     def num_documents(self) -> int:
@@ -254,6 +238,25 @@ class IndexedDatasetReader:
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize + offset
         return self.tokens[start : start + length]
 
+    def first_token_outside(self, vocab_size: int) -> tuple[int, int] | None:
+        """``(document, id)`` of the first token id outside ``[0, vocab_size)``, else None.
+
+        One pass over the ``.bin`` in chunks: ``data verify`` runs it on every shard.
+        """
+        for start, stop in _chunks(self.tokens.size):
+            chunk = self.tokens[start:stop]
+            if chunk.min() >= 0 and chunk.max() < vocab_size:
+                continue
+            position = start + int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
+            return self.document_of_token(position), int(self.tokens[position])
+        return None
+
+    def document_of_token(self, position: int) -> int:
+        """The document holding token ``position`` of the ``.bin``."""
+        starts = self.sequence_pointers // self.dtype.itemsize
+        sequence = int(np.searchsorted(starts, position, side="right")) - 1
+        return int(np.searchsorted(self.document_indices, sequence, side="right")) - 1
+
     # DataLoader workers started by spawn pickle the dataset: reopen the files instead
     # of copying the mapped arrays.
     def __getstate__(self) -> dict:
@@ -264,15 +267,88 @@ class IndexedDatasetReader:
 
 
 def _map(path: str) -> np.ndarray:
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise IndexedDatasetError(f"{path}: missing") from None
+    size = _regular_file_size(path, "missing")
     if size < _HEADER.size:
         raise IndexedDatasetError(
             f"{path}: truncated index ({size} bytes, the header alone is {_HEADER.size})"
         )
     return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def _bin_size(path: str) -> int:
+    return _regular_file_size(path, "missing (its .idx exists)")
+
+
+def _regular_file_size(path: str, missing: str) -> int:
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise IndexedDatasetError(f"{path}: {missing}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise IndexedDatasetError(f"{path}: not a regular file (a device, pipe or folder)")
+    return info.st_size
+
+
+def _chunks(size: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, size, CHECK_CHUNK):
+        yield start, min(start + CHECK_CHUNK, size)
+
+
+def check_index(
+    path: str,
+    dtype: np.dtype,
+    lengths: np.ndarray,
+    pointers: np.ndarray,
+    document_indices: np.ndarray,
+    bin_size: int,
+) -> None:
+    """Raise :class:`IndexedDatasetError` at the first entry of ``path`` that breaks the format.
+
+    Sequences lie back to back from byte 0 and end at the end of the ``.bin``; document
+    indices run from 0 to the sequence count, never decreasing. Checked in chunks, so
+    the temporaries stay small however large the shard.
+    """
+    end = 0  # the byte where the next sequence must start
+    for start, stop in _chunks(lengths.size):
+        sizes = lengths[start:stop].astype(np.int64)
+        negative = np.flatnonzero(sizes < 0)
+        if negative.size:
+            i = start + int(negative[0])
+            raise IndexedDatasetError(
+                f"{path}: sequence {i} has length {int(lengths[i])}; expected at least 0"
+            )
+        ends = end + np.cumsum(sizes * dtype.itemsize)
+        starts = np.concatenate(([end], ends[:-1]))
+        wrong = np.flatnonzero(pointers[start:stop] != starts)
+        if wrong.size:
+            i = int(wrong[0])
+            raise IndexedDatasetError(
+                f"{path}: sequence {start + i} starts at byte {int(pointers[start + i])} of the "
+                f".bin; expected {int(starts[i])}, where the sequence before it ends"
+            )
+        end = int(ends[-1])
+    if end != bin_size:
+        raise IndexedDatasetError(
+            f"{bin_path(path.removesuffix('.idx'))}: {bin_size} bytes, but the .idx lists "
+            f"sequences of {dtype} ending at byte {end} (truncated or mismatched pair)"
+        )
+    _check_document_indices(path, document_indices, lengths.size)
+
+
+def _check_document_indices(path: str, documents: np.ndarray, count: int) -> None:
+    if documents.size == 0 or documents[0] != 0 or documents[-1] != count:
+        found = [int(documents[0]), int(documents[-1])] if documents.size else "none"
+        raise IndexedDatasetError(
+            f"{path}: document indices must run from 0 to the sequence count {count}, found {found}"
+        )
+    for start, stop in _chunks(documents.size - 1):
+        falling = np.flatnonzero(np.diff(documents[start : stop + 1]) < 0)
+        if falling.size:
+            i = start + int(falling[0]) + 1
+            raise IndexedDatasetError(
+                f"{path}: document index {i} is {int(documents[i])}, below the one before it "
+                f"({int(documents[i - 1])}); expected a non-decreasing list"
+            )
 
 
 def _parse_header(path: str, index: np.ndarray) -> tuple[np.dtype, int, int, int]:
