@@ -7,11 +7,14 @@ first: tokenizer id, dtype and the sha256 of every file.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from preprocessing.storage import atomic_write_json, join, read_json
+from preprocessing import safe_read
+from preprocessing.storage import atomic_write_json, is_local, join
+from training.errors import MegalithError
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "megalith-shards"
@@ -20,38 +23,56 @@ MANIFEST_VERSION = 1
 # indexed dataset of the same documents: ``shard-XXXXX.mask.bin/.idx``, listed in the
 # shard's ``files`` (so hashed, checked and downloaded like the tokens).
 MASK_SUFFIX = ".mask"
+# Token dtypes a shard may hold (indexed-dataset integer codes).
+TokenDtype = Literal["uint8", "int8", "int16", "uint16", "int32", "int64"]
+Count = Field(ge=0)
+
+
+class ManifestError(MegalithError, ValueError):
+    """A manifest.json that is not JSON, not a manifest, or names files outside its folder."""
 
 
 class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "bytes": "123" is an error, not 123 (a manifest is written by us, as numbers)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TokenizerInfo(_Record):
     id: str = Field(description="sha256 of the SentencePiece .model file")
     path: str
-    vocab_size: int
-    padded_vocab_size: int
-    eod_id: int
-    pad_id: int | None = None
+    vocab_size: int = Field(ge=1)
+    padded_vocab_size: int = Field(ge=1)
+    eod_id: int = Field(ge=0)
+    pad_id: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _ids_inside(self) -> TokenizerInfo:
+        if self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"padded_vocab_size is below vocab_size {self.vocab_size}")
+        for key in ("eod_id", "pad_id"):
+            value = getattr(self, key)
+            if value is not None and value >= self.vocab_size:
+                raise ValueError(f"{key} {value} is outside the vocabulary of {self.vocab_size}")
+        return self
 
 
 class FileInfo(_Record):
     sha256: str
-    bytes: int
+    bytes: int = Count
 
 
 class ShardInfo(_Record):
     name: str
-    documents: int
-    tokens: int
+    documents: int = Count
+    tokens: int = Count
     files: dict[str, FileInfo]
 
 
 class InputInfo(_Record):
     url: str
-    bytes: int
-    documents: int = 0
-    rejected: int = 0
+    bytes: int = Count
+    documents: int = Field(default=0, ge=0)
+    rejected: int = Field(default=0, ge=0)
 
 
 class RejectedRecords(_Record):
@@ -66,11 +87,11 @@ class Manifest(_Record):
     created_at: str
     megalith_version: str
     tokenizer: TokenizerInfo
-    dtype: str
+    dtype: TokenDtype
     append_eod: bool
     data_format: Literal["pretrain", "chat"] = "pretrain"
-    documents: int
-    tokens: int
+    documents: int = Count
+    tokens: int = Count
     shards: list[ShardInfo]
     inputs: list[InputInfo]
     rejected: RejectedRecords
@@ -79,32 +100,82 @@ class Manifest(_Record):
     def shard_prefixes(self, root: str) -> list[str]:
         return [join(root, shard.name) for shard in self.shards]
 
+    def file_names(self) -> list[str]:
+        return [name for shard in self.shards for name in shard.files]
+
 
 def manifest_url(root: str) -> str:
     return join(root, MANIFEST_NAME)
 
 
 def read_manifest(root: str, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """The manifest of the shard set at ``root``, checked whole: JSON within the shared
+    limits, every field typed, every file name a plain name inside ``root`` (and, for a
+    local folder, no symlink leading out of it). Errors are :class:`ManifestError`."""
     url = manifest_url(root)
+    local = root.removeprefix("file://") if is_local(root) else None
+    if local is not None:
+        check_confined(local, [MANIFEST_NAME])
     try:
-        raw = read_json(url, storage_options)
+        raw = safe_read.read_json(url, storage_options=storage_options, expect=dict)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"{url} not found: {root} is not a prepared shard set (run `megalith data prepare`)"
         ) from None
-    if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{url}: not a Megalith shard manifest (format != {MANIFEST_FORMAT!r})")
+    except safe_read.UnsafeFileError as exc:
+        raise ManifestError(str(exc)) from None
+    if raw.get("format") != MANIFEST_FORMAT:
+        raise ManifestError(f"{url}: not a Megalith shard manifest (format != {MANIFEST_FORMAT!r})")
     if raw.get("version") != MANIFEST_VERSION:
-        raise ValueError(
-            f"{url}: manifest version {raw.get('version')} is not supported "
+        raise ManifestError(
+            f"{url}: manifest version {raw.get('version')!r:.40} is not supported "
             f"(this Megalith reads version {MANIFEST_VERSION})"
         )
     try:
-        return Manifest.model_validate(raw)
+        manifest = Manifest.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"{url}: {key}: {first['msg']}") from None
+        key = ".".join(str(p) for p in first["loc"]) or "manifest"
+        raise ManifestError(f"{url}: {key}: {first['msg']}") from None
+    check_file_names(manifest, url)
+    if local is not None:
+        check_confined(local, manifest.file_names())
+    return manifest
+
+
+def check_file_names(manifest: Manifest, source: str) -> None:
+    """Shard names are plain, distinct names, and each shard lists exactly its own files:
+    ``NAME.bin`` and ``NAME.idx`` (and the mask pair for a chat shard set)."""
+    seen: set[str] = set()
+    for index, shard in enumerate(manifest.shards):
+        name = safe_read.confined_name(shard.name, source, f"shards.{index}.name")
+        if name in seen:
+            raise ManifestError(f"{source}: shard {name!r} is listed twice")
+        seen.add(name)
+        expected = shard_file_names(name, manifest.data_format == "chat")
+        if set(shard.files) != expected:
+            raise ManifestError(
+                f"{source}: shards.{index}.files lists {sorted(shard.files)}; "
+                f"expected {sorted(expected)}"
+            )
+
+
+def shard_file_names(name: str, chat: bool) -> set[str]:
+    prefixes = [name, name + MASK_SUFFIX] if chat else [name]
+    return {f"{prefix}{suffix}" for prefix in prefixes for suffix in (".bin", ".idx")}
+
+
+def check_confined(folder: str, names: list[str]) -> None:
+    """Each of ``names`` in the local ``folder`` that exists resolves inside it: a symlink
+    may point elsewhere in the folder, never out of it."""
+    top = os.path.realpath(folder)
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.islink(path) and os.path.dirname(os.path.realpath(path)) != top:
+            raise ManifestError(
+                f"{path}: a symbolic link to {os.path.realpath(path)}, outside the shard "
+                f"folder {folder}; copy the file in instead"
+            )
 
 
 def write_manifest(
