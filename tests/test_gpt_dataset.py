@@ -35,6 +35,7 @@ SEQ = 8
 DOC_STRIDE = (
     1000  # token = DOC_STRIDE * global document id + position: every token names its document
 )
+VOCAB = 1 << 24  # holds every id above (training checks ids against the vocabulary)
 
 
 def make_documents(count: int, seed: int, first_id: int = 0, max_len: int = 40) -> list[np.ndarray]:
@@ -72,7 +73,7 @@ def write_shard_set(
         created_at="2026-01-01T00:00:00+00:00",
         megalith_version="test",
         tokenizer=TokenizerInfo(
-            id=tokenizer_id, path="tok.model", vocab_size=1000, padded_vocab_size=1024, eod_id=0
+            id=tokenizer_id, path="tok.model", vocab_size=VOCAB, padded_vocab_size=VOCAB, eod_id=0
         ),
         dtype="int32",
         append_eod=True,

@@ -29,7 +29,19 @@ HASH_CHUNK = 8 << 20
 
 
 class ShardSetError(MegalithError):
-    """A shard set whose files do not match its manifest."""
+    """A shard set whose files do not match its manifest.
+
+    Raised in DataLoader workers too, whose error torch re-raises in the training process
+    as ``ShardSetError("Caught ShardSetError in DataLoader worker process 0. Original
+    Traceback ...")``: the message keeps only the worker's own last line, so the user sees
+    one line, not a traceback.
+    """
+
+    def __init__(self, message: str) -> None:
+        marker = f"{type(self).__name__}: "
+        if message.startswith("Caught ") and "\nOriginal Traceback" in message:
+            message = message.rstrip().rsplit(marker, 1)[-1]
+        super().__init__(message)
 
 
 def default_cache_root() -> Path:
@@ -72,10 +84,27 @@ class ShardSet:
         return shard_set_fingerprint(self.manifest)
 
     def document_tokens(self, document: int, start: int, stop: int) -> np.ndarray:
-        """Tokens ``[start, stop)`` of a document (numbered across the whole set)."""
+        """Tokens ``[start, stop)`` of a document (numbered across the whole set).
+
+        Every id is checked against the vocabulary here, on the tokens a sample takes (a
+        min and a max over at most a sample: nothing beside a training step), so an id
+        that would index past the embedding fails naming the shard and the document.
+        Checking whole shards at open would read every shard on every rank before the
+        first step; ``megalith data verify`` does that once, offline.
+        """
         shard = int(np.searchsorted(self._first_document, document, side="right")) - 1
-        base = int(self._document_starts[shard][document - self._first_document[shard]])
-        return self.readers[shard].tokens[base + start : base + stop]
+        local = document - int(self._first_document[shard])
+        base = int(self._document_starts[shard][local])
+        tokens = self.readers[shard].tokens[base + start : base + stop]
+        vocab = self.manifest.tokenizer.vocab_size
+        if tokens.size and (tokens.max() >= vocab or tokens.min() < 0):
+            bad = tokens[(tokens >= vocab) | (tokens < 0)][0]
+            raise ShardSetError(
+                f"{join(self.root, self.manifest.shards[shard].name)}: document {local} holds "
+                f"token id {bad}, outside the vocabulary of {vocab} ids in the manifest "
+                "(run `megalith data verify` on the shard set)"
+            )
+        return tokens
 
     def document_loss_mask(self, document: int, start: int, stop: int) -> np.ndarray:
         """Loss mask ``[start, stop)`` of a chat document (1 on assistant tokens)."""
