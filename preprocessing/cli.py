@@ -181,10 +181,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from preprocessing.tokenizer import load_tokenizer
     from preprocessing.verify import decode_samples, describe_shard_set
 
-    try:
-        manifest = read_manifest(args.path)
-    except ValueError as exc:  # not JSON, not a manifest, unsupported version
-        raise MegalithError(str(exc)) from None
+    manifest = read_manifest(args.path)  # a ManifestError names the file and key
     if args.json:
         print(json.dumps(manifest.model_dump(mode="json"), indent=2))
         return 0

@@ -6,7 +6,9 @@ import os
 import tempfile
 from typing import Any
 
-from preprocessing.indexed_dataset import IndexedDatasetReader
+import numpy as np
+
+from preprocessing.indexed_dataset import IndexedDatasetError, IndexedDatasetReader
 from preprocessing.manifest import MASK_SUFFIX, Manifest, ShardInfo, read_manifest
 from preprocessing.storage import filesystem, is_local, join, sha256_of_file
 from preprocessing.tokenizer import Tokenizer
@@ -23,10 +25,10 @@ def verify_shard_set(root: str, storage_options: dict[str, Any] | None = None) -
         file_problems = _verify_files(root, shard.files, storage_options)
         problems += file_problems
         if not file_problems and is_local(root):
-            problems += _verify_index(root, shard.name, shard.documents, shard.tokens)
-            if manifest.data_format == "chat":  # the loss mask covers the same tokens
-                mask = shard.name + MASK_SUFFIX
-                problems += _verify_index(root, mask, shard.documents, shard.tokens)
+            vocab = manifest.tokenizer.vocab_size
+            problems += _verify_index(root, shard, shard.name, manifest.dtype, vocab)
+            if manifest.data_format == "chat":  # the loss mask covers the same tokens, 0 or 1
+                problems += _verify_index(root, shard, shard.name + MASK_SUFFIX, "uint8", 2)
     totals = (sum(s.documents for s in manifest.shards), sum(s.tokens for s in manifest.shards))
     if totals != (manifest.documents, manifest.tokens):
         problems.append(
@@ -56,16 +58,29 @@ def _verify_files(root: str, files: dict, storage_options) -> list[str]:
     return problems
 
 
-def _verify_index(root: str, name: str, documents: int, tokens: int) -> list[str]:
+def _verify_index(root: str, shard: ShardInfo, name: str, dtype: str, limit: int) -> list[str]:
+    """The .idx checked whole against its .bin, the counts and dtype against the manifest,
+    and every value (token id, or mask value) below ``limit``."""
     prefix = join(root, name).removeprefix("file://")
     try:
         reader = IndexedDatasetReader(prefix)
-    except Exception as exc:  # noqa: BLE001 - any defect in the files is a finding here
-        return [f"{prefix}: {exc}"]
-    found = (reader.num_documents, int(reader.sequence_lengths.sum()))
-    if found != (documents, tokens):
+    except IndexedDatasetError as exc:
+        return [str(exc)]
+    if reader.dtype != np.dtype(dtype):
+        return [f"{prefix}.idx: holds {reader.dtype}, manifest says {dtype}"]
+    found = (reader.num_documents, reader.num_tokens)
+    if found != (shard.documents, shard.tokens):
         return [
-            f"{prefix}: holds {found[0]} documents / {found[1]} tokens, manifest says {documents} / {tokens}"
+            f"{prefix}: holds {found[0]} documents / {found[1]} tokens, "
+            f"manifest says {shard.documents} / {shard.tokens}"
+        ]
+    outside = reader.first_token_outside(limit)
+    if outside is not None:
+        document, value = outside
+        what = "token id" if name == shard.name else "loss-mask value"
+        return [
+            f"{prefix}.bin: document {document} holds {what} {value}; expected below {limit}"
+            + (" (the vocabulary size in the manifest)" if name == shard.name else "")
         ]
     return []
 
@@ -120,7 +135,14 @@ def decode_samples(
     with tempfile.TemporaryDirectory(prefix="megalith-inspect-") as tmp:
         reader = _open_first_documents(root, manifest.shards[0], count, tmp, storage_options)
         for index in range(min(count, len(reader))):
-            text = tokenizer.decode(reader[index].tolist())
+            ids = reader[index]
+            if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+                raise IndexedDatasetError(
+                    f"{join(root, manifest.shards[0].name)}.bin: document {index} holds a token "
+                    f"id outside the tokenizer's {tokenizer.vocab_size} ids "
+                    "(run `megalith data verify`)"
+                )
+            text = tokenizer.decode(ids.tolist())
             texts.append(text if len(text) <= max_chars else text[:max_chars] + " …")
     return texts
 
