@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+from preprocessing import safe_read
 from preprocessing.corpus import Corpus, train_tokenizer_on_corpus
 from preprocessing.prepare import PrepareReport, input_fingerprint, prepare_dataset
-from preprocessing.storage import atomic_write_json, join, read_json
+from preprocessing.storage import atomic_write_json, join
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from training.config import ConfigError, MegalithConfig
 from training.errors import MegalithError
@@ -34,7 +35,7 @@ def ensure_tokenizer(config: MegalithConfig) -> Tokenizer:
     }
     record_url = f"{prefix}.train.json"
     try:
-        record = read_json(record_url, options)
+        record = safe_read.read_json(record_url, storage_options=options, expect=dict)
         if record.get("key") == key:
             tokenizer = load_tokenizer(f"{prefix}.model", settings.pad_vocab_multiple, options)
             if tokenizer.id == record.get("id"):
