@@ -222,7 +222,7 @@ TAMPERING: list[tuple[Callable[[Path, Path], None], str]] = [
     (remove_state_json, r"state\.json: missing"),
     (remove_index_json, r"index\.json is missing"),
     (unlist_model_from_index, r"index\.json: does not list model\.safetensors"),
-    (name_a_file_outside, r"index\.json: file name '\.\./x' is not a plain name"),
+    (name_a_file_outside, r"index\.json: file '\.\./x' is not a plain file name"),
     (symlink_a_file, r"rng\.safetensors: a symbolic link"),
 ]
 
@@ -254,7 +254,7 @@ def test_tampered_checkpoint_is_refused_naming_the_file(
     ("pointer", "message"),
     [
         ("{not json", r"latest\.json: not a valid pointer"),
-        ('{"step": 1, "path": "../step-00000001"}', r"is not a plain name"),
+        ('{"step": 1, "path": "../step-00000001"}', r"is not a plain file name"),
         ('{"step": 9, "path": "step-00000009"}', r"step-00000009, which does not exist"),
     ],
 )

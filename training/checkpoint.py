@@ -12,12 +12,23 @@ Layout of one checkpoint (``CHECKPOINTS/step-00000100/``)::
 It is written into ``step-00000100.tmp/`` and renamed when complete, then
 ``latest.json`` is replaced atomically. Loading checks every file against
 ``index.json`` before reading it.
+
+One trust path for every loader (training resume, fine-tuning bases, conversion,
+``ckpt verify``): index.json is read once, bounded and never through a symbolic link or
+a device, its signature is checked over those very bytes, then every listed file's size
+and sha256; JSON files (state.json) are parsed from the bytes that were hashed
+(:func:`read_verified_json`). A checkpoint's identity is its step, held in the signed
+index and the hashed state.json: a ``step-N`` folder whose content says another step
+(an older checkpoint copied or renamed over a newer one) is refused
+(:func:`check_step`), as is a ``latest.json`` whose step and folder disagree.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -28,15 +39,24 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from preprocessing import safe_read
 from preprocessing.storage import atomic_write_json, sha256_of_file
 from training.errors import MegalithError
 from training.safe_tensors import UnsafeTensorFileError, check_safetensors
-from training.signing import SignatureError, check_signature, should_sign, sign_directory
+from training.signing import (
+    SignatureError,
+    check_signature_bytes,
+    read_signature,
+    should_sign,
+    sign_directory,
+)
 
 INDEX_FORMAT = "megalith-checkpoint"
 INDEX_VERSION = 1
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors")
 MAX_INDEX_BYTES = 256 << 20
+MAX_STATE_BYTES = 64 << 20  # step, config, optimizer hyper-parameters, RNG: a few hundred KB
+_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 class CheckpointError(MegalithError):
@@ -87,7 +107,7 @@ def save_checkpoint(
         "rng": _rng_json(),
     }
     (staging / "state.json").write_text(json.dumps(record, indent=2))
-    _write_index(staging, tensors)
+    _write_index(staging, tensors, step)
     if should_sign(sign):
         sign_directory(staging, "index.json")
 
@@ -151,13 +171,14 @@ def _rng_json() -> dict[str, Any]:
     }
 
 
-def _write_index(directory: Path, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+def _write_index(directory: Path, tensors: dict[str, dict[str, torch.Tensor]], step: int) -> None:
     files = {}
     for path in sorted(directory.iterdir()):
         files[path.name] = {"sha256": sha256_of_file(str(path)), "bytes": path.stat().st_size}
     index = {
         "format": INDEX_FORMAT,
         "version": INDEX_VERSION,
+        "step": step,  # the identity the signature covers (older indexes: state.json's)
         "files": files,
         "tensors": {
             file: {
@@ -192,78 +213,194 @@ def _prune(root: Path, step: int, keep_last: int) -> None:
 def latest_checkpoint(root: str | Path) -> Path | None:
     root = Path(root)
     pointer = root / "latest.json"
-    if not pointer.exists():
+    if not pointer.exists() and not pointer.is_symlink():
         return _newest_complete(root)
-    try:
-        name = json.loads(pointer.read_text())["path"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise CheckpointError(f"{pointer}: not a valid pointer to the latest checkpoint") from None
-    path = root / _safe_name(name, pointer)
+    path = root / read_latest_pointer(pointer)[1]
+    if path.is_symlink():
+        raise CheckpointError(f"{pointer} points to {path}, a symbolic link; expected a folder")
     if not path.is_dir():
         raise CheckpointError(f"{pointer} points to {path}, which does not exist")
     return path
 
 
+def read_latest_pointer(pointer: str | Path, data: bytes | None = None) -> tuple[int, str]:
+    """``(step, folder name)`` of a ``latest.json`` (read here unless its ``data`` is
+    given), refused unless the name is ``step-N`` of that very step."""
+    try:
+        if data is None:
+            data = safe_read.read_bytes_bounded(pointer, 64 << 10, allow_symlink=False)
+        record = safe_read.loads_json(data, str(pointer))
+        step = safe_read.field(record, "step", int, str(pointer), minimum=0)
+        name = safe_read.confined_name(record.get("path"), str(pointer), "path")
+    except safe_read.UnsafeFileError as exc:
+        raise CheckpointError(
+            f"{pointer}: not a valid pointer to the latest checkpoint ({exc})"
+        ) from None
+    if name != step_dir_name(step):
+        raise CheckpointError(
+            f"{pointer}: step {step} but path {name!r}; expected {step_dir_name(step)!r} "
+            "(the pointer was edited, or an older checkpoint renamed)"
+        )
+    return step, name
+
+
 def _newest_complete(root: Path) -> Path | None:
     """A kill between renaming a checkpoint into place and writing latest.json leaves
     no pointer: fall back to the newest complete step directory (one with an index)."""
-    complete = [p for p in root.glob("step-*") if p.is_dir() and (p / "index.json").is_file()]
+    complete = [
+        p
+        for p in root.glob("step-*")
+        if not p.is_symlink() and p.is_dir() and (p / "index.json").is_file()
+    ]
     complete = [p for p in complete if p.name.removeprefix("step-").isdigit()]
     return max(complete, key=lambda p: int(p.name.removeprefix("step-")), default=None)
 
 
 def verify_checkpoint(path: str | Path, require_signature: bool = False) -> dict[str, Any]:
     """Check the signature (when required or present and the key is set), then every
-    file against index.json; returns the index."""
+    file against index.json and the step against the folder's name; returns the index."""
+    return verify_checkpoint_state(path, require_signature)[0]
+
+
+def verify_checkpoint_state(
+    path: str | Path, require_signature: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`verify_checkpoint`, also returning state.json parsed from its hashed bytes."""
     path = Path(path)
+    index = read_signed_index(path, require_signature)
+    index_path = path / "index.json"
+    _check_index_tables(index, index_path)
+    for name, expected in index["files"].items():
+        _check_file(path / name, expected)
+    for required in (*TENSOR_FILES, "state.json"):
+        if required not in index["files"]:
+            raise CheckpointError(f"{index_path}: does not list {required}")
+    state = read_verified_json(path / "state.json", index)
+    step = state.get("step")
+    if "step" in index and index["step"] != step:
+        raise CheckpointError(
+            f"{path}: index.json says step {index['step']!r}, state.json {step!r}"
+        )
+    check_step(path, step)
+    return index, state
+
+
+def read_signed_index(path: Path, require_signature: bool) -> dict[str, Any]:
+    """index.json's bytes, read once (bounded, a regular file, no symbolic link), their
+    signature checked, then parsed: the bytes checked are the bytes used."""
     index_path = path / "index.json"
     try:
-        check_signature(path, "index.json", required=require_signature)
-    except SignatureError as exc:
-        raise CheckpointError(str(exc)) from None
-    if index_path.is_symlink():
-        raise CheckpointError(
-            f"{index_path}: a symbolic link; checkpoint files must be regular files"
-        )
-    if index_path.is_file() and index_path.stat().st_size > MAX_INDEX_BYTES:
-        raise CheckpointError(f"{index_path}: larger than {MAX_INDEX_BYTES} bytes")
-    try:
-        index = json.loads(index_path.read_text())
+        data = safe_read.read_bytes_bounded(index_path, MAX_INDEX_BYTES, allow_symlink=False)
     except FileNotFoundError:
         raise CheckpointError(
             f"{index_path} is missing: {path} is not a complete checkpoint"
         ) from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{index_path}: not valid JSON ({exc.msg})") from None
+    except safe_read.UnsafeFileError as exc:
+        raise CheckpointError(str(exc)) from None
+    try:
+        check_signature_bytes(
+            read_signature(path),
+            "index.json",
+            data,
+            require_signature,
+            str(path / "signature.json"),
+        )
+        index = safe_read.loads_json(data, str(index_path))
+    except (SignatureError, safe_read.UnsafeFileError) as exc:
+        raise CheckpointError(str(exc)) from None
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{index_path}: expected a JSON object at the top")
+    return index
+
+
+def _check_index_tables(index: dict[str, Any], index_path: Path) -> None:
+    """v1's ``files`` and ``tensors`` tables are of the shapes the loaders index into."""
     if index.get("format") != INDEX_FORMAT or index.get("version") != INDEX_VERSION:
         raise CheckpointError(
             f"{index_path}: not a Megalith checkpoint index (version {INDEX_VERSION})"
         )
-    files = index.get("files")
-    if not isinstance(files, dict) or not isinstance(index.get("tensors"), dict):
+    files, tensors = index.get("files"), index.get("tensors")
+    if not isinstance(files, dict) or not isinstance(tensors, dict):
         raise CheckpointError(f"{index_path}: has no 'files' and 'tensors' tables")
     for name, expected in files.items():
-        file = path / _safe_name(name, index_path)
-        if file.is_symlink():
+        _safe_name(name, index_path)
+        check_file_entry(expected, f"{index_path}: files[{name!r}]")
+    for file, content in tensors.items():
+        _safe_name(file, index_path)
+        if not isinstance(content, dict):
+            raise CheckpointError(f"{index_path}: tensors[{file!r}] is not an object")
+        for name, meta in content.items():
+            shape = meta.get("shape") if isinstance(meta, dict) else None
+            if (
+                not isinstance(shape, list)
+                or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
+                or not isinstance(meta.get("dtype"), str)
+            ):
+                raise CheckpointError(
+                    f"{index_path}: tensor {name!r} of {file}: expected a 'shape' list of "
+                    "integers and a 'dtype' string"
+                )
+
+
+def check_file_entry(entry: Any, where: str) -> None:
+    """One ``files`` entry: ``{"bytes": int >= 0, "sha256": 64 hex digits}``."""
+    try:
+        safe_read.field(entry, "bytes", int, where, minimum=0)
+        digest = safe_read.field(entry, "sha256", str, where)
+    except safe_read.UnsafeFileError as exc:
+        raise CheckpointError(str(exc)) from None
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise CheckpointError(f"{where}: 'sha256' is not 64 lowercase hex digits")
+
+
+def _check_file(file: Path, expected: dict[str, Any]) -> None:
+    if file.is_symlink():
+        raise CheckpointError(f"{file}: a symbolic link; checkpoint files must be regular files")
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing (listed in index.json)")
+    if file.stat().st_size != expected["bytes"]:
+        raise CheckpointError(
+            f"{file}: {file.stat().st_size} bytes, index.json says {expected['bytes']}"
+        )
+    if sha256_of_file(str(file)) != expected["sha256"]:
+        raise CheckpointError(f"{file}: sha256 does not match index.json (modified or corrupted)")
+
+
+def read_verified_json(file: Path, index: dict[str, Any]) -> dict[str, Any]:
+    """A JSON object file of a checkpoint, parsed from bytes whose size and sha256 match
+    the index: read at most the listed size (never a symlink or a device), then hashed."""
+    expected = index["files"].get(file.name)
+    if expected is None:
+        raise CheckpointError(f"{file}: not listed in index.json")
+    limit = min(expected["bytes"], MAX_STATE_BYTES)
+    try:
+        data = safe_read.read_bytes_bounded(file, limit, allow_symlink=False)
+        if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
             raise CheckpointError(
-                f"{file}: a symbolic link; checkpoint files must be regular files"
+                f"{file}: size or sha256 does not match index.json (modified or corrupted)"
             )
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing (listed in index.json)")
-        if not isinstance(expected, dict) or not {"bytes", "sha256"} <= expected.keys():
-            raise CheckpointError(f"{index_path}: entry for {name} lacks 'bytes' and 'sha256'")
-        if file.stat().st_size != expected["bytes"]:
-            raise CheckpointError(
-                f"{file}: {file.stat().st_size} bytes, index.json says {expected['bytes']}"
-            )
-        if sha256_of_file(str(file)) != expected["sha256"]:
-            raise CheckpointError(
-                f"{file}: sha256 does not match index.json (modified or corrupted)"
-            )
-    for required in (*TENSOR_FILES, "state.json"):
-        if required not in files:
-            raise CheckpointError(f"{index_path}: does not list {required}")
-    return index
+        value = safe_read.loads_json(data, str(file))
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing (listed in index.json)") from None
+    except safe_read.UnsafeFileError as exc:
+        raise CheckpointError(str(exc)) from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: expected a JSON object")
+    return value
+
+
+def check_step(path: str | Path, step: Any) -> None:
+    """A checkpoint in a ``step-N`` folder must hold step N (its signed identity): a
+    mismatch is an older checkpoint copied or renamed over a newer one."""
+    name = str(path).rstrip("/").rsplit("/", 1)[-1]
+    match = _STEP_DIR.fullmatch(name)
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise CheckpointError(f"{path}: its index and state.json name no integer step")
+    if match and int(match.group(1)) != step:
+        raise CheckpointError(
+            f"{path}: holds step {step}, but its folder names step {int(match.group(1))}: "
+            "an older checkpoint was copied or renamed over this one; refusing it"
+        )
 
 
 def load_checkpoint(
@@ -282,8 +419,7 @@ def load_checkpoint(
     parameter or one of its optimizer moments), for a model split by tensor parallelism.
     """
     path = Path(path)
-    index = verify_checkpoint(path, require_signature=require_signature)
-    state = json.loads((path / "state.json").read_text())
+    index, state = verify_checkpoint_state(path, require_signature=require_signature)
     model_tensors = read_checkpoint_tensors(path / "model.safetensors", index)
     if shard is not None:
         model_tensors = {name: shard(name, t) for name, t in model_tensors.items()}
@@ -435,8 +571,7 @@ def restore_rng_state(tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -
 
 
 def _safe_name(name: str, source: Path) -> str:
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
-        raise CheckpointError(
-            f"{source}: file name {name!r} is not a plain name inside the checkpoint"
-        )
-    return name
+    try:
+        return safe_read.confined_name(name, str(source))
+    except safe_read.UnsafeFileError as exc:
+        raise CheckpointError(str(exc)) from None
