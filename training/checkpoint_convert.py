@@ -11,26 +11,25 @@ there, so no offline "split" is needed.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from training.async_checkpoint import Checkpointer
-from training.checkpoint import CheckpointError, read_checkpoint_tensors, verify_checkpoint
+from training.checkpoint import CheckpointError, read_checkpoint_tensors, verify_checkpoint_state
 from training.parallel.groups import single_process_state
 from training.parallel.shard_specs import OPTIMIZER_PREFIX
 from training.sharded_checkpoint import (
-    STATE,
     ShardReader,
     Snapshot,
-    _check_index,
     _dtype_name,
     index_layout,
     is_sharded,
+    open_index,
     rank_file,
     read_index,
+    read_state,
     read_whole,
 )
 from training.signing import should_sign
@@ -49,9 +48,8 @@ def consolidate(
     key is set (always with ``require_signature``), so a tampered checkpoint is never
     re-signed here. OUT_ROOT must hold no incomplete save (the commit would prune it)."""
     _check_out_root(Path(source), Path(out_root))
-    index = read_index(source, require_signature=require_signature)
-    if is_sharded(index):
-        _check_index(index, f"{source}/index.json")
+    if is_sharded(read_index(source)):
+        index = open_index(source, require_signature=require_signature)
         tensors, state = _v2_tensors_and_state(source, index)
     else:
         tensors, state = _v1_tensors_and_state(Path(source), require_signature)
@@ -102,7 +100,7 @@ def _v2_tensors_and_state(
     reader = ShardReader(source, index)
     try:
         tensors = {name: read_whole(reader, name) for name in index["tensors"]}
-        return tensors, json.loads(Path(reader.verified(STATE)).read_bytes())
+        return tensors, read_state(reader)
     finally:
         reader.close()
 
@@ -111,12 +109,11 @@ def _v1_tensors_and_state(
     source: Path, require_signature: bool
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """v1's whole tensors under v2's global names, and its state with v2's RNG record."""
-    index = verify_checkpoint(source, require_signature)
+    index, state = verify_checkpoint_state(source, require_signature)
     read = lambda name: read_checkpoint_tensors(source / name, index)  # noqa: E731
     tensors = dict(read("model.safetensors"))
     for key, tensor in read("optimizer.safetensors").items():
         tensors[f"{OPTIMIZER_PREFIX}{key}"] = tensor
-    state = json.loads((source / "state.json").read_text())
     rng = read("rng.safetensors")
     state["rng"] = {
         **state["rng"],

@@ -64,14 +64,20 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from preprocessing import safe_read
 from preprocessing.storage import atomic_write_bytes, filesystem, is_local, join
 from training.checkpoint import (
     CheckpointError,
     _is_persistent,
     _safe_name,
+    check_file_entry,
+    check_step,
     optimizer_group_indices,
+    read_checkpoint_tensors,
+    read_latest_pointer,
     restore_rng_state,
     step_dir_name,
+    verify_checkpoint_state,
 )
 from training.parallel.groups import ParallelState
 from training.parallel.shard_specs import (
@@ -135,15 +141,12 @@ MAX_JSON_BYTES = 256 << 20  # index.json of a very large sharded checkpoint stay
 def _read_bytes(
     url: str, storage_options: dict | None = None, limit: int = MAX_JSON_BYTES
 ) -> bytes:
-    """A small file's bytes: at most LIMIT, never through a symbolic link."""
-    if is_local(url) and os.path.islink(url.removeprefix("file://")):
-        raise CheckpointError(f"{url}: a symbolic link; checkpoint files must be regular files")
-    fs, path = filesystem(url, storage_options)
-    with fs.open(path, "rb") as handle:
-        data = handle.read(limit + 1)
-    if len(data) > limit:
-        raise CheckpointError(f"{url}: larger than {limit} bytes, too large for a JSON record")
-    return data
+    """A small file's bytes: at most LIMIT, never through a symbolic link nor from a
+    device or pipe (a ``state.json`` linked to /dev/zero is refused, not read)."""
+    try:
+        return safe_read.read_bytes_bounded(url, limit, storage_options, allow_symlink=False)
+    except safe_read.UnsafeFileError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def remove_tree(url: str, storage_options: dict | None = None) -> None:
@@ -536,11 +539,16 @@ MAX_SHARDS = 1 << 16  # boxes of one tensor: far above any layout (TP · EP · F
 
 def check_cover(name: str, entry: dict[str, Any], where: Any) -> None:
     """The shards of a global tensor lie inside it, do not overlap and cover all of it."""
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: tensor {name} is not an object in index.json")
     shape = entry.get("shape")
     shards = entry.get("shards")
     if not isinstance(shape, list) or not isinstance(shards, list) or not shards:
         raise CheckpointError(f"{where}: tensor {name} has no shape or no shards in index.json")
-    if not all(isinstance(n, int) and n >= 0 for n in shape) or len(shards) > MAX_SHARDS:
+    if (
+        not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+        or len(shards) > MAX_SHARDS
+    ):
         raise CheckpointError(
             f"{where}: tensor {name}: shape {shape} is not a list of sizes, or it has more "
             f"than {MAX_SHARDS} shards"
@@ -577,17 +585,15 @@ def check_cover(name: str, entry: dict[str, Any], where: Any) -> None:
 
 def latest_sharded_checkpoint(root: str | Path, storage_options=None) -> str | None:
     """The checkpoint latest.json names, if committed (index.json present); else the
-    newest committed one (a kill between the commit and latest.json). v1 ones count too."""
+    newest committed one (a kill between the commit and latest.json). v1 ones count too.
+    A pointer whose step and folder disagree, or a step folder that is a symbolic link,
+    is refused."""
     root = str(root)
     pointer = _url(root, LATEST)
     if _exists(pointer, storage_options):
-        try:
-            name = json.loads(_read_bytes(pointer, storage_options))["path"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise CheckpointError(
-                f"{pointer}: not a valid pointer to the latest checkpoint"
-            ) from None
-        url = _url(root, _safe_name(name, Path(pointer)))
+        _, name = read_latest_pointer(pointer, _read_bytes(pointer, storage_options, 64 << 10))
+        url = _url(root, name)
+        _refuse_linked_step(url)
         if _exists(_url(url, INDEX), storage_options):
             return url
     complete = [
@@ -596,7 +602,18 @@ def latest_sharded_checkpoint(root: str | Path, storage_options=None) -> str | N
         if (number := _step_number(name)) is not None
         and _exists(_url(root, name, INDEX), storage_options)
     ]
-    return _url(root, max(complete)[1]) if complete else None
+    if not complete:
+        return None
+    url = _url(root, max(complete)[1])
+    _refuse_linked_step(url)
+    return url
+
+
+def _refuse_linked_step(url: str) -> None:
+    if is_local(url) and os.path.islink(url.removeprefix("file://")):
+        raise CheckpointError(
+            f"{url}: a symbolic link; checkpoint step folders must be real folders"
+        )
 
 
 def read_index(
@@ -605,7 +622,8 @@ def read_index(
     """index.json of a checkpoint (v1 or v2), parsed; a clear error when absent.
 
     ``require_signature`` (not None): the signature over these very bytes is checked
-    first (True: it must exist and match; False: checked when present and a key is set)."""
+    first (True: it must exist and match; False: checked when present and a key is set).
+    None only peeks at the format: loaders go through :func:`open_index`."""
     url = _url(str(path), INDEX)
     try:
         data = _read_bytes(url, storage_options)
@@ -614,11 +632,22 @@ def read_index(
     if require_signature is not None:
         _check_signature(str(path), data, require_signature, storage_options)
     try:
-        index = json.loads(data)
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{url}: not valid JSON ({exc.msg})") from None
+        index = safe_read.loads_json(data, url)
+    except safe_read.UnsafeFileError as exc:
+        raise CheckpointError(str(exc)) from None
     if not isinstance(index, dict):
         raise CheckpointError(f"{url}: not a checkpoint index")
+    return index
+
+
+def open_index(
+    path: str | Path, storage_options=None, require_signature: bool = False
+) -> dict[str, Any]:
+    """The v2 index every loader trusts: signature checked over the bytes parsed, every
+    table of the shape the loaders index into, the step that of the folder's name."""
+    index = read_index(path, storage_options, require_signature)
+    _check_index(index, _url(str(path), INDEX))
+    check_step(path, index["step"])
     return index
 
 
@@ -652,12 +681,22 @@ def _check_index(index: dict[str, Any], where: str) -> None:
         )
     if not isinstance(index.get("files"), dict) or not isinstance(index.get("tensors"), dict):
         raise CheckpointError(f"{where}: has no 'files' and 'tensors' tables")
+    step = index.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{where}: 'step' is {step!r}; expected a non-negative integer")
     for name, expected in index["files"].items():
         _safe_name(name, Path(where))
-        if not isinstance(expected, dict) or not {"bytes", "sha256"} <= expected.keys():
-            raise CheckpointError(f"{where}: entry for {name} lacks 'bytes' and 'sha256'")
+        check_file_entry(expected, f"{where}: files[{name!r}]")
     if STATE not in index["files"]:
         raise CheckpointError(f"{where}: does not list {STATE}")
+    for name, meta in index["tensors"].items():
+        check_cover(name, meta, where)
+        _dtype(meta.get("dtype"), name)
+        for shard in meta["shards"]:
+            if _safe_name(shard.get("file"), Path(where)) not in index["files"]:
+                raise CheckpointError(f"{where}: {name} names {shard['file']}, not listed")
+            if not isinstance(shard.get("key"), str):
+                raise CheckpointError(f"{where}: a shard of {name} has no 'key' string")
 
 
 class ShardReader:
@@ -711,6 +750,21 @@ class ShardReader:
         self._local[name] = local
         self.stats["files"].append(name)
         return local
+
+    def json(self, name: str) -> dict[str, Any]:
+        """A JSON object file of the checkpoint, parsed from its verified bytes."""
+        where = _url(self.root, name)
+        with open(self.verified(name), "rb") as handle:
+            data = handle.read(MAX_JSON_BYTES + 1)
+        try:
+            value = safe_read.loads_json(data, where)
+        except safe_read.UnsafeFileError as exc:
+            raise CheckpointError(str(exc)) from None
+        if not isinstance(value, dict) or len(data) > MAX_JSON_BYTES:
+            raise CheckpointError(
+                f"{where}: expected a JSON object of at most {MAX_JSON_BYTES} bytes"
+            )
+        return value
 
     def handle(self, name: str) -> Any:
         if name not in self._handles:
@@ -871,12 +925,10 @@ def load_sharded_checkpoint(
     ``stats`` (optional) receives the files this rank opened and the shards it read."""
     path = str(path)
     where = _url(path, INDEX)
-    index = read_index(path, storage_options, require_signature)
-    _check_index(index, where)
+    index = open_index(path, storage_options, require_signature)
     reader = ShardReader(path, index, storage_options)
     try:
-        with open(reader.verified(STATE), "rb") as handle:
-            state = json.loads(handle.read())
+        state = read_state(reader)
         reshard_fsdp(model)
         params = model_specs(model, parallel, owner_stage)
         named = dict(model.named_parameters())
@@ -931,22 +983,17 @@ def verify_sharded_checkpoint(
     path: str | Path, storage_options=None, require_signature: bool = False
 ) -> dict[str, Any]:
     """Check the signature (when present and a key is set, or required), every file of a
-    v2 checkpoint against index.json (size, sha256, bounded safetensors header) and every
-    tensor's shards (inside the shape, no overlap, full cover); returns the index."""
-    index = read_index(path, storage_options, require_signature)
-    where = _url(str(path), INDEX)
-    _check_index(index, where)
-    for name, meta in index["tensors"].items():
-        check_cover(name, meta, where)
-        for shard in meta["shards"]:
-            if shard.get("file") not in index["files"]:
-                raise CheckpointError(f"{where}: {name} names {shard.get('file')}, not listed")
+    v2 checkpoint against index.json (size, sha256, bounded safetensors header), every
+    tensor's shards (inside the shape, no overlap, full cover) and the step; returns the
+    index."""
+    index = open_index(path, storage_options, require_signature)
     reader = ShardReader(path, index, storage_options)
     try:
         for name in index["files"]:
             reader.verified(name)
             if name.endswith(".safetensors"):
                 reader.handle(name)  # header bounded and parsed
+        read_state(reader)
         for meta in index["tensors"].values():
             for shard in meta["shards"]:
                 reader.check_shard(shard, meta)
@@ -955,12 +1002,27 @@ def verify_sharded_checkpoint(
     return index
 
 
+def read_state(reader: ShardReader) -> dict[str, Any]:
+    """state.json from its verified bytes; its step must be the index's."""
+    state = reader.json(STATE)
+    if state.get("step") != reader.index["step"]:
+        raise CheckpointError(
+            f"{_url(reader.root, STATE)}: step {state.get('step')!r}, index.json says "
+            f"{reader.index['step']}"
+        )
+    return state
+
+
 def read_global_tensor(
-    path: str | Path, name: str, index: dict[str, Any] | None = None, storage_options=None
+    path: str | Path,
+    name: str,
+    index: dict[str, Any] | None = None,
+    storage_options=None,
+    require_signature: bool = False,
 ) -> torch.Tensor:
-    """The whole global tensor NAME of a v2 checkpoint, assembled from its shards."""
-    index = index or read_index(path, storage_options)
-    _check_index(index, _url(str(path), INDEX))
+    """The whole global tensor NAME of a v2 checkpoint, assembled from its shards.
+    ``index``: one :func:`open_index` already returned for PATH."""
+    index = index or open_index(path, storage_options, require_signature)
     reader = ShardReader(path, index, storage_options)
     try:
         return read_whole(reader, name)
@@ -968,15 +1030,35 @@ def read_global_tensor(
         reader.close()
 
 
-def read_global_tensors(path: str | Path, storage_options=None) -> dict[str, torch.Tensor]:
+def read_global_tensors(
+    path: str | Path, storage_options=None, require_signature: bool = False
+) -> dict[str, torch.Tensor]:
     """Every global tensor of a v2 checkpoint (tools, tests; each file verified once)."""
-    index = read_index(path, storage_options)
-    _check_index(index, _url(str(path), INDEX))
+    index = open_index(path, storage_options, require_signature)
     reader = ShardReader(path, index, storage_options)
     try:
         return {name: read_whole(reader, name) for name in index["tensors"]}
     finally:
         reader.close()
+
+
+def read_model_weights(
+    path: str | Path, require_signature: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The whole model tensors (no optimizer state, no buffers) and state.json of a v1 or
+    v2 checkpoint step folder, through the verified path of its format."""
+    if is_sharded(read_index(path)):
+        index = open_index(path, require_signature=require_signature)
+        reader = ShardReader(path, index)
+        try:
+            state = read_state(reader)
+            names = [n for n in index["tensors"] if not n.startswith(OPTIMIZER_PREFIX)]
+            return {name: read_whole(reader, name) for name in names}, state
+        finally:
+            reader.close()
+    index, state = verify_checkpoint_state(path, require_signature)
+    tensors = read_checkpoint_tensors(Path(path) / "model.safetensors", index)
+    return {n: t for n, t in tensors.items() if not n.startswith("buffer/")}, state
 
 
 def read_whole(reader: ShardReader, name: str) -> torch.Tensor:

@@ -80,7 +80,6 @@ Vary m (global_batch_size) to see the bubble fall as (p - 1) / (v · m).
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -102,7 +101,7 @@ from training.checkpoint import (
     optimizer_group_indices,
     read_checkpoint_tensors,
     restore_rng_state,
-    verify_checkpoint,
+    verify_checkpoint_state,
 )
 from training.config import MegalithConfig, ModelConfig
 from training.models import GPTModel, T5Model, build_model
@@ -543,8 +542,7 @@ class PipelineParallel:
         """Load this rank's part of a whole checkpoint (written at any layout) into the
         stage model and optimizer, and restore the RNG; returns state.json."""
         path = Path(path)
-        index = verify_checkpoint(path, self.config.checkpoint.require_signature)
-        saved = json.loads((path / "state.json").read_text())
+        index, saved = verify_checkpoint_state(path, self.config.checkpoint.require_signature)
         tensors = read_checkpoint_tensors(path / "model.safetensors", index)
 
         def mine(name: str, tensor: Tensor) -> Tensor:
