@@ -34,9 +34,11 @@ import torch
 from pydantic import ValidationError
 from torch import Tensor
 
+from preprocessing import safe_read
 from training.config import ConfigError, MegalithConfig, ModelConfig, format_validation_error
 from training.errors import MegalithError
 from training.finetune.lora import is_adapter_param, merge_tensors
+from training.sharded_checkpoint import latest_sharded_checkpoint, read_model_weights
 
 # Model keys that change how the model runs, not what its weights are: a recipe may set
 # them to other values than the base's.
@@ -95,14 +97,22 @@ def content_id(tensors: dict[str, Tensor]) -> str:
     return digest.hexdigest()
 
 
-def load_base(uri: str, *, tracking_uri: str | None = None, workdir: str | Path | None = None):
+def load_base(
+    uri: str,
+    *,
+    tracking_uri: str | None = None,
+    workdir: str | Path | None = None,
+    require_signature: bool = False,
+) -> BaseWeights:
     """Read ``finetune.base`` (see the module docstring) into a :class:`BaseWeights`.
 
     ``tracking_uri``: the MLflow store of ``models:/`` URIs; ``workdir``: where a
     registered model is downloaded or an HF directory imported (a new temporary
-    directory when None)."""
+    directory when None); ``require_signature`` (``checkpoint.require_signature``):
+    refuse an unsigned checkpoint or package base (a Hugging Face directory has no
+    manifest to sign, so it is refused too)."""
     if uri.startswith("models:/"):
-        return _registered(uri, tracking_uri, workdir)
+        return _registered(uri, tracking_uri, workdir, require_signature)
     path = Path(uri)
     if not path.is_dir():
         raise BaseModelError(
@@ -110,7 +120,7 @@ def load_base(uri: str, *, tracking_uri: str | None = None, workdir: str | Path 
             "checkpoint, a model package, a registered model or a Hugging Face directory"
         )
     if (path / "index.json").is_file() or (path / "latest.json").is_file() or _has_steps(path):
-        return _checkpoint(uri, path)
+        return _checkpoint(uri, path, require_signature)
     config_json = path / "config.json"
     if not config_json.is_file():
         raise BaseModelError(
@@ -118,7 +128,13 @@ def load_base(uri: str, *, tracking_uri: str | None = None, workdir: str | Path 
             "nor config.json (a model package or a Hugging Face directory)"
         )
     if _is_package(config_json):
-        return _package(uri, path, "package")
+        return _package(uri, path, "package", require_signature=require_signature)
+    if require_signature:
+        raise BaseModelError(
+            f"finetune.base {uri!r}: a Hugging Face directory carries no signature and "
+            "signatures are required (checkpoint.require_signature); import it into a "
+            "signed model package first (megalith import hf, with a signing key set)"
+        )
     return _hf(uri, path, workdir)
 
 
@@ -127,12 +143,13 @@ def _has_steps(path: Path) -> bool:
 
 
 def _is_package(config_json: Path) -> bool:
+    """Only to pick the reader: bounded, a regular file (the package reader hashes it)."""
     from training.models.package import PACKAGE_FORMAT
 
     try:
-        meta = json.loads(config_json.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BaseModelError(f"{config_json}: not valid JSON ({exc})") from None
+        meta = safe_read.read_json(config_json, max_bytes=1 << 20, allow_symlink=False)
+    except safe_read.UnsafeFileError as exc:
+        raise BaseModelError(str(exc)) from None
     return isinstance(meta, dict) and meta.get("format") == PACKAGE_FORMAT
 
 
@@ -142,11 +159,13 @@ def _package(
     kind: str,
     details: dict[str, str] | None = None,
     keep_tokenizer: bool = True,
+    require_signature: bool = False,
 ) -> BaseWeights:
     from preprocessing.storage import sha256_of_file
     from training.models.package import load_model_package, model_tensors
 
-    model, config, tokenizer = load_model_package(path)  # every file's sha256 checked
+    # every file's sha256 checked, the signature when required or present
+    model, config, tokenizer = load_model_package(path, require_signature=require_signature)
     tensors = model_tensors(model)
     return BaseWeights(
         uri=uri,
@@ -160,7 +179,9 @@ def _package(
     )
 
 
-def _registered(uri: str, tracking_uri: str | None, workdir: str | Path | None) -> BaseWeights:
+def _registered(
+    uri: str, tracking_uri: str | None, workdir: str | Path | None, require_signature: bool
+) -> BaseWeights:
     from registry.models import load_registered_model, resolve_model_version
     from registry.tracking import resolve_tracking_uri
 
@@ -170,7 +191,14 @@ def _registered(uri: str, tracking_uri: str | None, workdir: str | Path | None) 
     with _workdir(workdir) as root:
         pinned = f"models:/{name}/{version}"
         package = load_registered_model(pinned, root / "base", tracking_uri=tracking_uri)
-        return _package(uri, package, "registered", details, keep_tokenizer=workdir is not None)
+        return _package(
+            uri,
+            package,
+            "registered",
+            details,
+            keep_tokenizer=workdir is not None,
+            require_signature=require_signature,
+        )
 
 
 def _hf(uri: str, path: Path, workdir: str | Path | None) -> BaseWeights:
@@ -193,34 +221,15 @@ def _workdir(workdir: str | Path | None) -> Iterator[Path]:
         yield Path(tmp)
 
 
-def _checkpoint(uri: str, path: Path) -> BaseWeights:
-    from training.checkpoint import read_checkpoint_tensors, verify_checkpoint
-    from training.sharded_checkpoint import (
-        ShardReader,
-        is_sharded,
-        latest_sharded_checkpoint,
-        read_index,
-        read_whole,
-    )
-
+def _checkpoint(uri: str, path: Path, require_signature: bool) -> BaseWeights:
+    """Whole model weights through the checkpoint's verified path (signature, every file's
+    sha256, the step of the folder or of latest.json); state.json from its hashed bytes."""
     if not (path / "index.json").is_file():  # a checkpoints root: its latest step
         latest = latest_sharded_checkpoint(str(path))
         if latest is None:
             raise BaseModelError(f"finetune.base {uri!r}: no complete checkpoint in {path}")
         path = Path(latest)
-    index = read_index(str(path))
-    if is_sharded(index):
-        reader = ShardReader(str(path), index)
-        try:
-            names = [n for n in index["tensors"] if not n.startswith("optimizer/")]
-            tensors = {name: read_whole(reader, name) for name in names}
-        finally:
-            reader.close()
-    else:
-        index = verify_checkpoint(path)
-        tensors = read_checkpoint_tensors(path / "model.safetensors", index)
-        tensors = {n: t for n, t in tensors.items() if not n.startswith("buffer/")}
-    state = _checkpoint_state(path)
+    tensors, state = read_model_weights(path, require_signature)
     config = _model_config(state, path)
     if any(is_adapter_param(name) for name in tensors):
         lora = (state.get("config") or {}).get("finetune", {}).get("lora") or {}
@@ -229,18 +238,8 @@ def _checkpoint(uri: str, path: Path) -> BaseWeights:
                 f"{path}: holds LoRA adapters but state.json has no finetune.lora rank and alpha"
             )
         tensors = merge_tensors(tensors, lora["alpha"] / lora["rank"])
-    details = {"step": str(state.get("step", index.get("step", "")))}
+    details = {"step": str(state.get("step", ""))}
     return BaseWeights(uri, "checkpoint", config, tensors, content_id(tensors), details=details)
-
-
-def _checkpoint_state(path: Path) -> dict[str, Any]:
-    try:
-        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise BaseModelError(f"{path / 'state.json'}: cannot read ({exc})") from None
-    if not isinstance(state, dict):
-        raise BaseModelError(f"{path / 'state.json'}: not a JSON object")
-    return state
 
 
 def _model_config(state: dict[str, Any], path: Path) -> ModelConfig:

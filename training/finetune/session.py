@@ -64,7 +64,11 @@ class FineTune:
     def __init__(self, config: MegalithConfig, base: BaseWeights | None = None):
         self.config = config
         self.lora = config.finetune.lora
-        self.base = base or load_base(config.finetune.base, tracking_uri=_tracking_uri(config))
+        self.base = base or load_base(
+            config.finetune.base,
+            tracking_uri=_tracking_uri(config),
+            require_signature=config.checkpoint.require_signature,
+        )
         self.model_config = finetune_model_config(config, self.base.config)
         self._manifests = self._check_data()
         self._adapter_tensors: dict[str, Tensor] | None = None
