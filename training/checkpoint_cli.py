@@ -18,12 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from preprocessing import safe_read
 from training.errors import MegalithError
 from training.safe_tensors import ITEMSIZE, TORCH_NAMES, check_safetensors
 from training.signing import check_signature, signature_status
 
 INDEX = "index.json"
 CHECKSUMS = "checksums.json"
+SIGNATURE = "signature.json"
+MAX_MANIFEST_BYTES = 256 << 20
 # The index formats :func:`verifiers` knows, as ``(format, version)``.
 FORMATS = [("megalith-checkpoint", 1), ("megalith-sharded-checkpoint", 2)]
 _ITEMSIZE = {TORCH_NAMES[k]: v for k, v in ITEMSIZE.items()}
@@ -31,6 +34,10 @@ _ITEMSIZE = {TORCH_NAMES[k]: v for k, v in ITEMSIZE.items()}
 
 class UnknownCheckpointError(MegalithError):
     """A directory that is neither a known checkpoint nor a model package."""
+
+
+class UnlistedFileError(MegalithError):
+    """A checkpoint or package folder holding files its manifest does not list."""
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -97,13 +104,11 @@ def detect(path: Path) -> tuple[str, dict[str, Any]]:
         raise UnknownCheckpointError(f"{path} is not a directory")
     for name, kind in ((INDEX, "checkpoint"), (CHECKSUMS, "package")):
         manifest = path / name
-        if manifest.is_file():
-            if manifest.stat().st_size > 256 << 20:
-                raise UnknownCheckpointError(f"{manifest}: too large for a manifest")
+        if manifest.exists() or manifest.is_symlink():
             try:
-                return kind, json.loads(manifest.read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise UnknownCheckpointError(f"{manifest}: not valid JSON: {exc}") from None
+                return kind, safe_read.read_json(manifest, MAX_MANIFEST_BYTES, allow_symlink=False)
+            except safe_read.UnsafeFileError as exc:
+                raise UnknownCheckpointError(str(exc)) from None
     raise UnknownCheckpointError(
         f"{path}: neither a checkpoint ({INDEX}) nor a model package ({CHECKSUMS})"
     )
@@ -146,8 +151,24 @@ def verify(path: str | Path, require_signature: bool = False) -> str:
             for name in TENSOR_FILES:
                 check_tensor_file(path / name, index)
         files = len(index["files"])
+    listed = manifest.get("files", {}) if kind == "package" else index["files"]
+    check_nothing_unlisted(path, set(listed) | {INDEX if kind == "checkpoint" else CHECKSUMS})
     signed = check_signature(path, INDEX if kind == "checkpoint" else CHECKSUMS, False)
     return f"{path}: sound ({kind}, {files} files checked{', signature valid' if signed else ''})"
+
+
+def check_nothing_unlisted(path: Path, listed: set[str]) -> None:
+    """Every entry of the folder is a file its manifest lists (or the signature): a stray
+    file is not covered by any hash or signature, and a tool that reads the folder by
+    name (Megatron's loaders unpickle ``model_optim_rng.pt``) would trust it."""
+    stray = sorted(entry.name for entry in path.iterdir() if entry.name not in listed | {SIGNATURE})
+    if stray:
+        raise UnlistedFileError(
+            f"{path}: holds {len(stray)} file(s) its manifest does not list: "
+            f"{', '.join(stray[:10])}{' ...' if len(stray) > 10 else ''}; no hash or signature "
+            "covers them and a tool reading this folder could load them (a stray "
+            "model_optim_rng.pt is unpickled by Megatron's loaders): remove them"
+        )
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -210,13 +231,14 @@ def _inspect_checkpoint(path: Path, index: dict[str, Any]) -> dict[str, Any]:
 
 def _v1_step(path: Path) -> int | None:
     try:
-        return json.loads((path / "state.json").read_text()).get("step")
-    except (OSError, ValueError, AttributeError):
+        state = safe_read.read_json(path / "state.json", 64 << 20, allow_symlink=False)
+    except (OSError, safe_read.UnsafeFileError):
         return None
+    return state.get("step") if isinstance(state, dict) else None
 
 
 def _inspect_package(path: Path, checksums: dict[str, Any]) -> dict[str, Any]:
-    meta = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    meta = safe_read.read_json(path / "config.json", 1 << 20, allow_symlink=False, expect=dict)
     header = check_safetensors(path / "model.safetensors")
     files = [
         {"name": n, "bytes": (path / n).stat().st_size, "sha256": sha}
