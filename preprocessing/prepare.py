@@ -515,6 +515,7 @@ def _tokenize(
 
         def consume(results):
             for shard, tokens, lengths, mask in results:
+                check_token_ids(tokens, tokenizer, shard_name(shard))
                 writer.add(shard, tokens, lengths, mask)
                 report.tokenized_documents += len(lengths)
                 report.tokenized_tokens += len(tokens)
@@ -535,6 +536,17 @@ def _tokenize(
         consume(pool.drain())
     writer.finish()
     return writer.finished
+
+
+def check_token_ids(tokens: np.ndarray, tokenizer: Tokenizer, shard: str) -> None:
+    """The ids a tokenizer produced lie in its vocabulary: one written past it would index
+    past the embedding in training, far from its cause."""
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= tokenizer.vocab_size):
+        bad = tokens[(tokens < 0) | (tokens >= tokenizer.vocab_size)][0]
+        raise MegalithError(
+            f"{tokenizer.model_path}: produced token id {bad} for {shard}, outside its "
+            f"vocabulary of {tokenizer.vocab_size} ids"
+        )
 
 
 def split_by_shard(
