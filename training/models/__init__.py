@@ -10,12 +10,15 @@ from training.models.gpt import GPTModel, KVCache
 from training.models.t5 import T5Model
 
 
+def model_class(config: ModelConfig) -> type[GPTModel] | type[T5Model]:
+    """The class of ``config.family``: :class:`GPTModel` (gpt) or :class:`T5Model` (t5)."""
+    return T5Model if config.family == "t5" else GPTModel
+
+
 def build_model(config: ModelConfig, backend: LayerBackend | None = None) -> nn.Module:
-    """The model of ``config.family``: :class:`GPTModel` (gpt) or :class:`T5Model` (t5).
-    Everything that builds a model for a config goes through here."""
-    if config.family == "t5":
-        return T5Model(config, backend)
-    return GPTModel(config, backend)
+    """The model of ``config.family``. Everything that builds a model for a config goes
+    through here."""
+    return model_class(config)(config, backend)
 
 
 __all__ = [
@@ -26,5 +29,6 @@ __all__ = [
     "T5Model",
     "TorchBackend",
     "build_model",
+    "model_class",
     "resolve_backend",
 ]

@@ -301,6 +301,12 @@ class GPTModel(nn.Module):
             loss_chunk_tokens=config.loss_chunk_tokens,
         )
 
+    @staticmethod
+    def layer_stacks(config: ModelConfig) -> dict[str, tuple[str, int]]:
+        """``{state-dict prefix: (config key, block count)}`` of the numbered blocks, for
+        comparing a config with the tensors of a file before building the model."""
+        return {"layers": ("num_layers", config.num_layers)}
+
     @property
     def tied_weights(self) -> dict[str, str]:
         """State-dict names that alias another entry (``{alias: source}``); save the source once."""

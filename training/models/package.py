@@ -30,6 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from preprocessing import safe_read
 from preprocessing.storage import sha256_of_file
 from training import __version__
 from training.config import ModelConfig, format_validation_error
@@ -37,6 +38,7 @@ from training.errors import MegalithError
 from training.models import build_model
 from training.models.gpt import GPTModel
 from training.models.t5 import T5Model
+from training.models.weights_check import config_keys_for, config_mismatch
 from training.safe_tensors import UnsafeTensorFileError, check_safetensors
 from training.signing import SignatureError, check_signature, should_sign, sign_directory
 
@@ -193,17 +195,8 @@ def load_model_package(
     """
     package_dir = Path(package_dir)
     meta = verify_model_package(package_dir, require_signature=require_signature)
-    config_path = package_dir / CONFIG_FILE
-    try:
-        config = ModelConfig.model_validate(meta["model"])
-    except ValidationError as exc:
-        raise PackageConfigError(format_validation_error(exc, f"{config_path}: model")) from None
-    saved_dtype = DTYPES[meta["dtype"]]
-
-    with torch.device("meta"):
-        model = build_model(config).to(saved_dtype)
+    config, model = _checked_meta_model(package_dir, meta)
     weights_path = package_dir / WEIGHTS_FILE
-    _check_header(weights_path, model)
     try:
         tensors = load_file(str(weights_path), device=str(device))
     except SafetensorError as exc:
@@ -231,29 +224,45 @@ def read_package_model_config(package_dir: str | Path) -> ModelConfig:
 def verify_package_weights(package_dir: str | Path, meta: dict[str, Any]) -> None:
     """Check model.safetensors' header (bounded sizes, names, shapes, dtypes) against the
     model ``meta`` (config.json, from :func:`verify_model_package`) describes, reading no tensor."""
-    package_dir = Path(package_dir)
+    _checked_meta_model(Path(package_dir), meta)
+
+
+def _checked_meta_model(
+    package_dir: Path, meta: dict[str, Any]
+) -> tuple[ModelConfig, GPTModel | T5Model]:
+    """The config and its model on the meta device, once the config is valid (sizes within
+    the schema's limits) and agrees with model.safetensors' header: block counts and
+    embedding before the model is built, then every tensor's name, shape and dtype."""
+    config_path = package_dir / CONFIG_FILE
     try:
         config = ModelConfig.model_validate(meta["model"])
     except ValidationError as exc:
-        raise PackageConfigError(
-            format_validation_error(exc, f"{package_dir / CONFIG_FILE}: model")
-        ) from None
+        raise PackageConfigError(format_validation_error(exc, f"{config_path}: model")) from None
+    weights_path = package_dir / WEIGHTS_FILE
+    header = _read_header(weights_path)
+    problem = config_mismatch(config, {name: shape for name, (shape, _) in header.items()})
+    if problem:
+        raise PackageTensorError(f"{config_path} does not describe {weights_path}: {problem}")
     with torch.device("meta"):
         model = build_model(config).to(DTYPES[meta["dtype"]])
-    _check_header(package_dir / WEIGHTS_FILE, model)
+    _check_header(weights_path, header, model)
+    return config, model
 
 
-def _check_header(path: Path, model: nn.Module) -> None:
-    expected = model_tensors(model)
-    try:  # our own bounded header check: nothing is allocated before sizes are known sound
-        header = {
-            name: (shape, SAFETENSORS_NAMES[dtype])
-            if dtype in SAFETENSORS_NAMES
-            else (shape, dtype)
+def _read_header(path: Path) -> dict[str, tuple[list[int], str]]:
+    """``{name: (shape, safetensors dtype)}``: our own bounded header check, so nothing is
+    allocated before sizes are known sound."""
+    try:
+        return {
+            name: (shape, SAFETENSORS_NAMES.get(dtype, dtype))
             for name, (shape, dtype) in check_safetensors(path).items()
         }
     except UnsafeTensorFileError as exc:
         raise PackageTensorError(str(exc)) from None
+
+
+def _check_header(path: Path, header: dict[str, tuple[list[int], str]], model: nn.Module) -> None:
+    expected = model_tensors(model)
     missing = sorted(set(expected) - set(header))
     unexpected = sorted(set(header) - set(expected))
     if missing or unexpected:
@@ -266,9 +275,10 @@ def _check_header(path: Path, model: nn.Module) -> None:
         shape, dtype = header[name]
         want = (list(tensor.shape), SAFETENSORS_DTYPES[tensor.dtype])
         if (shape, dtype) != want:
+            keys = config_keys_for(name) if shape != want[0] else ""
             raise PackageTensorError(
                 f"{path}: tensor {name} is {dtype}{shape}, the model in {CONFIG_FILE} "
-                f"needs {want[1]}{want[0]}"
+                f"needs {want[1]}{want[0]}" + (f" (check {keys})" if keys else "")
             )
 
 
@@ -315,14 +325,12 @@ def _plain_file(package_dir: Path, name: str) -> Path:
     return path
 
 
-def _read_json(path: Path) -> Any:
-    size = _plain_file(path.parent, path.name).stat().st_size
-    if size > MAX_JSON_BYTES:
-        raise PackageConfigError(f"{path}: {size} bytes is too large for a package's JSON")
+def _read_json(path: Path) -> dict[str, Any]:
+    _plain_file(path.parent, path.name)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PackageConfigError(f"{path}: not valid JSON: {exc}") from None
+        return safe_read.read_json(path, MAX_JSON_BYTES, allow_symlink=False, expect=dict)
+    except safe_read.UnsafeFileError as exc:
+        raise PackageConfigError(str(exc)) from None
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -265,6 +265,14 @@ class T5Model(nn.Module):
             loss_chunk_tokens=config.loss_chunk_tokens,
         )
 
+    @staticmethod
+    def layer_stacks(config: ModelConfig) -> dict[str, tuple[str, int]]:
+        """``{state-dict prefix: (config key, block count)}`` (``GPTModel.layer_stacks``)."""
+        return {
+            "encoder.layers": ("num_layers", config.num_layers),
+            "decoder.layers": ("num_decoder_layers", config.decoder_layers),
+        }
+
     @property
     def tied_weights(self) -> dict[str, str]:
         """No aliases: T5 v1.1's head is untied (``GPTModel``'s API, for savers)."""
