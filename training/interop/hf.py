@@ -46,6 +46,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from preprocessing import safe_read
 from training.config import ModelConfig, format_validation_error
 from training.errors import MegalithError
 from training.models.gpt import GPTModel
@@ -66,6 +67,12 @@ TOKENIZER_MODEL = "tokenizer.model"
 EOD_TOKEN, PAD_TOKEN = "<|eod|>", "<|pad|>"
 # Buffers older HF checkpoints saved beside the weights; they carry no learned values.
 IGNORED_HF_KEYS = re.compile(r".*(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
+HF_BLOCK = re.compile(r"^(?:model\.layers|(?:transformer\.)?h)\.(\d+)\.")
+# config.json's keys for our layer count, vocabulary and width, by model_type.
+HF_SIZE_KEYS = {
+    "llama": ("num_hidden_layers", "vocab_size", "hidden_size"),
+    "gpt2": ("n_layer", "vocab_size", "n_embd"),
+}
 
 Split = Callable[[Tensor], list[Tensor]]
 Merge = Callable[[list[Tensor]], Tensor]
@@ -168,11 +175,14 @@ def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Mod
                 f"{source}: {key}={get(key, default)!r} is not supported (only {list(allowed)})"
             )
 
+    def size(key: str) -> int:  # a number used in arithmetic below, before validation
+        return safe_read.field(hf, key, int, source, minimum=1)
+
     if not isinstance(hf, dict):
         raise HFInteropError(f"{source}: expected a JSON object")
     kind = hf.get("model_type")
     if kind == "llama":
-        heads, hidden = get("num_attention_heads"), get("hidden_size")
+        heads, hidden = size("num_attention_heads"), size("hidden_size")
         need("hidden_act", ("silu",), "silu")
         need("head_dim", (None, hidden // heads), None)
         need("mlp_bias", (get("attention_bias", False),), False)
@@ -206,7 +216,7 @@ def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Mod
         need("scale_attn_weights", (True,), True)
         need("scale_attn_by_inverse_layer_idx", (False,), False)
         need("add_cross_attention", (False,), False)
-        hidden = get("n_embd")
+        hidden = size("n_embd")
         values = {
             "style": "gpt2",
             "num_layers": get("n_layer"),
@@ -465,10 +475,13 @@ def import_hf(
     if dtype is not None and dtype not in DTYPES:
         raise HFInteropError(f"dtype {dtype!r} is not one of {list(DTYPES)}")
 
+    files = _weight_files(hf_dir, allow_torch_bin)
+    shapes, loaded = _file_shapes(files)
+    _check_sizes(config, shapes, hf_dir / "config.json")
     with torch.device("meta"):
         model = GPTModel(config)
     expected = to_hf_tensors(config, model_tensors(model))
-    hf_tensors = _read_hf_tensors(hf_dir, config, expected, allow_torch_bin)
+    hf_tensors = _read_hf_tensors(hf_dir, config, expected, shapes, loaded)
     if dtype is None:
         dtype = _dtype_name(hf_tensors[tensor_map(config)[0][1][0]].dtype, hf_dir)
     ours = from_hf_tensors(config, {k: v.to(DTYPES[dtype]) for k, v in hf_tensors.items()})
@@ -480,21 +493,64 @@ def import_hf(
     return save_model_package(model, config, tokenizer, out_package, overwrite=overwrite)
 
 
-def _read_hf_tensors(
-    hf_dir: Path, config: ModelConfig, expected: dict[str, Tensor], allow_torch_bin: bool
-) -> dict[str, Tensor]:
-    files = _weight_files(hf_dir, allow_torch_bin)
-    found: dict[str, tuple[Path, list[int]]] = {}
-    tensors: dict[str, Tensor] = {}
+def _file_shapes(
+    files: list[Path],
+) -> tuple[dict[Path, dict[str, list[int]]], dict[Path, dict[str, Tensor]]]:
+    """Each file's ``{tensor: shape}`` (safetensors: from the bounded header check, before
+    the library allocates anything), and the tensors of ``.bin`` files, which come whole."""
+    shapes: dict[Path, dict[str, list[int]]] = {}
+    loaded: dict[Path, dict[str, Tensor]] = {}
     for path in files:
         if path.suffix == ".safetensors":
-            try:  # bounded header check before the library allocates anything
-                shapes = {k: shape for k, (shape, _) in check_safetensors(path).items()}
+            try:
+                shapes[path] = {k: shape for k, (shape, _) in check_safetensors(path).items()}
             except UnsafeTensorFileError as exc:
                 raise HFInteropError(str(exc)) from None
         else:
-            loaded = _torch_load(path)
-            shapes = {k: list(v.shape) for k, v in loaded.items()}
+            loaded[path] = _torch_load(path)
+            shapes[path] = {k: list(v.shape) for k, v in loaded[path].items()}
+    return shapes, loaded
+
+
+def _check_sizes(
+    config: ModelConfig, shapes: dict[Path, dict[str, list[int]]], source: Path
+) -> None:
+    """The block count and embedding of config.json against the tensor names and shapes,
+    before the model is built: a config of 1000 layers beside weights for 2 stops here."""
+    layers_key, vocab_key, hidden_key = HF_SIZE_KEYS[hf_model_type(config)]
+    blocks = {
+        int(match[1])
+        for names in shapes.values()
+        for name in names
+        if (match := HF_BLOCK.match(name))
+    }
+    if blocks != set(range(config.num_layers)):
+        raise HFInteropError(
+            f"{source}: {layers_key} is {config.num_layers}, the weights hold "
+            f"{len(blocks)} numbered blocks"
+        )
+    for names in shapes.values():
+        embedding = names.get("model.embed_tokens.weight") or names.get(
+            "transformer.wte.weight", names.get("wte.weight")
+        )
+        if embedding is not None and embedding != [config.vocab_size, config.hidden_size]:
+            raise HFInteropError(
+                f"{source}: {vocab_key} {config.vocab_size} and {hidden_key} "
+                f"{config.hidden_size} disagree with the embedding's shape {embedding}"
+            )
+
+
+def _read_hf_tensors(
+    hf_dir: Path,
+    config: ModelConfig,
+    expected: dict[str, Tensor],
+    file_shapes: dict[Path, dict[str, list[int]]],
+    loaded: dict[Path, dict[str, Tensor]],
+) -> dict[str, Tensor]:
+    files = list(file_shapes)
+    found: dict[str, tuple[Path, list[int]]] = {}
+    tensors: dict[str, Tensor] = {}
+    for path, shapes in file_shapes.items():
         for key, shape in shapes.items():
             name = _hf_name(config, key)
             if IGNORED_HF_KEYS.match(name) or (config.tie_embeddings and name == "lm_head.weight"):
@@ -512,8 +568,8 @@ def _read_hf_tensors(
                     f"{list(expected[name].shape)}"
                 )
             found[name] = (path, shape)
-            if path.suffix != ".safetensors":
-                tensors[name] = loaded[key]
+            if path in loaded:
+                tensors[name] = loaded[path][key]
     missing = sorted(set(expected) - set(found))
     if missing:
         raise HFInteropError(
@@ -547,7 +603,11 @@ def _weight_files(hf_dir: Path, allow_torch_bin: bool) -> list[Path]:
             weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
             if not isinstance(weight_map, dict):
                 raise HFInteropError(f"{hf_dir / index}: expected a 'weight_map' object")
-            names = sorted(set(weight_map.values()))
+            source = f"{hf_dir / index}: weight_map"
+            try:
+                names = sorted({safe_read.confined_name(n, source) for n in weight_map.values()})
+            except safe_read.UnsafeFileError as exc:
+                raise HFInteropError(str(exc)) from None
         elif (hf_dir / single).is_file():
             names = [single]
         else:
@@ -588,15 +648,13 @@ def _dtype_name(dtype: torch.dtype, source: Path) -> str:
     raise HFInteropError(f"{source}: weights are {dtype}; pass --dtype float32|bfloat16|float16")
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise HFInteropError(f"{path} not found")
-    if path.stat().st_size > MAX_JSON_BYTES * 16:
-        raise HFInteropError(f"{path}: too large for a JSON config")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HFInteropError(f"{path}: not valid JSON: {exc}") from None
+    try:  # a sharded index of a large model is a few MB
+        return safe_read.read_json(path, MAX_JSON_BYTES * 16, allow_symlink=False, expect=dict)
+    except safe_read.UnsafeFileError as exc:
+        raise HFInteropError(str(exc)) from None
 
 
 def _write_json(path: Path, data: Any) -> None:
