@@ -34,6 +34,7 @@ from pydantic import BaseModel
 from preprocessing import safe_read
 from preprocessing.storage import sha256_of_file
 from training.config import LoggingConfig
+from training.errors import MegalithError
 from training.tracking import NullLogger, RunLogger, read_metrics
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DB_FILE_NAME = "mlflow.db"
+DEMO_WORKDIR = "work/demo"  # where `megalith demo` writes and `megalith ui` looks by default
 ARTIFACTS_DIR_NAME = "mlartifacts"
 PROBE_TIMEOUT_S = 5
 FLUSH_INTERVAL_S = 1.0
@@ -74,6 +76,24 @@ def resolve_tracking_uri(configured: str | None, workdir: str | Path | None = No
         return configured
     base = Path(workdir) if workdir is not None else Path.cwd()
     return f"sqlite:///{(base / DB_FILE_NAME).resolve()}"
+
+
+def existing_store_uri(given: str | None, workdir: str | Path = DEMO_WORKDIR) -> str:
+    """The store a command that reads the registry uses: ``given`` (its --tracking-uri),
+    else as :func:`resolve_tracking_uri`. A SQLite store must exist already: a read that
+    created an empty one would only report that the model does not exist."""
+    uri = given or resolve_tracking_uri(None, workdir)
+    db = sqlite_path(uri)
+    if db is None or db.is_file():
+        return uri
+    if given or os.environ.get("MLFLOW_TRACKING_URI"):
+        source = "--tracking-uri" if given else "MLFLOW_TRACKING_URI"
+    else:
+        source = f"WORKDIR/{DB_FILE_NAME}, where `megalith demo` writes; WORKDIR {workdir}"
+    raise MegalithError(
+        f"no MLflow store at {db.resolve()} (from {source}); point to yours with "
+        "--workdir DIR, --tracking-uri URI or MLFLOW_TRACKING_URI=URI"
+    )
 
 
 def sqlite_path(uri: str) -> Path | None:
