@@ -6,6 +6,9 @@ import argparse
 import os
 import sys
 
+from registry.cli import add_store_arguments
+from registry.tracking import existing_store_uri
+
 DEFAULT_PORT = 8000
 ADMIN_TOKEN_ENV = "MEGALITH_ADMIN_TOKEN"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -16,7 +19,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a model over HTTP: generation, streaming, batching, hot reload",
         description="Serve a registered model version (models:/NAME@ALIAS or "
-        "models:/NAME/VERSION, from MLFLOW_TRACKING_URI or --tracking-uri) or a model "
+        "models:/NAME/VERSION, from --tracking-uri, MLFLOW_TRACKING_URI or WORKDIR/mlflow.db as "
+        "`megalith demo` writes it) or a model "
         "package directory over HTTP: POST /v1/generate (SSE streaming with "
         '"stream": true), POST /v1/chat (messages through the chat template), GET /health, '
         "GET /v1/model, POST /admin/reload (switch to the "
@@ -27,7 +31,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--model", required=True, metavar="SOURCE", help="models:/NAME@ALIAS, or a package dir"
     )
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLflow's own)")
+    add_store_arguments(parser)
     parser.add_argument(
         "--host",
         default="127.0.0.1",
@@ -67,13 +71,19 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from deploy.loading import MODELS_SCHEME
+
+    tracking_uri = args.tracking_uri
+    if args.model.startswith(MODELS_SCHEME):
+        tracking_uri = existing_store_uri(tracking_uri, args.workdir)
+
     import uvicorn
 
     from deploy.server import Deployment, ServeConfig, create_app
 
     config = ServeConfig(
         model=args.model,
-        tracking_uri=args.tracking_uri,
+        tracking_uri=tracking_uri,
         device=args.device,
         precision=args.precision,
         max_tokens=args.max_tokens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from registry.tracking import DEMO_WORKDIR, existing_store_uri
 from training.config import MegalithConfig, load_config
 
 
@@ -15,7 +16,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         description="Move the @champion alias of a registered model: through the promotion "
         "gate (eval metrics against the champion, rules from the recipe's promotion section), "
         "by hand, or back to the previous champion. MLflow: --tracking-uri, else "
-        "MLFLOW_TRACKING_URI, else sqlite:///mlflow.db.",
+        "MLFLOW_TRACKING_URI, else WORKDIR/mlflow.db (the store `megalith demo` writes); a "
+        "store that does not exist is an error, never created empty.",
     )
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
 
@@ -58,7 +60,17 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 
 def _tracking(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI")
+    add_store_arguments(parser)
+
+
+def add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    """--tracking-uri and --workdir, resolved by :func:`registry.tracking.existing_store_uri`."""
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (else MLFLOW_TRACKING_URI)")
+    parser.add_argument(
+        "--workdir",
+        default=DEMO_WORKDIR,
+        help=f"else use WORKDIR/mlflow.db, as `megalith demo` writes (default {DEMO_WORKDIR})",
+    )
 
 
 def _gate(args: argparse.Namespace) -> int:
@@ -69,7 +81,7 @@ def _gate(args: argparse.Namespace) -> int:
         args.name,
         config.promotion.rules,
         version=args.version,
-        tracking_uri=args.tracking_uri,
+        tracking_uri=existing_store_uri(args.tracking_uri, args.workdir),
         apply=not args.dry_run,
     )
     print(json.dumps(decision.as_dict(), indent=2) if args.json else decision.markdown())
@@ -79,7 +91,9 @@ def _gate(args: argparse.Namespace) -> int:
 def _promote(args: argparse.Namespace) -> int:
     from registry.promotion import promote
 
-    previous = promote(args.name, args.version, tracking_uri=args.tracking_uri)
+    previous = promote(
+        args.name, args.version, tracking_uri=existing_store_uri(args.tracking_uri, args.workdir)
+    )
     was = f"v{previous}" if previous else "none"
     print(f"{args.name}@champion → v{args.version} (was {was})")
     return 0
@@ -88,6 +102,6 @@ def _promote(args: argparse.Namespace) -> int:
 def _rollback(args: argparse.Namespace) -> int:
     from registry.promotion import rollback
 
-    version = rollback(args.name, tracking_uri=args.tracking_uri)
+    version = rollback(args.name, tracking_uri=existing_store_uri(args.tracking_uri, args.workdir))
     print(f"{args.name}@champion → v{version} (rolled back)")
     return 0

@@ -28,11 +28,17 @@ def running_process(
     what: str,
     ready_url: str | None = None,
     timeout_s: float = 120,
+    **popen: object,
 ) -> Iterator[subprocess.Popen]:
     """A server process started for a test, stopped after it; with ``ready_url``, yielded
     once that URL answers 200 (a process that exits first fails with its stderr)."""
     process = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        command,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        **popen,
     )
     try:
         if ready_url:
