@@ -18,6 +18,7 @@ written last: a shard set without it is not finished.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -63,7 +64,7 @@ from preprocessing.storage import (
 from preprocessing.tokenizer import Tokenizer
 from training import __version__
 from training.config import ConfigError, DataConfig, TokenizerConfig
-from training.errors import MegalithError
+from training.errors import MegalithError, naming_path
 
 STATE_DIR = ".prepare"
 SCAN_VERSION = 1
@@ -406,16 +407,18 @@ class ShardWriter:
             self.writer = IndexedDatasetWriter(prefix, self.dtype)
             if self.chat:
                 self.mask_writer = IndexedDatasetWriter(mask_name(prefix), MASK_DTYPE)
-        self.writer.add_documents(tokens, lengths)
-        if self.chat:
-            self.mask_writer.add_documents(mask, lengths)
+        with self._aborting_on_error(".bin"):
+            self.writer.add_documents(tokens, lengths)
+            if self.chat:
+                self.mask_writer.add_documents(mask, lengths)
 
     def finish(self) -> None:
         if self.writer is None:
             return
-        self.writer.finalize()
-        if self.chat:
-            self.mask_writer.finalize()
+        with self._aborting_on_error(".idx"):
+            self.writer.finalize()
+            if self.chat:
+                self.mask_writer.finalize()
         name = shard_name(self.current)
         info = ShardInfo(
             name=name,
@@ -426,6 +429,22 @@ class ShardWriter:
         self.store.mark_complete(info, self.plan_key)
         self.finished[self.current] = info
         self.writer = None
+
+    @contextlib.contextmanager
+    def _aborting_on_error(self, suffix: str) -> Iterator[None]:
+        """A failed write (a full disk) names the shard's file and deletes the unfinished
+        shard's staging files, so the space comes back and nothing partial is left."""
+        path = f"{self.store.staging_prefix(shard_name(self.current))}{suffix}"
+        try:
+            with naming_path(path):
+                yield
+        except OSError:
+            for writer in (self.writer, self.mask_writer):
+                if writer is not None:
+                    with contextlib.suppress(OSError):
+                        writer.abort()
+            self.writer = self.mask_writer = None
+            raise
 
 
 # --------------------------------------------------------------------------- prepare
