@@ -13,6 +13,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from preprocessing import safe_read
+from training.errors import naming_path
 
 HASH_CHUNK = 8 << 20
 
@@ -55,7 +56,7 @@ def atomic_write_bytes(
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
-            with os.fdopen(fd, "wb") as handle:
+            with naming_path(path), os.fdopen(fd, "wb") as handle:
                 handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
