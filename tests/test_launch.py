@@ -196,7 +196,7 @@ def test_prefect_pretrain_on_two_ranks_records_the_layout(
 
 def test_torchrun_command_lines() -> None:
     single = torchrun_command(LaunchSpec(nproc_per_node=2), ["pipelines.cli", "train"])
-    assert single[:4] == [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    assert single[:4] == [sys.executable, "-m", "training.launch", "--standalone"]
     assert single[single.index("--nproc-per-node") + 1] == "2"
     assert single[single.index("--max-restarts") + 1] == "0"
     assert single[single.index("-m", 3) + 1 :] == ["pipelines.cli", "train"]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from training.device import resolve_device
-from training.errors import MegalithError
+from training.errors import MegalithError, storage_error_message
 from training.launch import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
 
 logger = logging.getLogger(__name__)
@@ -127,12 +127,24 @@ def distributed(device_name: str = "auto") -> Iterator[tuple[DistributedEnv, tor
     forever, and a prompt non-zero exit lets torchrun stop the other ranks."""
     try:
         yield init_distributed(device_name)
-    except Exception:
+    except Exception as error:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            traceback.print_exc()
+            _report(error)
             print(f"rank {dist.get_rank()} failed; exiting without waiting for its peers",
                   file=sys.stderr, flush=True)  # fmt: skip
             os._exit(1)
         raise
     finally:
         teardown()
+
+
+def _report(error: Exception) -> None:
+    """One line for an error the user can act on (as ``megalith`` prints it), else the
+    traceback."""
+    message = str(error) if isinstance(error, MegalithError) else None
+    if isinstance(error, OSError):
+        message = storage_error_message(error)
+    if message is None:
+        traceback.print_exc()
+    else:
+        print(f"error: {message}", file=sys.stderr, flush=True)

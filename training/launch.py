@@ -1,19 +1,30 @@
 """Launching training on many processes: torchrun for one or more nodes, Slurm scripts.
 
-``megalith train --nproc-per-node N`` re-runs itself as ``python -m
-torch.distributed.run ... -m pipelines.cli train ...``; each worker then sees
-torchrun's RANK/WORLD_SIZE and joins the job (``training.distributed``). torchrun
-stops every worker as soon as one fails, and exits non-zero. Commands are argument
-lists, never shell strings.
+``megalith train --nproc-per-node N`` re-runs itself as ``python -m training.launch
+... -m pipelines.cli train ...`` (torchrun, see below); each worker then sees torchrun's
+RANK/WORLD_SIZE and joins the job (``training.distributed``). torchrun stops every
+worker as soon as one fails, and exits non-zero. Commands are argument lists, never
+shell strings.
+
+Nothing outlives its launcher. torchrun starts each worker in a session of its own, so
+killing the launcher's process group (or SIGKILL, which nobody can catch) used to leave
+the workers training as orphans beside a retry. Now every hop dies with its parent:
+the launcher passes its pid in ``PARENT_PID_ENV``; the child (torchrun, run in-process
+by this module's ``__main__``, and each worker, in ``megalith train``) asks the kernel
+for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``) and exits at once if the parent
+is already gone. Linux only; elsewhere the old behaviour stays.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import runpy
 import shlex
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from training.errors import MegalithError
@@ -21,6 +32,8 @@ from training.errors import MegalithError
 DEFAULT_RDZV_PORT = 29500
 TIMEOUT_ENV = "MEGALITH_DIST_TIMEOUT_S"  # seconds before a stuck collective fails the job
 DEFAULT_TIMEOUT_S = 600.0
+PARENT_PID_ENV = "MEGALITH_PARENT_PID"  # the process this one must not outlive
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -48,14 +61,15 @@ class LaunchSpec:
 
 
 def torchrun_command(spec: LaunchSpec, module_args: Sequence[str]) -> list[str]:
-    """``python -m torch.distributed.run`` with the rendezvous flags, then ``-m`` module args.
+    """torchrun (through this module, so it dies with us) with the rendezvous flags, then
+    ``-m`` module args.
 
     One node without an endpoint uses ``--standalone`` (a private rendezvous on a free
     port, so concurrent jobs never collide). Several nodes meet through a c10d store at
     the endpoint; the node with ``node_rank`` 0 hosts it.
     """
     spec.check()
-    command = [sys.executable, "-m", "torch.distributed.run"]
+    command = [sys.executable, "-m", "training.launch"]
     if spec.nnodes == 1 and not spec.rdzv_endpoint:
         command.append("--standalone")
     else:
@@ -78,16 +92,44 @@ def torchrun_command(spec: LaunchSpec, module_args: Sequence[str]) -> list[str]:
     return command
 
 
-def worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Unbuffered workers, so each log line reaches a pipe (Prefect) as it is written."""
+def worker_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Unbuffered workers, so each log line reaches a pipe (Prefect) as it is written;
+    and this process named as the parent they die with."""
     env = dict(os.environ if environ is None else environ)
     env["PYTHONUNBUFFERED"] = "1"
+    env[PARENT_PID_ENV] = str(os.getpid())
     return env
 
 
-def run_torchrun(command: list[str]) -> int:
+def run_torchrun(command: list[str], extra_env: Mapping[str, str] | None = None) -> int:
     """Run torchrun in this process group (a cancelled parent takes it down) and wait."""
-    return subprocess.run(command, env=worker_env(), check=False).returncode
+    env = {**worker_env(), **(extra_env or {})}
+    return subprocess.run(command, env=env, check=False).returncode
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when the parent named in ``PARENT_PID_ENV`` dies.
+
+    The kernel signals on the death of the parent *thread* that started this process, so
+    a parent must wait for its child in the thread that started it (all ours do). Does
+    nothing without the variable (a process the user started) or off Linux."""
+    expected = os.environ.pop(PARENT_PID_ENV, "")  # not for this process's own children
+    if not expected.isdigit() or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    if os.getppid() != int(expected):  # it died before the prctl: nobody will signal us
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _torchrun_main(argv: Sequence[str]) -> None:
+    """torchrun in this process, after tying it to its parent and naming it the parent
+    of its workers (it starts them itself, from its main thread)."""
+    die_with_parent()
+    os.environ[PARENT_PID_ENV] = str(os.getpid())
+    sys.argv = ["torchrun", *argv]
+    runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
 
 
 def under_torchrun() -> bool:
@@ -151,3 +193,7 @@ def slurm_script(
         '  --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$SLURM_JOB_ID"',
     ]
     return "\n".join(header + [""] + body) + "\n"
+
+
+if __name__ == "__main__":
+    _torchrun_main(sys.argv[1:])
