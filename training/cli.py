@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 from preprocessing.storage import atomic_write_json
@@ -15,6 +16,7 @@ from training.launch import (
     DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
     LaunchSpec,
+    die_with_parent,
     run_torchrun,
     slurm_script,
     torchrun_command,
@@ -22,6 +24,7 @@ from training.launch import (
 )
 from training.parallel.groups import validate_layout
 from training.parallel.support import check_trainer_support
+from training.run_lock import hold_run_folder
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -153,7 +156,11 @@ def _launch(args: argparse.Namespace, config: MegalithConfig) -> int:
     spec.check()
     # Fail before any process starts.
     check_trainer_support(config, validate_layout(config, spec.nproc_per_node * spec.nnodes))
-    returncode = run_torchrun(torchrun_command(spec, _worker_args(args)))
+    # One node's launcher holds the run folder for its workers; several nodes' rank 0 does.
+    holder = hold_run_folder(_output(args, config)) if spec.nnodes == 1 else nullcontext()
+    with holder as lock:
+        held = lock.child_env() if lock else {}
+        returncode = run_torchrun(torchrun_command(spec, _worker_args(args)), held)
     if returncode:
         print(
             f"error: training failed on at least one rank (torchrun exit code {returncode})",
@@ -162,7 +169,12 @@ def _launch(args: argparse.Namespace, config: MegalithConfig) -> int:
     return returncode
 
 
+def _output(args: argparse.Namespace, config: MegalithConfig) -> Path:
+    return Path(args.output or Path("runs") / config.name)
+
+
 def _train(args: argparse.Namespace) -> int:
+    die_with_parent()  # a launcher's worker, or a flow's training process, dies with it
     values = {"checkpoint.resume": True} if args.resume else {}
     config = load_config(args.config, args.set, values)
     if args.nproc_per_node is not None and not under_torchrun():
@@ -172,8 +184,11 @@ def _train(args: argparse.Namespace) -> int:
     from training.distributed import distributed
     from training.trainer import train
 
-    with distributed(config.training.device) as (env, _device):
-        output = Path(args.output or Path("runs") / config.name)
+    output = _output(args, config)
+    with (
+        distributed(config.training.device) as (env, _device),
+        hold_run_folder(output, env.rank),
+    ):
         tags = {}
         if env.is_main:
             sources = [source.path for source in config.data.training_sources()]
