@@ -22,6 +22,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from training.config import MegalithConfig, dump_config
+from training.launch import PARENT_PID_ENV
+from training.run_lock import hold_run_folder
 
 CACHED = {
     "cache_policy": INPUTS + TASK_SOURCE,
@@ -57,15 +59,21 @@ def train_command(recipe: Path, output: Path, nproc_per_node: int = 1) -> list[s
     return command
 
 
-def stream_process(command: list[str], logger) -> int:
+def stream_process(command: list[str], logger, extra_env: dict[str, str] | None = None) -> int:
     """Run a command, sending each line of its output to the Prefect run logger.
 
     The child stays in this process group (no new session), so cancelling the flow run
-    takes it and its torchrun workers down too. Only rank 0 logs progress; the other
-    ranks print warnings and errors only.
+    takes it and its torchrun workers down too; and it dies with this process however
+    this one ends (``training.launch.die_with_parent``), so a retry never trains beside
+    an orphan. Only rank 0 logs progress; the other ranks print warnings and errors only.
     """
     tail: deque[str] = deque(maxlen=40)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # lines as they happen, not per 8 KB
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",  # lines as they happen, not per 8 KB
+        PARENT_PID_ENV: str(os.getpid()),  # waited for in this thread, as the kernel requires
+        **(extra_env or {}),
+    }
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env
     ) as process:
@@ -96,10 +104,13 @@ def pretrain_task(
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
     output_dir = Path(output)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    recipe = output_dir / "recipe.yaml"
-    recipe.write_text(dump_config(config))
-    stream_process(train_command(recipe, output_dir, nproc_per_node), get_run_logger())
+    # Held here, before the recipe is written: a run already training into the folder
+    # keeps its recipe, and the child trains under this lock.
+    with hold_run_folder(output_dir) as lock:
+        recipe = output_dir / "recipe.yaml"
+        recipe.write_text(dump_config(config))
+        command = train_command(recipe, output_dir, nproc_per_node)
+        stream_process(command, get_run_logger(), lock.child_env() if lock else None)
     result = json.loads((output_dir / "result.json").read_text())
     return {**result, "package_id": package_id(result["model_package"])}
 
