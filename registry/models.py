@@ -19,7 +19,6 @@ Aliases (``candidate``, ``champion``) mark versions; stages are deprecated in ML
 from __future__ import annotations
 
 import hashlib
-import json
 import platform
 import re
 import tempfile
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from preprocessing import safe_read
 from registry.tracking import ensure_tracking_store, flatten_params
 from training.errors import MegalithError
 
@@ -46,6 +46,7 @@ SERVING_REQUIREMENTS = ("mlflow", "torch", "safetensors", "sentencepiece", "nump
 
 _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))/?$")
 _HASH_CHUNK = 8 << 20
+_MAX_JSON_BYTES = 1 << 20  # a package's config.json and checksums.json are a few KB
 
 
 class RegistryError(MegalithError):
@@ -149,10 +150,14 @@ def _version_tags(
 
 def _package_tokenizer_id(package: Path) -> str | None:
     try:
-        config = json.loads((package / "config.json").read_text(encoding="utf-8"))
-        return str(config["tokenizer"]["id"])
-    except (OSError, ValueError, KeyError, TypeError):
+        config = safe_read.read_json(
+            package / "config.json", _MAX_JSON_BYTES, allow_symlink=False, expect=dict
+        )
+    except (OSError, safe_read.UnsafeFileError):
         return None
+    tokenizer = config.get("tokenizer")
+    identity = tokenizer.get("id") if isinstance(tokenizer, dict) else None
+    return identity if isinstance(identity, str) else None
 
 
 def write_mlmodel(directory: Path, run_id: str | None = None) -> Path:
@@ -275,11 +280,15 @@ def check_mlmodel(path: Path) -> None:
     if not path.is_file():
         return  # packages registered before MLmodel was written, or by hand
     try:
-        mlmodel = yaml.safe_load(path.read_text(encoding="utf-8"))
-        flavors = mlmodel["flavors"]
-        pyfunc = flavors["python_function"]
-    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as error:
-        raise RegistryError(f"{path}: not an MLmodel file ({error})") from error
+        mlmodel = safe_read.read_yaml(path)
+    except safe_read.UnsafeFileError as error:
+        raise RegistryError(str(error)) from None
+    except OSError as error:
+        raise RegistryError(f"{path}: cannot read the MLmodel file ({error.strerror})") from None
+    flavors = mlmodel.get("flavors") if isinstance(mlmodel, dict) else None
+    pyfunc = flavors.get("python_function") if isinstance(flavors, dict) else None
+    if not isinstance(pyfunc, dict):
+        raise RegistryError(f"{path}: not an MLmodel file (no flavors.python_function mapping)")
     unsafe = set(pyfunc) & {"code", "model_code_path", "cloudpickle_version", "python_model"}
     if (
         set(flavors) != {"python_function"}
@@ -296,9 +305,13 @@ def _expected_digests(root: Path) -> dict[str, str]:
     """``{file name: sha256}`` from checksums.json (``{"files": {name: sha256}}``)."""
     path = root / CHECKSUMS_FILE
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise RegistryError(f"{path}: cannot read the package's checksums ({error})") from error
+        data = safe_read.read_json(path, _MAX_JSON_BYTES, allow_symlink=False)
+    except safe_read.UnsafeFileError as error:
+        raise RegistryError(str(error)) from None
+    except OSError as error:
+        raise RegistryError(
+            f"{path}: cannot read the package's checksums ({error.strerror})"
+        ) from None
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, dict):
         raise RegistryError(f'{path}: expected {{"files": {{name: sha256}}}}')
