@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
-from typing import Any
 
-from training.config import DataConfig, load_config
+from preprocessing import safe_read
+from training.config import MAX_POSITIONS, DataConfig, load_config
 from training.errors import MegalithError
 
 DEFAULT_OUTPUT = "eval-report.json"
 CONFIG_SUFFIXES = (".yaml", ".yml")
+MAX_PROMPT_FILE_BYTES = 64 << 20
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -120,10 +120,13 @@ def package_max_positions(package_dir: str) -> int:
     here: loading the package does that)."""
     path = Path(package_dir) / "config.json"
     try:
-        meta: Any = json.loads(path.read_text(encoding="utf-8"))
-        return int(meta["model"]["max_position_embeddings"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        meta = safe_read.read_json(path, 1 << 20, allow_symlink=False, expect=dict)
+    except OSError as exc:
         raise MegalithError(f"{path}: cannot read the model's context length: {exc}") from None
+    model = safe_read.field(meta, "model", dict, str(path))
+    return safe_read.field(
+        model, "max_position_embeddings", int, f"{path}: model", minimum=1, maximum=MAX_POSITIONS
+    )
 
 
 def read_prompts(values: list[str]) -> list[str]:
@@ -136,19 +139,25 @@ def read_prompts(values: list[str]) -> list[str]:
         elif path.suffix == ".jsonl":
             prompts += _jsonl_prompts(path)
         else:
-            prompts += [line for line in path.read_text(encoding="utf-8").splitlines() if line]
+            prompts += [line for line in _read_text(path).splitlines() if line]
     return prompts
+
+
+def _read_text(path: Path) -> str:
+    data = safe_read.read_bytes_bounded(path, MAX_PROMPT_FILE_BYTES)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MegalithError(f"{path}: not UTF-8 text ({exc.reason})") from None
 
 
 def _jsonl_prompts(path: Path) -> list[str]:
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(_read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            prompt = json.loads(line).get("prompt")
-        except (json.JSONDecodeError, AttributeError):
-            prompt = None
+        record = safe_read.loads_json(line, f"{path}:{number}")
+        prompt = record.get("prompt") if isinstance(record, dict) else None
         if not isinstance(prompt, str):
             raise MegalithError(f'{path}:{number}: expected {{"prompt": "..."}}')
         prompts.append(prompt)
