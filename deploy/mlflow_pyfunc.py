@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.loading import ServedModel, load_served_model
+from deploy.schema import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P
 from evaluation.generate import SamplingConfig, generate
 from evaluation.generate_t5 import generate_seq2seq
 from training.errors import MegalithError
@@ -117,19 +118,31 @@ def sampling_of(params: Mapping[str, Any], max_positions: int) -> SamplingConfig
     if unknown:
         raise ScoringInputError(f"unknown params {sorted(unknown)}; known: {list(PARAM_DEFAULTS)}")
     merged = {**PARAM_DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
-    max_tokens = int(merged["max_tokens"])
-    if not 0 <= max_tokens < max_positions:
-        raise ScoringInputError(
-            f"params.max_tokens must be in [0, {max_positions - 1}] (the model's context "
-            f"is {max_positions}), got {max_tokens}"
-        )
-    try:
+    try:  # int(NaN), int("x") and int(inf) raise ValueError, ValueError and OverflowError
+        max_tokens = int(merged["max_tokens"])
+        temperature = float(merged["temperature"])
+        top_p = float(merged["top_p"])
+        if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+            raise ValueError(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                f"got {temperature}"
+            )
+        if not MIN_TOP_P <= top_p <= 1:
+            raise ValueError(f"top_p must be in [{MIN_TOP_P}, 1], got {top_p}")
+        seed = int(merged["seed"])
+        if not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, {MAX_SEED}], got {seed}")
+        if not 0 <= max_tokens < max_positions:
+            raise ValueError(
+                f"max_tokens must be in [0, {max_positions - 1}] (the model's context "
+                f"is {max_positions}), got {max_tokens}"
+            )
         return SamplingConfig(
             max_new_tokens=max_tokens,
-            temperature=float(merged["temperature"]),
+            temperature=temperature,
             top_k=int(merged["top_k"]) or None,
-            top_p=float(merged["top_p"]),
-            seed=int(merged["seed"]),
+            top_p=top_p,
+            seed=seed,
         )
-    except ValueError as error:
+    except (ValueError, TypeError, OverflowError) as error:
         raise ScoringInputError(f"params: {error}") from None

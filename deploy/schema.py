@@ -33,6 +33,7 @@ MAX_SEED = 2**63 - 1
 # Dividing the logits by a temperature below this, or keeping a nucleus below MIN_TOP_P
 # (0 in float32), turns every probability into NaN: the whole batch would fail.
 MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 100.0
 MIN_TOP_P = 1e-6
 
 
@@ -43,7 +44,7 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=0.8, ge=0, le=100, description="0: greedy")
+    temperature: float = Field(default=0.8, ge=0, le=MAX_TEMPERATURE, description="0: greedy")
     top_k: int | None = Field(default=None, ge=1)
     top_p: float | None = Field(default=0.95, ge=MIN_TOP_P, le=1)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)

@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 from test_evaluation import tiny_model
 from test_serving import running
 
+from deploy.loading import load_served_model
+from deploy.mlflow_pyfunc import MegalithPyfunc, ScoringInputError
 from deploy.request_body import DEFAULT_MAX_BODY_BYTES
 from deploy.server import ServeConfig
 from preprocessing.tokenizer import load_tokenizer
@@ -326,3 +328,39 @@ def test_fuzzed_raw_bodies_never_answer_5xx(
 
 def test_the_server_still_answers_after_the_fuzz(http: httpx.Client) -> None:
     still_serves(http)
+
+
+# --- MLflow pyfunc params (``mlflow models serve`` passes them on from the request) ----
+
+
+@pytest.fixture(scope="module")
+def pyfunc(package: Path) -> MegalithPyfunc:
+    return MegalithPyfunc(load_served_model(str(package)))
+
+
+PARAM_VALUES = st.one_of(
+    JUNK,
+    st.sampled_from([0, 1, 2, 0.5, 1.0, "3", "0.7"]),
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    params=st.dictionaries(
+        st.sampled_from(["max_tokens", "temperature", "top_k", "top_p", "seed"]),
+        PARAM_VALUES,
+        max_size=5,
+    )
+)
+def test_fuzzed_pyfunc_params_generate_or_raise_a_scoring_error(
+    pyfunc: MegalithPyfunc, params: dict[str, Any]
+) -> None:
+    params = {"max_tokens": 2, **params}  # keep the examples that generate short
+    try:
+        texts = pyfunc.predict(["Once upon a time"], params)
+    except ScoringInputError as error:
+        assert str(error).startswith(("params: ", "unknown params"))
+    else:
+        assert len(texts) == 1 and isinstance(texts[0], str)
