@@ -727,10 +727,16 @@ class MegalithConfig(StrictModel):
         return self
 
 
-def format_validation_error(error: ValidationError, source: str) -> str:
+def format_validation_error(
+    error: ValidationError, source: str, names: dict[str, str] | None = None
+) -> str:
+    """One line per problem naming the dotted key; ``names`` shows a top-level key under the
+    name its file uses (an HF config.json's ``num_hidden_layers`` for ``num_layers``)."""
     lines = [f"{source}: {error.error_count()} problem(s) in the configuration"]
     for item in error.errors():
         key = ".".join(str(part) for part in item["loc"]) or "(root)"
+        if names and item["loc"] and item["loc"][0] in names:
+            key = f"{names[item['loc'][0]]} ({key})"
         message = item["msg"]
         if item["type"] == "extra_forbidden":
             message = _unknown_key_message(item["loc"])

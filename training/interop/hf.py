@@ -68,10 +68,30 @@ EOD_TOKEN, PAD_TOKEN = "<|eod|>", "<|pad|>"
 # Buffers older HF checkpoints saved beside the weights; they carry no learned values.
 IGNORED_HF_KEYS = re.compile(r".*(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
 HF_BLOCK = re.compile(r"^(?:model\.layers|(?:transformer\.)?h)\.(\d+)\.")
-# config.json's keys for our layer count, vocabulary and width, by model_type.
-HF_SIZE_KEYS = {
-    "llama": ("num_hidden_layers", "vocab_size", "hidden_size"),
-    "gpt2": ("n_layer", "vocab_size", "n_embd"),
+# config.json's key for each ModelConfig key read from it, by model_type (for messages).
+HF_KEYS = {
+    "llama": {
+        "num_layers": "num_hidden_layers",
+        "num_query_groups": "num_key_value_heads",
+        "ffn_hidden_size": "intermediate_size",
+        "norm_eps": "rms_norm_eps",
+        "rope_base": "rope_theta",
+        "bias": "attention_bias",
+        "tie_embeddings": "tie_word_embeddings",
+        "dropout": "attention_dropout",
+        "init_std": "initializer_range",
+    },
+    "gpt2": {
+        "num_layers": "n_layer",
+        "hidden_size": "n_embd",
+        "num_attention_heads": "n_head",
+        "ffn_hidden_size": "n_inner",
+        "max_position_embeddings": "n_positions",
+        "norm_eps": "layer_norm_epsilon",
+        "tie_embeddings": "tie_word_embeddings",
+        "dropout": "resid_pdrop",
+        "init_std": "initializer_range",
+    },
 }
 
 Split = Callable[[Tensor], list[Tensor]]
@@ -237,7 +257,7 @@ def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Mod
     try:
         return ModelConfig(**values)
     except ValidationError as exc:
-        raise HFInteropError(format_validation_error(exc, source)) from None
+        raise HFInteropError(format_validation_error(exc, source, HF_KEYS[kind])) from None
 
 
 # Tensors.
@@ -517,7 +537,8 @@ def _check_sizes(
 ) -> None:
     """The block count and embedding of config.json against the tensor names and shapes,
     before the model is built: a config of 1000 layers beside weights for 2 stops here."""
-    layers_key, vocab_key, hidden_key = HF_SIZE_KEYS[hf_model_type(config)]
+    keys = HF_KEYS[hf_model_type(config)]
+    layers_key, hidden_key = keys["num_layers"], keys.get("hidden_size", "hidden_size")
     blocks = {
         int(match[1])
         for names in shapes.values()
@@ -535,7 +556,7 @@ def _check_sizes(
         )
         if embedding is not None and embedding != [config.vocab_size, config.hidden_size]:
             raise HFInteropError(
-                f"{source}: {vocab_key} {config.vocab_size} and {hidden_key} "
+                f"{source}: vocab_size {config.vocab_size} and {hidden_key} "
                 f"{config.hidden_size} disagree with the embedding's shape {embedding}"
             )
 
