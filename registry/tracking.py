@@ -4,10 +4,11 @@
 other than 0 and when tracking is off, and an ``MLflowRunLogger`` otherwise.
 
 Tracking must never stop training. The logger hands every MLflow call to one
-background thread, so a slow or dead tracking server cannot stall a step; the first
-failure (at start or mid-run) is reported once with ``logging.warning`` and the
-logger then drops everything. Metrics are batched: one ``log_batch`` request per
-flush interval, not one per step.
+background thread, so a slow or dead tracking server cannot stall a step. A store that
+cannot be reached at the start is reported once and the run trains untracked; one that
+goes away mid-run is reported once, its records are kept (bounded) and sent when it
+answers again, and the run is still ended FINISHED or FAILED (``MLflowRunLogger``).
+Metrics are batched: one ``log_batch`` request per flush interval, not one per step.
 
 MLflow is imported lazily: ranks that never log should not pay its ~2 s import.
 """
@@ -23,7 +24,8 @@ import re
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
@@ -49,6 +51,11 @@ ARTIFACTS_DIR_NAME = "mlartifacts"
 PROBE_TIMEOUT_S = 5
 FLUSH_INTERVAL_S = 1.0
 CLOSE_TIMEOUT_S = 60.0
+RETRY_INTERVAL_S = 5.0  # between attempts while the store does not answer
+REQUEST_RETRIES = 2  # MLflow's own retries of one request (its default is minutes of them)
+REQUEST_TIMEOUT_S = 30
+MAX_BACKLOG_METRICS = 200_000  # about 40 MB of metrics kept while the store is down
+MAX_BACKLOG_CALLS = 1_000
 SYSTEM_METRICS_INTERVAL_S = 10.0
 
 # MLflow's limits (mlflow.utils.validation).
@@ -322,20 +329,72 @@ def open_run_logger(
 
 _STOP = object()
 _THREAD_NAME = "megalith-mlflow-logger"
+_QUIET_THREADS = {_THREAD_NAME, "SystemMetricsMonitor"}
 
 
 class _QuietRetries(logging.Filter):
-    """Drops urllib3's per-retry warnings from our thread: the logger warns once itself."""
+    """Drops urllib3's per-retry warnings from the logging threads: the logger warns once."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.threadName != _THREAD_NAME
+        return record.threadName not in _QUIET_THREADS
 
 
 logging.getLogger("urllib3.connectionpool").addFilter(_QuietRetries())
 
 
+def _bound_client_retries() -> None:
+    """MLflow's client retries one request for minutes; the logger keeps a backlog and
+    retries by itself, so each request gives up in seconds (unless the user set these)."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(REQUEST_RETRIES))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(REQUEST_TIMEOUT_S))
+
+
+class _Backlog:
+    """What the store has not taken yet, in order: metric lists and calls; bounded."""
+
+    def __init__(self) -> None:
+        self.items: deque[Any] = deque()
+        self.metrics = 0
+        self.calls = 0
+        self.dropped = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def add(self, item: Any) -> bool:
+        """Keep ``item``; False (and counted as dropped) when the backlog is full."""
+        if isinstance(item, list):
+            if self.metrics + len(item) > MAX_BACKLOG_METRICS:
+                self.dropped += len(item)
+                return False
+            self.metrics += len(item)
+            if self.items and isinstance(self.items[-1], list):
+                self.items[-1].extend(item)  # one log_batch for consecutive steps
+                return True
+        else:
+            if self.calls >= MAX_BACKLOG_CALLS:
+                self.dropped += 1
+                return False
+            self.calls += 1
+        self.items.append(item)
+        return True
+
+    def done(self, item: Any) -> None:
+        self.items.popleft()
+        if not isinstance(item, list):
+            self.calls -= 1
+
+
 class MLflowRunLogger:
-    """A ``RunLogger`` that writes to one MLflow run through a background thread."""
+    """A ``RunLogger`` that writes to one MLflow run through a background thread.
+
+    When the store stops answering, the first failed call warns once and work is kept
+    in order (``_Backlog``, bounded: metrics beyond ``MAX_BACKLOG_METRICS`` are dropped,
+    metrics.jsonl has them all); every ``RETRY_INTERVAL_S`` the thread asks the server
+    again and, once it answers, sends the backlog. ``close`` ends the run FINISHED or
+    FAILED; a server still down then gets one warning naming the run, which stays
+    RUNNING in MLflow.
+    """
 
     def __init__(self, client: MlflowClient, run_id: str, tracking_uri: str, owns_run: bool):
         self.client = client
@@ -344,9 +403,11 @@ class MLflowRunLogger:
         self.owns_run = owns_run
         self._queue: queue.Queue[Any] = queue.Queue()
         self._hurry = threading.Event()
-        self._failed = False
+        self._backlog = _Backlog()
+        self._offline_since: float | None = None
+        self._warned_full = False
+        self._gave_up = False
         self._closed = False
-        self._fail_lock = threading.Lock()
         self._system_monitor: Any = None
         self._thread = threading.Thread(target=self._work, name=_THREAD_NAME, daemon=True)
         self._thread.start()
@@ -364,6 +425,7 @@ class MLflowRunLogger:
         """Create a run (or take over ``run_id``); raises if the store cannot be reached."""
         from mlflow import MlflowClient
 
+        _bound_client_retries()
         check_reachable(tracking_uri)
         ensure_tracking_store(tracking_uri)
         client = MlflowClient(tracking_uri=tracking_uri)
@@ -383,12 +445,12 @@ class MLflowRunLogger:
     # RunLogger -------------------------------------------------------------------
 
     def log_params(self, params: Mapping[str, Any]) -> None:
-        if self._accepting():
+        if not self._closed:
             flat = flatten_params(params)
             self._queue.put(lambda: self._send_params(flat))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        if not self._accepting():
+        if self._closed:
             return
         from mlflow.entities import Metric
 
@@ -402,7 +464,7 @@ class MLflowRunLogger:
             self._queue.put(batch)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        if not self._accepting():
+        if self._closed:
             return
         local = str(path)
         if Path(local).is_dir():
@@ -411,40 +473,35 @@ class MLflowRunLogger:
             self._queue.put(lambda: self.client.log_artifact(self.run_id, local, artifact_path))
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
-        if self._accepting():
+        if not self._closed:
             copied = dict(tags)
             self._queue.put(lambda: self._send_tags(copied))
 
     def close(self, status: str = "FINISHED") -> None:
-        """Flush everything, stop the thread and end the run (only a run we started)."""
+        """Send what is left, end the run (only a run we started) and stop the thread."""
         if self._closed:
             return
         self._closed = True
-        # The thread may be inside MLflow's minutes of retries against a dead server:
-        # ask the server directly instead of waiting for that.
-        self._call(check_reachable, self.tracking_uri)
         self._stop_system_metrics()
         if self.owns_run:
             self._queue.put(lambda: self.client.set_terminated(self.run_id, status))
         self._queue.put(_STOP)
         self._hurry.set()
-        if self._failed:
-            return
         self._thread.join(CLOSE_TIMEOUT_S)
         if self._thread.is_alive():
-            self._fail(TimeoutError(f"still sending after {CLOSE_TIMEOUT_S:.0f} s"))
+            self._give_up(f"still sending after {CLOSE_TIMEOUT_S:.0f} s")
 
     def flush(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
-        """Wait until everything logged so far is sent; False if it took too long."""
-        if not self._accepting():
-            return not self._failed
+        """Wait until everything logged so far is sent; False if it is not (yet)."""
+        if self._closed:
+            return not (self._gave_up or self._backlog)
         sent = threading.Event()
         self._queue.put(sent)
         self._hurry.set()
         done = sent.wait(timeout)
         if not self._closed:
             self._hurry.clear()
-        return done and not self._failed
+        return done and self._offline_since is None and not self._backlog
 
     def __enter__(self) -> MLflowRunLogger:
         return self
@@ -456,7 +513,7 @@ class MLflowRunLogger:
 
     def log_loss_curve(self, metrics_jsonl_path: str | Path) -> Path | None:
         """Render ``loss_curve.png`` beside ``metrics.jsonl`` and log it under ``plots/``."""
-        if not self._accepting():
+        if self._closed:
             return None
         source = Path(metrics_jsonl_path)
         png = render_loss_curve(source, source.with_name("loss_curve.png"))
@@ -465,65 +522,109 @@ class MLflowRunLogger:
 
     @property
     def failed(self) -> bool:
-        return self._failed
+        """Whether some of the run's records never reached the store."""
+        return self._gave_up
 
     # The background thread -------------------------------------------------------
 
-    def _accepting(self) -> bool:
-        return not (self._failed or self._closed)
-
     def _work(self) -> None:
         while True:
-            items = [self._queue.get()]
+            wait = RETRY_INTERVAL_S if self._offline_since is not None else None
+            try:
+                items = [self._queue.get(timeout=wait)]
+            except queue.Empty:
+                items = []
             while not self._queue.empty():
                 items.append(self._queue.get_nowait())
-            if not self._process(items):
+            events = [item for item in items if isinstance(item, threading.Event)]
+            for item in items:
+                if not (isinstance(item, threading.Event) or item is _STOP):
+                    self._keep(item)
+            self._drain()
+            for event in events:
+                event.set()
+            if _STOP in items:
+                if self._backlog:
+                    self._give_up("the server does not answer")
                 return
             # At most one flush per interval, unless flush() or close() hurries it.
             self._hurry.wait(FLUSH_INTERVAL_S)
 
-    def _process(self, items: list[Any]) -> bool:
-        """Send queued work in order, metrics batched; False once the stop marker is reached."""
-        metrics: list[Metric] = []
-        for item in items:
-            if isinstance(item, list):
-                metrics.extend(item)
-                continue
-            self._call(self._send_metrics, metrics)
-            metrics = []
-            if isinstance(item, threading.Event):
-                item.set()
-            elif item is _STOP:
-                return False
-            else:
-                self._call(item)
-        self._call(self._send_metrics, metrics)
+    def _keep(self, item: Any) -> None:
+        if self._backlog.add(item) or self._warned_full:
+            return
+        self._warned_full = True
+        log.warning(
+            "MLflow run %s: %d metrics are waiting for %s; later ones are not kept "
+            "(metrics.jsonl has every metric)",
+            self.run_id,
+            MAX_BACKLOG_METRICS,
+            self.tracking_uri,
+        )
+
+    def _drain(self) -> None:
+        """Send the backlog in order; at the first failure keep the rest and go offline."""
+        if self._offline_since is not None and not self._answers():
+            return
+        while self._backlog:
+            item = self._backlog.items[0]
+            try:
+                if isinstance(item, list):
+                    self._send_metrics(item)
+                else:
+                    item()
+            except Exception as error:  # noqa: BLE001 - tracking must never stop training
+                self._go_offline(error)
+                return
+            self._backlog.done(item)
+        if self._offline_since is not None:
+            log.warning(
+                "MLflow tracking to %s answers again after %.0f s; the kept records are sent",
+                self.tracking_uri,
+                time.monotonic() - self._offline_since,
+            )
+            self._offline_since = None
+
+    def _answers(self) -> bool:
+        """One quick request to an HTTP server; other stores are simply tried again."""
+        try:
+            check_reachable(self.tracking_uri)
+        except Exception:  # noqa: BLE001 - still down
+            return False
         return True
 
-    def _call(self, operation: Callable[..., Any], *args: Any) -> None:
-        if self._failed:
+    def _go_offline(self, error: BaseException) -> None:
+        if self._offline_since is not None:
             return
-        try:
-            operation(*args)
-        except Exception as error:  # noqa: BLE001 - tracking must never stop training
-            self._fail(error)
-
-    def _fail(self, error: BaseException) -> None:
-        with self._fail_lock:
-            if self._failed:
-                return
-            self._failed = True
+        self._offline_since = time.monotonic()
         log.warning(
-            "MLflow tracking to %s failed (%s: %s); training continues without tracking",
+            "MLflow tracking to %s failed (%s: %s); training continues, keeping up to %d "
+            "metrics to send when it answers again",
             self.tracking_uri,
             type(error).__name__,
             error,
+            MAX_BACKLOG_METRICS,
+        )
+
+    def _give_up(self, why: str) -> None:
+        self._gave_up = True
+        log.warning(
+            "MLflow run %s at %s was not ended (%s): it stays RUNNING there without %d "
+            "metrics and %d other records; metrics.jsonl has every metric",
+            self.run_id,
+            self.tracking_uri,
+            why,
+            self._backlog.metrics,
+            self._backlog.calls,
         )
 
     def _send_metrics(self, metrics: list[Metric]) -> None:
-        for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-            chunk = metrics[start : start + MAX_METRICS_PER_BATCH]
+        """Send in chunks, removing each sent chunk, so a failure resends none of them."""
+        while metrics:
+            chunk = metrics[:MAX_METRICS_PER_BATCH]
             self.client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+            del metrics[: len(chunk)]
+            self._backlog.metrics -= len(chunk)
 
     def _send_params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
@@ -566,7 +667,7 @@ class MLflowRunLogger:
     def _stop_system_metrics(self) -> None:
         monitor, self._system_monitor = self._system_monitor, None
         # Its finish() waits without a limit; with the store gone its thread ends by itself.
-        if monitor is not None and not self._failed:
+        if monitor is not None and self._offline_since is None:
             monitor.finish()
 
 

@@ -190,28 +190,37 @@ def test_unreachable_server_warns_once_and_training_goes_on(
     assert "unavailable" in our_warnings(caplog)[0].getMessage()
 
 
-def test_failure_mid_run_warns_once_then_logs_nothing(
-    store: str, caplog: pytest.LogCaptureFixture
+def test_a_store_failing_mid_run_warns_once_keeps_the_records_and_sends_them_later(
+    store: str, client: MlflowClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     logger = open_run_logger(LoggingConfig(tracking_uri=store), "flaky", rank=0)
     assert isinstance(logger, MLflowRunLogger)
-    calls: list[Any] = []
+    log_batch, calls, down = logger.client.log_batch, [], [True]
 
-    def broken_log_batch(*args: Any, **kwargs: Any) -> None:
+    def flaky_log_batch(*args: Any, **kwargs: Any) -> None:
         calls.append(args)
-        raise ConnectionError("tracking server went away")
+        if down[0]:
+            raise ConnectionError("tracking server went away")
+        log_batch(*args, **kwargs)
 
-    logger.client.log_batch = broken_log_batch  # type: ignore[method-assign]
+    logger.client.log_batch = flaky_log_batch  # type: ignore[method-assign]
     with caplog.at_level(logging.WARNING):
         for step in range(50):
-            logger.log_metrics({"loss": 1.0}, step)
+            logger.log_metrics({"loss": 1.0 / (step + 1)}, step)
             time.sleep(0.001)
         logger.log_params({"late": 1})
+        assert not logger.flush(timeout=10)  # kept, not sent
+        down[0] = False
         logger.close()
-    assert logger.failed
-    assert len(our_warnings(caplog)) == 1
-    assert "went away" in our_warnings(caplog)[0].getMessage()
-    assert len(calls) == 1  # nothing more was sent once it failed
+    assert not logger.failed
+    warnings = [w.getMessage() for w in our_warnings(caplog)]
+    assert len(warnings) == 2, warnings
+    assert "went away" in warnings[0] and "answers again" in warnings[1]
+    history = client.get_metric_history(logger.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(50))
+    run = client.get_run(logger.run_id)
+    assert run.data.params["late"] == "1"
+    assert run.info.status == "FINISHED"
 
 
 def test_loss_curve_is_logged_as_png(store: str, client: MlflowClient, tmp_path: Path) -> None:
