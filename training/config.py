@@ -382,6 +382,11 @@ class ModelConfig(StrictModel):
                 f"num_attention_heads {self.num_attention_heads} is not divisible by "
                 f"num_query_groups {groups}"
             )
+        if self.position_embedding == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"head_dim {self.head_dim} (hidden_size / num_attention_heads) must be even "
+                "for rope positions"
+            )
         if self.head_dim > MAX_HEAD_DIM:
             raise ValueError(
                 f"head_dim {self.head_dim} (hidden_size / num_attention_heads) exceeds "
