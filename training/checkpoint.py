@@ -356,8 +356,10 @@ def check_file_entry(entry: Any, where: str) -> None:
 def _check_file(file: Path, expected: dict[str, Any]) -> None:
     if file.is_symlink():
         raise CheckpointError(f"{file}: a symbolic link; checkpoint files must be regular files")
-    if not file.is_file():
+    if not file.exists():
         raise CheckpointError(f"{file}: missing (listed in index.json)")
+    if not file.is_file():
+        raise CheckpointError(f"{file}: not a regular file (a device, pipe or folder)")
     if file.stat().st_size != expected["bytes"]:
         raise CheckpointError(
             f"{file}: {file.stat().st_size} bytes, index.json says {expected['bytes']}"

@@ -726,8 +726,10 @@ class ShardReader:
                 raise CheckpointError(
                     f"{local}: a symbolic link; checkpoint files must be regular files"
                 )
-            if not os.path.isfile(local):
+            if not os.path.exists(local):
                 raise CheckpointError(f"{local}: missing (listed in index.json)")
+            if not os.path.isfile(local):
+                raise CheckpointError(f"{local}: not a regular file (a device, pipe or folder)")
             local, size, digest = self._open_pinned(local, expected["bytes"])
         else:
             if self._tmp is None:

@@ -119,7 +119,7 @@ def load_base(
             f"finetune.base {uri!r}: not a directory nor a models:/NAME@ALIAS URI; expected a "
             "checkpoint, a model package, a registered model or a Hugging Face directory"
         )
-    if (path / "index.json").is_file() or (path / "latest.json").is_file() or _has_steps(path):
+    if _present(path / "index.json") or _present(path / "latest.json") or _has_steps(path):
         return _checkpoint(uri, path, require_signature)
     config_json = path / "config.json"
     if not config_json.is_file():
@@ -136,6 +136,12 @@ def load_base(
             "signed model package first (megalith import hf, with a signing key set)"
         )
     return _hf(uri, path, workdir)
+
+
+def _present(path: Path) -> bool:
+    """Whatever is there (a link or a pipe too): the checkpoint reader refuses what is
+    not a regular file, naming it, rather than this guess skipping it."""
+    return path.exists() or path.is_symlink()
 
 
 def _has_steps(path: Path) -> bool:
@@ -224,7 +230,7 @@ def _workdir(workdir: str | Path | None) -> Iterator[Path]:
 def _checkpoint(uri: str, path: Path, require_signature: bool) -> BaseWeights:
     """Whole model weights through the checkpoint's verified path (signature, every file's
     sha256, the step of the folder or of latest.json); state.json from its hashed bytes."""
-    if not (path / "index.json").is_file():  # a checkpoints root: its latest step
+    if not _present(path / "index.json"):  # a checkpoints root: its latest step
         latest = latest_sharded_checkpoint(str(path))
         if latest is None:
             raise BaseModelError(f"finetune.base {uri!r}: no complete checkpoint in {path}")
