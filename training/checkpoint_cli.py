@@ -62,17 +62,20 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     verify = commands.add_parser(
         "verify",
         help="check every file; exit 0 when sound, 1 with the reason otherwise",
-        description="Run every check a loader runs, without loading: the signature (verified "
-        "whenever signature.json is present and MEGALITH_SIGNING_KEY is set; required with "
-        "--require-signature), every file's size and sha256 against the manifest, file names "
-        "inside the directory and no symlinks, safetensors headers bounded and matching the "
+        description="Run every check a loader runs, without loading: the signature (in the "
+        "scheme of the key this process holds: MEGALITH_ED25519_PUBLIC_KEY, which also requires "
+        "one, or MEGALITH_SIGNING_KEY; required with --require-signature or "
+        "MEGALITH_REQUIRE_SIGNATURE=1), every file's size and sha256 against the manifest, file "
+        "names inside the directory, no symlinks and no file the manifest does not list, the "
+        "step against the step-N folder's name, safetensors headers bounded and matching the "
         "index (checkpoints) or the model in config.json (packages).",
     )
     verify.add_argument("path", metavar="PATH", help="checkpoint step directory or package")
     verify.add_argument(
         "--require-signature",
         action="store_true",
-        help="refuse an unsigned or wrongly signed PATH (needs MEGALITH_SIGNING_KEY)",
+        help="refuse an unsigned or wrongly signed PATH (needs MEGALITH_SIGNING_KEY or "
+        "MEGALITH_ED25519_PUBLIC_KEY)",
     )
     verify.set_defaults(handler=_verify)
     convert = commands.add_parser(
