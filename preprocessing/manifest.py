@@ -148,7 +148,10 @@ def check_file_names(manifest: Manifest, source: str) -> None:
     ``NAME.bin`` and ``NAME.idx`` (and the mask pair for a chat shard set)."""
     seen: set[str] = set()
     for index, shard in enumerate(manifest.shards):
-        name = safe_read.confined_name(shard.name, source, f"shards.{index}.name")
+        try:
+            name = safe_read.confined_name(shard.name, source, f"shards.{index}.name")
+        except safe_read.UnsafeFileError as exc:
+            raise ManifestError(str(exc)) from None
         if name in seen:
             raise ManifestError(f"{source}: shard {name!r} is listed twice")
         seen.add(name)
