@@ -19,10 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from preprocessing import safe_read
 from preprocessing.storage import atomic_write_json
 from training.errors import MegalithError
 
 logger = logging.getLogger(__name__)
+
+DESCRIPTION_MAX_BYTES = 64 << 10  # a description is a few hundred bytes
 
 
 def cache_key(description: dict[str, Any]) -> str:
@@ -69,12 +72,13 @@ def _load(
     described: Path, description: dict[str, Any], paths: dict[str, Path]
 ) -> dict[str, np.ndarray] | None:
     try:
-        if json.loads(described.read_text()) != json.loads(json.dumps(description)):
+        found = safe_read.read_json(described, DESCRIPTION_MAX_BYTES, allow_symlink=False)
+        if found != json.loads(json.dumps(description)):
             return None
         return {
             name: np.load(path, mmap_mode="r", allow_pickle=False) for name, path in paths.items()
         }
-    except (OSError, ValueError):  # missing, partial or foreign files: rebuild
+    except (OSError, ValueError):  # missing, partial, foreign or oversized files: rebuild
         return None
 
 
