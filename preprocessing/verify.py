@@ -156,6 +156,11 @@ def _open_first_documents(
         return IndexedDatasetReader(join(root, shard.name).removeprefix("file://"))
     prefix = os.path.join(tmp, shard.name)
     fs, idx_path = filesystem(join(root, f"{shard.name}.idx"), storage_options)
+    size, listed = fs.size(idx_path), shard.files[f"{shard.name}.idx"].bytes
+    if size != listed:  # fetch no more than the manifest promised
+        raise IndexedDatasetError(
+            f"{join(root, shard.name)}.idx: {size} bytes, manifest says {listed}"
+        )
     fs.get_file(idx_path, f"{prefix}.idx")
     with open(f"{prefix}.bin", "wb") as handle:
         handle.truncate(shard.files[f"{shard.name}.bin"].bytes)
