@@ -45,7 +45,7 @@ def make_documents(count: int, seed: int, first_id: int = 0, max_len: int = 40) 
 
 
 def write_shard_set(
-    root: Path, shards: list[list[np.ndarray]], tokenizer_id: str = "tok-a"
+    root: Path, shards: list[list[np.ndarray]], tokenizer_id: str = "tok-a", vocab: int = VOCAB
 ) -> list[np.ndarray]:
     """Write shards with our writer and a manifest with real sha256s; return all documents."""
     root.mkdir(parents=True, exist_ok=True)
@@ -73,7 +73,7 @@ def write_shard_set(
         created_at="2026-01-01T00:00:00+00:00",
         megalith_version="test",
         tokenizer=TokenizerInfo(
-            id=tokenizer_id, path="tok.model", vocab_size=VOCAB, padded_vocab_size=VOCAB, eod_id=0
+            id=tokenizer_id, path="tok.model", vocab_size=vocab, padded_vocab_size=vocab, eod_id=0
         ),
         dtype="int32",
         append_eod=True,
