@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import urllib.request
 from importlib import resources
 from pathlib import Path
 
+from registry.tracking import DEMO_WORKDIR
 from training.config import MegalithConfig, load_config
 from training.errors import MegalithError
 
@@ -19,8 +21,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_RECIPE = REPO_ROOT / "configs" / "tiny-cpu.yaml"
 FINETUNE_RECIPE = REPO_ROOT / "configs" / "finetune-chat-tiny.yaml"
 FINETUNE_CRON = "0 3 * * *"
-PREFECT_URL = "http://127.0.0.1:4200"
+PREFECT_PORT = 4200
+PREFECT_URL = f"http://127.0.0.1:{PREFECT_PORT}"
 MLFLOW_PORT = 5000
+# Prefect 3.8.8's telemetry heartbeat reads, then inserts its session row in one DEFERRED
+# SQLite transaction (prefect/server/services/telemetry.py). On a fresh database that
+# insert races the first flow run's inserts and fails at once with "database is locked"
+# (busy_timeout cannot help an upgrade from a stale read), printing a ~90-line traceback
+# although nothing else fails. Servers we start run without it unless the user says so.
+QUIET_PREFECT_SERVER = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -33,7 +42,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         f"a server on {PREFECT_URL} if one runs, else a temporary local one.",
     )
     demo.add_argument(
-        "--workdir", default="work/demo", help="where everything goes (default work/demo)"
+        "--workdir", default=DEMO_WORKDIR, help=f"where everything goes (default {DEMO_WORKDIR})"
     )
     demo.add_argument(
         "--config", default=str(DEMO_RECIPE), metavar="YAML", help="recipe (default tiny-cpu)"
@@ -78,11 +87,13 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "ui",
         help="start the Prefect UI and the MLflow UI on localhost",
         description=f"Start `prefect server start` on {PREFECT_URL} and `mlflow ui` on "
-        f"http://127.0.0.1:{MLFLOW_PORT} for WORKDIR/mlflow.db (or MLFLOW_TRACKING_URI). Ctrl-C stops both.",
+        f"http://127.0.0.1:{MLFLOW_PORT} for WORKDIR/mlflow.db (or MLFLOW_TRACKING_URI). Ctrl-C "
+        "or SIGTERM stops both, with every process they started.",
     )
     ui.add_argument(
-        "--workdir", default="work/demo", help="whose mlflow.db to show (default work/demo)"
+        "--workdir", default=DEMO_WORKDIR, help=f"whose mlflow.db to show (default {DEMO_WORKDIR})"
     )
+    ui.add_argument("--prefect-port", type=int, default=PREFECT_PORT)
     ui.add_argument("--mlflow-port", type=int, default=MLFLOW_PORT)
     ui.set_defaults(handler=_ui)
 
@@ -107,8 +118,10 @@ def use_local_services(workdir: Path) -> None:
     """Point MLflow at WORKDIR/mlflow.db and Prefect at a local server when one runs."""
     from registry.tracking import ensure_tracking_store, resolve_tracking_uri
 
-    os.environ.setdefault("MLFLOW_TRACKING_URI", resolve_tracking_uri(None, workdir))
+    # Assigned, not defaulted: an empty MLFLOW_TRACKING_URI would send runs to ./mlflow.db.
+    os.environ["MLFLOW_TRACKING_URI"] = resolve_tracking_uri(None, workdir)
     ensure_tracking_store(os.environ["MLFLOW_TRACKING_URI"])
+    os.environ.update({k: v for k, v in QUIET_PREFECT_SERVER.items() if k not in os.environ})
     if "PREFECT_API_URL" not in os.environ and _healthy(f"{PREFECT_URL}/api/health"):
         os.environ["PREFECT_API_URL"] = f"{PREFECT_URL}/api"
 
@@ -174,34 +187,62 @@ def _ui(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).resolve()
     tracking = resolve_tracking_uri(None, workdir)
     ensure_tracking_store(tracking)
+    prefect_url = f"http://127.0.0.1:{args.prefect_port}"
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    processes = [
-        subprocess.Popen([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", "4200"], env=env),
-        subprocess.Popen(
-            [str(bin_dir / "mlflow"), "ui", "--backend-store-uri", tracking,
-             "--host", "127.0.0.1", "--port", str(args.mlflow_port), "--workers", "1"],
-            env={**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-        ),
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PREFECT_UI_API_URL": f"{prefect_url}/api",  # the UI's pages call this address
+    }
+    env.update({k: v for k, v in QUIET_PREFECT_SERVER.items() if k not in os.environ})
+    commands = [
+        ([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1",
+          "--port", str(args.prefect_port)], env),
+        ([str(bin_dir / "mlflow"), "ui", "--backend-store-uri", tracking, "--host", "127.0.0.1",
+          "--port", str(args.mlflow_port), "--workers", "1"],
+         {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}),
     ]  # fmt: skip
-    print(f"Prefect UI  {PREFECT_URL}   (export PREFECT_API_URL={PREFECT_URL}/api)")
-    print(f"MLflow UI   http://127.0.0.1:{args.mlflow_port}   ({tracking})")
-    print("Ctrl-C stops both.")
+    # SIGTERM (from `kill`, systemd, a container stop) ends the UI as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
+    servers: list[subprocess.Popen] = []
     try:
-        while all(p.poll() is None for p in processes):
+        # Each server leads its own process group, so stopping it stops its workers too.
+        servers.extend(subprocess.Popen(command, env=e, process_group=0) for command, e in commands)
+        print(f"Prefect UI  {prefect_url}   (export PREFECT_API_URL={prefect_url}/api)")
+        print(f"MLflow UI   http://127.0.0.1:{args.mlflow_port}   ({tracking})")
+        print("Ctrl-C stops both.", flush=True)
+        while all(server.poll() is None for server in servers):
             time.sleep(1)
     except KeyboardInterrupt:
         pass
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGINT)
-        for process in processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut cleanup
+            signal.signal(signum, signal.SIG_IGN)
+        stop_process_groups(servers)
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_process_groups(leaders: list[subprocess.Popen], grace_s: float = 15) -> None:
+    """SIGTERM to each leader's process group; SIGKILL to whatever of a group is left
+    ``grace_s`` later (or once its leader has exited: its workers would be orphans)."""
+    for leader in leaders:
+        _signal_group(leader, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for leader in leaders:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            leader.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for leader in leaders:
+        _signal_group(leader, signal.SIGKILL)
+        leader.wait()
+
+
+def _signal_group(leader: subprocess.Popen, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(leader.pid, signum)
 
 
 def _healthy(url: str) -> bool:

@@ -5,12 +5,18 @@ create an empty one; stopping ``megalith ui`` stops every server it started."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.servers import free_port, run_group, running_process
@@ -74,7 +80,8 @@ def demo_dir(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         env.delenv("MLFLOW_TRACKING_URI", raising=False)
         ensure_tracking_store(uri)
         client = MlflowClient(tracking_uri=uri)
-        run = client.create_run(client.create_experiment("faults")).info.run_id
+        experiment = client.create_experiment("faults", (root / "artifacts").as_uri())
+        run = client.create_run(experiment).info.run_id
         assert register_model(package, MODEL, run, {}, "candidate", tracking_uri=uri) == 1
         client.set_terminated(run)
     return root
@@ -134,3 +141,77 @@ def test_a_missing_store_is_named_and_never_created(
     assert "--tracking-uri" in result.stderr and "MLFLOW_TRACKING_URI" in result.stderr
     assert "Traceback" not in result.stderr
     assert sqlite_files(tmp_path) == []
+
+
+# --- stopping `megalith ui` stops every server it started ---------------------------
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def running(processes: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+    return alive
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_megalith_ui_stops_all_its_servers(signum: int, tmp_path: Path) -> None:
+    prefect_port, mlflow_port = free_port(), free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))},
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    command = [*MEGALITH, "ui", "--workdir", str(tmp_path / "work"),
+               "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)]  # fmt: skip
+    log = tmp_path / "ui.log"
+    with log.open("w") as output:
+        ui = subprocess.Popen(
+            command, env=env, stdout=output, stderr=output, start_new_session=True
+        )
+    tree: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 180
+        urls = [
+            f"http://127.0.0.1:{prefect_port}/api/health",
+            f"http://127.0.0.1:{mlflow_port}/health",
+        ]
+        while not all(answers(url) for url in urls):
+            assert ui.poll() is None, f"megalith ui exited: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, (
+                f"{urls} did not answer in 180 s: {log.read_text()[-3000:]}"
+            )
+            time.sleep(0.5)
+        tree = psutil.Process(ui.pid).children(recursive=True)
+        assert len(tree) >= 2, tree
+
+        os.kill(ui.pid, signum)
+        assert ui.wait(timeout=60) == 0, log.read_text()[-3000:]
+        deadline = time.monotonic() + 30
+        while running(tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [(p.pid, " ".join(p.cmdline())[:120]) for p in running(tree)]
+        assert left == [], f"still running 30 s after megalith ui exited: {left}"
+        assert not port_open(prefect_port) and not port_open(mlflow_port)
+    finally:
+        for process in running(tree):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        if ui.poll() is None:
+            ui.kill()
+        ui.wait()

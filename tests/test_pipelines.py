@@ -203,3 +203,25 @@ def test_serve_pipelines_offers_every_flow_with_form_defaults(tmp_path: Path) ->
     schema = parameter_schema(flow).model_dump()
     assert schema["properties"]["config"]["$ref"].endswith("MegalithConfig")
     assert "ModelConfig" in schema["definitions"]  # the UI renders each section as a form
+
+
+def test_the_first_demo_on_a_fresh_prefect_home_prints_no_error(tmp_path: Path) -> None:
+    """`megalith demo` as a new user first runs it: no Prefect server, a new PREFECT_HOME
+    (so Prefect's temporary server creates its database), no MLflow settings. The run
+    must look as clean as it is: no traceback, no "database is locked", no ERROR line."""
+    import os
+    import sys
+
+    from tests.servers import run_group
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "OMP_NUM_THREADS": "1"})
+    overrides = [arg for setting in TINY_DEMO for arg in ("--set", setting)]
+    command = [sys.executable, "-m", "pipelines.cli", "demo", "--workdir", "work", *overrides]
+    result = run_group(command, env, timeout_s=600, cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "registered  models:/megalith-demo@candidate (version 1)" in result.stdout
+    for unwanted in ("Traceback", "database is locked", "| ERROR"):
+        assert unwanted not in output, output[-6000:]
+    assert (tmp_path / "work" / "mlflow.db").is_file() and not (tmp_path / "mlflow.db").exists()
