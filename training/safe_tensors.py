@@ -19,11 +19,11 @@ lets loaders compare with the index/model before reading any tensor.
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from pathlib import Path
 
+from preprocessing.safe_read import UnsafeFileError, loads_json
 from training.errors import MegalithError
 
 MAX_HEADER_BYTES = 100_000_000
@@ -61,10 +61,10 @@ def check_safetensors(path: str | Path) -> dict[str, tuple[list[int], str]]:
                 f"headers are limited to {MAX_HEADER_BYTES}"
             )
         raw = handle.read(length)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UnsafeTensorFileError(f"{path}: header is not valid JSON: {exc}") from None
+    try:  # bounded nesting: a 100k-deep header is a RecursionError in json.loads
+        header = loads_json(raw, f"{path}: header")
+    except UnsafeFileError as exc:
+        raise UnsafeTensorFileError(str(exc)) from None
     if not isinstance(header, dict):
         raise UnsafeTensorFileError(f"{path}: header is not a JSON object")
     header.pop("__metadata__", None)
@@ -77,7 +77,7 @@ def _check_entries(path: Path, header: dict, data_bytes: int) -> dict[str, tuple
         if not isinstance(entry, dict):
             raise UnsafeTensorFileError(f"{path}: tensor {name}: entry is not an object")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             raise UnsafeTensorFileError(f"{path}: tensor {name}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
