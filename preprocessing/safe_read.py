@@ -132,8 +132,9 @@ class _BoundedSafeLoader(yaml.SafeLoader):
 
 def loads_yaml(text: str, source: str) -> Any:
     """Parse YAML text from ``source`` with the safe loader and the alias/nesting budget."""
-    loader = _BoundedSafeLoader(text, source)
+    loader = None
     try:
+        loader = _BoundedSafeLoader(text, source)  # refuses control characters already
         return loader.get_single_data()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -143,7 +144,8 @@ def loads_yaml(text: str, source: str) -> Any:
     except RecursionError:
         raise UnsafeFileError(f"{source}: YAML nested deeper than {MAX_DEPTH} levels") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def read_yaml(
