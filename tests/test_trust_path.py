@@ -331,6 +331,30 @@ def test_require_signature_env_reaches_every_package_loader(tmp_path: Path, monk
         load_model_package(pkg)
 
 
+def test_adapters_are_signed_and_checked(tmp_path: Path, monkeypatch) -> None:
+    """A LoRA adapter saved alone loads weights too: signed when a key is set, refused
+    unsigned when required, and a changed adapter.json breaks its signature."""
+    from training.config import LoRAConfig
+    from training.finetune.adapter import load_adapter, save_adapter
+
+    tensors = {
+        "layers.0.attention.proj.lora.a": torch.ones(4, 32),
+        "layers.0.attention.proj.lora.b": torch.zeros(32, 4),
+    }
+    lora, config = LoRAConfig(rank=4, alpha=8), tiny_model().config
+    unsigned = save_adapter(tensors, lora, config, {}, tmp_path / "unsigned")
+    monkeypatch.setenv(KEY_ENV, KEY)
+    with pytest.raises(MegalithError, match=r"unsigned \(signature\.json is missing\)"):
+        load_adapter(unsigned, require_signature=True)
+    signed = save_adapter(tensors, lora, config, {}, tmp_path / "signed")
+    assert load_adapter(signed, require_signature=True).tensors.keys() == tensors.keys()
+    meta = json.loads((signed / "adapter.json").read_text())
+    meta["lora"]["alpha"] = 800  # a 100x stronger adapter, same weights file
+    (signed / "adapter.json").write_text(json.dumps(meta))
+    with pytest.raises(MegalithError, match="signature of adapter.json does not match"):
+        load_adapter(signed)
+
+
 # --------------------------------------------------------------------------- identity
 
 

@@ -9,8 +9,10 @@ An adapter directory is small (``rank · (in + out)`` values per target layer)::
                            "base": {megalith.base.* lineage, content_id included},
                            "weights": {"file": "adapter.safetensors", "sha256": hex}}
 
-Written to a temporary sibling directory renamed into place. Loading checks the
-sha256 before reading a tensor, bounds the safetensors header, and checks every name
+Written to a temporary sibling directory renamed into place, with ``signature.json``
+over adapter.json when a signing key is set (:mod:`training.signing`). Loading reads
+adapter.json once, checks its signature over those bytes (required with
+``require_signature``), then the weights' sha256 before reading a tensor, bounds the safetensors header, and checks every name
 and shape against the base weights it is put on; an adapter made on other base
 weights (another ``content_id``) is refused unless the caller allows it.
 """
@@ -29,6 +31,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from preprocessing import safe_read
 from preprocessing.storage import sha256_of_file
 from training.config import LoRAConfig, ModelConfig, format_validation_error
 from training.errors import MegalithError
@@ -40,6 +43,13 @@ from training.finetune.lora import (
     target_linears,
 )
 from training.safe_tensors import UnsafeTensorFileError, check_safetensors
+from training.signing import (
+    SignatureError,
+    check_signature_bytes,
+    read_signature,
+    should_sign,
+    sign_directory,
+)
 
 ADAPTER_FORMAT = "megalith-lora-adapter"
 FORMAT_VERSION = 1
@@ -70,8 +80,10 @@ def save_adapter(
     model: ModelConfig,
     base: dict[str, str],
     out_dir: str | Path,
+    sign: bool | None = None,
 ) -> Path:
-    """Write whole adapter tensors (single-device names) and their JSON record."""
+    """Write whole adapter tensors (single-device names) and their JSON record; ``sign``
+    as ``checkpoint.sign`` (None: when a signing key is set)."""
     out_dir = Path(out_dir)
     bad = [name for name in tensors if not is_adapter_param(name)]
     if bad:
@@ -92,6 +104,8 @@ def save_adapter(
         }
         text = json.dumps(meta, indent=2, sort_keys=True) + "\n"
         (tmp / META_FILE).write_text(text, encoding="utf-8")
+        if should_sign(sign):
+            sign_directory(tmp, META_FILE)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
@@ -101,10 +115,11 @@ def save_adapter(
     return out_dir
 
 
-def load_adapter(adapter_dir: str | Path) -> Adapter:
-    """Read and verify an adapter directory (sha256 first, then a bounded header)."""
+def load_adapter(adapter_dir: str | Path, require_signature: bool = False) -> Adapter:
+    """Read and verify an adapter directory (signature and sha256 first, then a bounded
+    header)."""
     adapter_dir = Path(adapter_dir)
-    meta = _read_meta(adapter_dir / META_FILE)
+    meta = _read_meta(adapter_dir / META_FILE, require_signature)
     weights = _plain_file(adapter_dir / WEIGHTS_FILE)
     actual = sha256_of_file(str(weights))
     if actual != meta["weights"].get("sha256"):
@@ -180,14 +195,20 @@ def attach_adapter(model: nn.Module, adapter: Adapter) -> nn.Module:
     return model
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
-    _plain_file(path)
-    if path.stat().st_size > MAX_META_BYTES:
-        raise AdapterError(f"{path}: larger than {MAX_META_BYTES} bytes")
+def _read_meta(path: Path, require_signature: bool) -> dict[str, Any]:
+    """adapter.json from bytes read once (bounded, a regular file, no link), whose
+    signature is checked before they are trusted."""
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterError(f"{path}: not valid JSON: {exc}") from None
+        data = safe_read.read_bytes_bounded(path, MAX_META_BYTES, allow_symlink=False)
+        check_signature_bytes(
+            read_signature(path.parent), META_FILE, data, require_signature,
+            str(path.parent / "signature.json"),
+        )  # fmt: skip
+        meta = safe_read.loads_json(data, str(path))
+    except FileNotFoundError:
+        raise AdapterError(f"{path}: missing or not a plain file") from None
+    except (safe_read.UnsafeFileError, SignatureError) as exc:
+        raise AdapterError(str(exc)) from None
     if not isinstance(meta, dict) or meta.get("format") != ADAPTER_FORMAT:
         raise AdapterError(f"{path}: not a {ADAPTER_FORMAT} record")
     if meta.get("format_version") != FORMAT_VERSION:

@@ -41,6 +41,12 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "--allow-other-base", action="store_true", help="merge onto other base weights"
     )
     merge.add_argument("--overwrite", action="store_true", help="replace PKG if it exists")
+    merge.add_argument(
+        "--require-signature",
+        action="store_true",
+        help="refuse an unsigned ADAPTER or BASE (needs MEGALITH_SIGNING_KEY or "
+        "MEGALITH_ED25519_PUBLIC_KEY)",
+    )
     merge.set_defaults(handler=_merge)
 
 
@@ -55,6 +61,7 @@ def _merge(args: argparse.Namespace) -> int:
         tracking_uri=args.tracking_uri,
         allow_other_base=args.allow_other_base,
         overwrite=args.overwrite,
+        require_signature=args.require_signature,
     )
     print(f"merged {args.adapter} into {args.base}: model package {package}")
     return 0

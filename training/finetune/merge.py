@@ -25,16 +25,20 @@ def merge_adapter_package(
     tracking_uri: str | None = None,
     allow_other_base: bool = False,
     overwrite: bool = False,
+    require_signature: bool = False,
 ) -> Path:
     """Write ``base`` (any ``finetune.base`` form) with the adapter folded in as a package.
 
     The base's tensors must be the ones the adapter was trained on (same content id)
     unless ``allow_other_base``. ``tokenizer``: the SentencePiece model to package,
     needed when the base is a checkpoint (packages, registered models and HF
-    directories bring theirs)."""
-    adapter = load_adapter(adapter_dir)
+    directories bring theirs). ``require_signature``: the adapter and the base must be
+    signed (see :mod:`training.signing`)."""
+    adapter = load_adapter(adapter_dir, require_signature)
     with tempfile.TemporaryDirectory(prefix="megalith-merge-") as workdir:
-        weights = load_base(base, tracking_uri=tracking_uri, workdir=workdir)
+        weights = load_base(
+            base, tracking_uri=tracking_uri, workdir=workdir, require_signature=require_signature
+        )
         tokenizer = tokenizer or weights.tokenizer_path
         if tokenizer is None:
             raise BaseModelError(

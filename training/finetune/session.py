@@ -145,7 +145,12 @@ class FineTune:
         if self.lora is None or self._adapter_tensors is None:
             return None
         return save_adapter(
-            self._adapter_tensors, self.lora, self.model_config, self.base.lineage(), out_dir
+            self._adapter_tensors,
+            self.lora,
+            self.model_config,
+            self.base.lineage(),
+            out_dir,
+            sign=self.config.checkpoint.sign,
         )
 
 
