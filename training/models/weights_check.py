@@ -1,11 +1,11 @@
 """A model config against the tensors a weights file holds, before any model is built.
 
-Loaders (model packages, HF import) read a safetensors header (names and shapes, no
-data) and ask :func:`config_mismatch` first: a config that says 1000 layers beside
-weights for 2 is refused in the time it takes to count names, without building the
-model on the meta device. The full comparison (every name, shape and dtype) against a
-meta-device model follows; :func:`config_keys_for` names the config keys that size a
-tensor, for its message.
+Loaders read a safetensors header (names and shapes, no data) or hold whole tensors
+whose sizes the file bounded, and call :func:`checked_meta_model` before they build or
+allocate anything from the config: first :func:`config_mismatch` (block counts and the
+embedding, in the time it takes to count names: a config of 1000 layers beside weights
+for 2 never builds 1000 layers), then every name and shape against the model built on
+the meta device (no memory). Messages name the tensor and the config keys that size it.
 """
 
 from __future__ import annotations
@@ -13,8 +13,12 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
+import torch
+from torch import nn
+
 from training.config import ModelConfig
-from training.models import model_class
+from training.errors import MegalithError
+from training.models import build_model, model_class
 
 _BLOCK = re.compile(r"^(?P<stack>(?:[\w.]+\.)?layers)\.(?P<index>\d+)\.")
 
@@ -32,6 +36,44 @@ _KEYS_BY_NAME = (
     ("fc2", ("ffn_hidden_size", "hidden_size")),
     ("output", ("vocab_size", "hidden_size")),
 )
+
+
+class WeightsMismatchError(MegalithError):
+    """Weights whose tensor names or shapes are not those of the model a config describes."""
+
+
+def checked_meta_model(config: ModelConfig, shapes: dict[str, list[int]], source: str) -> nn.Module:
+    """``config``'s model on the meta device, once ``shapes`` (``{name: shape}`` of the
+    weights, tied aliases left out) are exactly its tensors; else
+    :class:`WeightsMismatchError` naming ``source``, the tensor and the config keys."""
+    problem = config_mismatch(config, shapes)
+    if problem:
+        raise WeightsMismatchError(
+            f"{source}: the config does not describe these weights: {problem}"
+        )
+    with torch.device("meta"):
+        model = build_model(config)
+    expected = {
+        name: list(tensor.shape)
+        for name, tensor in model.state_dict().items()
+        if name not in model.tied_weights
+    }
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    if missing or unexpected:
+        raise WeightsMismatchError(
+            f"{source}: tensor names do not match the model the config describes: "
+            f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+        )
+    for name, shape in expected.items():
+        if list(shapes[name]) != shape:
+            keys = config_keys_for(name)
+            raise WeightsMismatchError(
+                f"{source}: tensor {name} is {list(shapes[name])}, the config needs {shape}"
+                + (f" (check {keys})" if keys else "")
+            )
+    return model
 
 
 def config_mismatch(config: ModelConfig, shapes: dict[str, list[int]]) -> str | None:
