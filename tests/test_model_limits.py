@@ -28,6 +28,7 @@ from tests.test_data_cli import assert_clean_error, megalith
 from training.config import ConfigError, ModelConfig, TokenizerConfig, load_config
 from training.errors import MegalithError
 from training.interop.hf import HFInteropError, export_hf, import_hf
+from training.models import build_model
 from training.models.gpt import GPTModel
 from training.models.package import (
     PackageConfigError,
@@ -152,6 +153,21 @@ def test_package_saying_more_layers_than_its_weights_is_refused_before_building(
         PackageTensorError, "model.num_layers is 1000", lambda: load_model_package(package)
     )
     assert "the weights hold blocks 0..1 under layers.*" in message
+
+
+def test_t5_package_saying_more_decoder_layers_than_its_weights_names_the_key(
+    tokenizer_file: Path, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    config = tiny_config(family="t5", style="llama", num_query_groups=None, vocab_size=VOCAB)
+    model = build_model(config)
+    path = save_model_package(model, config, tokenizer_file, tmp_path / "t5")
+    set_package_model(path, num_decoder_layers=500)
+    refused_within_a_second(
+        PackageTensorError,
+        r"model.num_decoder_layers is 500, the weights hold blocks 0..1 under decoder.layers",
+        lambda: load_model_package(path),
+    )
 
 
 def test_package_width_disagreeing_with_its_embedding_names_the_key(package: Path) -> None:
