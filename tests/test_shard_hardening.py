@@ -31,6 +31,7 @@ from preprocessing.indexed_dataset import (
 )
 from preprocessing.manifest import MANIFEST_NAME, ManifestError, read_manifest
 from preprocessing.prepare import check_token_ids
+from preprocessing.storage import sha256_of_file
 from preprocessing.tokenizer import Tokenizer, train_tokenizer
 from preprocessing.verify import verify_shard_set
 from tests.test_data_cli import assert_clean_error, megalith
@@ -339,13 +340,24 @@ def test_verify_and_inspect_cli_name_the_bad_key(good_set: Path) -> None:
     assert "shard-00000.idx.bytes: Input should be a valid integer" in verified.stderr
 
 
-def test_inspect_and_verify_cli_refuse_a_corrupt_index(good_set: Path) -> None:
-    with open(good_set / "shard-00001.idx", "r+b") as handle:
-        handle.seek(34 + 4 * 6 + 8 * 2)  # the third sequence pointer
+def test_inspect_and_verify_cli_refuse_a_corrupt_index(bad_ids: Path) -> None:
+    """A pointer rewritten and the manifest's hash updated to match: the index check itself
+    must catch it, in verify and in inspect --decode."""
+    idx = bad_ids / "shard-00000.idx"
+    with open(idx, "r+b") as handle:
+        handle.seek(34 + 4 * 6 + 8 * 2)  # header, six lengths, then the third pointer
         handle.write(struct.pack("<q", 3))
-    verified = megalith("data", "verify", good_set)
+    edit_manifest(
+        bad_ids,
+        lambda m: m["shards"][0]["files"]["shard-00000.idx"].update(
+            sha256=sha256_of_file(str(idx))
+        ),
+    )
+    expected = "shard-00000.idx: sequence 2 starts at byte 3 of the .bin; expected 320"
+    verified = megalith("data", "verify", bad_ids)
     assert verified.returncode == 1 and "Traceback" not in verified.stderr
-    assert "shard-00001.idx" in verified.stderr  # its sha256 no longer matches the manifest
+    assert expected in verified.stderr
+    assert_clean_error(megalith("data", "inspect", "--decode", "2", bad_ids), expected)
 
 
 def test_megalith_train_on_a_truncated_manifest_is_a_clean_error(
@@ -461,3 +473,13 @@ def test_a_cache_description_linked_to_dev_zero_is_rebuilt(tmp_path: Path, good_
         first[i]["tokens"].tolist() for i in range(8)
     ]
     assert described.is_file() and not described.is_symlink()
+
+
+def test_inspect_decode_refuses_an_id_past_the_vocabulary(tmp_path: Path, tokenizer: Tokenizer):
+    root = tmp_path / "set"
+    write_shard_set(root, [documents_with(1)], vocab=VOCAB)
+    edit_manifest(root, lambda m: m["tokenizer"].update(id=tokenizer.id, path=tokenizer.model_path))
+    assert_clean_error(
+        megalith("data", "inspect", "--decode", "3", root),
+        "shard-00000.bin: document 1 holds a token id outside the tokenizer's 1000 ids",
+    )
