@@ -21,9 +21,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
 import sentencepiece as spm
 
+from preprocessing import safe_read
 from preprocessing.storage import atomic_write_bytes, sha256_of_bytes
 from training.config import TokenizerConfig
 from training.errors import MegalithError
@@ -35,6 +35,9 @@ SENTINEL_FORMAT = "<extra_id_{}>"  # T5's span-corruption sentinels, <extra_id_0
 # Unigram training sums EM statistics per thread, so the float results (and the
 # model bytes) depend on the thread count. Fixing it keeps the id machine-independent.
 TRAIN_THREADS = 4
+# A path read from a manifest may name /dev/zero or a huge file: SentencePiece models are
+# a few MB even at 256k pieces.
+MAX_MODEL_BYTES = 256 << 20
 
 _TOO_LARGE = re.compile(
     r"Vocabulary size (?:is )?too high \((\d+)\)\. Please set it to a value <= (\d+)"
@@ -149,8 +152,7 @@ def load_tokenizer(
 ) -> Tokenizer:
     """Load a SentencePiece ``.model`` from a local path or any fsspec URL."""
     try:
-        with fsspec.open(url, "rb", **(storage_options or {})) as handle:
-            model_bytes = handle.read()
+        model_bytes = safe_read.read_bytes_bounded(url, MAX_MODEL_BYTES, storage_options)
     except FileNotFoundError:
         raise TokenizerError(f"tokenizer model not found: {url}") from None
     except IsADirectoryError:
