@@ -483,3 +483,10 @@ def test_inspect_decode_refuses_an_id_past_the_vocabulary(tmp_path: Path, tokeni
         megalith("data", "inspect", "--decode", "3", root),
         "shard-00000.bin: document 1 holds a token id outside the tokenizer's 1000 ids",
     )
+
+
+def test_a_manifest_tokenizer_path_to_dev_zero_is_refused(good_set: Path) -> None:
+    edit_manifest(good_set, lambda m: m["tokenizer"].update(path="/dev/zero"))
+    assert_clean_error(
+        megalith("data", "inspect", "--decode", "1", good_set), "/dev/zero: not a regular file"
+    )
