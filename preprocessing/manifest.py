@@ -115,7 +115,7 @@ def read_manifest(root: str, storage_options: dict[str, Any] | None = None) -> M
     url = manifest_url(root)
     local = root.removeprefix("file://") if is_local(root) else None
     if local is not None:
-        check_confined(local, [MANIFEST_NAME])
+        check_files_in_folder(local, [MANIFEST_NAME])
     try:
         raw = safe_read.read_json(url, storage_options=storage_options, expect=dict)
     except FileNotFoundError:
@@ -139,7 +139,7 @@ def read_manifest(root: str, storage_options: dict[str, Any] | None = None) -> M
         raise ManifestError(f"{url}: {key}: {first['msg']}") from None
     check_file_names(manifest, url)
     if local is not None:
-        check_confined(local, manifest.file_names())
+        check_files_in_folder(local, manifest.file_names())
     return manifest
 
 
@@ -168,9 +168,10 @@ def shard_file_names(name: str, chat: bool) -> set[str]:
     return {f"{prefix}{suffix}" for prefix in prefixes for suffix in (".bin", ".idx")}
 
 
-def check_confined(folder: str, names: list[str]) -> None:
-    """Each of ``names`` in the local ``folder`` that exists resolves inside it: a symlink
-    may point elsewhere in the folder, never out of it."""
+def check_files_in_folder(folder: str, names: list[str]) -> None:
+    """Each of ``names`` in the local ``folder`` that exists is a regular file inside it: a
+    symlink may point elsewhere in the folder, never out of it, and no name is a device,
+    pipe or folder (hashing a pipe would wait forever)."""
     top = os.path.realpath(folder)
     for name in names:
         path = os.path.join(folder, name)
@@ -179,6 +180,8 @@ def check_confined(folder: str, names: list[str]) -> None:
                 f"{path}: a symbolic link to {os.path.realpath(path)}, outside the shard "
                 f"folder {folder}; copy the file in instead"
             )
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise ManifestError(f"{path}: not a regular file (a device, pipe or folder)")
 
 
 def write_manifest(

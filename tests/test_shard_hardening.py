@@ -490,3 +490,13 @@ def test_a_manifest_tokenizer_path_to_dev_zero_is_refused(good_set: Path) -> Non
     assert_clean_error(
         megalith("data", "inspect", "--decode", "1", good_set), "/dev/zero: not a regular file"
     )
+
+
+def test_a_pipe_listed_as_an_empty_shard_file_is_refused_not_hashed(good_set: Path):
+    (good_set / "shard-00001.bin").unlink()
+    os.mkfifo(good_set / "shard-00001.bin")  # reading it to hash it would wait forever
+    edit_manifest(good_set, lambda m: m["shards"][1]["files"]["shard-00001.bin"].update(bytes=0))
+    [problem] = verify_shard_set(str(good_set))
+    assert problem.endswith("shard-00001.bin: not a regular file (a device, pipe or folder)")
+    with pytest.raises(ShardSetError, match="shard-00001.bin: not a regular file"):
+        open_shard_set(str(good_set))
