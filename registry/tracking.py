@@ -332,14 +332,16 @@ _THREAD_NAME = "megalith-mlflow-logger"
 _QUIET_THREADS = {_THREAD_NAME, "SystemMetricsMonitor"}
 
 
-class _QuietRetries(logging.Filter):
-    """Drops urllib3's per-retry warnings from the logging threads: the logger warns once."""
+class _QuietThreads(logging.Filter):
+    """Drops urllib3's per-retry warnings, and the system-metrics monitor's own warning
+    when the store goes away, from the logging threads: the logger warns once itself."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.threadName not in _QUIET_THREADS
 
 
-logging.getLogger("urllib3.connectionpool").addFilter(_QuietRetries())
+logging.getLogger("urllib3.connectionpool").addFilter(_QuietThreads())
+logging.getLogger("mlflow.system_metrics.system_metrics_monitor").addFilter(_QuietThreads())
 
 
 def _bound_client_retries() -> None:
@@ -347,6 +349,12 @@ def _bound_client_retries() -> None:
     retries by itself, so each request gives up in seconds (unless the user set these)."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(REQUEST_RETRIES))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(REQUEST_TIMEOUT_S))
+
+
+def _shortened(text: str, limit: int = 200) -> str:
+    """MLflow's connection errors repeat the URL and urllib3's whole retry story."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class _Backlog:
@@ -602,7 +610,7 @@ class MLflowRunLogger:
             "metrics to send when it answers again",
             self.tracking_uri,
             type(error).__name__,
-            error,
+            _shortened(str(error)),
             MAX_BACKLOG_METRICS,
         )
 

@@ -16,17 +16,20 @@ Subprocess timeouts only guard against hangs; the bounds asserted are the issue'
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import signal
 import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from parallel_helpers import RECIPE, child_env, megalith, set_args, tiny_settings
-from servers import run_group, stop_group
+from servers import free_port, run_group, stop_group
 
 from training.run_lock import LOCK_NAME
 
@@ -165,3 +168,172 @@ def limit_file_size(limit: int):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     return apply
+
+
+# --- MLflow outage ------------------------------------------------------------------------
+
+# On the training process's path: before launching the step after STEP, when
+# GATES/pause-STEP exists, touch GATES/at-STEP and wait for GATES/go-STEP. The test
+# moves the MLflow server between those points.
+SITECUSTOMIZE = """
+import os
+import pathlib
+import time
+
+if os.environ.get("MEGALITH_TEST_GATES"):
+    import training.trainer as trainer
+
+    gates = pathlib.Path(os.environ["MEGALITH_TEST_GATES"])
+    launch_step = trainer.Trainer.launch_step
+
+    def gated_step(self, batches):
+        if (gates / f"pause-{self.step}").exists():
+            (gates / f"at-{self.step}").touch()
+            while not (gates / f"go-{self.step}").exists():
+                time.sleep(0.05)
+        return launch_step(self, batches)
+
+    trainer.Trainer.launch_step = gated_step
+"""
+OUTAGE_STEPS = 8
+
+
+class MLflowServer:
+    """A real ``mlflow server`` on a fixed port and SQLite store, to kill and restart."""
+
+    def __init__(self, root: Path):
+        from registry.tracking import ensure_tracking_store
+
+        store = f"sqlite:///{root / 'mlflow.db'}"
+        ensure_tracking_store(store)  # migrated once, before the server's workers start
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = self.url.rpartition(":")[2]
+        self.command = [
+            sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", port,
+            "--workers", "1", "--backend-store-uri", store,
+            "--artifacts-destination", str(root / "artifacts"),
+        ]  # fmt: skip
+        self.env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        self.env.pop("MLFLOW_TRACKING_URI", None)
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            self.command, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        wait_until(lambda: answers(f"{self.url}/health"), "mlflow server answering")
+
+    def kill(self) -> None:
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self.process = None
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def wait_until(condition, what: str, timeout_s: float = HANG_GUARD_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def outage(shards: Path, tmp_path: Path) -> Iterator[tuple[MLflowServer, Path, Path]]:
+    """A started MLflow server, a gates folder and the sitecustomize folder."""
+    server = MLflowServer(tmp_path)
+    server.start()
+    (tmp_path / "gates").mkdir()
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    try:
+        yield server, tmp_path / "gates", tmp_path / "inject"
+    finally:
+        server.kill()
+
+
+def start_tracked_training(
+    shards: Path, output: Path, server: MLflowServer, gates: Path, inject: Path
+) -> tuple[subprocess.Popen, Path]:
+    settings = {"training.train_iters": OUTAGE_STEPS, "logging.mlflow": "true"}
+    log = output.parent / "train.log"
+    env = child_env(
+        MLFLOW_TRACKING_URI=server.url,
+        MEGALITH_TEST_GATES=str(gates),
+        PYTHONPATH=f"{inject}:{Path(__file__).resolve().parents[1]}",
+    )
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            megalith(*train_args(shards, output, settings), "--quiet"),
+            env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    return process, log
+
+
+def pass_gate(gates: Path, step: int) -> None:
+    wait_until(lambda: (gates / f"at-{step}").exists(), f"training to reach step {step}")
+
+
+def test_mlflow_server_down_mid_run_gets_every_metric_when_it_returns(
+    outage: tuple[MLflowServer, Path, Path], shards: Path, tmp_path: Path
+) -> None:
+    from mlflow import MlflowClient
+
+    server, gates, inject = outage
+    for step in (3, 6):
+        (gates / f"pause-{step}").touch()
+    output = tmp_path / "run"
+    process, log = start_tracked_training(shards, output, server, gates, inject)
+    try:
+        pass_gate(gates, 3)
+        server.kill()
+        (gates / "go-3").touch()  # steps 4-6 train with the server down
+        pass_gate(gates, 6)
+        wait_until(lambda: "training continues, keeping up to" in log.read_text(), "the warning")
+        server.start()  # same port, same store
+        (gates / "go-6").touch()
+        assert process.wait(timeout=HANG_GUARD_S) == 0, log.read_text()[-3000:]
+    finally:
+        stop_group(process, grace_s=5)
+    text = log.read_text()
+    assert "Traceback" not in text
+    assert text.count("MLflow tracking to") == 2, text  # gone once, back once
+    assert "answers again after" in text
+    run_id = json.loads((output / "result.json").read_text())["mlflow_run_id"]
+    client = MlflowClient(tracking_uri=server.url)
+    steps = sorted(m.step for m in client.get_metric_history(run_id, "loss"))
+    assert steps == list(range(1, OUTAGE_STEPS + 1))
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_mlflow_server_still_down_at_the_end_is_named_in_one_warning(
+    outage: tuple[MLflowServer, Path, Path], shards: Path, tmp_path: Path
+) -> None:
+    server, gates, inject = outage
+    (gates / "pause-3").touch()
+    output = tmp_path / "run"
+    process, log = start_tracked_training(shards, output, server, gates, inject)
+    try:
+        pass_gate(gates, 3)
+        server.kill()
+        (gates / "go-3").touch()
+        assert process.wait(timeout=HANG_GUARD_S) == 0, log.read_text()[-3000:]
+    finally:
+        stop_group(process, grace_s=5)
+    text = log.read_text()
+    assert "Traceback" not in text
+    run_id = json.loads((output / "result.json").read_text())["mlflow_run_id"]
+    ended = [line for line in text.splitlines() if "was not ended" in line]
+    assert len(ended) == 1 and f"MLflow run {run_id} at {server.url}" in ended[0], text
+    assert "stays RUNNING there" in ended[0]
+    metrics = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, OUTAGE_STEPS + 1))
