@@ -38,6 +38,7 @@ from preprocessing import safe_read
 from training.config import ConfigError, MegalithConfig, ModelConfig, format_validation_error
 from training.errors import MegalithError
 from training.finetune.lora import is_adapter_param, merge_tensors
+from training.models.weights_check import checked_meta_model
 from training.sharded_checkpoint import latest_sharded_checkpoint, read_model_weights
 
 # Model keys that change how the model runs, not what its weights are: a recipe may set
@@ -244,6 +245,9 @@ def _checkpoint(uri: str, path: Path, require_signature: bool) -> BaseWeights:
                 f"{path}: holds LoRA adapters but state.json has no finetune.lora rank and alpha"
             )
         tensors = merge_tensors(tensors, lora["alpha"] / lora["rank"])
+    # state.json's sizes against the weights, before the fine-tune builds the model from them
+    shapes = {name: list(tensor.shape) for name, tensor in tensors.items()}
+    checked_meta_model(config, shapes, f"{path / 'state.json'}: model_config and the weights")
     details = {"step": str(state.get("step", ""))}
     return BaseWeights(uri, "checkpoint", config, tensors, content_id(tensors), details=details)
 
