@@ -25,8 +25,10 @@ from evaluation.cli import package_max_positions, read_prompts
 from preprocessing.tokenizer import train_tokenizer
 from registry.models import RegistryError, check_mlmodel, verify_package
 from tests.test_data_cli import assert_clean_error, megalith
-from training.config import ConfigError, ModelConfig, TokenizerConfig, load_config
+from training.checkpoint import save_checkpoint
+from training.config import ConfigError, ModelConfig, OptimizerConfig, TokenizerConfig, load_config
 from training.errors import MegalithError
+from training.finetune.base import load_base
 from training.interop.hf import HFInteropError, export_hf, import_hf
 from training.models import build_model
 from training.models.gpt import GPTModel
@@ -37,6 +39,7 @@ from training.models.package import (
     save_model_package,
     sha256_file,
 )
+from training.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 448  # 400 SentencePiece pieces padded to a multiple of 64
@@ -227,6 +230,29 @@ def test_rope_table_is_sized_by_the_positions_used_not_the_config(
     with torch.no_grad():
         assert torch.equal(loaded(x), model.eval()(x))
     assert loaded.rope._table[0].shape == (4096, config.head_dim)
+
+
+@pytest.mark.parametrize(
+    ("lie", "expected"),
+    [
+        ({"num_layers": 1000}, "model.num_layers is 1000, the weights hold blocks 0..1"),
+        ({"ffn_hidden_size": 200_000}, r"mlp.fc1.linear.weight is \[96, 32\].*ffn_hidden_size"),
+    ],
+)
+def test_checkpoint_base_whose_state_json_lies_about_sizes_is_refused_before_building(
+    tmp_path: Path, lie: dict[str, Any], expected: str
+) -> None:
+    """finetune.base: a checkpoint whose state.json says more than its weights hold."""
+    torch.manual_seed(0)
+    model = GPTModel(tiny_config())
+    optimizer, names = build_optimizer(model, OptimizerConfig(), torch.device("cpu"))
+    state = {"consumed_samples": 0, "model_config": {**model.config.model_dump(mode="json"), **lie}}
+    save_checkpoint(tmp_path / "base", 1, model, optimizer, names, state, keep_last=1)
+    refused_within_a_second(
+        MegalithError,
+        f"state.json: model_config.*{expected}",
+        lambda: load_base(str(tmp_path / "base")),
+    )
 
 
 # ---------------------------------------------------------------- Hugging Face import
