@@ -27,6 +27,7 @@ from preprocessing.indexed_dataset import (
     MAGIC,
     IndexedDatasetError,
     IndexedDatasetReader,
+    IndexedDatasetWriter,
     write_index,
 )
 from preprocessing.manifest import MANIFEST_NAME, ManifestError, read_manifest
@@ -500,3 +501,30 @@ def test_a_pipe_listed_as_an_empty_shard_file_is_refused_not_hashed(good_set: Pa
     assert problem.endswith("shard-00001.bin: not a regular file (a device, pipe or folder)")
     with pytest.raises(ShardSetError, match="shard-00001.bin: not a regular file"):
         open_shard_set(str(good_set))
+
+
+def test_a_loss_mask_value_above_one_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "chat"
+    documents = documents_with(None)
+    write_shard_set(root, [documents], vocab=VOCAB)
+    masks = [np.ones(d.size, np.uint8) for d in documents]
+    masks[1][5] = 7  # would weight that token's loss 7 times
+    with IndexedDatasetWriter(str(root / "shard-00000.mask"), np.uint8) as writer:
+        writer.add_documents(np.concatenate(masks), np.array([m.size for m in masks]))
+
+    def as_chat(manifest: dict) -> None:
+        manifest["data_format"] = "chat"
+        for suffix in (".mask.bin", ".mask.idx"):
+            path = root / f"shard-00000{suffix}"
+            info = {"sha256": sha256_of_file(str(path)), "bytes": path.stat().st_size}
+            manifest["shards"][0]["files"][path.name] = info
+
+    edit_manifest(root, as_chat)
+    [problem] = verify_shard_set(str(root))
+    assert "shard-00000.mask.bin: document 1 holds loss-mask value 7; expected below 2" in problem
+    train, _, _ = build_gpt_datasets(config(tmp_path, root, format="chat"), (12, 0, 0))
+    with pytest.raises(
+        ShardSetError, match=r"shard-00000\.mask: document 1 holds loss-mask value 7"
+    ):
+        for index in range(len(train)):
+            train[index]

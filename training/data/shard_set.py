@@ -92,9 +92,7 @@ class ShardSet:
         Checking whole shards at open would read every shard on every rank before the
         first step; ``megalith data verify`` does that once, offline.
         """
-        shard = int(np.searchsorted(self._first_document, document, side="right")) - 1
-        local = document - int(self._first_document[shard])
-        base = int(self._document_starts[shard][local])
+        shard, local, base = self._locate(document)
         tokens = self.readers[shard].tokens[base + start : base + stop]
         vocab = self.manifest.tokenizer.vocab_size
         if tokens.size and (tokens.max() >= vocab or tokens.min() < 0):
@@ -106,13 +104,24 @@ class ShardSet:
             )
         return tokens
 
+    def _locate(self, document: int) -> tuple[int, int, int]:
+        """``(shard, document within it, its first token)`` of a document of the set."""
+        shard = int(np.searchsorted(self._first_document, document, side="right")) - 1
+        local = document - int(self._first_document[shard])
+        return shard, local, int(self._document_starts[shard][local])
+
     def document_loss_mask(self, document: int, start: int, stop: int) -> np.ndarray:
         """Loss mask ``[start, stop)`` of a chat document (1 on assistant tokens)."""
         if self.mask_readers is None:
             raise ShardSetError(f"{self.root}: not a chat shard set (it has no loss masks)")
-        shard = int(np.searchsorted(self._first_document, document, side="right")) - 1
-        base = int(self._document_starts[shard][document - self._first_document[shard]])
-        return self.mask_readers[shard].tokens[base + start : base + stop]
+        shard, local, base = self._locate(document)
+        mask = self.mask_readers[shard].tokens[base + start : base + stop]
+        if mask.size and mask.max() > 1:  # a loss weight of 255 would swamp the batch
+            raise ShardSetError(
+                f"{join(self.root, self.manifest.shards[shard].name + MASK_SUFFIX)}: document "
+                f"{local} holds loss-mask value {mask.max()}; expected 0 or 1"
+            )
+        return mask
 
 
 def _document_spans(reader: IndexedDatasetReader) -> tuple[np.ndarray, np.ndarray]:
