@@ -29,7 +29,7 @@ from training.checkpoint import save_checkpoint
 from training.config import ConfigError, ModelConfig, OptimizerConfig, TokenizerConfig, load_config
 from training.errors import MegalithError
 from training.finetune.base import load_base
-from training.interop.hf import HFInteropError, export_hf, import_hf
+from training.interop.hf import HFInteropError, export_hf, import_hf, model_config_from_hf
 from training.models import build_model
 from training.models.gpt import GPTModel
 from training.models.package import (
@@ -462,3 +462,27 @@ def test_fuzz_recipe_yaml_only_config_errors(
     recipe.write_text(f"{section}:\n{body}" if body else f"{section}: {{}}\n")
     with contextlib.suppress(ConfigError):
         load_config(recipe)
+
+
+HF_KEYS = [
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "max_position_embeddings", "vocab_size", "head_dim", "rope_theta",
+    "rope_scaling", "n_layer", "n_embd", "n_head", "n_inner", "n_positions", "hidden_act",
+]  # fmt: skip
+
+
+@FUZZ
+@given(
+    st.sampled_from(["llama", "gpt2", None, 3, "t5"]),
+    st.dictionaries(
+        st.sampled_from(HF_KEYS),
+        NUMBERS | st.dictionaries(st.sampled_from(["rope_type", "type"]), st.text(max_size=6)),
+        max_size=8,
+    ),
+)
+def test_fuzz_hf_config_only_megalith_errors(
+    saved_hf_dir: Path, model_type: Any, values: dict[str, Any]
+) -> None:
+    config = json.loads((saved_hf_dir / "config.json").read_text())
+    with contextlib.suppress(MegalithError):
+        model_config_from_hf({**config, **values, "model_type": model_type})
