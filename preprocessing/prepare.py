@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from preprocessing import safe_read
 from preprocessing.chat import MASK_DTYPE, encode_conversations
 from preprocessing.corpus import Corpus
 from preprocessing.indexed_dataset import IndexedDatasetWriter, token_dtype
@@ -58,7 +59,6 @@ from preprocessing.storage import (
     filesystem,
     is_local,
     join,
-    read_json,
     sha256_of_file,
 )
 from preprocessing.tokenizer import Tokenizer
@@ -162,7 +162,8 @@ def load_or_scan(corpus: Corpus, state_url: str, show_progress: bool) -> ScanRes
         and cached.get("fingerprint") == fingerprint
         and cached.pop("max_bad_examples", None) == examples
     ):
-        return ScanResult(**cached)
+        with contextlib.suppress(TypeError):  # a record of another shape: scan again
+            return ScanResult(**cached)
     result = scan_corpus(corpus, fingerprint, show_progress)
     record = {**asdict(result), "max_bad_examples": examples}
     atomic_write_json(join(state_url, "scan.json"), record, corpus.config.storage_options)
@@ -351,7 +352,10 @@ class ShardStore:
         marker = _read_json_or_none(self.marker_url(name), self.options)
         if not marker or marker.get("plan") != plan_key or not marker.get("shard"):
             return None
-        shard = ShardInfo.model_validate(marker["shard"])
+        try:
+            shard = ShardInfo.model_validate(marker["shard"])
+        except ValueError:  # a damaged record: tokenize the shard again
+            return None
         for file_name, info in shard.files.items():
             try:
                 digest = sha256_of_file(join(self.output, file_name), self.options)
@@ -626,9 +630,10 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def _read_json_or_none(url: str, storage_options: dict[str, Any]) -> Any:
+def _read_json_or_none(url: str, storage_options: dict[str, Any]) -> dict[str, Any] | None:
+    """A state record, or None when it is missing or damaged (the work is then redone)."""
     try:
-        return read_json(url, storage_options)
+        return safe_read.read_json(url, storage_options=storage_options, expect=dict)
     except (FileNotFoundError, ValueError):
         return None
 

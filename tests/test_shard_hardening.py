@@ -31,13 +31,13 @@ from preprocessing.indexed_dataset import (
     write_index,
 )
 from preprocessing.manifest import MANIFEST_NAME, ManifestError, read_manifest
-from preprocessing.prepare import check_token_ids
+from preprocessing.prepare import check_token_ids, prepare_dataset
 from preprocessing.storage import sha256_of_file
 from preprocessing.tokenizer import Tokenizer, train_tokenizer
 from preprocessing.verify import verify_shard_set
 from tests.test_data_cli import assert_clean_error, megalith
 from tests.test_gpt_dataset import config, write_shard_set
-from training.config import TokenizerConfig
+from training.config import DataConfig, TokenizerConfig
 from training.data import ShardSetError, build_gpt_datasets, open_shard_set
 from training.errors import MegalithError
 
@@ -528,3 +528,21 @@ def test_a_loss_mask_value_above_one_is_refused(tmp_path: Path) -> None:
     ):
         for index in range(len(train)):
             train[index]
+
+
+def test_prepare_redoes_a_shard_whose_state_record_is_damaged(tmp_path: Path, tokenizer):  # noqa: ANN001
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": t}) for t in stories()[:60]) + "\n")
+    data = DataConfig(inputs=[str(corpus)], output=str(tmp_path / "out"), workers=1, shards=2)
+    first = prepare_dataset(data, tokenizer, show_progress=False).manifest
+    state = tmp_path / "out" / ".prepare"
+    marker = json.loads((state / "shard-00001.json").read_text())
+    marker["shard"]["documents"] = "x"
+    (state / "shard-00001.json").write_text(json.dumps(marker))
+    (state / "shard-00000.json").write_text("5")
+    scan = json.loads((state / "scan.json").read_text())
+    (state / "scan.json").write_text(json.dumps({**scan, "unknown": 1}))
+    again = prepare_dataset(data, tokenizer, show_progress=False)
+    assert sorted(again.written) == ["shard-00000", "shard-00001"]
+    assert again.manifest.shards == first.shards
+    assert verify_shard_set(str(tmp_path / "out")) == []
