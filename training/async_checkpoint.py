@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from preprocessing.storage import is_local
 from training.checkpoint import CheckpointError
+from training.errors import storage_error_message
 from training.sharded_checkpoint import (
     HostBuffers,
     Snapshot,
@@ -98,7 +99,8 @@ class Checkpointer:
     def _raise(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            raise CheckpointError(f"writing a checkpoint failed: {error}") from error
+            cause = storage_error_message(error) if isinstance(error, OSError) else None
+            raise CheckpointError(f"writing a checkpoint failed: {cause or error}") from error
 
     def _barrier(self) -> None:
         if self.group is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,13 +32,24 @@ def storage_error_message(exc: OSError) -> str | None:
     return f"{where}: {cause}"
 
 
+# How Rust's std::io::Error ends its message; safetensors raises its own error type.
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
 @contextmanager
 def naming_path(path: str | Path) -> Iterator[None]:
     """Put ``path`` into an OSError raised without a file name (a write or flush to an
-    open file reports none), so the one-line message can say which file it was."""
+    open file reports none), so the one-line message can say which file it was; an I/O
+    error a Rust library (safetensors) reports only in its text becomes an OSError."""
     try:
         yield
     except OSError as exc:
         if exc.filename is not None or exc.errno is None:
             raise
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
+    except Exception as exc:
+        found = _RUST_OS_ERROR.search(str(exc))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from exc

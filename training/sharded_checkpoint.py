@@ -79,6 +79,7 @@ from training.checkpoint import (
     step_dir_name,
     verify_checkpoint_state,
 )
+from training.errors import naming_path
 from training.parallel.groups import ParallelState
 from training.parallel.shard_specs import (
     MOMENTS,
@@ -232,7 +233,7 @@ def write_safetensors(url: str, tensors: dict[str, torch.Tensor], storage_option
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     fs, path = filesystem(url, storage_options)
-    with ThreadPoolExecutor(1) as hasher, fs.open(path, "wb") as handle:
+    with naming_path(path), ThreadPoolExecutor(1) as hasher, fs.open(path, "wb") as handle:
         out = _HashingWriter(handle, hasher)
         out.write(struct.pack("<Q", len(blob)))
         out.write(blob)
