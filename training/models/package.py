@@ -34,7 +34,7 @@ from preprocessing import safe_read
 from preprocessing.storage import sha256_of_file
 from training import __version__
 from training.config import ModelConfig, format_validation_error
-from training.errors import MegalithError
+from training.errors import MegalithError, naming_path
 from training.models.gpt import GPTModel
 from training.models.t5 import T5Model
 from training.models.weights_check import WeightsMismatchError, checked_meta_model
@@ -124,7 +124,8 @@ def save_model_package(
     tmp.mkdir()
     try:
         tensors = {name: t.cpu() for name, t in model_tensors(model).items()}
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        with naming_path(out_dir / WEIGHTS_FILE):  # a full disk: one line naming the file
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
         meta = {
             "format": PACKAGE_FORMAT,
