@@ -48,7 +48,7 @@ from torch import Tensor
 
 from preprocessing import safe_read
 from training.config import ModelConfig, format_validation_error
-from training.errors import MegalithError
+from training.errors import MegalithError, naming_path
 from training.models.gpt import GPTModel
 from training.models.package import (
     DTYPES,
@@ -433,7 +433,8 @@ def export_hf(package_dir: str | Path, out_dir: str | Path, *, overwrite: bool =
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        save_file(tensors, str(tmp / HF_WEIGHTS), metadata={"format": "pt"})
+        with naming_path(out_dir / HF_WEIGHTS):  # a full disk: one line naming the file
+            save_file(tensors, str(tmp / HF_WEIGHTS), metadata={"format": "pt"})
         shutil.copyfile(tokenizer, tmp / TOKENIZER_MODEL)
         _write_json(tmp / "config.json", config_json)
         _write_json(
