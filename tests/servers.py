@@ -6,13 +6,16 @@ slow the tests after it."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -28,15 +31,18 @@ def running_process(
     what: str,
     ready_url: str | None = None,
     timeout_s: float = 120,
+    log: Path | None = None,
     **popen: object,
 ) -> Iterator[subprocess.Popen]:
     """A server process started for a test, stopped after it; with ``ready_url``, yielded
-    once that URL answers 200 (a process that exits first fails with its stderr)."""
+    once that URL answers 200 (a process that exits first fails with its stderr). With
+    ``log``, its stdout and stderr both go to that file (a test can read what it said)."""
+    output = log.open("ab") if log else None
     process = subprocess.Popen(
         command,
         env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stdout=output or subprocess.DEVNULL,
+        stderr=output or subprocess.PIPE,
         start_new_session=True,
         **popen,
     )
@@ -45,7 +51,8 @@ def running_process(
             deadline = time.monotonic() + timeout_s
             while not _answers(ready_url):
                 if process.poll() is not None:
-                    raise AssertionError(f"{what} exited: {process.stderr.read().decode()[-3000:]}")
+                    said = log.read_bytes() if log else process.stderr.read()
+                    raise AssertionError(f"{what} exited: {said.decode()[-3000:]}")
                 assert time.monotonic() < deadline, (
                     f"{what} did not answer {ready_url} in {timeout_s} s"
                 )
@@ -53,6 +60,54 @@ def running_process(
         yield process
     finally:
         stop_group(process)
+        if output:
+            output.close()
+
+
+@contextlib.contextmanager
+def prefect_server(
+    home: Path, log: Path | None = None, settings: dict[str, str] | None = None
+) -> Iterator[dict[str, str]]:
+    """A real ``prefect server start`` on a free 127.0.0.1 port with its own database in
+    ``home``; yields the environment that points Prefect clients (and its UI) at it."""
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": api,
+        "PREFECT_UI_API_URL": api,  # the UI asks this address, not the default :4200
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        **(settings or {}),
+    }
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+               "--port", str(port)]  # fmt: skip
+    with running_process(command, env, "prefect server", f"{api}/health", log=log):
+        yield env
+
+
+def prefect_post(api: str, path: str, body: dict | None = None) -> list | dict:
+    """POST a JSON body to the Prefect API (e.g. ``/flow_runs/filter``); its JSON answer."""
+    request = urllib.request.Request(
+        f"{api}{path}",
+        data=json.dumps(body or {}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def wait_for_deployments(api: str, server: subprocess.Popen, count: int) -> list[dict]:
+    """The deployments once ``count`` are registered (``server``: the serving process,
+    which must not exit meanwhile)."""
+    deadline = time.monotonic() + 120
+    while len(found := prefect_post(api, "/deployments/filter")) < count:
+        if server.poll() is not None:
+            said = server.stderr.read().decode()[-3000:] if server.stderr else ""
+            raise AssertionError(f"serve-pipelines exited: {said}")
+        assert time.monotonic() < deadline, f"{len(found)} of {count} deployments after 120 s"
+        time.sleep(1)
+    return found
 
 
 def stop_group(process: subprocess.Popen, grace_s: float = 30) -> None:

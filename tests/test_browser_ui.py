@@ -2,7 +2,8 @@
 
 - Prefect: ``megalith serve-pipelines`` against a real ``prefect server``; the
   Deployments page lists every flow, the ``finetune`` deployment shows its cron
-  schedule, and a run started from its form completes (no new data: it skips).
+  schedule, and a run started from its form completes (no new data: it skips). That
+  the scheduler itself creates the schedule's runs is tests/test_schedules_fire.py.
 - MLflow: a real ``mlflow server``; the experiment page lists the run with its metrics,
   the registered model page shows the ``candidate`` and ``champion`` aliases.
 
@@ -12,18 +13,16 @@ Screenshots go to ``docs/screenshots/`` (the README shows them). Needs Chromium
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests import servers
 from tests.browser import SCREENSHOTS, chromium_page
-from tests.servers import free_port, running_process
+from tests.servers import running_process
 
 pytestmark = pytest.mark.slow
 
@@ -31,19 +30,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A real ``prefect server start`` on 127.0.0.1 with its own database."""
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(home),
-        "PREFECT_API_URL": api,
-        "PREFECT_UI_API_URL": api,  # the UI asks this address, not the default :4200
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
-    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-               "--port", str(port)]  # fmt: skip
-    with running_process(command, env, "prefect server", f"{api}/health"):
+    with servers.prefect_server(tmp_path_factory.mktemp("prefect-home")) as env:
         yield env
 
 
@@ -58,37 +45,12 @@ def served_pipelines(
     command = [sys.executable, "-m", "pipelines.cli", "serve-pipelines", "--workdir", str(workdir),
                "--finetune-cron", "0 3 * * *"]  # fmt: skip
     with running_process(command, env, "serve-pipelines") as process:
-        wait_for_deployments(prefect_server["PREFECT_API_URL"], process, count=7)
+        servers.wait_for_deployments(prefect_server["PREFECT_API_URL"], process, count=7)
         yield workdir
 
 
-def wait_for_deployments(api: str, process: subprocess.Popen, count: int) -> None:
-    import json
-
-    deadline = time.monotonic() + 120
-    while True:
-        if process.poll() is not None:
-            raise AssertionError(
-                f"serve-pipelines exited: {process.stderr.read().decode()[-3000:]}"
-            )
-        request = urllib.request.Request(
-            f"{api}/deployments/filter", data=b"{}", headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=5) as response:
-            if len(json.loads(response.read())) >= count:
-                return
-        assert time.monotonic() < deadline, "serve-pipelines did not register its deployments"
-        time.sleep(1)
-
-
 def flow_runs(api: str) -> list[dict]:
-    import json
-
-    request = urllib.request.Request(
-        f"{api}/flow_runs/filter", data=b"{}", headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=5) as response:
-        return json.loads(response.read())
+    return servers.prefect_post(api, "/flow_runs/filter")
 
 
 def test_prefect_ui_shows_scheduled_deployments_and_starts_a_run(
