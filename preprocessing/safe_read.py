@@ -200,7 +200,7 @@ def confined_name(name: Any, source: str, key: str = "file") -> str:
         raise UnsafeFileError(f"{source}: {key} is {_describe(name)}; expected a file name")
     if name in (".", "..") or "/" in name or "\\" in name or "\x00" in name or os.path.isabs(name):
         raise UnsafeFileError(
-            f"{source}: {key} {name!r} is not a plain file name inside the folder "
+            f"{source}: {key} {brief(name)} is not a plain file name inside the folder "
             "(no '/', '..' or absolute paths)"
         )
     return name
@@ -235,8 +235,12 @@ def _type_name(kind: type) -> str:
     return _NAMES.get(kind, "null" if kind is type(None) else kind.__name__)
 
 
-def _describe(value: Any) -> str:
+def brief(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: values from a file, quoted in an error
+    message, must not turn it into 100 KB of text."""
     text = repr(value)
-    if len(text) > 40:
-        text = text[:37] + "..."
-    return f"{_type_name(type(value))} {text}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe(value: Any) -> str:
+    return f"{_type_name(type(value))} {brief(value, 40)}"

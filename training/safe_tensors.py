@@ -23,7 +23,7 @@ import math
 import struct
 from pathlib import Path
 
-from preprocessing.safe_read import UnsafeFileError, loads_json
+from preprocessing.safe_read import UnsafeFileError, brief, loads_json
 from training.errors import MegalithError
 
 MAX_HEADER_BYTES = 100_000_000
@@ -75,14 +75,16 @@ def _check_entries(path: Path, header: dict, data_bytes: int) -> dict[str, tuple
     found, ranges = {}, []
     for name, entry in header.items():
         if not isinstance(entry, dict):
-            raise UnsafeTensorFileError(f"{path}: tensor {name}: entry is not an object")
+            raise UnsafeTensorFileError(f"{path}: tensor {brief(name)}: entry is not an object")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in ITEMSIZE:
-            raise UnsafeTensorFileError(f"{path}: tensor {name}: unknown dtype {dtype!r}")
+            raise UnsafeTensorFileError(
+                f"{path}: tensor {brief(name)}: unknown dtype {brief(dtype)}"
+            )
         if not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
         ):
-            raise UnsafeTensorFileError(f"{path}: tensor {name}: bad shape {shape!r}")
+            raise UnsafeTensorFileError(f"{path}: tensor {brief(name)}: bad shape {brief(shape)}")
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
@@ -90,13 +92,13 @@ def _check_entries(path: Path, header: dict, data_bytes: int) -> dict[str, tuple
             or not 0 <= offsets[0] <= offsets[1] <= data_bytes
         ):
             raise UnsafeTensorFileError(
-                f"{path}: tensor {name}: data_offsets {offsets!r} lie outside the file's "
+                f"{path}: tensor {brief(name)}: data_offsets {brief(offsets)} lie outside the file's "
                 f"{data_bytes} data bytes"
             )
         claimed = math.prod(shape) * ITEMSIZE[dtype]
         if claimed != offsets[1] - offsets[0]:
             raise UnsafeTensorFileError(
-                f"{path}: tensor {name}: shape {shape} {dtype} needs {claimed} bytes, its "
+                f"{path}: tensor {brief(name)}: shape {shape} {dtype} needs {claimed} bytes, its "
                 f"data_offsets hold {offsets[1] - offsets[0]}"
             )
         found[name] = (shape, TORCH_NAMES[dtype])
