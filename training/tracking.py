@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
+from training.errors import naming_path
+
 
 class RunLogger(Protocol):
     def log_params(self, params: dict[str, Any]) -> None: ...
@@ -51,8 +53,9 @@ class MetricsFile:
         self.handle = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self.handle.write(json.dumps(record) + "\n")
-        self.handle.flush()
+        with naming_path(self.path):  # a full disk: one line naming metrics.jsonl
+            self.handle.write(json.dumps(record) + "\n")
+            self.handle.flush()
 
     def close(self) -> None:
         self.handle.close()

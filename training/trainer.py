@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
-from preprocessing.storage import atomic_write_json
+from preprocessing.storage import atomic_write_bytes, atomic_write_json
 from training import sft, t5
 from training.async_checkpoint import Checkpointer, checkpoint_group
 from training.checkpoint import load_checkpoint
@@ -372,9 +372,7 @@ class Trainer:
                 continue  # a line the kill cut short; it was after the checkpoint anyway
             if record["step"] <= step:
                 kept.append(record)
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(_json_line(r) for r in kept))
-        os.replace(tmp, path)
+        atomic_write_bytes(str(path), "".join(_json_line(r) for r in kept).encode())
 
     def save(self, background: bool = False) -> Path | str:
         """Every rank writes its own shards of the state (a sharded checkpoint). With
@@ -551,7 +549,7 @@ class Trainer:
         """Rank 0: config.yaml, MLflow params and layout tags, a fresh or truncated metrics.jsonl."""
         if not self.is_main:
             return None
-        (self.output / "config.yaml").write_text(dump_config(self.config))
+        atomic_write_bytes(str(self.output / "config.yaml"), dump_config(self.config).encode())
         # The model as built: the vocabulary and context length filled from the data.
         params = self.config.model_dump(mode="json")
         params["model"] = self.model_config.model_dump(mode="json")
