@@ -28,10 +28,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from parallel_helpers import RECIPE, child_env, megalith, set_args, tiny_settings
+from parallel_helpers import (
+    CORPUS,
+    RECIPE,
+    child_env,
+    fit_one_process,
+    megalith,
+    set_args,
+    tiny_settings,
+)
 from servers import free_port, run_group, stop_group
 
+from training.errors import storage_error_message
 from training.run_lock import LOCK_NAME
+from training.tracking import MetricsFile
 
 HANG_GUARD_S = 240
 FOREVER = 1_000_000  # steps: a run that trains until it is killed
@@ -168,6 +178,77 @@ def limit_file_size(limit: int):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     return apply
+
+
+def run_limited(
+    args: list[str], limit: int, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        megalith(*args), env=child_env(), capture_output=True, text=True, cwd=cwd,
+        preexec_fn=limit_file_size(limit), timeout=HANG_GUARD_S,
+    )  # fmt: skip
+
+
+def one_error_line(done: subprocess.CompletedProcess) -> str:
+    """The failed command's stderr: exactly one line, ``error: ...``, no traceback."""
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-3000:]
+    return lines[0]
+
+
+def test_data_prepare_past_a_file_size_limit_names_the_shard_and_leaves_nothing_partial(
+    shards: Path, tmp_path: Path
+) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    with CORPUS.open() as source:
+        corpus.write_text("".join(source.readline() for _ in range(400)))
+    args = ["data", "prepare", "--input", str(corpus), "--output", "out", "--workers", "1",
+            "--tokenizer", str(shards / "tokenizer.model"), "--quiet"]  # fmt: skip
+    line = one_error_line(run_limited(args, 50_000, cwd=tmp_path))
+    assert line == "error: out/.prepare/shard-00000.bin: File too large (EFBIG)"
+    out = tmp_path / "out"
+    assert not (out / "manifest.json").exists()
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["scan.json"]
+    # Nothing was left to confuse a rerun with space: it finishes the set.
+    done = subprocess.run(megalith(*args), env=child_env(), capture_output=True, text=True,
+                          cwd=tmp_path, timeout=HANG_GUARD_S)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "manifest.json").exists()
+
+
+def test_a_checkpoint_past_a_file_size_limit_is_one_line_and_never_latest(
+    shards: Path, tmp_path: Path
+) -> None:
+    from training.sharded_checkpoint import latest_sharded_checkpoint
+
+    output = tmp_path / "run"
+    # Hidden size 128: the tensor files (> 512 KB) outgrow the data index cache (~360 KB).
+    wider = {"checkpoint.interval": 2, "model.hidden_size": 128, "model.ffn_hidden_size": 256}
+    line = one_error_line(run_limited([*train_args(shards, output, wider), "--quiet"], 450_000))
+    staging = output / "checkpoints" / "step-00000002.tmp"
+    assert line.startswith(f"error: writing a checkpoint failed: {staging}/")
+    assert line.endswith(".safetensors: File too large (EFBIG)")
+    assert latest_sharded_checkpoint(str(output / "checkpoints")) is None
+    assert [p.name for p in (output / "checkpoints").iterdir()] == [staging.name]
+
+
+def test_export_past_a_file_size_limit_names_the_file_and_leaves_no_folder(
+    shards: Path, tmp_path: Path
+) -> None:
+    run = fit_one_process(tiny_settings(shards, {"training.train_iters": 1}), tmp_path / "run")
+    export = tmp_path / "hf"
+    line = one_error_line(run_limited(["export", "hf", str(run / "model"), str(export)], 100_000))
+    assert line == f"error: {export}/model.safetensors: File too large (EFBIG)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no temp folder either
+
+
+def test_metrics_on_a_full_disk_name_the_file_and_the_cause(tmp_path: Path) -> None:
+    metrics = MetricsFile("/dev/full")  # every write: ENOSPC
+    with pytest.raises(OSError) as caught:
+        metrics.write({"step": 1, "loss": 2.0})
+    metrics.handle = open(os.devnull, "w")  # noqa: SIM115 - the full handle cannot be closed
+    assert storage_error_message(caught.value) == "/dev/full: No space left on device (ENOSPC)"
 
 
 # --- MLflow outage ------------------------------------------------------------------------
