@@ -79,7 +79,7 @@ def loads_json(data: bytes | str, source: str, max_depth: int = MAX_DEPTH) -> An
         raise UnsafeFileError(f"{source}: not UTF-8 text ({exc.reason})") from None
     except json.JSONDecodeError as exc:
         raise UnsafeFileError(
-            f"{source}: not valid JSON ({exc.msg.removesuffix(" at")} at line {exc.lineno} column {exc.colno})"
+            f"{source}: not valid JSON ({exc.msg.removesuffix(' at')} at line {exc.lineno} column {exc.colno})"
         ) from None
     except ValueError as exc:  # e.g. an integer literal past Python's 4300-digit limit
         raise UnsafeFileError(f"{source}: not valid JSON ({exc})") from None
