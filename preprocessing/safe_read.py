@@ -82,7 +82,7 @@ def loads_json(data: bytes | str, source: str, max_depth: int = MAX_DEPTH) -> An
             f"{source}: not valid JSON ({exc.msg.removesuffix(' at')} at line {exc.lineno} column {exc.colno})"
         ) from None
     except ValueError as exc:  # e.g. an integer literal past Python's 4300-digit limit
-        raise UnsafeFileError(f"{source}: not valid JSON ({exc})") from None
+        raise UnsafeFileError(f"{source}: not valid JSON ({_first_clause(exc)})") from None
     _check_depth(value, source, max_depth)
     return value
 
@@ -143,6 +143,10 @@ def loads_yaml(text: str, source: str) -> Any:
         raise UnsafeFileError(f"{source}: not valid YAML{where}: {problem}") from None
     except RecursionError:
         raise UnsafeFileError(f"{source}: YAML nested deeper than {MAX_DEPTH} levels") from None
+    except UnsafeFileError:
+        raise
+    except ValueError as exc:  # an integer past Python's 4300-digit limit
+        raise UnsafeFileError(f"{source}: not valid YAML ({_first_clause(exc)})") from None
     finally:
         if loader is not None:
             loader.dispose()
@@ -229,6 +233,11 @@ _NAMES = {
     float: "number",
     bool: "boolean",
 }
+
+
+def _first_clause(error: Exception) -> str:
+    """The error's message without Python's advice after ';' (set_int_max_str_digits)."""
+    return str(error).split(";")[0]
 
 
 def _type_name(kind: type) -> str:

@@ -790,13 +790,13 @@ def _types_in(annotation: Any):
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Parse ``a.b.c=value``; the value is read as YAML (safe) so numbers and lists work."""
     if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. data.workers=4")
+        raise ConfigError(f"--set {safe_read.brief(text)}: expected KEY=VALUE, e.g. data.workers=4")
     key, raw = text.split("=", 1)
     path = [part for part in key.strip().split(".") if part]
     if not path:
-        raise ConfigError(f"--set {text!r}: empty key")
+        raise ConfigError(f"--set {safe_read.brief(text)}: empty key")
     try:
-        value = safe_read.loads_yaml(raw, f"--set {text!r}") if raw.strip() else ""
+        value = safe_read.loads_yaml(raw, f"--set {safe_read.brief(text)}") if raw.strip() else ""
     except safe_read.UnsafeFileError as exc:
         raise ConfigError(str(exc)) from None
     return path, value
@@ -818,7 +818,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
         try:
             set_value(tree, path, value)
         except ConfigError as exc:
-            raise ConfigError(f"--set {text!r}: {exc}") from None
+            raise ConfigError(f"--set {safe_read.brief(text)}: {exc}") from None
     return tree
 
 
