@@ -39,7 +39,14 @@ from training.models.gpt import GPTModel
 from training.models.t5 import T5Model
 from training.models.weights_check import WeightsMismatchError, checked_meta_model
 from training.safe_tensors import UnsafeTensorFileError, check_safetensors
-from training.signing import SignatureError, check_signature, should_sign, sign_directory
+from training.signing import (
+    SIGNATURE_FILE,
+    SignatureError,
+    check_signature_bytes,
+    read_signature,
+    should_sign,
+    sign_directory,
+)
 
 PACKAGE_FORMAT = "megalith-model-package"
 FORMAT_VERSION = 1
@@ -159,11 +166,7 @@ def verify_model_package(
     package_dir = Path(package_dir)
     if not package_dir.is_dir():
         raise PackageFileError(f"model package {package_dir} is not a directory")
-    try:
-        check_signature(package_dir, CHECKSUMS_FILE, required=require_signature)
-    except SignatureError as exc:
-        raise ModelPackageError(str(exc)) from None
-    checksums = _read_checksums(package_dir)
+    checksums = _read_checksums(package_dir, require_signature)
     for name, expected in checksums.items():
         actual = sha256_file(_plain_file(package_dir, name))
         if actual != expected:
@@ -271,9 +274,23 @@ def _check_dtypes(path: Path, header: dict[str, tuple[list[int], str]], model: n
             )
 
 
-def _read_checksums(package_dir: Path) -> dict[str, str]:
+def _read_checksums(package_dir: Path, require_signature: bool) -> dict[str, str]:
+    """checksums.json from bytes read once, whose signature is checked over those very
+    bytes before they are parsed (no swap between the check and the use)."""
     path = package_dir / CHECKSUMS_FILE
-    data = _read_json(path)
+    try:
+        raw = safe_read.read_bytes_bounded(path, MAX_JSON_BYTES, allow_symlink=False)
+        check_signature_bytes(
+            read_signature(package_dir), CHECKSUMS_FILE, raw, require_signature,
+            str(package_dir / SIGNATURE_FILE),
+        )  # fmt: skip
+        data = safe_read.loads_json(raw, str(path))
+    except FileNotFoundError:
+        raise PackageFileError(f"{path}: missing; the package is incomplete") from None
+    except SignatureError as exc:
+        raise ModelPackageError(str(exc)) from None
+    except safe_read.UnsafeFileError as exc:
+        raise PackageConfigError(str(exc)) from None
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in files.items()
