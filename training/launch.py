@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import runpy
 import shlex
 import signal
 import subprocess
@@ -123,13 +122,31 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _torchrun_main(argv: Sequence[str]) -> None:
+def _torchrun_main(argv: Sequence[str]) -> int:
     """torchrun in this process, after tying it to its parent and naming it the parent
-    of its workers (it starts them itself, from its main thread)."""
+    of its workers (it starts them itself, from its main thread). A failed job is one
+    line per failed rank: the ranks printed their own errors, and torchrun's traceback
+    of itself would bury them."""
     die_with_parent()
     os.environ[PARENT_PID_ENV] = str(os.getpid())
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
     sys.argv = ["torchrun", *argv]
-    runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+    try:
+        main()
+    except ChildFailedError as failed:
+        for rank, failure in sorted(failed.failures.items()):
+            print(f"rank {rank} (pid {failure.pid}) {_how_it_ended(failure.exitcode)}",
+                  file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
+def _how_it_ended(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"exited with code {exitcode}"
 
 
 def under_torchrun() -> bool:
@@ -196,4 +213,4 @@ def slurm_script(
 
 
 if __name__ == "__main__":
-    _torchrun_main(sys.argv[1:])
+    sys.exit(_torchrun_main(sys.argv[1:]))
