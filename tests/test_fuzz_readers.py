@@ -1,5 +1,17 @@
 """Issue 16 §6: every reader of untrusted input, fuzzed within a fixed budget.
 
+Files: a real tiny training run (its sharded checkpoint, latest.json and model package),
+the session's shard set and the tiny recipe are copied, then mutated as an attacker or a
+broken disk would: bits flipped, files cut short, runs of bytes or big integers written
+over binary headers, JSON/YAML values swapped for wrong types, huge or negative numbers,
+NaN, long strings, path names or deep nesting, keys dropped or added. Most mutations are
+then *restamped* (the manifest's sha256 and sizes recomputed, as someone who controls the
+whole folder would), so the checks behind the hashes are reached too. The public entry
+point must then load the input or raise a ``MegalithError`` with a message; anything
+else escaping fails the example, and so does running past ``EXAMPLE_TIMEOUT_S`` (SIGALRM)
+or allocating past ``EXAMPLE_MEMORY_BYTES`` more address space (``RLIMIT_AS``, lowered
+around each example in this process and restored after).
+
 HTTP bodies: the real server (uvicorn in a thread on 127.0.0.1, ``test_serving.running``)
 serving a tiny model package, sent hypothesis-made bodies: valid requests with fields
 swapped for wrong types, NaN, infinities, huge or negative numbers, deep nesting, unknown
@@ -10,16 +22,26 @@ a client timeout), and the server still answers a plain request afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import resource
+import shutil
+import signal
 import socket
-from collections.abc import Iterator
+import struct
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+import yaml
+from bad_checkpoints import Target, restamp, sha256
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from parallel_helpers import RECIPE, fit_one_process, trainer_settings
 from test_evaluation import tiny_model
 from test_serving import running
 
@@ -28,11 +50,20 @@ from deploy.mlflow_pyfunc import MegalithPyfunc, ScoringInputError
 from deploy.request_body import DEFAULT_MAX_BODY_BYTES
 from deploy.server import ServeConfig
 from preprocessing.tokenizer import load_tokenizer
-from training.models.package import save_model_package
+from preprocessing.verify import verify_shard_set
+from training.checkpoint_cli import verify as ckpt_verify
+from training.config import load_config
+from training.data.shard_set import open_shard_set
+from training.errors import MegalithError
+from training.memory import memory_report, resolve_layout
+from training.models.package import load_model_package, save_model_package
+from training.safe_tensors import check_safetensors
+from training.sharded_checkpoint import latest_sharded_checkpoint, read_model_weights
 
 FUZZ = settings(
     max_examples=100,
     deadline=None,
+    database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 REQUEST_TIMEOUT_S = 30  # a hang fails the example instead of the whole run
@@ -66,6 +97,387 @@ def default_server(package: Path) -> Iterator[str]:
 def http(server: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server, timeout=REQUEST_TIMEOUT_S) as client:
         yield client
+
+
+# --- readers: harness ----------------------------------------------------------------
+
+EXAMPLE_TIMEOUT_S = 10
+EXAMPLE_MEMORY_BYTES = 1 << 30
+MAX_MESSAGE_CHARS = 2000
+
+
+class ReaderHung(Exception):
+    """Raised by SIGALRM inside a reader that ran past ``EXAMPLE_TIMEOUT_S``."""
+
+
+def _hung(signum: int, frame: Any) -> None:
+    raise ReaderHung("the reader ran past its time bound")
+
+
+def _address_space() -> int:
+    pages = int(Path("/proc/self/statm").read_text().split()[0])
+    return pages * resource.getpagesize()
+
+
+@contextlib.contextmanager
+def bounded(timeout_s: int) -> Iterator[None]:
+    """At most ``timeout_s`` seconds and ``EXAMPLE_MEMORY_BYTES`` more memory."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = _address_space() + EXAMPLE_MEMORY_BYTES
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    previous = signal.signal(signal.SIGALRM, _hung)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    signal.alarm(timeout_s)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        signal.signal(signal.SIGALRM, previous)
+
+
+def loads_or_refuses(
+    read: Callable[[], Any], timeout_s: int = EXAMPLE_TIMEOUT_S
+) -> MegalithError | None:
+    """Run ``read`` within the bounds: it returns, or raises a MegalithError with a short
+    message; any other exception (MemoryError, ReaderHung, KeyError, ...) fails."""
+    try:
+        with bounded(timeout_s):
+            read()
+    except MegalithError as error:
+        message = str(error)
+        assert message.strip() and len(message) <= MAX_MESSAGE_CHARS, message[:500]
+        event(f"refused: {type(error).__name__}")
+        return error
+    event("accepted")
+    return None
+
+
+def test_the_bounds_stop_a_memory_bomb_and_a_hang() -> None:
+    """The fuzz's bounds hold: an allocation past them and a reader that never returns
+    both fail the example instead of taking the machine or the run."""
+    with pytest.raises(MemoryError):
+        loads_or_refuses(lambda: bytearray(2 * EXAMPLE_MEMORY_BYTES))
+    with pytest.raises(ReaderHung):
+        loads_or_refuses(lambda: threading.Event().wait(), timeout_s=1)
+
+
+@contextlib.contextmanager
+def copy_of(source: Path) -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
+        target = Path(tmp) / source.name
+        shutil.copytree(source, target, symlinks=True, ignore=shutil.ignore_patterns("index-cache"))
+        yield target
+
+
+# --- readers: mutations ----------------------------------------------------------------
+
+BIG_INTS = [-1, 0, 1, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 10**12]
+JSON_JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.sampled_from([*BIG_INTS, -(2**63), 10**30, -(10**30), 1e308, -0.5, 0.5, float("nan")]),
+    st.integers(min_value=-(2**65), max_value=2**65),
+    st.integers(0, 5000),
+    st.sampled_from(
+        [
+            "",
+            "abc",
+            "../../etc/passwd",
+            "/dev/zero",
+            "a/b",
+            "..",
+            "x" * 100_000,
+            "\u0000",
+            "float128",
+            "int64",
+            "megalith-sharded-checkpoint",
+            "step-99999999",
+        ]
+    ),
+    st.text(max_size=20),
+    st.integers(1, 500).map(lambda depth: json.loads("[" * depth + "]" * depth)),
+    st.lists(st.integers(-5, 2**40), max_size=4),
+    st.dictionaries(st.text(max_size=6), st.integers(), max_size=3),
+)
+
+
+def json_paths(value: Any, prefix: tuple = (), limit: int = 4000) -> list[tuple]:
+    """Paths (keys and indices) to the nodes of a parsed JSON document, the first ``limit``."""
+    paths: list[tuple] = []
+    stack = [(prefix, value)]
+    while stack and len(paths) < limit:
+        path, node = stack.pop()
+        paths.append(path)
+        if isinstance(node, dict):
+            stack.extend((path + (key,), child) for key, child in node.items())
+        elif isinstance(node, list):
+            stack.extend((path + (i,), child) for i, child in enumerate(node[:50]))
+    return paths
+
+
+def mutate_document(data: st.DataObject, document: Any) -> Any:
+    """Replace, drop or add one value somewhere in ``document`` (or replace the whole)."""
+    path = data.draw(st.sampled_from(json_paths(document)), label="path")
+    if not path:
+        return data.draw(JSON_JUNK, label="document")
+    parent = document
+    for key in path[:-1]:
+        parent = parent[key]
+    action = data.draw(st.sampled_from(["replace", "replace", "drop", "add"]), label="action")
+    last = path[-1]
+    if action == "replace":
+        parent[last] = data.draw(JSON_JUNK, label="value")
+    elif action == "drop":
+        del parent[last]
+    elif isinstance(parent, dict):
+        parent[data.draw(st.text(max_size=8), label="key")] = data.draw(JSON_JUNK, label="value")
+    else:
+        parent.append(data.draw(JSON_JUNK, label="value"))
+    return document
+
+
+def mutate_bytes(data: st.DataObject, blob: bytes) -> bytes:
+    """Flip bits, cut the end, insert bytes or write a big integer over some position."""
+    out = bytearray(blob)
+    for _ in range(data.draw(st.integers(1, 3), label="byte edits")):
+        at = data.draw(st.integers(0, max(len(out) - 1, 0)), label="offset")
+        action = data.draw(st.sampled_from(["flip", "cut", "insert", "integer"]), label="edit")
+        if action == "flip" and out:
+            out[at] ^= 1 << data.draw(st.integers(0, 7), label="bit")
+        elif action == "cut":
+            del out[at:]
+        elif action == "insert":
+            out[at:at] = data.draw(st.binary(min_size=1, max_size=64), label="inserted")
+        else:
+            fmt = data.draw(st.sampled_from(["<q", "<Q", "<i", "<I"]), label="format")
+            value = data.draw(st.sampled_from(BIG_INTS), label="integer")
+            out[at : at + struct.calcsize(fmt)] = packed_integer(fmt, value)
+    return bytes(out)
+
+
+def packed_integer(fmt: str, value: int) -> bytes:
+    """``value`` wrapped into the range of ``fmt`` (so -1 as ``<Q`` is 2**64 - 1)."""
+    bits = 8 * struct.calcsize(fmt)
+    wrapped = value % (1 << bits)
+    if fmt[-1].islower() and wrapped >= 1 << (bits - 1):
+        wrapped -= 1 << bits
+    return struct.pack(fmt, wrapped)
+
+
+def mutate_safetensors_header(data: st.DataObject, blob: bytes) -> bytes:
+    """Mutate the JSON header of a safetensors file and re-frame it with its new length."""
+    (length,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + length])
+    text = json.dumps(mutate_document(data, header)).encode()
+    return struct.pack("<Q", len(text)) + text + blob[8 + length :]
+
+
+def mutate_file(data: st.DataObject, path: Path) -> None:
+    blob = path.read_bytes()
+    kinds = ["bytes"]
+    if path.suffix in (".json", ".yaml"):
+        kinds += ["document", "document", "document"]
+    elif path.suffix == ".safetensors":
+        kinds += ["header", "header"]
+    kind = data.draw(st.sampled_from(kinds), label=f"mutation of {path.name}")
+    if kind == "bytes":
+        path.write_bytes(mutate_bytes(data, blob))
+    elif kind == "header":
+        path.write_bytes(mutate_safetensors_header(data, blob))
+    elif path.suffix == ".yaml":
+        document = mutate_document(data, yaml.safe_load(blob))
+        path.write_text(yaml.safe_dump(document, sort_keys=False))
+    else:
+        path.write_text(json.dumps(mutate_document(data, json.loads(blob))))
+
+
+def mutate_folder(
+    data: st.DataObject, root: Path, names: list[str], restamp: Callable[[Path], None]
+) -> None:
+    """Mutate one or two of ``names`` in ``root``; usually restamp the manifest after."""
+    chosen = st.lists(st.sampled_from(names), min_size=1, max_size=2, unique=True)
+    for name in data.draw(chosen, label="files"):
+        mutate_file(data, root / name)
+    if data.draw(st.integers(0, 3), label="restamp") > 0:
+        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError, IndexError):
+            restamp(root)  # a manifest broken by the mutation stays as it is
+
+
+def restamp_checksums(root: Path) -> None:
+    """checksums.json (a package) or index.json (a checkpoint) re-hashed as an attacker would."""
+    manifest = "index.json" if (root / "index.json").exists() else "checksums.json"
+    target = Target("fuzz", "", manifest, add_name=lambda root, name: None)
+    restamp(target, root)
+
+
+def restamp_shards(root: Path) -> None:
+    manifest = json.loads((root / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        for name, entry in shard["files"].items():
+            path = root / name
+            if path.is_file() and "/" not in name:
+                entry.update(sha256=sha256(path), bytes=path.stat().st_size)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+# --- readers: the inputs ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real 2-step training run: a sharded checkpoint, latest.json, a model package."""
+    out = tmp_path_factory.mktemp("fuzz-run")
+    settings_ = trainer_settings(shards, {"training.train_iters": 2, "checkpoint.interval": 2})
+    return fit_one_process(settings_, out)
+
+
+@pytest.fixture(scope="module")
+def step_dir(run: Path) -> Path:
+    (step,) = (run / "checkpoints").glob("step-*")
+    return step
+
+
+# --- readers: the fuzz -------------------------------------------------------------------
+
+
+TINY_RECIPES = [
+    "tiny-cpu.yaml",
+    "t5-tiny-cpu.yaml",
+    "moe-tiny-cpu.yaml",
+    "sft-tiny-cpu.yaml",
+    "finetune-lora-tiny.yaml",
+]
+OVERRIDE_KEYS = [
+    "model.num_layers",
+    "model.hidden_size",
+    "model.num_attention_heads",
+    "model.ffn_hidden_size",
+    "model.vocab_size",
+    "model.max_position_embeddings",
+    "model.num_experts",
+    "data.seq_length",
+    "training.micro_batch_size",
+    "parallel.tensor",
+    "model",
+]
+OVERRIDE_VALUES = [
+    "1e400",
+    "nan",
+    "-1",
+    "0",
+    "10000000",
+    "10000000000",
+    "9" * 5000,
+    "[[[[",
+    "{a: *b}",
+    "!!python/object/apply:os.system [id]",
+    "0x10",
+    "true",
+    "null",
+    "'",
+    "[1, 2]",
+    "{}",
+]
+OVERRIDES = st.builds(
+    "{}={}".format,
+    st.one_of(st.sampled_from(OVERRIDE_KEYS), st.text(max_size=12)),
+    st.one_of(
+        st.sampled_from(OVERRIDE_VALUES), st.integers(0, 70_000).map(str), st.text(max_size=12)
+    ),
+) | st.text(max_size=20)
+
+
+def plan_memory(recipe: Path, overrides: list[str]) -> None:
+    """``megalith train``'s first steps: the recipe and ``--set`` values validated, the
+    model built on the meta device and its memory counted."""
+    config = load_config(recipe, overrides)
+    memory_report(config, resolve_layout(config, None))
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_recipes_load_or_raise_a_megalith_error(data: st.DataObject) -> None:
+    name = data.draw(st.sampled_from(TINY_RECIPES), label="recipe")
+    with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
+        recipe = Path(tmp) / name
+        shutil.copy(RECIPE.parent / name, recipe)
+        if data.draw(st.booleans(), label="mutate the file"):
+            mutate_file(data, recipe)
+        overrides = data.draw(st.lists(OVERRIDES, max_size=2), label="--set")
+        loads_or_refuses(lambda: plan_memory(recipe, overrides))
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_model_packages_load_or_raise_a_megalith_error(
+    run: Path, data: st.DataObject
+) -> None:
+    names = ["config.json", "checksums.json", "model.safetensors", "tokenizer.model"]
+    with copy_of(run / "model") as package:
+        mutate_folder(data, package, names, restamp_checksums)
+        refused = loads_or_refuses(lambda: ckpt_verify(package))
+        loaded = loads_or_refuses(lambda: load_model_package(package))
+        if refused is None:  # what `megalith ckpt verify` accepts, the loader loads
+            assert loaded is None, loaded
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_checkpoints_verify_load_or_raise_a_megalith_error(
+    step_dir: Path, data: st.DataObject
+) -> None:
+    names = sorted(path.name for path in step_dir.iterdir())
+    with copy_of(step_dir) as step:
+        mutate_folder(data, step, names, restamp_checksums)
+        refused = loads_or_refuses(lambda: ckpt_verify(step))
+        weights = loads_or_refuses(lambda: read_model_weights(step))
+        if refused is None:  # what verify accepts, the loaders read
+            assert weights is None, weights
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_latest_pointers_resolve_or_raise_a_megalith_error(
+    run: Path, data: st.DataObject
+) -> None:
+    with copy_of(run / "checkpoints") as root:
+        mutate_file(data, root / "latest.json")
+        loads_or_refuses(lambda: latest_sharded_checkpoint(root))
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_safetensors_headers_are_checked_or_refused(
+    step_dir: Path, data: st.DataObject
+) -> None:
+    with copy_of(step_dir) as step:
+        tensors = step / "model-r00000.safetensors"
+        mutate_file(data, tensors)
+        loads_or_refuses(lambda: check_safetensors(tensors))
+
+
+def read_every_document(root: Path) -> None:
+    """Open the shard set as training does and read its documents (the first 64)."""
+    shard_set = open_shard_set(str(root))
+    for document in range(min(shard_set.num_documents, 64)):
+        length = int(shard_set.document_lengths[document])
+        shard_set.document_tokens(document, 0, length)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_shard_sets_verify_open_or_raise_a_megalith_error(
+    shards: Path, data: st.DataObject
+) -> None:
+    names = ["manifest.json", "shard-00000.idx", "shard-00000.bin", "shard-00001.idx"]
+    with copy_of(Path(shards)) as root:
+        mutate_folder(data, root, names, restamp_shards)
+        problems: list[str] = []
+        loads_or_refuses(lambda: problems.extend(verify_shard_set(str(root))))
+        assert all(isinstance(p, str) and p for p in problems)
+        loads_or_refuses(lambda: read_every_document(root))
 
 
 # --- HTTP bodies: each bad value answers 4xx naming the field -------------------------
@@ -344,9 +756,7 @@ PARAM_VALUES = st.one_of(
 )
 
 
-@settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(FUZZ, max_examples=60)
 @given(
     params=st.dictionaries(
         st.sampled_from(["max_tokens", "temperature", "top_k", "top_p", "seed"]),
