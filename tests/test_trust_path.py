@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from training.async_checkpoint import Checkpointer
 from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from training.checkpoint_cli import verify
+from training.checkpoint_cli import inspect, verify
 from training.config import ModelConfig, OptimizerConfig
 from training.errors import MegalithError
 from training.finetune.base import load_base
@@ -192,6 +192,19 @@ def test_an_unhashed_file_is_never_read(
     with within(10), pytest.raises(MegalithError, match=rf"{name}.*(symbolic link|regular file)"):
         STEP_LOADERS[loader](kind, path)
     assert time.monotonic() - started < 1.0  # refused, not read
+
+
+def test_ckpt_inspect_never_blocks_on_a_pipe(tmp_path: Path) -> None:
+    """``inspect`` reads only JSON and headers, unverified, but never waits on a FIFO."""
+    pkg = package(tmp_path)
+    (pkg / "model.safetensors").unlink()
+    os.mkfifo(pkg / "model.safetensors")
+    with within(10), pytest.raises(MegalithError, match="model.safetensors: not a regular file"):
+        inspect(pkg)
+    path = save("v1", tmp_path / "v1", 1, tiny_model())
+    fifo_state(path)
+    with within(10):
+        assert inspect(path)["step"] is None
 
 
 def test_read_global_tensors_checks_the_signature(tmp_path: Path, monkeypatch) -> None:

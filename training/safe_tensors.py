@@ -20,6 +20,7 @@ lets loaders compare with the index/model before reading any tensor.
 from __future__ import annotations
 
 import math
+import stat
 import struct
 from pathlib import Path
 
@@ -49,7 +50,10 @@ class UnsafeTensorFileError(MegalithError):
 def check_safetensors(path: str | Path) -> dict[str, tuple[list[int], str]]:
     """``{name: (shape, torch dtype name)}`` of a safetensors file whose header is sound."""
     path = Path(path)
-    size = path.stat().st_size
+    info = path.stat()
+    if not stat.S_ISREG(info.st_mode):  # a FIFO would block the read below forever
+        raise UnsafeTensorFileError(f"{path}: not a regular file (a device, pipe or folder)")
+    size = info.st_size
     with path.open("rb") as handle:
         head = handle.read(8)
         if len(head) < 8:
