@@ -71,8 +71,21 @@ def check_safetensors(path: str | Path) -> dict[str, tuple[list[int], str]]:
         raise UnsafeTensorFileError(str(exc)) from None
     if not isinstance(header, dict):
         raise UnsafeTensorFileError(f"{path}: header is not a JSON object")
-    header.pop("__metadata__", None)
+    _check_metadata(path, header.pop("__metadata__", None))
     return _check_entries(path, header, data_bytes=size - 8 - length)
+
+
+def _check_metadata(path: Path, metadata: object) -> None:
+    """``__metadata__`` maps strings to strings, as the safetensors loader insists: a file
+    ``ckpt verify`` passes must also load."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or not all(
+        isinstance(value, str) for value in metadata.values()
+    ):
+        raise UnsafeTensorFileError(
+            f"{path}: __metadata__ is {brief(metadata)}; expected an object of strings"
+        )
 
 
 def _check_entries(path: Path, header: dict, data_bytes: int) -> dict[str, tuple[list[int], str]]:
