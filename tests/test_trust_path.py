@@ -226,7 +226,7 @@ def test_read_global_tensors_checks_the_signature(tmp_path: Path, monkeypatch) -
 @pytest.mark.parametrize("kind", ["v1", "v2", "package"])
 def test_ckpt_verify_reports_files_the_manifest_does_not_list(kind: str, tmp_path: Path) -> None:
     path = package(tmp_path) if kind == "package" else save(kind, tmp_path, 1, tiny_model())
-    assert megalith("ckpt", "verify", str(path)).returncode == 0
+    verify(path)  # sound
     torch.save({"iteration": 1}, path / "model_optim_rng.pt")  # what Megatron would unpickle
     (path / "notes").mkdir()
     message = refused(megalith("ckpt", "verify", str(path)), str(path), "model_optim_rng.pt")
@@ -234,10 +234,9 @@ def test_ckpt_verify_reports_files_the_manifest_does_not_list(kind: str, tmp_pat
 
 
 def test_ckpt_verify_refuses_a_state_json_linked_to_dev_zero(tmp_path: Path) -> None:
-    for kind in ("v1", "v2"):
-        path = save(kind, tmp_path / kind, 1, tiny_model())
-        dev_zero_state(path)
-        refused(megalith("ckpt", "verify", str(path)), "state.json", "symbolic link")
+    path = save("v2", tmp_path, 1, tiny_model())  # v1 and every loader: in process above
+    dev_zero_state(path)
+    refused(megalith("ckpt", "verify", str(path)), "state.json", "symbolic link")
 
 
 # --------------------------------------------------------------------------- schemes
@@ -395,7 +394,8 @@ def test_an_older_signed_step_copied_over_a_newer_one_is_refused(
             load(kind, target, require_signature=True)
     with pytest.raises(MegalithError, match="holds step 1, but its folder names step 2"):
         load_base(str(tmp_path), require_signature=True)  # fine-tuning from "latest"
-    refused(megalith("ckpt", "verify", str(second)), "holds step 1")
+    if kind == "v2":  # the CLI once; the verifiers of both formats are called above
+        refused(megalith("ckpt", "verify", str(second)), "holds step 1")
 
     shutil.rmtree(second)
     first.rename(second)  # renamed, latest.json still naming step 2
