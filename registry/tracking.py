@@ -88,19 +88,27 @@ def resolve_tracking_uri(configured: str | None, workdir: str | Path | None = No
 def existing_store_uri(given: str | None, workdir: str | Path = DEMO_WORKDIR) -> str:
     """The store a command that reads the registry uses: ``given`` (its --tracking-uri),
     else as :func:`resolve_tracking_uri`. A SQLite store must exist already: a read that
-    created an empty one would only report that the model does not exist."""
+    created an empty one would only report that the model does not exist. A server must
+    answer now: MLflow's own client would retry for minutes."""
     uri = given or resolve_tracking_uri(None, workdir)
-    db = sqlite_path(uri)
-    if db is None or db.is_file():
-        return uri
     if given or os.environ.get("MLFLOW_TRACKING_URI"):
         source = "--tracking-uri" if given else "MLFLOW_TRACKING_URI"
     else:
         source = f"WORKDIR/{DB_FILE_NAME}, where `megalith demo` writes; WORKDIR {workdir}"
-    raise MegalithError(
-        f"no MLflow store at {db.resolve()} (from {source}); point to yours with "
-        "--workdir DIR, --tracking-uri URI or MLFLOW_TRACKING_URI=URI"
-    )
+    how = "point to yours with --workdir DIR, --tracking-uri URI or MLFLOW_TRACKING_URI=URI"
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():
+        raise MegalithError(f"no MLflow store at {db.resolve()} (from {source}); {how}")
+    from mlflow.exceptions import MlflowException
+
+    try:
+        check_reachable(uri)
+    except (MlflowException, OSError) as exc:
+        cause = str(exc).splitlines()[0][:200]
+        raise MegalithError(
+            f"MLflow server {uri} (from {source}) did not answer: {cause}"
+        ) from None
+    return uri
 
 
 def sqlite_path(uri: str) -> Path | None:
