@@ -143,6 +143,18 @@ def test_a_missing_store_is_named_and_never_created(
     assert sqlite_files(tmp_path) == []
 
 
+@pytest.mark.parametrize("command", [PROMOTE, ["serve", "--model", f"models:/{MODEL}@champion"]])
+def test_a_tracking_server_that_does_not_answer_fails_at_once(
+    command: list[str], tmp_path: Path
+) -> None:
+    """MLflow's client alone would retry a refused connection for minutes."""
+    server = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    result = megalith(*command, cwd=tmp_path, env={"MLFLOW_TRACKING_URI": server})
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith(f"error: MLflow server {server} (from MLFLOW_TRACKING_URI)")
+    assert "Traceback" not in result.stderr
+
+
 # --- stopping `megalith ui` stops every server it started ---------------------------
 
 
