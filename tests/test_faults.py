@@ -22,12 +22,15 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from parallel_helpers import (
     CORPUS,
     RECIPE,
@@ -39,8 +42,8 @@ from parallel_helpers import (
 )
 from servers import free_port, run_group, stop_group
 
-from training.errors import storage_error_message
-from training.run_lock import LOCK_NAME
+from training.errors import MegalithError, storage_error_message
+from training.run_lock import LOCK_NAME, RunLock
 from training.tracking import MetricsFile
 
 HANG_GUARD_S = 240
@@ -53,12 +56,14 @@ def train_args(shards: Path, output: Path, values: dict | None = None) -> list[s
 
 
 @contextlib.contextmanager
-def training_forever(shards: Path, output: Path, *launch: str) -> Iterator[subprocess.Popen]:
-    """``megalith train`` in its own session, yielded once it has written a step; stopped
-    (its group, then any process it left) afterwards."""
+def training_forever(
+    shards: Path, output: Path, *launch: str, via: tuple[str, ...] = ()
+) -> Iterator[subprocess.Popen]:
+    """``megalith train`` (started by the command ``via``, if given) in its own session,
+    yielded once it has written a step; its group is stopped afterwards."""
     command = megalith(*train_args(shards, output, {"training.train_iters": FOREVER}), "--quiet")
     process = subprocess.Popen(
-        [*command, *launch],
+        [*via, *command, *launch],
         env=child_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -107,6 +112,20 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def kill_and_expect_no_survivors(process: subprocess.Popen, tree: set[int]) -> None:
+    """SIGKILL ``process``; every pid of ``tree`` (what it started) must be gone in 30 s."""
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    survivors = [pid for pid in tree if alive(pid)]
+    for pid in survivors:  # leave nothing behind for the next test
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"still running 30 s after their parent died: {survivors}"
+
+
 # --- processes --------------------------------------------------------------------------
 
 
@@ -118,16 +137,7 @@ def test_sigkill_of_the_launcher_stops_every_worker_and_frees_the_folder(
         tree = descendants(launcher.pid)
         workers = {pid for pid in tree if b"-u\x00-m\x00pipelines.cli" in _cmdline(pid)}
         assert len(workers) == 2, f"expected 2 workers under the launcher, found {tree}"
-        os.kill(launcher.pid, signal.SIGKILL)
-        launcher.wait()
-        deadline = time.monotonic() + 30
-        while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        survivors = [pid for pid in tree if alive(pid)]
-        for pid in survivors:  # leave nothing behind for the next test
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        assert not survivors, f"still running 30 s after the launcher died: {survivors}"
+        kill_and_expect_no_survivors(launcher, tree)
     # The dead launcher's lock is stale: the next run into the folder takes it over.
     done = run_group(
         megalith(*train_args(shards, output, {"training.train_iters": 2}), "--quiet"),
@@ -137,6 +147,27 @@ def test_sigkill_of_the_launcher_stops_every_worker_and_frees_the_folder(
     assert done.returncode == 0, done.stderr[-3000:]
     assert "trained 2 steps" in done.stdout
     assert (output / LOCK_NAME).read_text() == ""  # released when the run ended
+
+
+# What the Prefect pretrain task does: stream_process in a worker thread, not the main one.
+TASK_THREAD = """
+import logging, sys, threading
+from pipelines.tasks import stream_process
+
+thread = threading.Thread(target=stream_process, args=(sys.argv[1:], logging.getLogger("task")))
+thread.start()
+thread.join()
+"""
+
+
+def test_sigkill_of_the_flow_process_stops_its_training_process(
+    shards: Path, tmp_path: Path
+) -> None:
+    via = (sys.executable, "-c", TASK_THREAD)
+    with training_forever(shards, tmp_path / "run", via=via) as flow:
+        tree = descendants(flow.pid)
+        assert any(b"pipelines.cli\x00train" in _cmdline(pid) for pid in tree), tree
+        kill_and_expect_no_survivors(flow, tree)
 
 
 def _cmdline(pid: int) -> bytes:
@@ -418,3 +449,48 @@ def test_mlflow_server_still_down_at_the_end_is_named_in_one_warning(
     assert "stays RUNNING there" in ended[0]
     metrics = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, OUTAGE_STEPS + 1))
+
+
+# --- the lock file as a reader --------------------------------------------------------------
+
+HOLDER_KEYS = ("pid", "host", "started", "process_start", "boot_id")
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner),
+    max_leaves=10,
+)
+holder_like = st.fixed_dictionaries({}, optional={key: json_values for key in HOLDER_KEYS})
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    content=st.binary(max_size=5000)
+    | holder_like.map(lambda d: json.dumps(d).encode())
+    | st.integers(min_value=0, max_value=2**40).map(
+        lambda pid: json.dumps(
+            {
+                "pid": pid,
+                "host": os.uname().nodename,
+                "started": "",
+                "process_start": "",
+                "boot_id": "",
+            }
+        ).encode()  # fmt: skip
+    )
+)
+def test_any_lock_file_content_is_taken_over_or_refused_cleanly(content: bytes) -> None:
+    """Whatever a crash or a person left in the lock file: the run takes the lock or is
+    refused with a MegalithError, nothing else."""
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / LOCK_NAME).write_bytes(content)
+        lock = RunLock(folder)
+        try:
+            holder = lock.acquire()
+        except MegalithError:
+            return
+        try:
+            assert holder.pid == os.getpid()
+            written = json.loads((Path(folder) / LOCK_NAME).read_text())
+            assert written["pid"] == os.getpid()
+        finally:
+            lock.release()
