@@ -247,7 +247,11 @@ def _type_name(kind: type) -> str:
 def brief(value: Any, limit: int = 60) -> str:
     """``repr(value)`` cut to ``limit`` characters: values from a file, quoted in an error
     message, must not turn it into 100 KB of text."""
-    text = repr(value)
+    return clip(repr(value), limit)
+
+
+def clip(text: str, limit: int = 60) -> str:
+    """``text`` cut to ``limit`` characters, ``...`` marking the cut."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -43,6 +43,7 @@ MAX_VOCAB = 1 << 21
 MAX_POSITIONS = 1 << 24
 MAX_EXPERTS = 4096
 MAX_PARAMETERS = 10**13
+MAX_PROBLEMS_SHOWN = 10  # a file with 10,000 bad keys gets a screenful, not 10,000 lines
 
 
 class ConfigError(MegalithError, ValueError):
@@ -738,7 +739,7 @@ def format_validation_error(
     """One line per problem naming the dotted key; ``names`` shows a top-level key under the
     name its file uses (an HF config.json's ``num_hidden_layers`` for ``num_layers``)."""
     lines = [f"{source}: {error.error_count()} problem(s) in the configuration"]
-    for item in error.errors():
+    for item in error.errors()[:MAX_PROBLEMS_SHOWN]:
         key = ".".join(str(part) for part in item["loc"]) or "(root)"
         if names and item["loc"] and item["loc"][0] in names:
             key = f"{names[item['loc'][0]]} ({key})"
@@ -746,8 +747,10 @@ def format_validation_error(
         if item["type"] == "extra_forbidden":
             message = _unknown_key_message(item["loc"])
         elif "input" in item and item["type"] != "missing":
-            message = f"{message} (got {item['input']!r})"
-        lines.append(f"  {key}: {message}")
+            message = f"{message} (got {safe_read.brief(item['input'])})"
+        lines.append(f"  {safe_read.clip(key, 120)}: {message}")
+    if error.error_count() > MAX_PROBLEMS_SHOWN:
+        lines.append(f"  ... and {error.error_count() - MAX_PROBLEMS_SHOWN} more")
     return "\n".join(lines)
 
 
