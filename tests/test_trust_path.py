@@ -552,3 +552,44 @@ def test_fuzzed_index_only_raises_megalith_errors(
         pass
     finally:
         (path / "index.json").write_bytes(original)
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    record=JSON
+    | st.fixed_dictionaries(
+        {
+            "algorithm": st.sampled_from(["hmac-sha256", "ed25519", "none"]) | JSON,
+            "manifest": st.sampled_from(["index.json"]) | JSON,
+            "signature": st.sampled_from(["0" * 64, "0" * 128]) | JSON,
+        },
+    ),  # fmt: skip
+    raw=st.none() | st.binary(max_size=64) | st.just(b"[" * 60000),
+)
+def test_fuzzed_signature_files_only_raise_megalith_errors(
+    sound: dict[str, Path], record: object, raw: bytes | None, monkeypatch
+) -> None:
+    """signature.json is read before anything is trusted: any content is refused cleanly
+    (none of these is a valid signature) by the verifier holding a key."""
+    path = sound["v2"]
+    monkeypatch.setenv(KEY_ENV, KEY)
+    (path / "signature.json").write_bytes(json.dumps(record).encode() if raw is None else raw)
+    try:
+        with within(20), pytest.raises(MegalithError, match="signature.json"):
+            verify(path)
+    finally:
+        (path / "signature.json").unlink()
+
+
+def test_a_key_path_to_dev_zero_is_refused(tmp_path: Path, monkeypatch) -> None:
+    path = save("v1", tmp_path, 1, tiny_model())
+    monkeypatch.setenv(ED25519_PUBLIC_ENV, "/dev/zero")
+    (path / "signature.json").write_text(
+        json.dumps({"algorithm": "ed25519", "manifest": "index.json", "signature": "0" * 128})
+    )
+    with within(10), pytest.raises(MegalithError, match="/dev/zero: cannot read a PEM key"):
+        verify(path)

@@ -46,12 +46,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from preprocessing import safe_read
 from preprocessing.storage import atomic_write_json
 from training.errors import MegalithError
 
@@ -120,13 +120,13 @@ def _ed25519_key(env: str, private: bool, required: bool):
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
     try:
-        data = Path(path).read_bytes()
+        data = safe_read.read_bytes_bounded(path, 64 << 10)  # a PEM key is < 1 KiB
         key = (
             serialization.load_pem_private_key(data, password=None)
             if private
             else serialization.load_pem_public_key(data)
         )
-    except (OSError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError, safe_read.UnsafeFileError) as exc:
         raise SignatureError(f"{env}={path}: cannot read a PEM key: {exc}") from None
     wanted = ed25519.Ed25519PrivateKey if private else ed25519.Ed25519PublicKey
     if not isinstance(key, wanted):
@@ -308,10 +308,10 @@ def parse_signature(raw: bytes, where: str) -> dict[str, Any]:
     """A ``signature.json``'s content, validated (at most 64 KiB, known algorithm)."""
     if len(raw) > 64 << 10:
         raise SignatureError(f"{where}: not a signature file of at most 64 KiB")
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SignatureError(f"{where}: not valid JSON: {exc}") from None
+    try:  # bounded nesting: a 64 KiB "[[[[..." is a RecursionError in json.loads
+        record = safe_read.loads_json(raw, where)
+    except safe_read.UnsafeFileError as exc:
+        raise SignatureError(str(exc)) from None
     if not isinstance(record, dict) or record.get("algorithm") not in (ALGORITHM, ED25519):
         raise SignatureError(
             f"{where}: algorithm {record.get('algorithm') if isinstance(record, dict) else None!r}"
