@@ -169,6 +169,8 @@ def _serve(args: argparse.Namespace) -> int:
                 "(or `prefect server start`), or set PREFECT_API_URL"
             )
         os.environ["PREFECT_API_URL"] = f"{PREFECT_URL}/api"
+    import httpx
+
     from pipelines.deployments import FinetuneSchedule, serve_all
 
     workdir = Path(args.workdir).resolve()
@@ -177,7 +179,13 @@ def _serve(args: argparse.Namespace) -> int:
         data_location=args.finetune_data or str(workdir / "incoming-chat"),
         recipe=args.finetune_config,
     )
-    serve_all(workdir, schedule)
+    try:
+        serve_all(workdir, schedule)
+    except httpx.ConnectError as exc:
+        raise MegalithError(
+            f"no Prefect server answers at PREFECT_API_URL={os.environ['PREFECT_API_URL']} "
+            f"({exc}): start one with `megalith ui`, or correct PREFECT_API_URL"
+        ) from None
     return 0
 
 

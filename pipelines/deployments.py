@@ -6,12 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import serve
+from prefect.client.schemas.schedules import CronSchedule
 
 from pipelines.commands import DEMO_RECIPE, FINETUNE_CRON, FINETUNE_RECIPE, demo_config
 from pipelines.finetune import finetune
 from pipelines.flows import end_to_end, evaluate, pretrain, promote_model_flow, register_model_flow
 from pipelines.tokenize import tokenize_corpus
 from training.config import load_config
+from training.errors import MegalithError
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,17 @@ class FinetuneSchedule:
     cron: str | None = FINETUNE_CRON
     data_location: str | None = None  # default: WORKDIR/incoming-chat
     recipe: str = str(FINETUNE_RECIPE)
+
+    def __post_init__(self) -> None:
+        if self.cron is None:
+            return
+        try:
+            CronSchedule(cron=self.cron)
+        except ValueError:  # pydantic's ValidationError is one
+            raise MegalithError(
+                f"--finetune-cron {self.cron!r} is not a cron expression: five fields, "
+                f"minute hour day-of-month month day-of-week (default '{FINETUNE_CRON}')"
+            ) from None
 
 
 def deployments(workdir: Path, schedule: FinetuneSchedule | None = None) -> list:

@@ -155,6 +155,28 @@ def test_a_tracking_server_that_does_not_answer_fails_at_once(
     assert "Traceback" not in result.stderr
 
 
+# --- serve-pipelines: a bad schedule or no Prefect server --------------------------
+
+
+@pytest.mark.parametrize("cron", ["61 * * *", "0 3 32 * *", "daily"])
+def test_serve_pipelines_refuses_a_bad_cron_naming_the_flag(cron: str, tmp_path: Path) -> None:
+    api = f"http://127.0.0.1:{free_port()}/api"
+    result = megalith(
+        "serve-pipelines", "--finetune-cron", cron, cwd=tmp_path, env={"PREFECT_API_URL": api}
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith(f"error: --finetune-cron {cron!r} is not a cron expression")
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_pipelines_without_a_prefect_server_names_the_address(tmp_path: Path) -> None:
+    api = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
+    result = megalith("serve-pipelines", cwd=tmp_path, env={"PREFECT_API_URL": api})
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith(f"error: no Prefect server answers at PREFECT_API_URL={api}")
+    assert "Traceback" not in result.stderr
+
+
 # --- stopping `megalith ui` stops every server it started ---------------------------
 
 
