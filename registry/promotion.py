@@ -27,9 +27,13 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 from registry.models import RegistryError, _client, get_alias_version, model_version_tags
 from training.config import MetricRule
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 CHAMPION = "champion"
 CANDIDATE = "candidate"
@@ -126,6 +130,8 @@ def gate(
         version = get_alias_version(name, CANDIDATE, tracking_uri=tracking_uri)
         if version is None:
             raise RegistryError(f"registered model {name!r} has no @{CANDIDATE} version to gate")
+    else:
+        _require_version(_client(tracking_uri), name, version)
     champion = get_alias_version(name, CHAMPION, tracking_uri=tracking_uri)
     if champion == version:
         decision = GateDecision(name, version, champion, False, f"v{version} is the champion")
@@ -161,13 +167,8 @@ def promote(
     name: str, version: int, *, tracking_uri: str | None = None, reason: str = "manual"
 ) -> int | None:
     """Point ``champion`` at ``version``; returns the previous champion (or None)."""
-    from mlflow.exceptions import MlflowException
-
     client = _client(tracking_uri)
-    try:
-        client.get_model_version(name, str(version))
-    except MlflowException as error:
-        raise RegistryError(f"{name!r} has no version {version}: {error.message}") from None
+    _require_version(client, name, version)
     previous = get_alias_version(name, CHAMPION, tracking_uri=tracking_uri)
     if previous == version:
         return previous
@@ -177,6 +178,15 @@ def promote(
     client.set_model_version_tag(name, str(version), "promotion.promoted_at", _now())
     client.set_model_version_tag(name, str(version), "promotion.promoted_by", reason)
     return previous
+
+
+def _require_version(client: MlflowClient, name: str, version: int) -> None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_model_version(name, str(version))
+    except MlflowException as error:
+        raise RegistryError(f"{name!r} has no version {version}: {error.message}") from None
 
 
 def rollback(name: str, *, tracking_uri: str | None = None) -> int:
