@@ -111,6 +111,18 @@ def test_serve_finds_the_store_the_demo_wrote(demo_dir: Path) -> None:
     assert info["name"] == MODEL and str(info["version"]) == "1", info
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["registry", "promote", MODEL, "9"], ["registry", "gate", MODEL, "--version", "9"]],
+    ids=["promote", "gate"],
+)
+def test_a_version_the_model_lacks_is_named(command: list[str], demo_dir: Path) -> None:
+    result = megalith(*command, cwd=demo_dir)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith(f"error: {MODEL!r} has no version 9"), result.stderr
+    assert "Traceback" not in result.stderr
+
+
 PROMOTE = ["registry", "promote", MODEL, "1"]
 
 
