@@ -101,9 +101,31 @@ def worker_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def run_torchrun(command: list[str], extra_env: Mapping[str, str] | None = None) -> int:
-    """Run torchrun in this process group (a cancelled parent takes it down) and wait."""
+    """Run torchrun in this process group (a cancelled parent takes it down) and wait.
+
+    A SIGTERM sent to this process alone is passed on, so torchrun stops its workers
+    the orderly way (they close their records) instead of dying with us."""
     env = {**worker_env(), **(extra_env or {})}
-    return subprocess.run(command, env=env, check=False).returncode
+    with subprocess.Popen(command, env=env) as process:
+        previous = signal.signal(signal.SIGTERM, lambda *_: process.send_signal(signal.SIGTERM))
+        try:
+            try:
+                return process.wait()
+            except KeyboardInterrupt:  # torchrun had the Ctrl-C too: let it stop its workers
+                return process.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def unwind_on_sigterm() -> None:
+    """SIGTERM (a cancelled flow, a scheduler's time limit, torchrun stopping its workers)
+    raises KeyboardInterrupt, so a run unwinds as on Ctrl-C: its MLflow run is ended
+    FAILED instead of staying RUNNING, its lock released, its process group left."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
 def die_with_parent() -> None:
@@ -129,6 +151,7 @@ def _torchrun_main(argv: Sequence[str]) -> int:
     of itself would bury them."""
     die_with_parent()
     os.environ[PARENT_PID_ENV] = str(os.getpid())
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
@@ -140,6 +163,9 @@ def _torchrun_main(argv: Sequence[str]) -> int:
             print(f"rank {rank} (pid {failure.pid}) {_how_it_ended(failure.exitcode)}",
                   file=sys.stderr)  # fmt: skip
         return 1
+    except SignalException as stopped:  # it stopped its workers first
+        print(f"torchrun stopped its workers on {stopped.sigval.name}", file=sys.stderr)
+        return 128 + stopped.sigval
     return 0
 
 
