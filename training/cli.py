@@ -21,6 +21,7 @@ from training.launch import (
     slurm_script,
     torchrun_command,
     under_torchrun,
+    unwind_on_sigterm,
 )
 from training.parallel.groups import validate_layout
 from training.parallel.support import check_trainer_support
@@ -162,10 +163,8 @@ def _launch(args: argparse.Namespace, config: MegalithConfig) -> int:
         held = lock.child_env() if lock else {}
         returncode = run_torchrun(torchrun_command(spec, _worker_args(args)), held)
     if returncode:
-        print(
-            f"error: training failed on at least one rank (torchrun exit code {returncode})",
-            file=sys.stderr,
-        )
+        why = "was stopped by a signal" if returncode > 128 else "failed on at least one rank"
+        print(f"error: training {why} (torchrun exit code {returncode})", file=sys.stderr)
     return returncode
 
 
@@ -179,6 +178,7 @@ def _train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set, values)
     if args.nproc_per_node is not None and not under_torchrun():
         return _launch(args, config)
+    unwind_on_sigterm()
     # Only now the heavy imports (torch, ~seconds): a bad config fails at once.
     from registry.tracking import lineage_tags, open_run_logger
     from training.distributed import distributed
