@@ -149,6 +149,32 @@ def test_sigkill_of_the_launcher_stops_every_worker_and_frees_the_folder(
     assert (output / LOCK_NAME).read_text() == ""  # released when the run ended
 
 
+def test_sigterm_ends_the_mlflow_run_failed_and_frees_the_folder(
+    shards: Path, tmp_path: Path
+) -> None:
+    from mlflow import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    output = tmp_path / "run"
+    settings = {"training.train_iters": FOREVER, "logging.mlflow": "true"}
+    process = subprocess.Popen(
+        megalith(*train_args(shards, output, settings), "--quiet"),
+        env=child_env(MLFLOW_TRACKING_URI=store), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for_a_step(process, output / "metrics.jsonl")
+        process.send_signal(signal.SIGTERM)  # a cancelled flow, a scheduler's time limit
+        _, stderr = process.communicate(timeout=HANG_GUARD_S)
+    finally:
+        stop_group(process, grace_s=5)
+    assert process.returncode == 130 and stderr.strip().splitlines()[-1] == "interrupted"
+    client = MlflowClient(tracking_uri=store)
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FAILED"  # not RUNNING forever
+    assert (output / LOCK_NAME).read_text() == ""
+
+
 # What the Prefect pretrain task does: stream_process in a worker thread, not the main one.
 TASK_THREAD = """
 import logging, sys, threading
