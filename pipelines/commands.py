@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -192,42 +193,66 @@ def _serve(args: argparse.Namespace) -> int:
 def _ui(args: argparse.Namespace) -> int:
     from registry.tracking import ensure_tracking_store, resolve_tracking_uri
 
-    workdir = Path(args.workdir).resolve()
-    tracking = resolve_tracking_uri(None, workdir)
+    _require_free_port(args.prefect_port, "--prefect-port")
+    _require_free_port(args.mlflow_port, "--mlflow-port")
+    tracking = resolve_tracking_uri(None, Path(args.workdir).resolve())
     ensure_tracking_store(tracking)
     prefect_url = f"http://127.0.0.1:{args.prefect_port}"
-    bin_dir = Path(sys.executable).parent
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-        "PREFECT_UI_API_URL": f"{prefect_url}/api",  # the UI's pages call this address
-    }
-    env.update({k: v for k, v in QUIET_PREFECT_SERVER.items() if k not in os.environ})
-    commands = [
-        ([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1",
-          "--port", str(args.prefect_port)], env),
-        ([str(bin_dir / "mlflow"), "ui", "--backend-store-uri", tracking, "--host", "127.0.0.1",
-          "--port", str(args.mlflow_port), "--workers", "1"],
-         {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}),
-    ]  # fmt: skip
+    commands = _ui_servers(args.prefect_port, args.mlflow_port, tracking)
     # SIGTERM (from `kill`, systemd, a container stop) ends the UI as Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
-    servers: list[subprocess.Popen] = []
+    servers: dict[str, subprocess.Popen] = {}
     try:
-        # Each server leads its own process group, so stopping it stops its workers too.
-        servers.extend(subprocess.Popen(command, env=e, process_group=0) for command, e in commands)
+        for name, (command, env) in commands.items():
+            # Each server leads its own process group: stopping it stops its workers too.
+            servers[name] = subprocess.Popen(command, env=env, process_group=0)
         print(f"Prefect UI  {prefect_url}   (export PREFECT_API_URL={prefect_url}/api)")
         print(f"MLflow UI   http://127.0.0.1:{args.mlflow_port}   ({tracking})")
         print("Ctrl-C stops both.", flush=True)
-        while all(server.poll() is None for server in servers):
+        while all(server.poll() is None for server in servers.values()):
             time.sleep(1)
     except KeyboardInterrupt:
         pass
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut cleanup
             signal.signal(signum, signal.SIG_IGN)
-        stop_process_groups(servers)
+        died = [(name, s.returncode) for name, s in servers.items() if s.poll() is not None]
+        stop_process_groups(list(servers.values()))
+    if died:
+        raise MegalithError(f"the {died[0][0]} server stopped by itself (exit code {died[0][1]})")
     return 0
+
+
+def _ui_servers(
+    prefect_port: int, mlflow_port: int, tracking: str
+) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Name -> (command, environment) of the servers `megalith ui` runs."""
+    bin_dir = Path(sys.executable).parent
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        # the UI's pages call this address
+        "PREFECT_UI_API_URL": f"http://127.0.0.1:{prefect_port}/api",
+    }
+    env.update({k: v for k, v in QUIET_PREFECT_SERVER.items() if k not in os.environ})
+    return {
+        "Prefect": ([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1",
+                     "--port", str(prefect_port)], env),
+        "MLflow": ([str(bin_dir / "mlflow"), "ui", "--backend-store-uri", tracking,
+                    "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1"],
+                   {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}),
+    }  # fmt: skip
+
+
+def _require_free_port(port: int, flag: str) -> None:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise MegalithError(
+                f"127.0.0.1:{port} is taken ({exc.strerror}): stop what listens there, or pick "
+                f"another port with {flag}"
+            ) from None
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -214,6 +214,22 @@ def running(processes: list[psutil.Process]) -> list[psutil.Process]:
     return alive
 
 
+@pytest.mark.parametrize("flag", ["--prefect-port", "--mlflow-port"])
+def test_megalith_ui_refuses_a_taken_port_naming_the_flag(flag: str, tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = {"--prefect-port": str(free_port()), "--mlflow-port": str(free_port())}
+        ports[flag] = str(port)
+        arguments = [arg for pair in ports.items() for arg in pair]
+        result = megalith("ui", "--workdir", str(tmp_path / "work"), *arguments, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith(f"error: 127.0.0.1:{port} is taken"), result.stderr
+    assert flag in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "work").exists()  # refused before anything was started or written
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_to_megalith_ui_stops_all_its_servers(signum: int, tmp_path: Path) -> None:
