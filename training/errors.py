@@ -18,9 +18,15 @@ class MegalithError(Exception):
     """A problem with the user's input, config or data, not a bug."""
 
 
-# A full disk, a quota, a file-size limit, a read-only or forbidden place: the user can
-# act on these (free space, another --output), so they get one line, not a traceback.
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES})
+# A full disk, a quota, a file-size limit, a read-only or forbidden place, a path through
+# a file: the user can act on these (free space, another --output), so they get one line,
+# not a traceback.
+STORAGE_ERRNOS = frozenset(
+    {
+        errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
+        errno.ENOTDIR, errno.EISDIR,
+    }
+)  # fmt: skip
 
 
 def storage_error_message(exc: OSError) -> str | None:
