@@ -115,6 +115,18 @@ def demo_config(recipe: str, workdir: Path, overrides: list[str]) -> MegalithCon
     )
 
 
+def work_folder(value: str) -> Path:
+    """--workdir as an absolute folder, created if missing."""
+    workdir = Path(value).resolve()
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise MegalithError(
+            f"--workdir {value}: cannot create the folder {workdir}: a file is in the way"
+        ) from None
+    return workdir
+
+
 def use_local_services(workdir: Path) -> None:
     """Point MLflow at WORKDIR/mlflow.db and Prefect at a local server when one runs."""
     from registry.tracking import ensure_tracking_store, resolve_tracking_uri
@@ -128,8 +140,7 @@ def use_local_services(workdir: Path) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    workdir = Path(args.workdir).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = work_folder(args.workdir)
     config = demo_config(args.config, workdir, args.set)
     use_local_services(workdir)
     from pipelines.flows import end_to_end
@@ -174,7 +185,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from pipelines.deployments import FinetuneSchedule, serve_all
 
-    workdir = Path(args.workdir).resolve()
+    workdir = Path(args.workdir).resolve()  # the flows create it when they run
     schedule = FinetuneSchedule(
         cron=args.finetune_cron or None,
         data_location=args.finetune_data or str(workdir / "incoming-chat"),
@@ -195,7 +206,7 @@ def _ui(args: argparse.Namespace) -> int:
 
     _require_free_port(args.prefect_port, "--prefect-port")
     _require_free_port(args.mlflow_port, "--mlflow-port")
-    tracking = resolve_tracking_uri(None, Path(args.workdir).resolve())
+    tracking = resolve_tracking_uri(None, work_folder(args.workdir))
     ensure_tracking_store(tracking)
     prefect_url = f"http://127.0.0.1:{args.prefect_port}"
     commands = _ui_servers(args.prefect_port, args.mlflow_port, tracking)

@@ -167,6 +167,22 @@ def test_a_tracking_server_that_does_not_answer_fails_at_once(
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("command", [["demo"], ["ui"]])
+@pytest.mark.parametrize("workdir", ["a-file", "a-file/below"])
+def test_a_workdir_blocked_by_a_file_is_named(
+    command: list[str], workdir: str, tmp_path: Path
+) -> None:
+    (tmp_path / "a-file").write_text("not a folder")
+    if command == ["ui"]:  # ports nothing else holds: the folder is what must fail
+        command = [*command, "--prefect-port", str(free_port()), "--mlflow-port", str(free_port())]
+    result = megalith(*command, "--workdir", workdir, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    folder = tmp_path / workdir
+    assert result.stderr == (
+        f"error: --workdir {workdir}: cannot create the folder {folder}: a file is in the way\n"
+    )
+
+
 # --- serve-pipelines: a bad schedule or no Prefect server --------------------------
 
 
