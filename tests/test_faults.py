@@ -274,6 +274,15 @@ def test_data_prepare_past_a_file_size_limit_names_the_shard_and_leaves_nothing_
     assert (out / "manifest.json").exists()
 
 
+def test_an_output_under_a_file_is_one_line_naming_it(shards: Path, tmp_path: Path) -> None:
+    args = ["data", "prepare", "--input", str(CORPUS), "--output", "/dev/null/shards",
+            "--tokenizer", str(shards / "tokenizer.model"), "--quiet"]  # fmt: skip
+    done = subprocess.run(megalith(*args), env=child_env(), capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)  # fmt: skip
+    assert one_error_line(done).startswith("error: /dev/null/shards")
+    assert one_error_line(done).endswith(": Not a directory (ENOTDIR)")
+
+
 def test_a_checkpoint_past_a_file_size_limit_is_one_line_and_never_latest(
     shards: Path, tmp_path: Path
 ) -> None:
