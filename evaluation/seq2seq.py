@@ -35,6 +35,24 @@ def span_logliks(
     """For each ``(tokens, n)``: the summed log-probability of its last ``n`` tokens as the
     span after the others (:func:`span_prompt`); rows right-padded, padding masked."""
     device = model_device(model)
+    encoder, decoder, labels, mask = span_rows(tokenizer, sequences)
+    with autocast(device, autocast_dtype):
+        losses = model(
+            encoder.to(device),
+            decoder.to(device),
+            labels.to(device),
+            encoder_mask=mask.to(device),
+            loss_reduction="none",
+        )
+    scored = (labels != IGNORE_INDEX).to(device)
+    return (-(losses.double() * scored).sum(dim=1)).tolist()
+
+
+def span_rows(
+    tokenizer: Tokenizer, sequences: Sequence[tuple[list[int], int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(encoder, decoder, labels, encoder mask)`` for :func:`span_logliks`: each
+    sequence's last ``n`` tokens as the span after the others, rows right-padded."""
     pad = _pad_id(tokenizer)
     prompts = [span_prompt(tokenizer, tokens[:-n]) for tokens, n in sequences]
     encoder_width = max(len(encoder) for encoder, _ in prompts)
@@ -50,16 +68,7 @@ def span_logliks(
         decoder[row, : len(inputs)] = torch.tensor(inputs)
         labels[row, len(start) - 1 : len(start) - 1 + n] = torch.tensor(tokens[-n:])
     mask = torch.arange(encoder_width) < torch.tensor([len(s) for s, _ in prompts])[:, None]
-    with autocast(device, autocast_dtype):
-        losses = model(
-            encoder.to(device),
-            decoder.to(device),
-            labels.to(device),
-            encoder_mask=mask.to(device),
-            loss_reduction="none",
-        )
-    scored = (labels != IGNORE_INDEX).to(device)
-    return (-(losses.double() * scored).sum(dim=1)).tolist()
+    return encoder, decoder, labels, mask
 
 
 def _pad_id(tokenizer: Tokenizer) -> int:

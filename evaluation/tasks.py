@@ -233,6 +233,15 @@ def sequence_logliks(
     Sequences are right-padded; causal attention keeps padding from affecting them.
     """
     device = model_device(model)
+    inputs, labels = padded_rows(sequences)
+    with autocast(device, autocast_dtype):
+        losses = model(inputs.to(device), labels.to(device), loss_reduction="none")
+    return (-losses.double().sum(dim=1)).tolist()
+
+
+def padded_rows(sequences: Sequence[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, labels)`` of right-padded rows: each sequence but its last token, and its
+    last ``n`` tokens as labels at the positions that predict them (``IGNORE_INDEX`` elsewhere)."""
     width = max(len(tokens) for tokens, _ in sequences)
     inputs = torch.zeros(len(sequences), width - 1, dtype=torch.long)
     labels = torch.full_like(inputs, IGNORE_INDEX)
@@ -240,9 +249,7 @@ def sequence_logliks(
         length = len(tokens)
         inputs[row, : length - 1] = torch.tensor(tokens[:-1])
         labels[row, length - 1 - n : length - 1] = torch.tensor(tokens[-n:])
-    with autocast(device, autocast_dtype):
-        losses = model(inputs.to(device), labels.to(device), loss_reduction="none")
-    return (-losses.double().sum(dim=1)).tolist()
+    return inputs, labels
 
 
 def accuracies(items: Sequence[Item], scores: Sequence[Sequence[ChoiceScore]]) -> dict[str, float]:
