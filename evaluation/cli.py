@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from preprocessing import safe_read
+from registry.tracking import log_evaluation
 from training.config import MAX_POSITIONS, DataConfig, load_config
 from training.errors import MegalithError
 
@@ -49,6 +50,17 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="task jsonl files or shipped task names (sample_facts)",
     )
     parser.add_argument(
+        "--lm-eval-tasks",
+        nargs="+",
+        default=[],
+        metavar="TASK",
+        help="lm-evaluation-harness tasks: names lm-eval knows (hub tasks need a network), "
+        "shipped ones (sample_facts) or task YAML files; needs the eval extra",
+    )
+    parser.add_argument(
+        "--lm-eval-limit", type=int, metavar="N", help="at most N items of each lm-eval task"
+    )
+    parser.add_argument(
         "--prompts",
         nargs="+",
         metavar="FILE_OR_TEXT",
@@ -70,6 +82,13 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--output", default=DEFAULT_OUTPUT, metavar="FILE", help=f"JSON report ({DEFAULT_OUTPUT})"
     )
+    parser.add_argument(
+        "--mlflow-run",
+        metavar="RUN_ID",
+        help="log the metrics (eval.<name>) and the report to this MLflow run, e.g. the "
+        "training run, so that registration and the promotion gate can use them",
+    )
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (else MLFLOW_TRACKING_URI)")
     parser.set_defaults(handler=_eval)
 
 
@@ -101,9 +120,14 @@ def _eval(args: argparse.Namespace) -> int:
         device=args.device,
         precision=args.precision,
         output=args.output,
+        lm_eval_tasks=args.lm_eval_tasks,
+        lm_eval_limit=args.lm_eval_limit,
     )
     print(format_table(report))
     print(f"\nwrote {args.output}")
+    if args.mlflow_run:
+        log_evaluation(args.mlflow_run, report["metrics"], args.output, args.tracking_uri)
+        print(f"logged {len(report['metrics'])} metrics to MLflow run {args.mlflow_run}")
     return 0
 
 

@@ -8,10 +8,13 @@ The report is a JSON object (``REPORT_FORMAT``, version 1)::
      "perplexity": PerplexityResult | null,
      "tasks": {name: TaskResult},
      "generation": {"settings", "sampled_tokens", "seconds", "tokens_per_s", "samples"} | null,
+     "lm_eval": {"version", "tasks", "samples", "metrics"} | null,
      "metrics": {name: number}}
 
 ``metrics`` repeats the headline numbers flat (``valid_perplexity``,
-``sample_facts_acc``, ...) for experiment trackers and registry tags.
+``sample_facts_acc``, ``lm_eval.sample_facts.acc_norm``, ...) for experiment trackers and
+registry tags. ``lm_eval`` holds lm-evaluation-harness tasks run through
+:mod:`evaluation.lm_eval_adapter` (the ``eval`` extra) on the same loaded model.
 
 A T5 package (``model.family: t5``) is evaluated the same way, as it was pretrained:
 perplexity on the span-corruption targets, each task choice scored as the span after
@@ -63,18 +66,26 @@ def evaluate_model(
     device: str = "auto",
     precision: str = "auto",
     output: str | Path | None = None,
+    lm_eval_tasks: Sequence[str] = (),
+    lm_eval_limit: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate a model package and return the report (written to ``output`` if given).
 
     ``data``: shard set(s) for perplexity, or ``None`` to skip it. ``task_files``:
     paths or shipped task names. ``prompts``: ``None`` for :data:`DEFAULT_PROMPTS`,
     empty to skip generation. ``sampling``: defaults to ``SamplingConfig()``.
+    ``lm_eval_tasks``: lm-eval task names or YAML files (``lm_eval_limit`` items each).
     """
     start = time.perf_counter()
     task_paths = [resolve_task_file(t) for t in task_files]
     _check_unique_names(task_paths)
     for path in task_paths:
         load_task(path)  # a broken task file fails before any model work
+    if lm_eval_tasks:
+        # lm-eval is an optional extra: imported only when its tasks are asked for.
+        from evaluation import lm_eval_adapter
+
+        lm_eval_adapter.check_tasks(lm_eval_tasks)
     sampling = sampling or SamplingConfig()
     torch_device = resolve_device(device)
     precision = resolve_precision(precision, torch_device)
@@ -97,6 +108,7 @@ def evaluate_model(
         "perplexity": None,
         "tasks": {},
         "generation": None,
+        "lm_eval": None,
     }
     if data is not None:
         result = evaluate_perplexity(
@@ -112,6 +124,11 @@ def evaluate_model(
     for path in task_paths:
         result = evaluate_task(model, tokenizer, path, autocast_dtype=autocast_dtype)
         report["tasks"][result.name] = result.to_dict()
+    if lm_eval_tasks:
+        lm = lm_eval_adapter.MegalithLM.from_model(
+            model, tokenizer, autocast_dtype=autocast_dtype, batch_size=batch_size
+        )
+        report["lm_eval"] = lm_eval_adapter.run_tasks(lm, lm_eval_tasks, limit=lm_eval_limit)
     seq2seq = config.family == "t5"
     if prompts is None:
         prompts = T5_DEFAULT_PROMPTS if seq2seq else DEFAULT_PROMPTS
@@ -149,6 +166,8 @@ def headline_metrics(report: dict[str, Any]) -> dict[str, float]:
     for name, task in report.get("tasks", {}).items():
         for key in ("acc", "acc_norm", "acc_per_token"):
             metrics[f"{name}_{key}"] = task[key]
+    if report.get("lm_eval"):
+        metrics.update(report["lm_eval"]["metrics"])
     if report.get("generation"):
         metrics["generation_tokens_per_s"] = report["generation"]["tokens_per_s"]
     return metrics
@@ -189,6 +208,11 @@ def format_table(report: dict[str, Any], max_text_chars: int = 240) -> str:
         ]
     if report.get("tasks"):
         lines += ["", _task_table(report["tasks"])]
+    if report.get("lm_eval"):
+        lines += ["", f"lm-evaluation-harness {report['lm_eval']['version']}"]
+        lines += [
+            f"  {name:<40} {value:.4f}" for name, value in report["lm_eval"]["metrics"].items()
+        ]
     generation = report.get("generation")
     if generation:
         lines += ["", _generation_header(generation)]

@@ -1,0 +1,456 @@
+"""Megalith model packages as an lm-evaluation-harness model type, ``megalith``.
+
+EleutherAI's lm-evaluation-harness (``pip install 'megalith[eval]'``) asks a model for
+three things; this adapter answers them with the scoring and decoding code ``megalith
+eval`` uses, for GPT and T5 packages alike:
+
+- ``loglikelihood(context, continuation)``: the continuation's summed log-probability
+  and whether greedy decoding would produce it. Context and continuation are tokenized as
+  :func:`evaluation.tasks.choice_tokens` does (after the end-of-document token every
+  training document follows), so an lm-eval multiple-choice task scores exactly what
+  ``megalith eval --tasks`` scores. A T5 model scores the continuation as the span after
+  the context (:mod:`evaluation.seq2seq`).
+- ``loglikelihood_rolling(text)``: the whole text's log-probability, in disjoint windows
+  of the model's context length (lm-eval's own windowing), the first after the
+  end-of-document token.
+- ``generate_until(context, gen_kwargs)``: greedy or sampled continuations
+  (:func:`evaluation.generate.generate_ids`) cut at the first ``until`` string.
+
+Requests are scored in batches (longest first, so a batch pads little).
+
+lm-eval 0.4.13 finds model types only in its own registry, not through package entry
+points, so the name ``megalith`` exists once this module is imported. Run lm-eval
+through ``megalith-lm-eval`` (lm-eval's own command line with the model registered)::
+
+    megalith-lm-eval run --model megalith --model_args package=runs/demo/model \\
+        --tasks sample_facts --include_path "$(python -m evaluation.lm_eval_adapter --tasks-dir)"
+
+or from Python: ``import evaluation.lm_eval_adapter`` and then
+``lm_eval.simple_evaluate(model="megalith", model_args={"package": ...})``.
+``megalith eval --lm-eval-tasks`` runs tasks through :func:`run_tasks` on the model it
+already loaded. Shipped task YAMLs live in :data:`TASKS_DIR` (``sample_facts``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from evaluation import EvaluationError
+from evaluation.generate import SamplingConfig, continuation_text, generate_ids, prompt_ids
+from evaluation.generate_t5 import generate_seq2seq_ids
+from evaluation.runtime import AUTOCAST_DTYPES, autocast, model_device, resolve_precision
+from evaluation.seq2seq import span_prompt, span_rows
+from evaluation.tasks import IGNORE_INDEX, TASKS_DIR, choice_tokens, padded_rows
+from preprocessing import safe_read
+from preprocessing.tokenizer import Tokenizer, load_tokenizer, sentinel_ids
+from training.device import resolve_device
+from training.models.package import load_model_package
+
+try:
+    import lm_eval
+    import lm_eval.models  # noqa: F401 - lm-eval's own model types, registered lazily
+    from lm_eval.__main__ import cli_evaluate
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError as error:  # an optional extra: say how to get it
+    raise EvaluationError(
+        f"lm-evaluation-harness is not installed ({error.msg}): pip install 'megalith[eval]'"
+    ) from None
+
+MODEL_NAME = "megalith"
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_MAX_GEN_TOKS = 256
+METRIC_PREFIX = "lm_eval"
+MAX_TASK_YAML_BYTES = 1 << 20
+MAX_TARGET_CHARS = 200  # longer targets (whole documents) are left out of the report
+_TASK_LINE = re.compile(r"^task:[ \t]*(\S+)[ \t]*$", re.MULTILINE)
+_UNSAFE_METRIC_CHARS = re.compile(r"[^\w\-. /]")  # what MLflow accepts in a metric name
+
+
+@register_model(MODEL_NAME)
+class MegalithLM(LM):
+    """A loaded Megalith model (GPT or T5) behind lm-eval's ``LM`` interface.
+
+    From lm-eval's command line: ``--model megalith --model_args package=DIR[,precision=
+    fp32|bf16|fp16][,max_gen_toks=N]``; ``--batch_size`` and ``--device`` apply as usual.
+    """
+
+    def __init__(
+        self,
+        package: str | None = None,
+        device: str | None = None,
+        precision: str = "auto",
+        batch_size: int | str | None = DEFAULT_BATCH_SIZE,
+        max_gen_toks: int | str = DEFAULT_MAX_GEN_TOKS,
+        **_: Any,  # lm-eval's other generic options (max_batch_size, ...)
+    ) -> None:
+        super().__init__()
+        if package is None:
+            raise EvaluationError("the megalith model type needs --model_args package=DIR")
+        torch_device = resolve_device(device or "auto")
+        model, _config, tokenizer_path = load_model_package(package, torch_device)
+        autocast_dtype = AUTOCAST_DTYPES[resolve_precision(precision, torch_device)]
+        self._setup(model, load_tokenizer(str(tokenizer_path)), autocast_dtype)
+        self.batch_size = _positive_int(batch_size, "batch_size", DEFAULT_BATCH_SIZE)
+        self.max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks", DEFAULT_MAX_GEN_TOKS)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer,
+        *,
+        autocast_dtype: torch.dtype | None = None,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+    ) -> MegalithLM:
+        """The adapter over a model already loaded (``megalith eval`` loads it once)."""
+        lm = cls.__new__(cls)
+        LM.__init__(lm)
+        lm._setup(model, tokenizer, autocast_dtype)
+        lm.batch_size = _positive_int(batch_size, "batch_size", DEFAULT_BATCH_SIZE)
+        lm.max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks", DEFAULT_MAX_GEN_TOKS)
+        return lm
+
+    def _setup(
+        self, model: torch.nn.Module, tokenizer: Tokenizer, autocast_dtype: torch.dtype | None
+    ) -> None:
+        self.model, self.tokenizer, self.autocast_dtype = model, tokenizer, autocast_dtype
+        self.t5 = model.config.family == "t5"
+        self.max_positions = model.config.max_position_embeddings
+
+    @property
+    def tokenizer_name(self) -> str:
+        return f"megalith-{self.tokenizer.id[:16]}"
+
+    # --- lm-eval's three requests ----------------------------------------------------
+
+    def loglikelihood(self, requests: Sequence[Any]) -> list[tuple[float, bool]]:
+        """``(summed log-probability, is greedy)`` of each request's continuation."""
+        sequences = [self._pair(*request.args) for request in requests]
+        return self._scores(sequences)
+
+    def loglikelihood_rolling(self, requests: Sequence[Any]) -> list[float]:
+        """Each text's summed log-probability over disjoint windows of the model's length."""
+        windows: list[tuple[list[int], int]] = []
+        owners: list[int] = []
+        for index, request in enumerate(requests):
+            tokens = self.tokenizer.encode(request.args[0])
+            for context, target in map(
+                make_disjoint_window,
+                get_rolling_token_windows(tokens, self.tokenizer.eod_id, self.max_positions, 1),
+            ):
+                windows.append(([*context, *target], len(target)))
+                owners.append(index)
+        totals = [0.0] * len(requests)
+        for owner, (loglik, _) in zip(owners, self._scores(windows), strict=True):
+            totals[owner] += loglik
+        return totals
+
+    def generate_until(self, requests: Sequence[Any]) -> list[str]:
+        """Each context's continuation, cut before the first of its ``until`` strings."""
+        rows = [self._generation_row(*request.args) for request in requests]
+        order = sorted(range(len(rows)), key=lambda r: len(rows[r][0]))
+        texts: dict[int, str] = {}
+        for first in range(0, len(order), self.batch_size):
+            batch = order[first : first + self.batch_size]
+            texts.update(zip(batch, self._generate([rows[r] for r in batch]), strict=True))
+        return [texts[r] for r in range(len(rows))]
+
+    # --- scoring -----------------------------------------------------------------------
+
+    def _pair(self, context: str, continuation: str) -> tuple[list[int], int]:
+        """``(context and continuation tokens, number of continuation tokens)``, cut to fit."""
+        if not continuation:
+            raise EvaluationError(f"an empty continuation to score after {context[-40:]!r}")
+        context_ids, tokens = choice_tokens(self.tokenizer, context, continuation)
+        if len(tokens) > self.max_positions:
+            raise EvaluationError(
+                f"a continuation of {len(tokens)} tokens is longer than the model's "
+                f"{self.max_positions} positions"
+            )
+        return (context_ids + tokens)[-(self.max_positions + 1) :], len(tokens)
+
+    def _scores(self, sequences: Sequence[tuple[list[int], int]]) -> list[tuple[float, bool]]:
+        order = sorted(range(len(sequences)), key=lambda r: -len(sequences[r][0]))
+        scores: dict[int, tuple[float, bool]] = {}
+        for first in range(0, len(order), self.batch_size):
+            batch = order[first : first + self.batch_size]
+            chosen = [sequences[r] for r in batch]
+            if self.t5:
+                values = span_scores(self.model, self.tokenizer, chosen, self.autocast_dtype)
+            else:
+                values = sequence_scores(self.model, chosen, self.autocast_dtype)
+            scores.update(zip(batch, values, strict=True))
+        return [scores[r] for r in range(len(sequences))]
+
+    # --- generation --------------------------------------------------------------------
+
+    def _generation_row(self, context: str, gen_kwargs: dict[str, Any]) -> tuple[list[int], ...]:
+        kwargs = dict(gen_kwargs)
+        until = kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = _positive_int(kwargs.pop("max_gen_toks", self.max_gen_toks), "max_gen_toks", 1)
+        sampled = bool(kwargs.pop("do_sample", False)) and kwargs.get("temperature", 1.0) > 0
+        sampling = SamplingConfig(
+            max_new_tokens=min(max_new, self.max_positions - 1),
+            temperature=float(kwargs.get("temperature", 1.0)) if sampled else 0.0,
+            top_k=kwargs.get("top_k") or None,
+            top_p=kwargs.get("top_p"),
+            seed=int(kwargs.get("seed", 1234)),
+        )
+        if self.t5:
+            encoder, _ = span_prompt(self.tokenizer, self.tokenizer.encode(context))
+            return encoder, sampling, until
+        return prompt_ids(self.tokenizer, context), sampling, until
+
+    def _generate(self, rows: Sequence[tuple[Any, ...]]) -> list[str]:
+        prompts = [row[0] for row in rows]
+        new: list[list[int]] = [[] for _ in rows]
+
+        def on_token(row: int, token: int) -> None:
+            new[row].append(token)
+
+        def stop(row: int) -> str | None:
+            return "stop" if _cut(self._text(prompts[row], new[row]), rows[row][2]) else None
+
+        common = {
+            "eod_id": self.tokenizer.eod_id,
+            "vocab_size": self.tokenizer.vocab_size,
+            "autocast_dtype": self.autocast_dtype,
+            "on_token": on_token,
+            "stop": stop,
+        }
+        samplings = [row[1] for row in rows]
+        if self.t5:
+            generate_seq2seq_ids(
+                self.model, prompts, samplings, pad_id=self.tokenizer.pad_id, **common
+            )
+        else:
+            generate_ids(self.model, prompts, samplings, **common)
+        texts = []
+        for row, (prompt, _, until) in enumerate(rows):
+            text = self._text(prompt, new[row])
+            texts.append(_cut(text, until) or text)
+        return texts
+
+    def _text(self, prompt: list[int], new: list[int]) -> str:
+        if self.t5:  # the decoder names the span it fills with sentinels: leave them out
+            sentinels = set(sentinel_ids(self.tokenizer))
+            return self.tokenizer.decode([t for t in new if t not in sentinels])
+        return continuation_text(self.tokenizer, prompt, new)
+
+
+def _cut(text: str, until: Sequence[str]) -> str | None:
+    """``text`` before the first of the ``until`` strings it holds, or ``None``."""
+    ends = [text.find(s) for s in until if s and s in text]
+    return text[: min(ends)] if ends else None
+
+
+def _positive_int(value: Any, name: str, default: int) -> int:
+    """lm-eval passes numbers from its command line as strings, and ``auto`` sizes."""
+    if value is None or value == "auto" or (isinstance(value, str) and value.startswith("auto")):
+        return default
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise EvaluationError(f"{name} must be a positive integer, got {value!r}") from None
+    if number < 1:
+        raise EvaluationError(f"{name} must be a positive integer, got {value!r}")
+    return number
+
+
+# --- scores with lm-eval's greedy flag ------------------------------------------------
+
+
+@torch.no_grad()
+def sequence_scores(
+    model: torch.nn.Module,
+    sequences: Sequence[tuple[list[int], int]],
+    autocast_dtype: torch.dtype | None = None,
+) -> list[tuple[float, bool]]:
+    """For each ``(tokens, n)`` of a GPT model: the summed log-probability of its last
+    ``n`` tokens and whether each of them is the most likely next token."""
+    device = model_device(model)
+    inputs, labels = padded_rows(sequences)
+    with autocast(device, autocast_dtype):
+        logits = model(inputs.to(device))
+    return _label_scores(logits, labels.to(device))
+
+
+@torch.no_grad()
+def span_scores(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    sequences: Sequence[tuple[list[int], int]],
+    autocast_dtype: torch.dtype | None = None,
+) -> list[tuple[float, bool]]:
+    """:func:`sequence_scores` for a T5 model: the last ``n`` tokens as the span after
+    the others (:func:`evaluation.seq2seq.span_logliks`)."""
+    device = model_device(model)
+    encoder, decoder, labels, mask = span_rows(tokenizer, sequences)
+    with autocast(device, autocast_dtype):
+        logits = model(encoder.to(device), decoder.to(device), encoder_mask=mask.to(device))
+    return _label_scores(logits, labels.to(device))
+
+
+def _label_scores(logits: torch.Tensor, labels: torch.Tensor) -> list[tuple[float, bool]]:
+    scored = labels != IGNORE_INDEX
+    targets = labels.clamp(min=0)
+    logprobs = logits.double().log_softmax(dim=-1).gather(-1, targets[..., None])[..., 0]
+    sums = (logprobs * scored).sum(dim=1)
+    greedy = ((logits.argmax(dim=-1) == targets) | ~scored).all(dim=1)
+    return list(zip(sums.tolist(), greedy.tolist(), strict=True))
+
+
+# --- running tasks --------------------------------------------------------------------
+
+
+def run_tasks(
+    lm: MegalithLM,
+    tasks: Sequence[str],
+    *,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+) -> dict[str, Any]:
+    """Run lm-eval tasks (names lm-eval knows, the shipped ones in :data:`TASKS_DIR`, or
+    task YAML files) on ``lm``; returns ``{"version", "tasks": {name: {metric: value}},
+    "samples": {name: [per-item results]}, "metrics": {flat MLflow-safe name: value}}``."""
+    manager, names = check_tasks(tasks)
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=names,
+        task_manager=manager,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        log_samples=True,
+        bootstrap_iters=0,
+    )
+    if results is None:  # only on ranks other than 0, which megalith eval never has
+        raise EvaluationError("lm-eval returned no results")
+    per_task = {task: _numbers(values) for task, values in results["results"].items()}
+    return {
+        "version": lm_eval.__version__,
+        "tasks": per_task,
+        "samples": {task: [_sample(s) for s in rows] for task, rows in results["samples"].items()},
+        "metrics": flat_metrics(per_task),
+    }
+
+
+def check_tasks(tasks: Sequence[str]) -> tuple[TaskManager, list[str]]:
+    """lm-eval's task index over its own tasks, the shipped ones and the folders of task
+    YAML files given by path, and the task names; an unknown name is an error."""
+    names, folders = _task_names(tasks)
+    manager = TaskManager(include_path=[str(TASKS_DIR), *folders])
+    unknown = [name for name in names if not manager.match_tasks([name])]
+    if unknown:
+        raise EvaluationError(
+            f"lm-eval knows no task {', '.join(unknown)} (shipped: "
+            f"{', '.join(shipped_tasks())}; give a task YAML file's path for your own)"
+        )
+    return manager, names
+
+
+def shipped_tasks() -> list[str]:
+    return sorted(path.stem for path in TASKS_DIR.glob("*.yaml"))
+
+
+def _task_names(tasks: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Task names, and the folders of task YAML files given by path (lm-eval finds a task
+    by its ``task:`` name in an included folder)."""
+    names, folders = [], []
+    for task in tasks:
+        path = Path(task)
+        if path.suffix in (".yaml", ".yml") and path.is_file():
+            folders.append(str(path.parent.resolve()))
+            names.append(_yaml_task_name(path))
+        else:
+            names.append(task)
+    return names, sorted(set(folders))
+
+
+def _yaml_task_name(path: Path) -> str:
+    """The top-level ``task:`` name of an lm-eval task YAML (read as text: lm-eval's YAMLs
+    carry tags such as ``!function`` that a safe YAML loader refuses)."""
+    text = safe_read.read_bytes_bounded(path, MAX_TASK_YAML_BYTES).decode("utf-8", "replace")
+    match = _TASK_LINE.search(text)
+    if match is None:
+        raise EvaluationError(f"{path}: an lm-eval task YAML needs a 'task: NAME' line")
+    return match.group(1).strip("'\"")
+
+
+def flat_metrics(per_task: dict[str, dict[str, float]]) -> dict[str, float]:
+    """``lm_eval.<task>.<metric>`` for each finite number (``acc,none`` → ``acc``; another
+    filter is kept: ``exact_match.strict-match``): names MLflow accepts and promotion rules
+    (``promotion.rules[].metric``) can name."""
+    flat = {}
+    for task, values in per_task.items():
+        for key, value in values.items():
+            metric, _, filter_name = key.partition(",")
+            name = metric if filter_name in ("", "none") else f"{metric}.{filter_name}"
+            if math.isfinite(value):
+                flat[_UNSAFE_METRIC_CHARS.sub("_", f"{METRIC_PREFIX}.{task}.{name}")] = value
+    return flat
+
+
+def _numbers(values: dict[str, Any]) -> dict[str, float]:
+    """A task's metric values (lm-eval also reports its item count, ``sample_len``)."""
+    return {
+        key: float(value)
+        for key, value in values.items()
+        if isinstance(value, int | float) and not isinstance(value, bool) and key != "sample_len"
+    }
+
+
+def _sample(sample: dict[str, Any]) -> dict[str, Any]:
+    """One item's record: its index, target and the model's filtered responses (for a
+    multiple-choice item, one ``[log-likelihood, is greedy]`` per choice)."""
+    target = sample.get("target")
+    if isinstance(target, str) and len(target) > MAX_TARGET_CHARS:  # a rolling task's document
+        target = None
+    return {
+        "doc_id": sample.get("doc_id"),
+        "target": _plain(target),
+        "responses": _plain(sample.get("filtered_resps")),
+        **{key: _plain(sample[key]) for key in ("acc", "acc_norm") if key in sample},
+    }
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready copies of lm-eval's values (tuples, numpy numbers)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, str | bool | int | float) or value is None:
+        return value
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+# --- lm-eval's command line with the megalith model type -------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``megalith-lm-eval``: lm-eval's command line, with ``--model megalith`` registered.
+    ``--tasks-dir`` prints the folder of the shipped task YAMLs (for ``--include_path``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--tasks-dir"]:
+        print(TASKS_DIR)
+        return
+    sys.argv = ["megalith-lm-eval", *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
