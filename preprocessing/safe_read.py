@@ -34,6 +34,7 @@ MAX_JSON_BYTES = 64 << 20  # the largest index we write is a few MB at 1000s of 
 MAX_YAML_BYTES = 1 << 20  # recipes are a few KB
 MAX_DEPTH = 64
 MAX_YAML_ALIASES = 64
+MAX_NAME_BYTES = 255  # NAME_MAX of Linux file systems
 
 
 class UnsafeFileError(MegalithError, ValueError):
@@ -206,6 +207,10 @@ def confined_name(name: Any, source: str, key: str = "file") -> str:
         raise UnsafeFileError(
             f"{source}: {key} {brief(name)} is not a plain file name inside the folder "
             "(no '/', '..' or absolute paths)"
+        )
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:  # OSError: name too long
+        raise UnsafeFileError(
+            f"{source}: {key} {brief(name)} is longer than the {MAX_NAME_BYTES} bytes of a file name"
         )
     return name
 
