@@ -506,6 +506,16 @@ def test_a_lock_left_by_another_host_is_never_taken_over(tmp_path: Path) -> None
     )
 
 
+def test_a_lock_file_that_is_a_link_or_a_pipe_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "link" / LOCK_NAME).parent.mkdir()
+    (tmp_path / "link" / LOCK_NAME).symlink_to("/dev/zero")
+    (tmp_path / "pipe").mkdir()
+    os.mkfifo(tmp_path / "pipe" / LOCK_NAME)
+    for folder in ("link", "pipe"):
+        with pytest.raises(MegalithError, match="is not a regular file"):
+            RunLock(tmp_path / folder).acquire()
+
+
 def test_a_lock_left_by_a_dead_process_of_this_host_is_taken_over(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -69,13 +70,19 @@ def this_process() -> Holder:
     )
 
 
+def _proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state first); [] without it."""
+    try:
+        line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return line.rpartition(")")[2].split()
+
+
 def _process_start(pid: int) -> str:
     """Field 22 of /proc/PID/stat (start time in clock ticks); '' where there is no /proc."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rpartition(")")[2].split()[19]
+    fields = _proc_stat(pid)
+    return fields[19] if len(fields) > 19 else ""
 
 
 def _boot_id() -> str:
@@ -108,7 +115,7 @@ class RunLock:
 
     def acquire(self) -> Holder:
         self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = self._open()
         try:
             flocked = self._flock(fd)
             previous = self._read(fd)
@@ -121,6 +128,26 @@ class RunLock:
             raise
         self._fd = fd
         return me
+
+    def _open(self) -> int:
+        """The lock file, created if missing; a symlink or non-file there is refused."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise self._not_a_lock_file() from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise self._not_a_lock_file()
+        return fd
+
+    def _not_a_lock_file(self) -> RunFolderLockedError:
+        return RunFolderLockedError(
+            f"{self.path} is not a regular file (a link, pipe or device); expected the run "
+            "folder's lock file: delete it"
+        )
 
     def child_env(self) -> dict[str, str]:
         """The environment that tells this process's children the folder is theirs."""
@@ -220,9 +247,8 @@ def _ancestors(limit: int = 8) -> list[int]:
     found, pid = [], os.getppid()
     while pid > 1 and len(found) < limit:
         found.append(pid)
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
+        fields = _proc_stat(pid)
+        if len(fields) < 2:
             break
-        pid = int(stat.rpartition(")")[2].split()[1])
+        pid = int(fields[1])
     return found
