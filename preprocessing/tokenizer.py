@@ -101,7 +101,7 @@ def _processor_from_bytes(model_bytes: bytes, name: str) -> spm.SentencePiecePro
     processor = spm.SentencePieceProcessor()
     try:
         processor.LoadFromSerializedProto(model_bytes)
-    except (RuntimeError, OSError, TypeError):
+    except (RuntimeError, OSError, TypeError, ValueError):  # ValueError: a piece not UTF-8
         raise TokenizerError(f"{name}: not a SentencePiece model file") from None
     if processor.get_piece_size() == 0:
         raise TokenizerError(f"{name}: not a SentencePiece model (no pieces)")
