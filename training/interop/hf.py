@@ -47,6 +47,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from preprocessing import safe_read
+from preprocessing.tokenizer import TokenizerError, load_tokenizer
 from training.config import ModelConfig, format_validation_error
 from training.errors import MegalithError, naming_path
 from training.models.gpt import GPTModel
@@ -192,7 +193,8 @@ def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Mod
     def need(key: str, allowed: tuple[Any, ...], default: Any) -> None:
         if get(key, default) not in allowed:
             raise HFInteropError(
-                f"{source}: {key}={get(key, default)!r} is not supported (only {list(allowed)})"
+                f"{source}: {key}={safe_read.brief(get(key, default))} is not supported "
+                f"(only {list(allowed)})"
             )
 
     def size(key: str) -> int:  # a number used in arithmetic below, before validation
@@ -210,7 +212,9 @@ def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Mod
         for key in ("rope_scaling", "rope_parameters"):
             value = get(key, None) or {}
             if not isinstance(value, dict):
-                raise HFInteropError(f"{source}: {key} must be an object, got {value!r}")
+                raise HFInteropError(
+                    f"{source}: {key} must be an object, got {safe_read.brief(value)}"
+                )
             if value.get("rope_type", value.get("type", "default")) != "default":
                 raise HFInteropError(
                     f"{source}: RoPE scaling {key}={value} is not supported "
@@ -252,7 +256,7 @@ def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Mod
         raise HFInteropError(
             f"{source}: model_type {kind!r} is not supported (only 'llama' and 'gpt2')"
         )
-    values["vocab_size"] = get("vocab_size")
+    values["vocab_size"] = size("vocab_size")  # compared with the tokenizer's pieces
     values["init_std"] = get("initializer_range", 0.02)
     try:
         return ModelConfig(**values)
@@ -485,10 +489,10 @@ def import_hf(
             "(tokenizer.json / vocab.json + merges.txt tokenizers cannot be used); "
             "pass --tokenizer FILE.model"
         )
-    try:
-        pieces = spm.SentencePieceProcessor(model_file=str(tokenizer)).get_piece_size()
-    except (OSError, RuntimeError) as exc:
-        raise HFInteropError(f"{tokenizer}: not a SentencePiece model: {exc}") from None
+    try:  # bounded, a regular file; a piece that is not UTF-8 is refused too
+        pieces = load_tokenizer(str(tokenizer)).vocab_size
+    except TokenizerError as exc:
+        raise HFInteropError(str(exc)) from None
     if pieces > config.vocab_size:
         raise HFInteropError(
             f"{tokenizer} has {pieces} pieces, more than the model's vocab_size {config.vocab_size}"
