@@ -395,18 +395,25 @@ def wait_until(condition, what: str, timeout_s: float = HANG_GUARD_S) -> None:
         time.sleep(0.1)
 
 
+@pytest.fixture(scope="module")
+def killable_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MLflowServer]:
+    """One server for the outage tests (each starts it again if an earlier one left it dead)."""
+    server = MLflowServer(tmp_path_factory.mktemp("mlflow-outage"))
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
 @pytest.fixture
-def outage(shards: Path, tmp_path: Path) -> Iterator[tuple[MLflowServer, Path, Path]]:
-    """A started MLflow server, a gates folder and the sitecustomize folder."""
-    server = MLflowServer(tmp_path)
-    server.start()
+def outage(killable_mlflow: MLflowServer, tmp_path: Path) -> tuple[MLflowServer, Path, Path]:
+    """The running MLflow server, a gates folder and the sitecustomize folder."""
+    if killable_mlflow.process is None:
+        killable_mlflow.start()
     (tmp_path / "gates").mkdir()
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    try:
-        yield server, tmp_path / "gates", tmp_path / "inject"
-    finally:
-        server.kill()
+    return killable_mlflow, tmp_path / "gates", tmp_path / "inject"
 
 
 def start_tracked_training(
