@@ -40,6 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from preprocessing import safe_read
+from preprocessing.safe_read import brief
 from preprocessing.storage import atomic_write_json, sha256_of_file
 from training.errors import MegalithError
 from training.safe_tensors import UnsafeTensorFileError, check_safetensors
@@ -55,6 +56,7 @@ INDEX_FORMAT = "megalith-checkpoint"
 INDEX_VERSION = 1
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors")
 MAX_INDEX_BYTES = 256 << 20
+MAX_TENSOR_NAME = 1024  # "optimizer/<a parameter's dotted name>/exp_avg_sq"
 MAX_STATE_BYTES = 64 << 20  # step, config, optimizer hyper-parameters, RNG: a few hundred KB
 _STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -269,7 +271,7 @@ def verify_checkpoint_state(
     path = Path(path)
     index = read_signed_index(path, require_signature)
     index_path = path / "index.json"
-    _check_index_tables(index, index_path)
+    check_index_tables(index, index_path)
     for name, expected in index["files"].items():
         _check_file(path / name, expected)
     for required in (*TENSOR_FILES, "state.json"):
@@ -279,7 +281,7 @@ def verify_checkpoint_state(
     step = state.get("step")
     if "step" in index and index["step"] != step:
         raise CheckpointError(
-            f"{path}: index.json says step {index['step']!r}, state.json {step!r}"
+            f"{path}: index.json says step {brief(index['step'])}, state.json {brief(step)}"
         )
     check_step(path, step)
     return index, state
@@ -313,7 +315,7 @@ def read_signed_index(path: Path, require_signature: bool) -> dict[str, Any]:
     return index
 
 
-def _check_index_tables(index: dict[str, Any], index_path: Path) -> None:
+def check_index_tables(index: dict[str, Any], index_path: Path) -> None:
     """v1's ``files`` and ``tensors`` tables are of the shapes the loaders index into."""
     if index.get("format") != INDEX_FORMAT or index.get("version") != INDEX_VERSION:
         raise CheckpointError(
@@ -331,13 +333,17 @@ def _check_index_tables(index: dict[str, Any], index_path: Path) -> None:
             raise CheckpointError(f"{index_path}: tensors[{file!r}] is not an object")
         for name, meta in content.items():
             shape = meta.get("shape") if isinstance(meta, dict) else None
+            if len(name) > MAX_TENSOR_NAME:
+                raise CheckpointError(
+                    f"{index_path}: tensor name {brief(name)} is longer than {MAX_TENSOR_NAME}"
+                )
             if (
                 not isinstance(shape, list)
                 or not all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
                 or not isinstance(meta.get("dtype"), str)
             ):
                 raise CheckpointError(
-                    f"{index_path}: tensor {name!r} of {file}: expected a 'shape' list of "
+                    f"{index_path}: tensor {brief(name)} of {file}: expected a 'shape' list of "
                     "integers and a 'dtype' string"
                 )
 
@@ -455,13 +461,14 @@ def check_tensor_file(file: Path, index: dict[str, Any]) -> dict[str, tuple[list
     if set(header) != set(expected):
         raise CheckpointError(
             f"{file}: tensor names differ from index.json (missing "
-            f"{sorted(set(expected) - set(header))[:5]}, unexpected "
-            f"{sorted(set(header) - set(expected))[:5]})"
+            f"{brief(sorted(set(expected) - set(header))[:5], 300)}, unexpected "
+            f"{brief(sorted(set(header) - set(expected))[:5], 300)})"
         )
     for name, (shape, dtype) in header.items():
         if {"shape": shape, "dtype": dtype} != expected[name]:
             raise CheckpointError(
-                f"{file}: tensor {name} is {dtype}{shape}, index.json says {expected[name]!r}"
+                f"{file}: tensor {name} is {dtype}{shape}, index.json says "
+                f"{brief(expected[name], 300)}"
             )
     return header
 

@@ -122,7 +122,9 @@ def verifier(path: Path, index: Any) -> Callable[..., dict[str, Any]]:
     require_signature) -> index``, every check short of reading tensors."""
     key = (index.get("format"), index.get("version")) if isinstance(index, dict) else None
     if key not in FORMATS:
-        raise UnknownCheckpointError(f"{path / INDEX}: format {key} is not one of {FORMATS}")
+        raise UnknownCheckpointError(
+            f"{path / INDEX}: format {safe_read.brief(key)} is not one of {FORMATS}"
+        )
     # Imported here: they load torch, which `megalith --help` should not wait for.
     from training.checkpoint import verify_checkpoint
     from training.sharded_checkpoint import verify_sharded_checkpoint
@@ -132,6 +134,19 @@ def verifier(path: Path, index: Any) -> Callable[..., dict[str, Any]]:
     return lambda path, require_signature=False: verify_sharded_checkpoint(
         path, require_signature=require_signature
     )
+
+
+def _check_tables(path: Path, index: Any) -> None:
+    """The index's tables are of the shapes its format reads (no file is checked): what
+    ``inspect`` describes without verifying."""
+    verifier(path, index)  # a known format and version
+    from training.checkpoint import check_index_tables
+    from training.sharded_checkpoint import check_index
+
+    if index["version"] == 1:
+        check_index_tables(index, path / INDEX)
+    else:
+        check_index(index, str(path / INDEX))
 
 
 # --------------------------------------------------------------------------- verify
@@ -204,9 +219,8 @@ def _tensor_row(name: str, shape: list[int], dtype: str, **extra: Any) -> dict[s
     return {"name": name, "shape": shape, "dtype": dtype, "bytes": size, **extra}
 
 
-def _inspect_checkpoint(path: Path, index: dict[str, Any]) -> dict[str, Any]:
-    if not isinstance(index, dict) or not isinstance(index.get("tensors"), dict):
-        raise UnknownCheckpointError(f"{path / INDEX}: has no 'tensors' table")
+def _inspect_checkpoint(path: Path, index: Any) -> dict[str, Any]:
+    _check_tables(path, index)
     files = index.get("files") or {}
     tensors = []
     if index.get("version") == 2:

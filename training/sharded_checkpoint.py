@@ -66,8 +66,10 @@ from safetensors import safe_open
 from torch import nn
 
 from preprocessing import safe_read
+from preprocessing.safe_read import brief
 from preprocessing.storage import atomic_write_bytes, filesystem, is_local, join
 from training.checkpoint import (
+    MAX_TENSOR_NAME,
     CheckpointError,
     _is_persistent,
     _safe_name,
@@ -543,6 +545,10 @@ MAX_CELLS = 1 << 22  # grid cells the boxes of one tensor make (about their numb
 
 def check_cover(name: str, entry: dict[str, Any], where: Any) -> None:
     """The shards of a global tensor lie inside it, do not overlap and cover all of it."""
+    if len(name) > MAX_TENSOR_NAME:
+        raise CheckpointError(
+            f"{where}: tensor name {brief(name)} is longer than {MAX_TENSOR_NAME} characters"
+        )
     if not isinstance(entry, dict):
         raise CheckpointError(f"{where}: tensor {name} is not an object in index.json")
     shape = entry.get("shape")
@@ -555,7 +561,7 @@ def check_cover(name: str, entry: dict[str, Any], where: Any) -> None:
         or len(shards) > MAX_SHARDS
     ):
         raise CheckpointError(
-            f"{where}: tensor {name}: shape {shape} is not a list of at most {MAX_DIMS} sizes, "
+            f"{where}: tensor {name}: shape {brief(shape)} is not a list of at most {MAX_DIMS} sizes, "
             f"or it has more than {MAX_SHARDS} shards"
         )
     boxes = []
@@ -569,7 +575,7 @@ def check_cover(name: str, entry: dict[str, Any], where: Any) -> None:
             or any(not (0 <= a < b <= n) for (a, b), n in zip(box, shape, strict=True))
         ):
             raise CheckpointError(
-                f"{where}: tensor {name}: shard box {box} is not inside its shape {shape}"
+                f"{where}: tensor {name}: shard box {brief(box)} is not inside its shape {shape}"
             )
         boxes.append(box)
     _check_disjoint(name, shape, boxes, where)
@@ -675,7 +681,7 @@ def open_index(
     """The v2 index every loader trusts: signature checked over the bytes parsed, every
     table of the shape the loaders index into, the step that of the folder's name."""
     index = read_index(path, storage_options, require_signature)
-    _check_index(index, _url(str(path), INDEX))
+    check_index(index, _url(str(path), INDEX))
     check_step(path, index["step"])
     return index
 
@@ -703,7 +709,7 @@ def is_sharded(index: dict[str, Any]) -> bool:
     return index.get("format") == FORMAT
 
 
-def _check_index(index: dict[str, Any], where: str) -> None:
+def check_index(index: dict[str, Any], where: str) -> None:
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise CheckpointError(
             f"{where}: not a Megalith sharded checkpoint index (version {VERSION})"
@@ -712,7 +718,7 @@ def _check_index(index: dict[str, Any], where: str) -> None:
         raise CheckpointError(f"{where}: has no 'files' and 'tensors' tables")
     step = index.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CheckpointError(f"{where}: 'step' is {step!r}; expected a non-negative integer")
+        raise CheckpointError(f"{where}: 'step' is {brief(step)}; expected a non-negative integer")
     for name, expected in index["files"].items():
         _safe_name(name, Path(where))
         check_file_entry(expected, f"{where}: files[{name!r}]")
@@ -724,8 +730,11 @@ def _check_index(index: dict[str, Any], where: str) -> None:
         for shard in meta["shards"]:
             if _safe_name(shard.get("file"), Path(where)) not in index["files"]:
                 raise CheckpointError(f"{where}: {name} names {shard['file']}, not listed")
-            if not isinstance(shard.get("key"), str):
-                raise CheckpointError(f"{where}: a shard of {name} has no 'key' string")
+            key = shard.get("key")
+            if not isinstance(key, str) or len(key) > MAX_TENSOR_NAME + 16:
+                raise CheckpointError(
+                    f"{where}: a shard of {name} has no 'key' string (a tensor name)"
+                )
 
 
 class ShardReader:
@@ -858,7 +867,7 @@ class ShardReader:
 def _dtype(name: str, key: str) -> torch.dtype:
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
-        raise CheckpointError(f"index.json: tensor {key} has an unsupported dtype {name!r}")
+        raise CheckpointError(f"index.json: tensor {key} has an unsupported dtype {brief(name)}")
     return dtype
 
 
@@ -1038,7 +1047,7 @@ def read_state(reader: ShardReader) -> dict[str, Any]:
     state = reader.json(STATE)
     if state.get("step") != reader.index["step"]:
         raise CheckpointError(
-            f"{_url(reader.root, STATE)}: step {state.get('step')!r}, index.json says "
+            f"{_url(reader.root, STATE)}: step {brief(state.get('step'))}, index.json says "
             f"{reader.index['step']}"
         )
     return state

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from preprocessing import safe_read
+from preprocessing.safe_read import brief
 from preprocessing.storage import atomic_write_json
 from training.errors import MegalithError
 
@@ -240,7 +241,7 @@ def check_signature_bytes(
         return False
     if record["manifest"] != manifest_name:
         raise SignatureError(
-            f"{where}: signs {record['manifest']!r}, expected a signature of {manifest_name!r}"
+            f"{where}: signs {brief(record['manifest'])}, expected a signature of {manifest_name!r}"
         )
     if scheme is None:
         if required:
@@ -314,7 +315,7 @@ def parse_signature(raw: bytes, where: str) -> dict[str, Any]:
         raise SignatureError(str(exc)) from None
     if not isinstance(record, dict) or record.get("algorithm") not in (ALGORITHM, ED25519):
         raise SignatureError(
-            f"{where}: algorithm {record.get('algorithm') if isinstance(record, dict) else None!r}"
+            f"{where}: algorithm {brief(record.get('algorithm') if isinstance(record, dict) else None)}"
             f" is not supported (only {ALGORITHM!r} and {ED25519!r})"
         )
     for field in ("manifest", "signature"):
