@@ -16,6 +16,7 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
+from registry import tracking
 from registry.models import (
     MLFLOW_FILES,
     RegistryError,
@@ -221,6 +222,38 @@ def test_a_store_failing_mid_run_warns_once_keeps_the_records_and_sends_them_lat
     run = client.get_run(logger.run_id)
     assert run.data.params["late"] == "1"
     assert run.info.status == "FINISHED"
+
+
+def test_the_kept_records_are_bounded_and_the_overflow_is_said_once(
+    store: str,
+    client: MlflowClient,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tracking, "MAX_BACKLOG_METRICS", 10)
+    logger = open_run_logger(LoggingConfig(tracking_uri=store), "bounded", rank=0)
+    assert isinstance(logger, MLflowRunLogger)
+    log_batch, down = logger.client.log_batch, [True]
+
+    def flaky_log_batch(*args: Any, **kwargs: Any) -> None:
+        if down[0]:
+            raise ConnectionError("tracking server went away")
+        log_batch(*args, **kwargs)
+
+    logger.client.log_batch = flaky_log_batch  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING):
+        logger.log_metrics({"loss": 1.0}, step=0)
+        assert not logger.flush(timeout=10)  # down: kept
+        for step in range(1, 30):
+            logger.log_metrics({"loss": 1.0 / (step + 1)}, step)
+        logger.flush(timeout=10)
+        down[0] = False
+        logger.close()
+    warnings = [w.getMessage() for w in our_warnings(caplog)]
+    assert sum("later ones are not kept" in w for w in warnings) == 1, warnings
+    steps = sorted(m.step for m in client.get_metric_history(logger.run_id, "loss"))
+    assert steps == list(range(10))  # the first ten kept, in order; the rest dropped
+    assert client.get_run(logger.run_id).info.status == "FINISHED"
 
 
 def test_loss_curve_is_logged_as_png(store: str, client: MlflowClient, tmp_path: Path) -> None:
