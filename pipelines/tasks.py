@@ -104,6 +104,7 @@ def pretrain_task(
     if nproc_per_node < 1:
         raise ValueError(f"nproc_per_node must be at least 1, got {nproc_per_node}")
     output_dir = Path(output)
+    output_dir.mkdir(parents=True, exist_ok=True)
     # Held here, before the recipe is written: a run already training into the folder
     # keeps its recipe, and the child trains under this lock.
     with hold_run_folder(output_dir) as lock:
