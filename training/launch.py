@@ -12,7 +12,9 @@ the workers training as orphans beside a retry. Now every hop dies with its pare
 the launcher passes its pid in ``PARENT_PID_ENV``; the child (torchrun, run in-process
 by this module's ``__main__``, and each worker, in ``megalith train``) asks the kernel
 for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``) and exits at once if the parent
-is already gone. Linux only; elsewhere the old behaviour stays.
+is already gone. Linux only; elsewhere the old behaviour stays. SIGTERM is the orderly
+stop: the launcher passes it to torchrun, which passes it to the workers, which unwind
+(``unwind_on_sigterm``). docs/faults.md has the whole picture.
 """
 
 from __future__ import annotations
@@ -151,6 +153,7 @@ def _torchrun_main(argv: Sequence[str]) -> int:
     of itself would bury them."""
     die_with_parent()
     os.environ[PARENT_PID_ENV] = str(os.getpid())
+    # torch only here: `megalith train` imports this module before it needs torch.
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
