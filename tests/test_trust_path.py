@@ -537,7 +537,7 @@ def sound(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(data=st.data())
-def test_fuzzed_index_is_inspected_verified_and_loaded_or_refused(
+def test_fuzzed_index_only_raises_megalith_errors(
     kind: str, sound: dict[str, Path], data: st.DataObject
 ) -> None:
     path = sound[kind]
