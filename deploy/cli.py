@@ -3,15 +3,64 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import math
 import os
+import socket
 import sys
+from collections.abc import Callable
 
 from registry.cli import add_store_arguments
 from registry.tracking import existing_store_uri
+from training.errors import MegalithError
 
 DEFAULT_PORT = 8000
 ADMIN_TOKEN_ENV = "MEGALITH_ADMIN_TOKEN"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def number_type(
+    kind: type[int] | type[float], minimum: float, maximum: float = math.inf, above: bool = False
+) -> Callable[[str], float]:
+    """An argparse ``type``: a ``kind`` from ``minimum`` (exclusive with ``above``) to
+    ``maximum``; NaN and infinities are refused, so no later arithmetic meets them."""
+    wanted = f"above {minimum}" if above else f"at least {minimum}"
+    if math.isfinite(maximum):
+        wanted = f"from {minimum} to {maximum}"  # (inclusive; no caller has both `above` and a max)
+    noun = "a whole number" if kind is int else "a number"
+
+    def parse(text: str) -> float:
+        value = kind(text)  # a ValueError: argparse says "invalid int/float value"
+        low_ok = value > minimum if above else value >= minimum
+        if not (math.isfinite(value) and low_ok and value <= maximum):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {noun} {wanted}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def require_free_port(host: str, port: int, flag: str) -> None:
+    """Refuse an address nothing can listen on (something already does) before any slow
+    start-up. SO_REUSEADDR as servers set it: a closed server's lingering connections do
+    not count as taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise MegalithError(
+                    f"{host}:{port} is taken: stop what listens there, or pick another "
+                    f"port with {flag}"
+                ) from None
+            raise MegalithError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+PORT = number_type(int, 1, 65535)
+COUNT = number_type(int, 1)
+SECONDS = number_type(float, 0, above=True)
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -37,33 +86,37 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         default="127.0.0.1",
         help=f"address to bind (127.0.0.1); set {ADMIN_TOKEN_ENV} before binding another",
     )
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"({DEFAULT_PORT})")
+    parser.add_argument("--port", type=PORT, default=DEFAULT_PORT, help=f"({DEFAULT_PORT})")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (cpu)")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument(
         "--max-tokens",
-        type=int,
+        type=COUNT,
         default=256,
         metavar="N",
         help="most tokens a request may ask (256)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=60.0, metavar="S", help="longest a request runs (60 s)"
+        "--timeout", type=SECONDS, default=60.0, metavar="S", help="longest a request runs (60 s)"
     )
-    parser.add_argument("--max-batch-size", type=int, default=8, metavar="N", help="(8)")
+    parser.add_argument("--max-batch-size", type=COUNT, default=8, metavar="N", help="(8)")
     parser.add_argument(
         "--batch-window-ms",
-        type=float,
+        type=number_type(float, 0),
         default=5.0,
         metavar="MS",
         help="how long the first request of a batch waits for others (5 ms)",
     )
     parser.add_argument(
-        "--max-queue", type=int, default=256, metavar="N", help="waiting requests before 503 (256)"
+        "--max-queue",
+        type=COUNT,
+        default=256,
+        metavar="N",
+        help="waiting requests before 503 (256)",
     )
     parser.add_argument(
         "--watch",
-        type=float,
+        type=SECONDS,
         metavar="S",
         help="check the alias every S seconds and switch when it moves (default: off)",
     )
@@ -73,6 +126,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from deploy.loading import MODELS_SCHEME
 
+    require_free_port(args.host, args.port, "--port")
     tracking_uri = args.tracking_uri
     if args.model.startswith(MODELS_SCHEME):
         tracking_uri = existing_store_uri(tracking_uri, args.workdir)

@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import urllib.request
 from importlib import resources
 from pathlib import Path
 
+from deploy.cli import PORT, require_free_port
 from registry.tracking import DEMO_WORKDIR
 from training.config import MegalithConfig, load_config
 from training.errors import MegalithError
@@ -94,8 +94,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     ui.add_argument(
         "--workdir", default=DEMO_WORKDIR, help=f"whose mlflow.db to show (default {DEMO_WORKDIR})"
     )
-    ui.add_argument("--prefect-port", type=int, default=PREFECT_PORT)
-    ui.add_argument("--mlflow-port", type=int, default=MLFLOW_PORT)
+    ui.add_argument("--prefect-port", type=PORT, default=PREFECT_PORT)
+    ui.add_argument("--mlflow-port", type=PORT, default=MLFLOW_PORT)
     ui.set_defaults(handler=_ui)
 
 
@@ -204,8 +204,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _ui(args: argparse.Namespace) -> int:
     from registry.tracking import ensure_tracking_store, resolve_tracking_uri
 
-    _require_free_port(args.prefect_port, "--prefect-port")
-    _require_free_port(args.mlflow_port, "--mlflow-port")
+    require_free_port("127.0.0.1", args.prefect_port, "--prefect-port")
+    require_free_port("127.0.0.1", args.mlflow_port, "--mlflow-port")
     tracking = resolve_tracking_uri(None, work_folder(args.workdir))
     ensure_tracking_store(tracking)
     prefect_url = f"http://127.0.0.1:{args.prefect_port}"
@@ -253,17 +253,6 @@ def _ui_servers(
                     "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1"],
                    {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}),
     }  # fmt: skip
-
-
-def _require_free_port(port: int, flag: str) -> None:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError as exc:
-            raise MegalithError(
-                f"127.0.0.1:{port} is taken ({exc.strerror}): stop what listens there, or pick "
-                f"another port with {flag}"
-            ) from None
 
 
 def _interrupt(signum: int, frame: object) -> None:

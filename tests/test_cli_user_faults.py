@@ -183,6 +183,41 @@ def test_a_workdir_blocked_by_a_file_is_named(
     )
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--port", "99999", "a whole number from 1 to 65535"),
+        ("--port", "0", "a whole number from 1 to 65535"),
+        ("--max-tokens", "-1", "a whole number at least 1"),
+        ("--max-batch-size", "0", "a whole number at least 1"),
+        ("--max-queue", "0", "a whole number at least 1"),
+        ("--timeout", "nan", "a number above 0"),
+        ("--watch", "-1", "a number above 0"),
+        ("--batch-window-ms", "inf", "a number at least 0"),
+    ],
+)
+def test_serve_refuses_a_bad_number_naming_the_flag(
+    flag: str, value: str, expected: str, tmp_path: Path
+) -> None:
+    result = megalith("serve", "--model", str(tmp_path), flag, value, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert f"argument {flag}: {value!r}: expected {expected}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_refuses_a_taken_port_before_loading(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = megalith("serve", "--model", "/no/such/package", "--port", str(port))
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == (
+        f"error: 127.0.0.1:{port} is taken: stop what listens there, or pick another port "
+        "with --port\n"
+    )
+
+
 # --- serve-pipelines: a bad schedule or no Prefect server --------------------------
 
 
