@@ -20,10 +20,11 @@ Requests are scored in batches (longest first, so a batch pads little).
 
 lm-eval 0.4.13 finds model types only in its own registry, not through package entry
 points, so the name ``megalith`` exists once this module is imported. Run lm-eval
-through ``megalith-lm-eval`` (lm-eval's own command line with the model registered)::
+through ``megalith-lm-eval`` (lm-eval's own command line with the model registered and
+the shipped tasks included)::
 
     megalith-lm-eval run --model megalith --model_args package=runs/demo/model \\
-        --tasks sample_facts --include_path "$(python -m evaluation.lm_eval_adapter --tasks-dir)"
+        --tasks sample_facts
 
 or from Python: ``import evaluation.lm_eval_adapter`` and then
 ``lm_eval.simple_evaluate(model="megalith", model_args={"package": ...})``.
@@ -347,10 +348,16 @@ def run_tasks(
 
 
 def check_tasks(tasks: Sequence[str]) -> tuple[TaskManager, list[str]]:
-    """lm-eval's task index over its own tasks, the shipped ones and the folders of task
-    YAML files given by path, and the task names; an unknown name is an error."""
+    """lm-eval's task index and the task names; an unknown name is an error.
+
+    The shipped tasks and the folders of task YAML files given by path are indexed
+    first; lm-eval's own few thousand task files (a few seconds to index) only when a
+    name is not among them."""
     names, folders = _task_names(tasks)
-    manager = TaskManager(include_path=[str(TASKS_DIR), *folders])
+    local = [str(TASKS_DIR), *folders]
+    manager = TaskManager(include_path=local, include_defaults=False)
+    if not all(manager.match_tasks([name]) for name in names):
+        manager = TaskManager(include_path=local)
     unknown = [name for name in names if not manager.match_tasks([name])]
     if unknown:
         raise EvaluationError(
@@ -442,12 +449,11 @@ def _plain(value: Any) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``megalith-lm-eval``: lm-eval's command line, with ``--model megalith`` registered.
-    ``--tasks-dir`` prints the folder of the shipped task YAMLs (for ``--include_path``)."""
+    """``megalith-lm-eval``: lm-eval's command line with ``--model megalith`` registered
+    and, unless ``--include_path`` names another folder, the shipped tasks included."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv == ["--tasks-dir"]:
-        print(TASKS_DIR)
-        return
+    if argv and "--include_path" not in argv:
+        argv += ["--include_path", str(TASKS_DIR)]
     sys.argv = ["megalith-lm-eval", *argv]
     cli_evaluate()
 
