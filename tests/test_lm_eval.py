@@ -5,8 +5,9 @@
 The same tiny random GPT is scored four ways, and every item's log-likelihoods must agree
 within 1e-4 nats: lm-eval's own command line with ``--model megalith`` (a subprocess:
 the name must be registered where a user runs it), lm-eval's ``hf`` model on the
-package's Hugging Face export (``megalith export hf``), ``megalith eval
---lm-eval-tasks`` and ``megalith eval --tasks`` (our own scorer). A document-level
+package's Hugging Face export (``export_hf``, what ``megalith export hf`` runs),
+``megalith eval --lm-eval-tasks`` (its parser and handler) and the scorer of ``megalith
+eval --tasks`` (:func:`evaluation.tasks.score_choices`). A document-level
 (rolling) task checks ``loglikelihood_rolling`` against the HF export the same way.
 Everything runs offline: the tasks' data are local files.
 """
