@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from preprocessing import safe_read
-from preprocessing.storage import sha256_of_file
+from preprocessing.storage import atomic_write_json, sha256_of_file
 from training.config import LoggingConfig
 from training.errors import MegalithError
 from training.tracking import NullLogger, RunLogger, read_metrics
@@ -51,6 +51,7 @@ ARTIFACTS_DIR_NAME = "mlartifacts"
 PROBE_TIMEOUT_S = 5
 FLUSH_INTERVAL_S = 1.0
 CLOSE_TIMEOUT_S = 60.0
+OPEN_RUN_FILE = ".mlflow-open-run.json"  # in a run folder: its MLflow run, until ended
 RETRY_INTERVAL_S = 5.0  # between attempts while the store does not answer
 REQUEST_RETRIES = 2  # MLflow's own retries of one request (its default is minutes of them)
 REQUEST_TIMEOUT_S = 30
@@ -307,20 +308,23 @@ def open_run_logger(
     run_id: str | None = None,
     tags: Mapping[str, str] | None = None,
     system_metrics: bool = True,
+    run_folder: str | Path | None = None,
 ) -> RunLogger:
     """The logger for one training job.
 
     ``run_id`` (or ``MLFLOW_RUN_ID``) hands over an existing run, e.g. one a parent
     flow created; such a run is left open on ``close``. Otherwise a new run starts in
     ``config.experiment``. Any failure to reach the store warns once and returns a
-    ``NullLogger``: training goes on without tracking.
+    ``NullLogger``: training goes on without tracking. With ``run_folder`` (held by
+    this job, ``training.run_lock``) a run that an earlier job there left RUNNING (it
+    was killed, or the store was down when it ended) is ended first (``OPEN_RUN_FILE``).
     """
     if rank != 0 or not config.mlflow:
         return NullLogger()
     uri = resolve_tracking_uri(config.tracking_uri, workdir)
     run_id = run_id or os.environ.get("MLFLOW_RUN_ID") or None
     try:
-        return MLflowRunLogger.start(
+        logger = MLflowRunLogger.start(
             uri,
             experiment=config.experiment,
             run_name=run_name or config.run_name,
@@ -333,6 +337,36 @@ def open_run_logger(
             "MLflow tracking at %s is unavailable (%s); training continues without it", uri, error
         )
         return NullLogger()
+    if run_folder is not None and logger.owns_run:
+        logger.record_open_run(Path(run_folder) / OPEN_RUN_FILE)
+    return logger
+
+
+def end_run_left_open(record: Path, client: MlflowClient, tracking_uri: str) -> None:
+    """End the run an earlier job recorded in ``record`` if it is still RUNNING: with the
+    status it recorded when the store was down at its end, else KILLED (it never ended)."""
+    source = str(record)
+    try:
+        left = safe_read.read_json(record, max_bytes=4096, allow_symlink=False, expect=dict)
+        run_id = safe_read.field(left, "run_id", str, source)
+        status = safe_read.field(left, "status", str, source, default="KILLED")
+        uri = safe_read.field(left, "tracking_uri", str, source)
+    except FileNotFoundError:
+        return
+    except MegalithError as error:
+        log.warning("%s is unreadable (%s); ignored", record, error)
+        return
+    if uri != tracking_uri:
+        log.warning("MLflow run %s at %s may still be RUNNING: this run tracks to %s",
+                    run_id, uri, tracking_uri)  # fmt: skip
+        return
+    try:
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, status)
+            log.warning("MLflow run %s of an earlier job in %s was left RUNNING; ended %s",
+                        run_id, record.parent, status)  # fmt: skip
+    except Exception as error:  # noqa: BLE001 - tracking must never stop training
+        log.warning("MLflow run %s of an earlier job could not be ended (%s)", run_id, error)
 
 
 _STOP = object()
@@ -424,6 +458,7 @@ class MLflowRunLogger:
         self._warned_full = False
         self._gave_up = False
         self._closed = False
+        self._open_record: Path | None = None  # OPEN_RUN_FILE in the run folder
         self._system_monitor: Any = None
         self._thread = threading.Thread(target=self._work, name=_THREAD_NAME, daemon=True)
         self._thread.start()
@@ -506,6 +541,28 @@ class MLflowRunLogger:
         self._thread.join(CLOSE_TIMEOUT_S)
         if self._thread.is_alive():
             self._give_up(f"still sending after {CLOSE_TIMEOUT_S:.0f} s")
+        self._settle_open_record(status)
+
+    def record_open_run(self, record: Path) -> None:
+        """End a run an earlier job in this folder left RUNNING, then record this one
+        until ``close`` has ended it."""
+        end_run_left_open(record, self.client, self.tracking_uri)
+        atomic_write_json(str(record), {"run_id": self.run_id, "tracking_uri": self.tracking_uri})
+        self._open_record = record
+
+    def _settle_open_record(self, status: str) -> None:
+        """Ended: no record. Not ended (store down): the status the next job sets."""
+        record, self._open_record = self._open_record, None
+        if record is None:
+            return
+        try:
+            if self._gave_up:
+                left = {"run_id": self.run_id, "tracking_uri": self.tracking_uri, "status": status}
+                atomic_write_json(str(record), left)
+            else:
+                record.unlink(missing_ok=True)
+        except OSError as error:
+            log.warning("%s: %s", record, error)
 
     def flush(self, timeout: float = CLOSE_TIMEOUT_S) -> bool:
         """Wait until everything logged so far is sent; False if it is not (yet)."""
@@ -624,12 +681,14 @@ class MLflowRunLogger:
 
     def _give_up(self, why: str) -> None:
         self._gave_up = True
+        until = " until the next run in its folder ends it" if self._open_record else ""
         log.warning(
-            "MLflow run %s at %s was not ended (%s): it stays RUNNING there without %d "
+            "MLflow run %s at %s was not ended (%s): it stays RUNNING there%s, without %d "
             "metrics and %d other records; metrics.jsonl has every metric",
             self.run_id,
             self.tracking_uri,
             why,
+            until,
             self._backlog.metrics,
             self._backlog.calls,
         )
