@@ -199,6 +199,7 @@ def _train(args: argparse.Namespace) -> int:
             rank=env.rank,
             workdir=Path.cwd(),
             tags=tags,
+            run_folder=output,
         )
         if args.quiet or not env.is_main:
             level = logging.INFO if env.is_main else logging.WARNING
