@@ -42,6 +42,7 @@ from parallel_helpers import (
 )
 from servers import free_port, run_group, stop_group
 
+from registry.tracking import OPEN_RUN_FILE
 from training.errors import MegalithError, storage_error_message
 from training.run_lock import LOCK_NAME, RunLock
 from training.tracking import MetricsFile
@@ -57,14 +58,20 @@ def train_args(shards: Path, output: Path, values: dict | None = None) -> list[s
 
 @contextlib.contextmanager
 def training_forever(
-    shards: Path, output: Path, *launch: str, via: tuple[str, ...] = ()
+    shards: Path,
+    output: Path,
+    *launch: str,
+    via: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    values: dict | None = None,
 ) -> Iterator[subprocess.Popen]:
     """``megalith train`` (started by the command ``via``, if given) in its own session,
     yielded once it has written a step; its group is stopped afterwards."""
-    command = megalith(*train_args(shards, output, {"training.train_iters": FOREVER}), "--quiet")
+    settings = {"training.train_iters": FOREVER, **(values or {})}
+    command = megalith(*train_args(shards, output, settings), "--quiet")
     process = subprocess.Popen(
         [*via, *command, *launch],
-        env=child_env(),
+        env=child_env(**(env or {})),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -75,6 +82,11 @@ def training_forever(
         yield process
     finally:
         stop_group(process, grace_s=5)
+
+
+def tracked_by(store: str) -> dict:
+    """``training_forever``'s options for a run tracked in ``store``."""
+    return {"env": {"MLFLOW_TRACKING_URI": store}, "values": {"logging.mlflow": "true"}}
 
 
 def wait_for_a_step(process: subprocess.Popen, metrics: Path) -> None:
@@ -156,23 +168,36 @@ def test_sigterm_ends_the_mlflow_run_failed_and_frees_the_folder(
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     output = tmp_path / "run"
-    settings = {"training.train_iters": FOREVER, "logging.mlflow": "true"}
-    process = subprocess.Popen(
-        megalith(*train_args(shards, output, settings), "--quiet"),
-        env=child_env(MLFLOW_TRACKING_URI=store), stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        wait_for_a_step(process, output / "metrics.jsonl")
+    with training_forever(shards, output, **tracked_by(store)) as process:
         process.send_signal(signal.SIGTERM)  # a cancelled flow, a scheduler's time limit
         _, stderr = process.communicate(timeout=HANG_GUARD_S)
-    finally:
-        stop_group(process, grace_s=5)
     assert process.returncode == 130 and stderr.strip().splitlines()[-1] == "interrupted"
     client = MlflowClient(tracking_uri=store)
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.info.status == "FAILED"  # not RUNNING forever
     assert (output / LOCK_NAME).read_text() == ""
+
+
+def test_a_run_left_running_by_a_killed_job_is_ended_by_the_next_job_in_its_folder(
+    shards: Path, tmp_path: Path
+) -> None:
+    from mlflow import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    output = tmp_path / "run"
+    with training_forever(shards, output, **tracked_by(store)) as first:
+        first.kill()  # preemption, the OOM killer: nothing can end its MLflow run
+        first.wait()
+    again = {"training.train_iters": 2, "logging.mlflow": "true"}
+    done = run_group(megalith(*train_args(shards, output, again), "--quiet"),
+                     child_env(MLFLOW_TRACKING_URI=store), HANG_GUARD_S)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = MlflowClient(tracking_uri=store)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    statuses = sorted((r.info.start_time, r.info.status) for r in runs)
+    assert [status for _, status in statuses] == ["KILLED", "FINISHED"]
+    assert "was left RUNNING; ended KILLED" in done.stdout + done.stderr
+    assert not (output / OPEN_RUN_FILE).exists()
 
 
 # What the Prefect pretrain task does: stream_process in a worker thread, not the main one.
@@ -489,7 +514,9 @@ def test_mlflow_server_still_down_at_the_end_is_named_in_one_warning(
     run_id = json.loads((output / "result.json").read_text())["mlflow_run_id"]
     ended = [line for line in text.splitlines() if "was not ended" in line]
     assert len(ended) == 1 and f"MLflow run {run_id} at {server.url}" in ended[0], text
-    assert "stays RUNNING there" in ended[0]
+    assert "stays RUNNING there until the next run in its folder ends it" in ended[0]
+    left = json.loads((output / OPEN_RUN_FILE).read_text())
+    assert (left["run_id"], left["status"]) == (run_id, "FINISHED")  # for the next run
     metrics = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, OUTAGE_STEPS + 1))
 
