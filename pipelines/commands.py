@@ -210,8 +210,10 @@ def _ui(args: argparse.Namespace) -> int:
     ensure_tracking_store(tracking)
     prefect_url = f"http://127.0.0.1:{args.prefect_port}"
     commands = _ui_servers(args.prefect_port, args.mlflow_port, tracking)
-    # SIGTERM (from `kill`, systemd, a container stop) ends the UI as Ctrl-C does.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM (`kill`, systemd, a container stop) and SIGHUP (its terminal closed) end the
+    # UI as Ctrl-C does; the servers, in process groups of their own, get neither.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _interrupt)
     servers: dict[str, subprocess.Popen] = {}
     try:
         for name, (command, env) in commands.items():
@@ -225,7 +227,7 @@ def _ui(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut cleanup
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # none may cut cleanup
             signal.signal(signum, signal.SIG_IGN)
         died = [(name, s.returncode) for name, s in servers.items() if s.poll() is not None]
         stop_process_groups(list(servers.values()))

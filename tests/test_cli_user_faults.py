@@ -282,7 +282,9 @@ def test_megalith_ui_refuses_a_taken_port_naming_the_flag(flag: str, tmp_path: P
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"]
+)
 def test_a_signal_to_megalith_ui_stops_all_its_servers(signum: int, tmp_path: Path) -> None:
     prefect_port, mlflow_port = free_port(), free_port()
     env = {
