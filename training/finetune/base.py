@@ -35,7 +35,13 @@ from pydantic import ValidationError
 from torch import Tensor
 
 from preprocessing import safe_read
-from training.config import ConfigError, MegalithConfig, ModelConfig, format_validation_error
+from training.config import (
+    ConfigError,
+    LoRAConfig,
+    MegalithConfig,
+    ModelConfig,
+    format_validation_error,
+)
 from training.errors import MegalithError
 from training.finetune.lora import is_adapter_param, merge_tensors
 from training.models.weights_check import checked_meta_model
@@ -239,17 +245,28 @@ def _checkpoint(uri: str, path: Path, require_signature: bool) -> BaseWeights:
     tensors, state = read_model_weights(path, require_signature)
     config = _model_config(state, path)
     if any(is_adapter_param(name) for name in tensors):
-        lora = (state.get("config") or {}).get("finetune", {}).get("lora") or {}
-        if "rank" not in lora or "alpha" not in lora:
-            raise BaseModelError(
-                f"{path}: holds LoRA adapters but state.json has no finetune.lora rank and alpha"
-            )
-        tensors = merge_tensors(tensors, lora["alpha"] / lora["rank"])
+        tensors = merge_tensors(tensors, _lora_scale(state, path))
     # state.json's sizes against the weights, before the fine-tune builds the model from them
     shapes = {name: list(tensor.shape) for name, tensor in tensors.items()}
     checked_meta_model(config, shapes, f"{path / 'state.json'}: model_config and the weights")
     details = {"step": str(state.get("step", ""))}
     return BaseWeights(uri, "checkpoint", config, tensors, content_id(tensors), details=details)
+
+
+def _lora_scale(state: dict[str, Any], path: Path) -> float:
+    """alpha / rank of the LoRA run that wrote the checkpoint (its config in state.json)."""
+    finetune = (state.get("config") or {}).get("finetune")
+    lora = finetune.get("lora") if isinstance(finetune, dict) else None
+    try:
+        if not isinstance(lora, dict) or not {"rank", "alpha"} <= lora.keys():
+            raise ValueError("no rank and alpha")
+        config = LoRAConfig.model_validate(lora)
+    except (ValueError, ValidationError):
+        raise BaseModelError(
+            f"{path}: holds LoRA adapters but state.json has no valid finetune.lora "
+            "(rank and alpha)"
+        ) from None
+    return config.alpha / config.rank
 
 
 def _model_config(state: dict[str, Any], path: Path) -> ModelConfig:
