@@ -60,7 +60,7 @@ try:
     from lm_eval.__main__ import cli_evaluate
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager, get_task_dict
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 except ImportError as error:  # an optional extra: say how to get it
     raise EvaluationError(
@@ -348,41 +348,54 @@ def run_tasks(
 
 
 def check_tasks(tasks: Sequence[str]) -> tuple[TaskManager, list[str]]:
-    """lm-eval's task index and the task names; an unknown name is an error.
+    """lm-eval's task index and the task names; an unknown name, or a task file lm-eval
+    cannot read, is an error.
 
     The shipped tasks and the folders of task YAML files given by path are indexed
     first; lm-eval's own few thousand task files (a few seconds to index) only when a
     name is not among them."""
-    names, folders = _task_names(tasks)
-    local = [str(TASKS_DIR), *folders]
+    files = _task_files(tasks)
+    names = [files.get(task, task) for task in tasks]
+    local = [str(TASKS_DIR), *sorted({str(Path(path).resolve().parent) for path in files})]
     manager = TaskManager(include_path=local, include_defaults=False)
-    if not all(manager.match_tasks([name]) for name in names):
+    unread = [f"{path} (task {name})" for path, name in files.items() if not _has(manager, name)]
+    if unread:
+        raise EvaluationError(f"lm-eval could not index {', '.join(unread)}: is it valid YAML?")
+    if not all(_has(manager, name) for name in names):
         manager = TaskManager(include_path=local)
-    unknown = [name for name in names if not manager.match_tasks([name])]
+    unknown = [name for name in names if not _has(manager, name)]
     if unknown:
         raise EvaluationError(
             f"lm-eval knows no task {', '.join(unknown)} (shipped: "
-            f"{', '.join(shipped_tasks())}; give a task YAML file's path for your own)"
+            f"{', '.join(shipped_tasks())}; or give a task YAML file's path)"
         )
+    try:  # lm-eval builds tasks from user files: say which failed, not its traceback
+        get_task_dict(names, manager)
+    except Exception as error:  # whatever a third-party loader raises on a bad file
+        raise EvaluationError(
+            f"lm-eval could not load task {', '.join(names)}: {type(error).__name__}: "
+            f"{safe_read.clip(str(error), 200)}"
+        ) from None
     return manager, names
+
+
+def _has(manager: TaskManager, name: str) -> bool:
+    return bool(manager.match_tasks([name]))
 
 
 def shipped_tasks() -> list[str]:
     return sorted(path.stem for path in TASKS_DIR.glob("*.yaml"))
 
 
-def _task_names(tasks: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Task names, and the folders of task YAML files given by path (lm-eval finds a task
-    by its ``task:`` name in an included folder)."""
-    names, folders = [], []
+def _task_files(tasks: Sequence[str]) -> dict[str, str]:
+    """``{path: task name}`` for the tasks given as YAML files (lm-eval finds a task by its
+    ``task:`` name in an included folder)."""
+    files = {}
     for task in tasks:
         path = Path(task)
         if path.suffix in (".yaml", ".yml") and path.is_file():
-            folders.append(str(path.parent.resolve()))
-            names.append(_yaml_task_name(path))
-        else:
-            names.append(task)
-    return names, sorted(set(folders))
+            files[task] = _yaml_task_name(path)
+    return files
 
 
 def _yaml_task_name(path: Path) -> str:

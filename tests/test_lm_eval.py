@@ -15,7 +15,9 @@ Everything runs offline: the tasks' data are local files.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,13 +27,15 @@ from typing import Any
 import lm_eval
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from lm_eval.api.instance import Instance
 
 from evaluation import EvaluationError
 from evaluation import cli as eval_cli
 from evaluation.generate import SamplingConfig, generate
 from evaluation.generate_t5 import generate_seq2seq_ids
-from evaluation.lm_eval_adapter import MegalithLM, check_tasks, run_tasks
+from evaluation.lm_eval_adapter import TASKS_DIR, MegalithLM, check_tasks, run_tasks
 from evaluation.report import evaluate_model
 from evaluation.seq2seq import span_logliks, span_prompt
 from evaluation.tasks import SAMPLE_TASK, load_task, score_choices
@@ -41,6 +45,7 @@ from registry.promotion import gate
 from registry.tracking import MLflowRunLogger
 from tests.test_registry import store  # noqa: F401  (fixture)
 from training.config import DEFAULT_SPECIAL_TOKENS, MetricRule, ModelConfig, TokenizerConfig
+from training.errors import MegalithError
 from training.interop.hf import export_hf
 from training.models import build_model
 from training.models.package import load_model_package, save_model_package
@@ -358,3 +363,53 @@ def test_an_unknown_task_is_refused_before_the_model_loads(tmp_path: Path) -> No
     with pytest.raises(EvaluationError, match="no task no_such_task.*shipped: sample_facts"):
         evaluate_model(missing, lm_eval_tasks=["no_such_task"], prompts=[])
     assert not missing.exists()
+
+
+def test_broken_task_yaml_files_are_one_line_errors(tmp_path: Path) -> None:
+    """lm-eval skips a task file it cannot parse and raises whatever its loader meets in
+    one it can: both become one error naming the task, before any model work."""
+    not_yaml = tmp_path / "not_yaml.yaml"
+    not_yaml.write_text("task: broken\n  - [\n")
+    no_data = tmp_path / "no_data.yaml"
+    no_data.write_text("task: no_data\noutput_type: multiple_choice\n")
+    no_name = tmp_path / "no_name.yaml"
+    no_name.write_bytes(b"\xff\xfe output_type: loglikelihood\n")
+    cases = {
+        not_yaml: r"could not index .*not_yaml.yaml \(task broken\): is it valid YAML",
+        no_data: "could not load task no_data: TypeError",
+        no_name: "no_name.yaml: an lm-eval task YAML needs a 'task: NAME' line",
+    }
+    for path, message in cases.items():
+        with pytest.raises(EvaluationError, match=message):
+            evaluate_model(tmp_path / "no-package", lm_eval_tasks=[str(path)], prompts=[])
+
+
+# Named apart from the shipped task, which would be loaded instead of the fuzzed file.
+FUZZ_YAML = (
+    (TASKS_DIR / "sample_facts.yaml").read_bytes().replace(b"task: sample_", b"task: fuzzed_")
+)
+NAME_END = FUZZ_YAML.index(b"fuzzed_facts") + len(b"fuzzed_facts\n")
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    cut=st.integers(NAME_END, len(FUZZ_YAML)),
+    flips=st.lists(
+        st.tuples(st.integers(NAME_END, len(FUZZ_YAML) - 1), st.integers(0, 255)), max_size=4
+    ),
+)
+def test_fuzz_task_yaml_only_megalith_errors_escape(tmp_path: Path, cut: int, flips: list) -> None:
+    """The task YAML cut short and with bytes changed after its name: lm-eval's loading
+    of it ends in a usable task or an EvaluationError, never another exception."""
+    data = bytearray(FUZZ_YAML[:cut])
+    for where, value in flips:
+        data[min(where, len(data) - 1)] = value
+    folder = tmp_path / "fuzz"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(TASKS_DIR / "sample_facts_docs.py", folder)
+    task = folder / "task.yaml"
+    task.write_bytes(bytes(data))
+    with contextlib.suppress(MegalithError):
+        assert check_tasks([str(task)])[1] == ["fuzzed_facts"]
