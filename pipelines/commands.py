@@ -62,7 +62,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "`megalith ui` (or `prefect server start`).",
     )
     serve.add_argument(
-        "--workdir", default="work/served", help="default work directory in the forms"
+        "--workdir",
+        default=DEMO_WORKDIR,
+        help="default work directory in the forms; the flows log to WORKDIR/mlflow.db (or "
+        f"MLFLOW_TRACKING_URI), the store `megalith ui` shows (default {DEMO_WORKDIR})",
     )
     serve.add_argument(
         "--finetune-cron",
@@ -184,13 +187,18 @@ def _serve(args: argparse.Namespace) -> int:
     import httpx
 
     from pipelines.deployments import FinetuneSchedule, serve_all
+    from registry.tracking import resolve_tracking_uri
 
     workdir = Path(args.workdir).resolve()  # the flows create it when they run
+    # The flows (run in processes this one starts) log and look up models in the store
+    # that `megalith ui`, `serve` and `registry` use, not in a ./mlflow.db of their own.
+    os.environ["MLFLOW_TRACKING_URI"] = resolve_tracking_uri(None, workdir)
     schedule = FinetuneSchedule(
         cron=args.finetune_cron or None,
         data_location=args.finetune_data or str(workdir / "incoming-chat"),
         recipe=args.finetune_config,
     )
+    print(f"MLflow: {os.environ['MLFLOW_TRACKING_URI']}", flush=True)
     try:
         serve_all(workdir, schedule)
     except httpx.ConnectError as exc:

@@ -63,6 +63,14 @@ MODEL = "faults-model"
 def demo_dir(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder as `megalith demo` leaves it: work/demo/mlflow.db holding a tiny model
     registered as version 1 (@candidate)."""
+    root = tmp_path_factory.mktemp("user-dir")
+    register_tiny_model(root / "work" / "demo", MODEL, shards / "tokenizer.model")
+    return root
+
+
+def register_tiny_model(workdir: Path, name: str, tokenizer_model: Path) -> None:
+    """WORKDIR/mlflow.db (a real SQLite store, artifacts beside it) with a tiny random
+    GPT registered as version 1 of ``name``, @candidate."""
     from mlflow import MlflowClient
     from test_evaluation import tiny_model
 
@@ -71,20 +79,18 @@ def demo_dir(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from registry.tracking import ensure_tracking_store
     from training.models.package import save_model_package
 
-    root = tmp_path_factory.mktemp("user-dir")
-    tokenizer = load_tokenizer(str(shards / "tokenizer.model"))
+    tokenizer = load_tokenizer(str(tokenizer_model))
     model = tiny_model(tokenizer)
-    package = save_model_package(model, model.config, tokenizer.model_path, root / "package")
-    uri = f"sqlite:///{root / 'work' / 'demo' / 'mlflow.db'}"
+    package = save_model_package(model, model.config, tokenizer.model_path, workdir / "package")
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
     with pytest.MonkeyPatch.context() as env:
         env.delenv("MLFLOW_TRACKING_URI", raising=False)
         ensure_tracking_store(uri)
         client = MlflowClient(tracking_uri=uri)
-        experiment = client.create_experiment("faults", (root / "artifacts").as_uri())
+        experiment = client.create_experiment("tiny", (workdir / "artifacts").as_uri())
         run = client.create_run(experiment).info.run_id
-        assert register_model(package, MODEL, run, {}, "candidate", tracking_uri=uri) == 1
+        assert register_model(package, name, run, {}, "candidate", tracking_uri=uri) == 1
         client.set_terminated(run)
-    return root
 
 
 def sqlite_files(root: Path) -> list[Path]:
