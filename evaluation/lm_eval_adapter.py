@@ -39,7 +39,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -77,6 +77,14 @@ _TASK_LINE = re.compile(r"^task:[ \t]*(\S+)[ \t]*$", re.MULTILINE)
 _UNSAFE_METRIC_CHARS = re.compile(r"[^\w\-. /]")  # what MLflow accepts in a metric name
 
 
+class _Row(NamedTuple):
+    """One generation request: its prompt ids, sampling settings and stop strings."""
+
+    prompt: list[int]
+    sampling: SamplingConfig
+    until: list[str]
+
+
 @register_model(MODEL_NAME)
 class MegalithLM(LM):
     """A loaded Megalith model (GPT or T5) behind lm-eval's ``LM`` interface.
@@ -92,7 +100,7 @@ class MegalithLM(LM):
         precision: str = "auto",
         batch_size: int | str | None = DEFAULT_BATCH_SIZE,
         max_gen_toks: int | str = DEFAULT_MAX_GEN_TOKS,
-        **_: Any,  # lm-eval's other generic options (max_batch_size, ...)
+        max_batch_size: int | None = None,  # lm-eval's, for --batch_size auto: unused
     ) -> None:
         super().__init__()
         if package is None:
@@ -100,9 +108,8 @@ class MegalithLM(LM):
         torch_device = resolve_device(device or "auto")
         model, _config, tokenizer_path = load_model_package(package, torch_device)
         autocast_dtype = AUTOCAST_DTYPES[resolve_precision(precision, torch_device)]
-        self._setup(model, load_tokenizer(str(tokenizer_path)), autocast_dtype)
-        self.batch_size = _positive_int(batch_size, "batch_size", DEFAULT_BATCH_SIZE)
-        self.max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks", DEFAULT_MAX_GEN_TOKS)
+        tokenizer = load_tokenizer(str(tokenizer_path))
+        self._setup(model, tokenizer, autocast_dtype, batch_size, max_gen_toks)
 
     @classmethod
     def from_model(
@@ -117,17 +124,22 @@ class MegalithLM(LM):
         """The adapter over a model already loaded (``megalith eval`` loads it once)."""
         lm = cls.__new__(cls)
         LM.__init__(lm)
-        lm._setup(model, tokenizer, autocast_dtype)
-        lm.batch_size = _positive_int(batch_size, "batch_size", DEFAULT_BATCH_SIZE)
-        lm.max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks", DEFAULT_MAX_GEN_TOKS)
+        lm._setup(model, tokenizer, autocast_dtype, batch_size, max_gen_toks)
         return lm
 
     def _setup(
-        self, model: torch.nn.Module, tokenizer: Tokenizer, autocast_dtype: torch.dtype | None
+        self,
+        model: torch.nn.Module,
+        tokenizer: Tokenizer,
+        autocast_dtype: torch.dtype | None,
+        batch_size: int | str | None,
+        max_gen_toks: int | str,
     ) -> None:
         self.model, self.tokenizer, self.autocast_dtype = model, tokenizer, autocast_dtype
         self.t5 = model.config.family == "t5"
         self.max_positions = model.config.max_position_embeddings
+        self.batch_size = _positive_int(batch_size, "batch_size", DEFAULT_BATCH_SIZE)
+        self.max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks", DEFAULT_MAX_GEN_TOKS)
 
     @property
     def tokenizer_name(self) -> str:
@@ -196,33 +208,38 @@ class MegalithLM(LM):
 
     # --- generation --------------------------------------------------------------------
 
-    def _generation_row(self, context: str, gen_kwargs: dict[str, Any]) -> tuple[list[int], ...]:
-        kwargs = dict(gen_kwargs)
-        until = kwargs.pop("until", None) or []
+    def _generation_row(self, context: str, gen_kwargs: dict[str, Any]) -> _Row:
+        """lm-eval's ``gen_kwargs``: ``until``, ``max_gen_toks``, ``do_sample`` (greedy
+        unless true), ``temperature``, ``top_k``, ``top_p``, ``seed``."""
+        until = gen_kwargs.get("until") or []
         until = [until] if isinstance(until, str) else list(until)
-        max_new = _positive_int(kwargs.pop("max_gen_toks", self.max_gen_toks), "max_gen_toks", 1)
-        sampled = bool(kwargs.pop("do_sample", False)) and kwargs.get("temperature", 1.0) > 0
+        max_new = _positive_int(
+            gen_kwargs.get("max_gen_toks", self.max_gen_toks), "max_gen_toks", 1
+        )
+        temperature = float(gen_kwargs.get("temperature", 1.0))
+        sampled = bool(gen_kwargs.get("do_sample", False)) and temperature > 0
         sampling = SamplingConfig(
             max_new_tokens=min(max_new, self.max_positions - 1),
-            temperature=float(kwargs.get("temperature", 1.0)) if sampled else 0.0,
-            top_k=kwargs.get("top_k") or None,
-            top_p=kwargs.get("top_p"),
-            seed=int(kwargs.get("seed", 1234)),
+            temperature=temperature if sampled else 0.0,
+            top_k=gen_kwargs.get("top_k") or None,
+            top_p=gen_kwargs.get("top_p"),
+            seed=int(gen_kwargs.get("seed", 1234)),
         )
         if self.t5:
             encoder, _ = span_prompt(self.tokenizer, self.tokenizer.encode(context))
-            return encoder, sampling, until
-        return prompt_ids(self.tokenizer, context), sampling, until
+            return _Row(encoder, sampling, until)
+        return _Row(prompt_ids(self.tokenizer, context), sampling, until)
 
-    def _generate(self, rows: Sequence[tuple[Any, ...]]) -> list[str]:
-        prompts = [row[0] for row in rows]
+    def _generate(self, rows: Sequence[_Row]) -> list[str]:
+        prompts = [row.prompt for row in rows]
         new: list[list[int]] = [[] for _ in rows]
 
         def on_token(row: int, token: int) -> None:
             new[row].append(token)
 
         def stop(row: int) -> str | None:
-            return "stop" if _cut(self._text(prompts[row], new[row]), rows[row][2]) else None
+            text = self._text(prompts[row], new[row])
+            return None if _cut(text, rows[row].until) is None else "stop"
 
         common = {
             "eod_id": self.tokenizer.eod_id,
@@ -231,7 +248,7 @@ class MegalithLM(LM):
             "on_token": on_token,
             "stop": stop,
         }
-        samplings = [row[1] for row in rows]
+        samplings = [row.sampling for row in rows]
         if self.t5:
             generate_seq2seq_ids(
                 self.model, prompts, samplings, pad_id=self.tokenizer.pad_id, **common
@@ -241,7 +258,8 @@ class MegalithLM(LM):
         texts = []
         for row, (prompt, _, until) in enumerate(rows):
             text = self._text(prompt, new[row])
-            texts.append(_cut(text, until) or text)
+            cut = _cut(text, until)
+            texts.append(text if cut is None else cut)
         return texts
 
     def _text(self, prompt: list[int], new: list[int]) -> str:

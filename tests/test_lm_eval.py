@@ -321,6 +321,11 @@ def test_generate_until_is_megalith_greedy_generation_cut_at_until(root: Path) -
         )
     )
     assert cut == [text[: text.index(s)] for text, s in zip(expected, stops, strict=True)]
+    # A stop string the continuation starts with leaves nothing (and ends the row at once).
+    first = requests(
+        "generate_until", (prompts[0], {"max_gen_toks": 12, "until": [expected[0][:2]]})
+    )
+    assert lm.generate_until(first) == [""]
 
 
 def test_t5_package_scores_and_generates_as_megalith_eval_does(root: Path) -> None:

@@ -36,6 +36,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -278,6 +287,7 @@ def verify_checkpoint_state(
         if required not in index["files"]:
             raise CheckpointError(f"{index_path}: does not list {required}")
     state = read_verified_json(path / "state.json", index)
+    check_state(state, str(path / "state.json"))
     step = state.get("step")
     if "step" in index and index["step"] != step:
         raise CheckpointError(
@@ -395,6 +405,65 @@ def read_verified_json(file: Path, index: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise CheckpointError(f"{file}: expected a JSON object")
     return value
+
+
+Number = StrictInt | StrictFloat
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _NumpyRng(_Loose):
+    pos: StrictInt = Field(ge=0, le=624)
+    has_gauss: StrictInt
+    cached_gaussian: Number
+
+
+class _Rng(_Loose):
+    python: tuple[StrictInt, list[StrictInt], Number | None]
+    numpy: _NumpyRng
+    numpy_keys: list[StrictInt] | None = Field(default=None, min_length=624, max_length=624)
+    torch_cpu: StrictStr | None = None
+    torch_cuda: StrictStr | None = None
+
+
+class _Optimizer(_Loose):  # each group's settings: saved_param_groups, against the optimizer
+    param_groups: list[dict[str, Any]]
+    param_names: list[StrictStr] | None = None
+
+
+class _Scaler(_Loose):
+    scale: Number
+    growth_factor: Number
+    backoff_factor: Number
+    growth_interval: StrictInt
+    growth_tracker: StrictInt = Field(alias="_growth_tracker")
+
+
+class _State(_Loose):
+    """What the loaders read from state.json; the rest (config, layout) is kept as is."""
+
+    step: StrictInt = Field(ge=0)
+    consumed_samples: StrictInt = Field(ge=0)
+    optimizer: _Optimizer
+    rng: _Rng
+    scaler: _Scaler | None = None
+    config: dict[str, Any] | None = None
+    model_config_: dict[str, Any] | None = Field(default=None, alias="model_config")
+
+
+def check_state(state: dict[str, Any], where: str) -> None:
+    """state.json's fields are of the types the loaders restore (types only: a crafted
+    one names its first bad key instead of failing inside torch, numpy or random)."""
+    try:
+        _State.model_validate(state)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(part) for part in first["loc"]) or "(root)"
+        raise CheckpointError(f"{where}: key {brief(key, 80)}: {first['msg']}") from None
+    if len(state["rng"]["python"][1]) != 625:
+        raise CheckpointError(f"{where}: key rng.python: not a Python random state")
 
 
 def check_step(path: str | Path, step: Any) -> None:
@@ -565,6 +634,17 @@ def optimizer_group_indices(optimizer) -> list[list[int]]:
 
 
 def restore_rng_state(tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:
+    """Every generator from a checkpoint; a state of the wrong size or kind (a crafted
+    rng.safetensors or state.json) is a CheckpointError, not torch's or numpy's."""
+    try:
+        _restore_rng_state(tensors, saved)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"the checkpoint's RNG state is not one this version writes: {brief(str(exc), 120)}"
+        ) from None
+
+
+def _restore_rng_state(tensors: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
     if torch.cuda.is_available() and "torch_cuda_0" in tensors:
         # Rank 0 wrote every device's generator, but only its own (device 0) advanced;

@@ -74,6 +74,7 @@ from training.checkpoint import (
     _is_persistent,
     _safe_name,
     check_file_entry,
+    check_state,
     check_step,
     optimizer_group_indices,
     read_checkpoint_tensors,
@@ -345,10 +346,15 @@ def rng_record() -> dict[str, Any]:
 
 def restore_rng(record: dict[str, Any]) -> None:
     """Inverse of :func:`rng_record`: the CUDA state goes to this rank's current device."""
-    tensors = {
-        "torch_cpu": _bytes_tensor(record["torch_cpu"]),
-        "numpy_keys": torch.tensor(record["numpy_keys"], dtype=torch.int64),
-    }
+    try:
+        tensors = {
+            "torch_cpu": _bytes_tensor(record["torch_cpu"]),
+            "numpy_keys": torch.tensor(record["numpy_keys"], dtype=torch.int64),
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"state.json: 'rng' is not an RNG state this version writes: {brief(str(exc), 120)}"
+        ) from None
     restore_rng_state(tensors, record)
     if torch.cuda.is_available() and isinstance(record.get("torch_cuda"), str):
         torch.cuda.set_rng_state(_bytes_tensor(record["torch_cuda"]))
@@ -1045,6 +1051,7 @@ def verify_sharded_checkpoint(
 def read_state(reader: ShardReader) -> dict[str, Any]:
     """state.json from its verified bytes; its step must be the index's."""
     state = reader.json(STATE)
+    check_state(state, _url(reader.root, STATE))
     if state.get("step") != reader.index["step"]:
         raise CheckpointError(
             f"{_url(reader.root, STATE)}: step {brief(state.get('step'))}, index.json says "
