@@ -254,7 +254,7 @@ def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Mod
         }
     else:
         raise HFInteropError(
-            f"{source}: model_type {kind!r} is not supported (only 'llama' and 'gpt2')"
+            f"{source}: model_type {safe_read.brief(kind)} is not supported (only 'llama' and 'gpt2')"
         )
     values["vocab_size"] = size("vocab_size")  # compared with the tokenizer's pieces
     values["init_std"] = get("initializer_range", 0.02)
@@ -642,7 +642,9 @@ def _weight_files(hf_dir: Path, allow_torch_bin: bool) -> list[Path]:
             continue
         for name in names:
             if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
-                raise HFInteropError(f"{hf_dir}: weight file {name!r} is not a plain file name")
+                raise HFInteropError(
+                    f"{hf_dir}: weight file {safe_read.brief(name)} is not a plain file name"
+                )
             if not (hf_dir / name).is_file():
                 raise HFInteropError(f"{hf_dir / name}: missing (named by {index})")
             if not name.endswith(suffix):
