@@ -54,24 +54,33 @@ REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "preprocessing" / "sample_corpus" / "stories.jsonl"
 BIN = Path(sys.executable).parent
 NATS = 1e-4  # per item, as the issue asks
+# A document-level task over local stories, read in memory (no datasets cache is written).
 ROLLING_YAML = """task: stories_rolling
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {docs}
+custom_dataset: !function stories_docs.load
 test_split: test
 output_type: loglikelihood_rolling
 doc_to_text: ""
-doc_to_target: "{{{{text}}}}"
+doc_to_target: "{{text}}"
 metric_list:
   - metric: word_perplexity
   - metric: bits_per_byte
+"""
+ROLLING_DOCS = """import json
+from pathlib import Path
+
+import datasets
+
+
+def load(**_):
+    lines = (Path(__file__).parent / "docs.jsonl").read_text(encoding="utf-8").splitlines()
+    return {"test": datasets.Dataset.from_list([json.loads(line) for line in lines])}
 """
 
 
 @pytest.fixture(scope="module", autouse=True)
 def offline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """No hub: Hugging Face caches in a temporary folder, offline (children inherit it)."""
+    """No hub for the children (lm-eval's command line): offline, caches in a temporary
+    folder. The tasks' data are read in memory, so nothing reaches a datasets cache."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf-home")))
         env.setenv("HF_DATASETS_OFFLINE", "1")
@@ -119,7 +128,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with (stories / "docs.jsonl").open("w", encoding="utf-8") as out:
         for line in lines[300:303]:  # each longer than the model's 64 positions
             out.write(json.dumps({"text": json.loads(line)["text"]}) + "\n")
-    (stories / "stories.yaml").write_text(ROLLING_YAML.format(docs=stories / "docs.jsonl"))
+    (stories / "stories.yaml").write_text(ROLLING_YAML)
+    (stories / "stories_docs.py").write_text(ROLLING_DOCS)
     return root
 
 
