@@ -105,6 +105,11 @@ def _processor_from_bytes(model_bytes: bytes, name: str) -> spm.SentencePiecePro
         raise TokenizerError(f"{name}: not a SentencePiece model file") from None
     if processor.get_piece_size() == 0:
         raise TokenizerError(f"{name}: not a SentencePiece model (no pieces)")
+    for piece_id in range(processor.get_piece_size()):
+        try:  # a piece that is not UTF-8 loads, then fails every decode that meets it
+            processor.id_to_piece(piece_id)
+        except UnicodeDecodeError:
+            raise TokenizerError(f"{name}: piece {piece_id} is not UTF-8 text") from None
     return processor
 
 
