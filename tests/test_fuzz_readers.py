@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 import yaml
 from bad_checkpoints import Target, restamp, sha256
 from hypothesis import HealthCheck, event, given, settings
@@ -50,16 +51,32 @@ from deploy.loading import load_served_model
 from deploy.mlflow_pyfunc import MegalithPyfunc, ScoringInputError
 from deploy.request_body import DEFAULT_MAX_BODY_BYTES
 from deploy.server import ServeConfig
-from preprocessing.tokenizer import load_tokenizer
+from evaluation.generate import SamplingConfig, generate
+from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from preprocessing.verify import verify_shard_set
+from training.checkpoint import load_checkpoint, save_checkpoint
 from training.checkpoint_cli import verify as ckpt_verify
-from training.config import load_config
+from training.config import MegalithConfig, load_config
 from training.data.shard_set import open_shard_set
 from training.errors import MegalithError
+from training.interop.hf import export_hf, import_hf
 from training.memory import memory_report, resolve_layout
-from training.models.package import load_model_package, save_model_package
+from training.models import build_model
+from training.models.package import (
+    load_model_package,
+    read_package_model_config,
+    save_model_package,
+)
+from training.optim import build_optimizer
+from training.parallel.groups import single_process_state
 from training.safe_tensors import check_safetensors
-from training.sharded_checkpoint import latest_sharded_checkpoint, read_model_weights
+from training.sharded_checkpoint import (
+    is_sharded,
+    latest_sharded_checkpoint,
+    load_sharded_checkpoint,
+    read_index,
+    read_model_weights,
+)
 
 # CI's budget; MEGALITH_FUZZ_EXAMPLES=5000 runs a longer search by hand.
 FUZZ = settings(
@@ -314,6 +331,15 @@ def restamp_checksums(root: Path) -> None:
     restamp(target, root)
 
 
+def restamp_package(root: Path) -> None:
+    """A package restamped whole: config.json's tokenizer id too, then checksums.json."""
+    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError, IndexError):
+        config = json.loads((root / "config.json").read_text())
+        config["tokenizer"]["id"] = sha256(root / "tokenizer.model")
+        (root / "config.json").write_text(json.dumps(config))
+    restamp_checksums(root)
+
+
 def restamp_shards(root: Path) -> None:
     manifest = json.loads((root / "manifest.json").read_text())
     for shard in manifest["shards"]:
@@ -339,6 +365,41 @@ def run(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def step_dir(run: Path) -> Path:
     (step,) = (run / "checkpoints").glob("step-*")
     return step
+
+
+@pytest.fixture(scope="module")
+def run_config(run: Path) -> MegalithConfig:
+    """The run's recipe with the model its package holds (the vocabulary filled in)."""
+    config = load_config(run / "config.yaml")
+    return config.model_copy(update={"model": read_package_model_config(run / "model")})
+
+
+def trainee(config: MegalithConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[str]]:
+    """A fresh model and optimizer of the run's config, as a resuming trainer holds."""
+    torch.manual_seed(0)
+    model = build_model(config.model)
+    optimizer, names = build_optimizer(model, config.optimizer, torch.device("cpu"))
+    return model, optimizer, names
+
+
+@pytest.fixture(scope="module")
+def checkpoints(step_dir: Path, run_config: MegalithConfig, tmp_path_factory) -> dict[str, Path]:
+    """The run's v2 step folder, and a v1 (whole-tensor) one of the same model."""
+    model, optimizer, names = trainee(run_config)
+    state = {"consumed_samples": 0, "model_config": run_config.model.model_dump(mode="json")}
+    root = tmp_path_factory.mktemp("fuzz-v1")
+    return {"v2": step_dir, "v1": save_checkpoint(root, 2, model, optimizer, names, state)}
+
+
+def resume(step: Path, config: MegalithConfig) -> None:
+    """Trainer.resume's load, in one process: v2 resharded to this layout, or v1."""
+    model, optimizer, names = trainee(config)
+    if is_sharded(read_index(str(step))):
+        load_sharded_checkpoint(
+            step, model, optimizer, names, single_process_state(), restore_rng_state=False
+        )
+    else:
+        load_checkpoint(step, model, optimizer, names, restore_rng=False)
 
 
 # --- readers: the fuzz -------------------------------------------------------------------
@@ -418,24 +479,51 @@ def test_fuzzed_model_packages_load_or_raise_a_megalith_error(
 ) -> None:
     names = ["config.json", "checksums.json", "model.safetensors", "tokenizer.model"]
     with copy_of(run / "model") as package:
-        mutate_folder(data, package, names, restamp_checksums)
+        mutate_folder(data, package, names, restamp_package)
         refused = loads_or_refuses(lambda: ckpt_verify(package))
         loaded = loads_or_refuses(lambda: load_model_package(package))
+        loads_or_refuses(lambda: generate_from(package))
         if refused is None:  # what `megalith ckpt verify` accepts, the loader loads
             assert loaded is None, loaded
 
 
+def generate_from(package: Path) -> None:
+    """What ``megalith serve`` and ``megalith eval`` do with a package: load it (weights,
+    tokenizer) and generate a few tokens."""
+    served = load_served_model(str(package))
+    sampling = SamplingConfig(max_new_tokens=2, temperature=0)
+    generate(served.model, served.tokenizer, ["Once upon a time"], sampling)
+
+
 @FUZZ
 @given(data=st.data())
-def test_fuzzed_checkpoints_verify_load_or_raise_a_megalith_error(
-    step_dir: Path, data: st.DataObject
+def test_fuzzed_tokenizer_models_load_or_raise_a_megalith_error(
+    shards: Path, data: st.DataObject
 ) -> None:
-    names = sorted(path.name for path in step_dir.iterdir())
-    with copy_of(step_dir) as step:
+    with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
+        model = Path(tmp) / "tokenizer.model"
+        shutil.copy(Path(shards) / "tokenizer.model", model)
+        mutate_file(data, model)
+        loads_or_refuses(lambda: round_trip(load_tokenizer(str(model))))
+
+
+def round_trip(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("Once upon a time, the horse said hello.")
+    tokenizer.decode([*ids, *range(min(tokenizer.vocab_size, 64))])
+
+
+@FUZZ
+@given(kind=st.sampled_from(["v2", "v1"]), data=st.data())
+def test_fuzzed_checkpoints_verify_load_or_raise_a_megalith_error(
+    checkpoints: dict[str, Path], run_config: MegalithConfig, kind: str, data: st.DataObject
+) -> None:
+    names = sorted(path.name for path in checkpoints[kind].iterdir())
+    with copy_of(checkpoints[kind]) as step:
         mutate_folder(data, step, names, restamp_checksums)
         refused = loads_or_refuses(lambda: ckpt_verify(step))
         weights = loads_or_refuses(lambda: read_model_weights(step))
-        if refused is None:  # what verify accepts, the loaders read
+        loads_or_refuses(lambda: resume(step, run_config))  # may also refuse: it has a model
+        if refused is None:  # what verify accepts, the weights readers read
             assert weights is None, weights
 
 
@@ -458,6 +546,26 @@ def test_fuzzed_safetensors_headers_are_checked_or_refused(
         tensors = step / "model-r00000.safetensors"
         mutate_file(data, tensors)
         loads_or_refuses(lambda: check_safetensors(tensors))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run's package exported as a Hugging Face directory (what the Hub serves)."""
+    return export_hf(run / "model", tmp_path_factory.mktemp("fuzz-hf") / "hf")
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_hf_directories_import_or_raise_a_megalith_error(
+    hf_dir: Path, data: st.DataObject
+) -> None:
+    names = ["config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"]
+    with copy_of(hf_dir) as source:
+        for name in data.draw(
+            st.lists(st.sampled_from(names), min_size=1, max_size=2, unique=True)
+        ):
+            mutate_file(data, source / name)
+        loads_or_refuses(lambda: import_hf(source, source.parent / "package"))
 
 
 def read_every_document(root: Path) -> None:
