@@ -14,7 +14,7 @@ by this module's ``__main__``, and each worker, in ``megalith train``) asks the 
 for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``) and exits at once if the parent
 is already gone. Linux only; elsewhere the old behaviour stays. SIGTERM is the orderly
 stop: the launcher passes it to torchrun, which passes it to the workers, which unwind
-(``unwind_on_sigterm``). docs/faults.md has the whole picture.
+(``unwinding_on_sigterm``). docs/faults.md has the whole picture.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from training.errors import MegalithError
@@ -108,26 +109,49 @@ def run_torchrun(command: list[str], extra_env: Mapping[str, str] | None = None)
     A SIGTERM sent to this process alone is passed on, so torchrun stops its workers
     the orderly way (they close their records) instead of dying with us."""
     env = {**worker_env(), **(extra_env or {})}
+    terminated: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        terminated.append(signum)
+        process.send_signal(signum)
+
     with subprocess.Popen(command, env=env) as process:
-        previous = signal.signal(signal.SIGTERM, lambda *_: process.send_signal(signal.SIGTERM))
+        previous = signal.signal(signal.SIGTERM, forward)
         try:
             try:
-                return process.wait()
+                returncode = process.wait()
             except KeyboardInterrupt:  # torchrun had the Ctrl-C too: let it stop its workers
-                return process.wait()
+                returncode = process.wait()
         finally:
             signal.signal(signal.SIGTERM, previous)
+    if terminated:
+        raise Terminated
+    return returncode
 
 
-def unwind_on_sigterm() -> None:
-    """SIGTERM (a cancelled flow, a scheduler's time limit, torchrun stopping its workers)
-    raises KeyboardInterrupt, so a run unwinds as on Ctrl-C: its MLflow run is ended
-    FAILED instead of staying RUNNING, its lock released, its process group left."""
-    signal.signal(signal.SIGTERM, _interrupt)
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, so that it unwinds as on Ctrl-C."""
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+@contextmanager
+def unwinding_on_sigterm() -> Iterator[None]:
+    """Within the block SIGTERM (a cancelled flow, a scheduler's time limit, torchrun
+    stopping its workers) raises ``Terminated``: the block unwinds, so its MLflow run is
+    ended FAILED instead of staying RUNNING and its lock released. Then the process dies
+    of SIGTERM after all, as whoever sent it expects (the pretrain task retries a
+    training process killed by a signal)."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    except Terminated:
+        print("terminated", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        os._exit(128 + signal.SIGTERM)  # not reached: the signal ends the process
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def die_with_parent() -> None:
