@@ -21,7 +21,7 @@ from training.launch import (
     slurm_script,
     torchrun_command,
     under_torchrun,
-    unwind_on_sigterm,
+    unwinding_on_sigterm,
 )
 from training.parallel.groups import validate_layout
 from training.parallel.support import check_trainer_support
@@ -174,11 +174,15 @@ def _output(args: argparse.Namespace, config: MegalithConfig) -> Path:
 
 def _train(args: argparse.Namespace) -> int:
     die_with_parent()  # a launcher's worker, or a flow's training process, dies with it
+    with unwinding_on_sigterm():
+        return _train_or_launch(args)
+
+
+def _train_or_launch(args: argparse.Namespace) -> int:
     values = {"checkpoint.resume": True} if args.resume else {}
     config = load_config(args.config, args.set, values)
     if args.nproc_per_node is not None and not under_torchrun():
         return _launch(args, config)
-    unwind_on_sigterm()
     # Only now the heavy imports (torch, ~seconds): a bad config fails at once.
     from registry.tracking import lineage_tags, open_run_logger
     from training.distributed import distributed
