@@ -161,9 +161,7 @@ def test_sigkill_of_the_launcher_stops_every_worker_and_frees_the_folder(
     assert (output / LOCK_NAME).read_text() == ""  # released when the run ended
 
 
-def test_sigterm_ends_the_mlflow_run_failed_and_frees_the_folder(
-    shards: Path, tmp_path: Path
-) -> None:
+def test_sigterm_unwinds_the_run_then_ends_it_by_the_signal(shards: Path, tmp_path: Path) -> None:
     from mlflow import MlflowClient
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -171,7 +169,9 @@ def test_sigterm_ends_the_mlflow_run_failed_and_frees_the_folder(
     with training_forever(shards, output, **tracked_by(store)) as process:
         process.send_signal(signal.SIGTERM)  # a cancelled flow, a scheduler's time limit
         _, stderr = process.communicate(timeout=HANG_GUARD_S)
-    assert process.returncode == 130 and stderr.strip().splitlines()[-1] == "interrupted"
+    # Ended by the signal after unwinding, as a killed process (the pretrain task retries it).
+    assert process.returncode == -signal.SIGTERM
+    assert stderr.strip().splitlines()[-1] == "terminated", stderr[-3000:]
     client = MlflowClient(tracking_uri=store)
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.info.status == "FAILED"  # not RUNNING forever
