@@ -40,6 +40,7 @@ from training.signing import KEY_ENV
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 448
 KEY = "k" * 40
+STATE = {"consumed_samples": 0}  # what state.json needs beyond what saving adds
 
 
 def tiny_model() -> GPTModel:
@@ -76,10 +77,10 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long)
     ).backward()
     optimizer.step()
-    v1 = save_checkpoint(base / "ckpts", 1, model, optimizer, names, {}, sign=False)
+    v1 = save_checkpoint(base / "ckpts", 1, model, optimizer, names, STATE, sign=False)
     v2 = Checkpointer().save(
         lambda: take_snapshot(
-            str(base / "v2"), 1, model, optimizer, names, {}, single_process_state(), "ddp",
+            str(base / "v2"), 1, model, optimizer, names, STATE, single_process_state(), "ddp",
             HostBuffers(), sign=False,
         ),
         background=False,
@@ -290,13 +291,13 @@ def test_saving_signs_when_the_key_is_set(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv(KEY_ENV, KEY)
     model = tiny_model()
     optimizer, names = fresh_v1(model)
-    path = save_checkpoint(tmp_path, 3, model, optimizer, names, {})
+    path = save_checkpoint(tmp_path, 3, model, optimizer, names, STATE)
     record = json.loads((path / "signature.json").read_text())
     assert record["algorithm"] == "hmac-sha256" and record["manifest"] == "index.json"
     assert main(["ckpt", "verify", "--require-signature", str(path)]) == 0
     monkeypatch.delenv(KEY_ENV)
     assert not (
-        save_checkpoint(tmp_path, 4, model, optimizer, names, {}) / "signature.json"
+        save_checkpoint(tmp_path, 4, model, optimizer, names, STATE) / "signature.json"
     ).exists()
 
 

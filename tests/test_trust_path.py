@@ -9,8 +9,10 @@ subprocesses for the CLI refusals, hypothesis for the index reader.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -192,6 +194,47 @@ def test_an_unhashed_file_is_never_read(
     with within(10), pytest.raises(MegalithError, match=rf"{name}.*(symbolic link|regular file)"):
         STEP_LOADERS[loader](kind, path)
     assert time.monotonic() - started < 1.0  # refused, not read
+
+
+def restamp_state(path: Path, state: dict) -> None:
+    """Rewrite state.json and re-hash it in the index, as the writer of an unsigned
+    checkpoint can: the checks on its content must hold on their own."""
+    data = json.dumps(state).encode()
+    (path / "state.json").write_bytes(data)
+    index = json.loads((path / "index.json").read_text())
+    index["files"]["state.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "index.json").write_text(json.dumps(index))
+
+
+STATE_LIES: dict[str, tuple[Callable[[dict], dict], str]] = {
+    "rng-not-an-object": (lambda s: {**s, "rng": "x"}, "key 'rng'"),
+    "python-rng-short": (lambda s: {**s, "rng": {**s["rng"], "python": [3]}}, "rng.python"),
+    "numpy-pos-string": (
+        lambda s: {**s, "rng": {**s["rng"], "numpy": {**s["rng"]["numpy"], "pos": "a"}}},
+        "rng.numpy.pos",
+    ),
+    "no-consumed-samples": (
+        lambda s: {k: v for k, v in s.items() if k != "consumed_samples"},
+        "consumed_samples",
+    ),
+    "optimizer-not-an-object": (lambda s: {**s, "optimizer": "x"}, "key 'optimizer'"),
+    "scaler-of-strings": (lambda s: {**s, "scaler": {"scale": "x"}}, "scaler"),
+    "model-config-a-string": (lambda s: {**s, "model_config": "x"}, "model_config"),
+    "step-a-string": (lambda s: {**s, "step": "1"}, "step"),
+}
+
+
+@pytest.mark.parametrize("loader", ["resume", "finetune-base"])
+@pytest.mark.parametrize("lie", STATE_LIES)
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+def test_a_restamped_state_json_of_the_wrong_shape_is_refused_naming_the_key(
+    kind: str, lie: str, loader: str, tmp_path: Path
+) -> None:
+    path = save(kind, tmp_path, 1, tiny_model())
+    change, key = STATE_LIES[lie]
+    restamp_state(path, change(json.loads((path / "state.json").read_text())))
+    with pytest.raises(MegalithError, match=rf"state\.json.*{re.escape(key)}"):
+        STEP_LOADERS[loader](kind, path)
 
 
 def test_ckpt_inspect_never_blocks_on_a_pipe(tmp_path: Path) -> None:
