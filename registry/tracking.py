@@ -88,28 +88,50 @@ def resolve_tracking_uri(configured: str | None, workdir: str | Path | None = No
 
 def existing_store_uri(given: str | None, workdir: str | Path = DEMO_WORKDIR) -> str:
     """The store a command that reads the registry uses: ``given`` (its --tracking-uri),
-    else as :func:`resolve_tracking_uri`. A SQLite store must exist already: a read that
-    created an empty one would only report that the model does not exist. A server must
-    answer now: MLflow's own client would retry for minutes."""
+    else as :func:`resolve_tracking_uri`. It must exist and answer now: a read that
+    created an empty SQLite store would only report that the model does not exist, and
+    MLflow's client would retry an absent server for minutes."""
     uri = given or resolve_tracking_uri(None, workdir)
+    problem = _store_problem(uri)
+    if problem is None:
+        return uri
     if given or os.environ.get("MLFLOW_TRACKING_URI"):
         source = "--tracking-uri" if given else "MLFLOW_TRACKING_URI"
     else:
         source = f"WORKDIR/{DB_FILE_NAME}, where `megalith demo` writes; WORKDIR {workdir}"
-    how = "point to yours with --workdir DIR, --tracking-uri URI or MLFLOW_TRACKING_URI=URI"
-    db = sqlite_path(uri)
-    if db is not None and not db.is_file():
-        raise MegalithError(f"no MLflow store at {db.resolve()} (from {source}); {how}")
+    raise MegalithError(
+        f"{problem} (from {source}); point to yours with --workdir DIR, --tracking-uri URI "
+        "or MLFLOW_TRACKING_URI=URI"
+    )
+
+
+def _store_problem(uri: str) -> str | None:
+    """Why ``uri`` is not an MLflow store that answers now; None when it is."""
+    from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
+    db = sqlite_path(uri)
+    if db is not None and not (db.is_file() and db.stat().st_size > 0):
+        return f"no MLflow store at {db.resolve()}"
+    if db is not None and not _is_sqlite(db):
+        return f"{db.resolve()} is not an SQLite database"
+    if "://" not in uri and uri.endswith(".db"):
+        return f"{uri} is a file path; a SQLite store's URI is sqlite:///{Path(uri).resolve()}"
+    server = uri.startswith(("http://", "https://"))
     try:
-        check_reachable(uri)
-    except (MlflowException, OSError) as exc:
-        cause = str(exc).splitlines()[0][:200]
-        raise MegalithError(
-            f"MLflow server {uri} (from {source}) did not answer: {cause}"
-        ) from None
-    return uri
+        if server:
+            check_reachable(uri)  # one request, no retries
+        else:
+            MlflowClient(tracking_uri=uri, registry_uri=uri).search_registered_models(max_results=1)
+    except (MlflowException, OSError, ImportError) as exc:  # ImportError: a missing DB driver
+        cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        return f"MLflow store {uri} {'did not answer' if server else 'cannot be opened'}: {cause}"
+    return None
+
+
+def _is_sqlite(path: Path) -> bool:
+    with path.open("rb") as handle:
+        return handle.read(16) == b"SQLite format 3\x00"
 
 
 def sqlite_path(uri: str) -> Path | None:
