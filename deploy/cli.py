@@ -10,7 +10,7 @@ import socket
 import sys
 from collections.abc import Callable
 
-from registry.cli import add_store_arguments
+from registry.cli import add_store_arguments, mlflow_errors_in_one_line
 from registry.tracking import existing_store_uri
 from training.errors import MegalithError
 
@@ -123,6 +123,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_serve)
 
 
+@mlflow_errors_in_one_line
 def _serve(args: argparse.Namespace) -> int:
     from deploy.loading import MODELS_SCHEME
 

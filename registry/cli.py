@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+from collections.abc import Callable
 
 from registry.tracking import DEMO_WORKDIR, existing_store_uri
 from training.config import MegalithConfig, load_config
+from training.errors import MegalithError
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -73,6 +76,26 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def mlflow_errors_in_one_line(
+    handler: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
+    """A command handler whose MLflow refusals (an unsupported store URI, a file store in
+    maintenance mode, ...) end as one error line, not a traceback."""
+
+    @functools.wraps(handler)
+    def run(args: argparse.Namespace) -> int:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return handler(args)
+        except MlflowException as exc:
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise MegalithError(f"MLflow: {first_line[:300]}") from None
+
+    return run
+
+
+@mlflow_errors_in_one_line
 def _gate(args: argparse.Namespace) -> int:
     from registry.promotion import gate
 
@@ -88,6 +111,7 @@ def _gate(args: argparse.Namespace) -> int:
     return 0 if decision.promoted else 3
 
 
+@mlflow_errors_in_one_line
 def _promote(args: argparse.Namespace) -> int:
     from registry.promotion import promote
 
@@ -99,6 +123,7 @@ def _promote(args: argparse.Namespace) -> int:
     return 0
 
 
+@mlflow_errors_in_one_line
 def _rollback(args: argparse.Namespace) -> int:
     from registry.promotion import rollback
 

@@ -169,7 +169,8 @@ def test_a_tracking_server_that_does_not_answer_fails_at_once(
     server = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     result = megalith(*command, cwd=tmp_path, env={"MLFLOW_TRACKING_URI": server})
     assert result.returncode == 1, result.stderr
-    assert result.stderr.startswith(f"error: MLflow server {server} (from MLFLOW_TRACKING_URI)")
+    assert result.stderr.startswith(f"error: MLflow store {server} did not answer: ")
+    assert "(from MLFLOW_TRACKING_URI)" in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -222,6 +223,27 @@ def test_serve_refuses_a_taken_port_before_loading(tmp_path: Path) -> None:
         f"error: 127.0.0.1:{port} is taken: stop what listens there, or pick another port "
         "with --port\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("store", "expected"),
+    [
+        ("PATH", "error: PATH is a file path; a SQLite store's URI is sqlite:///PATH (from"),
+        ("sqlite:///PATH", "error: PATH is not an SQLite database (from"),
+        ("nosuch://store", "error: MLflow store nosuch://store cannot be opened: "),
+    ],
+    ids=["path-without-scheme", "not-sqlite", "unknown-scheme"],
+)
+def test_a_store_that_is_not_one_is_named(store: str, expected: str, tmp_path: Path) -> None:
+    not_a_store = tmp_path / "mlflow.db"
+    not_a_store.write_text("these are my notes, not a database\n")
+    store, expected = (text.replace("PATH", str(not_a_store)) for text in (store, expected))
+    result = megalith(*PROMOTE, "--tracking-uri", store, cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith(expected), result.stderr
+    assert "Traceback" not in result.stderr
+    assert not_a_store.read_text() == "these are my notes, not a database\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]
 
 
 # --- serve-pipelines: a bad schedule or no Prefect server --------------------------
