@@ -202,7 +202,9 @@ class MegalithLM(LM):
             if self.t5:
                 values = span_scores(self.model, self.tokenizer, chosen, self.autocast_dtype)
             else:
-                values = sequence_scores(self.model, chosen, self.autocast_dtype)
+                values = sequence_scores(
+                    self.model, chosen, self.autocast_dtype, self.tokenizer.vocab_size
+                )
             scores.update(zip(batch, values, strict=True))
         return [scores[r] for r in range(len(sequences))]
 
@@ -296,14 +298,16 @@ def sequence_scores(
     model: torch.nn.Module,
     sequences: Sequence[tuple[list[int], int]],
     autocast_dtype: torch.dtype | None = None,
+    vocab_size: int | None = None,
 ) -> list[tuple[float, bool]]:
     """For each ``(tokens, n)`` of a GPT model: the summed log-probability of its last
-    ``n`` tokens and whether each of them is the most likely next token."""
+    ``n`` tokens and whether each of them is the most likely next token (among the first
+    ``vocab_size`` ids: greedy generation never picks the vocabulary's padding)."""
     device = model_device(model)
     inputs, labels = padded_rows(sequences)
     with autocast(device, autocast_dtype):
         logits = model(inputs.to(device))
-    return _label_scores(logits, labels.to(device))
+    return _label_scores(logits, labels.to(device), vocab_size)
 
 
 @torch.no_grad()
@@ -319,15 +323,24 @@ def span_scores(
     encoder, decoder, labels, mask = span_rows(tokenizer, sequences)
     with autocast(device, autocast_dtype):
         logits = model(encoder.to(device), decoder.to(device), encoder_mask=mask.to(device))
-    return _label_scores(logits, labels.to(device))
+    return _label_scores(logits, labels.to(device), tokenizer.vocab_size)
 
 
-def _label_scores(logits: torch.Tensor, labels: torch.Tensor) -> list[tuple[float, bool]]:
+def _label_scores(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None
+) -> list[tuple[float, bool]]:
+    """Per row: the summed log-probability of its labels and whether each is the argmax
+    among the first ``vocab_size`` ids (the padding of the vocabulary is never generated).
+    Only the scored positions are normalised (a ``[B, T, V]`` copy in float64 would not fit
+    at real vocabulary sizes)."""
     scored = labels != IGNORE_INDEX
-    targets = labels.clamp(min=0)
-    logprobs = logits.double().log_softmax(dim=-1).gather(-1, targets[..., None])[..., 0]
-    sums = (logprobs * scored).sum(dim=1)
-    greedy = ((logits.argmax(dim=-1) == targets) | ~scored).all(dim=1)
+    rows = scored.nonzero()[:, 0]
+    chosen, targets = logits[scored].float(), labels[scored]
+    logprobs = chosen.log_softmax(dim=-1).gather(-1, targets[:, None])[:, 0].double()
+    sums = torch.zeros(len(labels), dtype=torch.float64, device=logits.device)
+    sums.index_add_(0, rows, logprobs)
+    greedy = torch.ones(len(labels), dtype=torch.bool, device=logits.device)
+    greedy[rows[chosen[:, :vocab_size].argmax(dim=-1) != targets]] = False
     return list(zip(sums.tolist(), greedy.tolist(), strict=True))
 
 

@@ -33,9 +33,15 @@ from lm_eval.api.instance import Instance
 
 from evaluation import EvaluationError
 from evaluation import cli as eval_cli
-from evaluation.generate import SamplingConfig, generate
+from evaluation.generate import SamplingConfig, generate, generate_ids, prompt_ids
 from evaluation.generate_t5 import generate_seq2seq_ids
-from evaluation.lm_eval_adapter import TASKS_DIR, MegalithLM, check_tasks, run_tasks
+from evaluation.lm_eval_adapter import (
+    TASKS_DIR,
+    MegalithLM,
+    check_tasks,
+    run_tasks,
+    sequence_scores,
+)
 from evaluation.report import evaluate_model
 from evaluation.seq2seq import span_logliks, span_prompt
 from evaluation.tasks import SAMPLE_TASK, load_task, score_choices
@@ -331,6 +337,18 @@ def test_generate_until_is_megalith_greedy_generation_cut_at_until(root: Path) -
         )
     )
     assert cut == [text[: text.index(s)] for text, s in zip(expected, stops, strict=True)]
+    # lm-eval's is_greedy: true for greedy generation's own tokens, false once one differs.
+    context = prompt_ids(tokenizer, prompts[0])
+    [(ids, _, _)] = generate_ids(
+        model, [context], greedy, eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size
+    )
+    changed = [*ids[:-1], (ids[-1] + 1) % tokenizer.vocab_size]
+    flags = sequence_scores(
+        model,
+        [(context + ids, len(ids)), (context + changed, len(ids))],
+        vocab_size=tokenizer.vocab_size,
+    )
+    assert [greedy_flag for _, greedy_flag in flags] == [True, False]
     # A stop string the continuation starts with leaves nothing (and ends the row at once).
     first = requests(
         "generate_until", (prompts[0], {"max_gen_toks": 12, "until": [expected[0][:2]]})
