@@ -6,8 +6,8 @@ The same tiny random GPT is scored four ways, and every item's log-likelihoods m
 within 1e-4 nats: lm-eval's own command line with ``--model megalith`` (a subprocess:
 the name must be registered where a user runs it), lm-eval's ``hf`` model on the
 package's Hugging Face export (``export_hf``, what ``megalith export hf`` runs),
-``megalith eval --lm-eval-tasks`` (its parser and handler) and the scorer of ``megalith
-eval --tasks`` (:func:`evaluation.tasks.score_choices`). A document-level
+``megalith eval --lm-eval-tasks`` (a subprocess too, logging to MLflow) and the scorer
+of ``megalith eval --tasks`` (:func:`evaluation.tasks.score_choices`). A document-level
 (rolling) task checks ``loglikelihood_rolling`` against the HF export the same way.
 Everything runs offline: the tasks' data are local files.
 """
@@ -146,7 +146,7 @@ def run(*command: str) -> subprocess.CompletedProcess[str]:
 
 
 def megalith_eval(*args: str) -> dict[str, Any]:
-    """``megalith eval ARGS`` through its parser and handler; returns the JSON report."""
+    """``megalith eval ARGS`` in this process (its parser and handler); the JSON report."""
     parser = argparse.ArgumentParser(prog="megalith")
     eval_cli.register(parser.add_subparsers(dest="command"))
     parsed = parser.parse_args(["eval", "--device", "cpu", "--max-new-tokens", "0", *args])
@@ -208,17 +208,21 @@ def hf_samples(hf_dir: Path, task: str, task_source: str, **model_args: Any) -> 
 @pytest.fixture(scope="module")
 def tracked_report(root: Path, store: str) -> tuple[dict[str, Any], str]:  # noqa: F811
     """``megalith eval --tasks sample_facts --lm-eval-tasks sample_facts STORIES.yaml
-    --mlflow-run RUN`` on the GPT package; the report and the run id."""
+    --mlflow-run RUN`` on the GPT package, as a user runs it; the report and the run id."""
     logger = MLflowRunLogger.start(store, experiment="lm-eval", tags={})
     logger.close()
-    report = megalith_eval(
-        "--model", str(root / "gpt"),
+    output = root / "report.json"
+    done = run(
+        str(BIN / "megalith"), "eval", "--model", str(root / "gpt"), "--device", "cpu",
+        "--max-new-tokens", "0",
         "--tasks", "sample_facts",
         "--lm-eval-tasks", "sample_facts", str(root / "stories" / "stories.yaml"),
-        "--output", str(root / "report.json"),
+        "--output", str(output),
         "--mlflow-run", logger.run_id, "--tracking-uri", store,
     )  # fmt: skip
-    return report, logger.run_id
+    assert "lm_eval.sample_facts.acc_norm" in done.stdout
+    assert f"to MLflow run {logger.run_id}" in done.stdout
+    return json.loads(output.read_text(encoding="utf-8")), logger.run_id
 
 
 def test_adapter_hf_export_and_megalith_eval_agree_per_item(
