@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from preprocessing import safe_read
-from registry.tracking import log_evaluation
+from registry.tracking import existing_store_uri, log_evaluation
 from training.config import MAX_POSITIONS, DataConfig, load_config
 from training.errors import MegalithError
 
@@ -106,6 +106,7 @@ def _eval(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise MegalithError(str(exc)) from None
+    store = mlflow_run_store(args.mlflow_run, args.tracking_uri) if args.mlflow_run else None
     data = data_config(args.data, args.set, args.model) if args.data else None
     prompts = read_prompts(args.prompts) if args.prompts is not None else None
     report = evaluate_model(
@@ -126,9 +127,25 @@ def _eval(args: argparse.Namespace) -> int:
     print(format_table(report))
     print(f"\nwrote {args.output}")
     if args.mlflow_run:
-        log_evaluation(args.mlflow_run, report["metrics"], args.output, args.tracking_uri)
+        log_evaluation(args.mlflow_run, report["metrics"], args.output, store)
         print(f"logged {len(report['metrics'])} metrics to MLflow run {args.mlflow_run}")
     return 0
+
+
+def mlflow_run_store(run_id: str, tracking_uri: str | None) -> str:
+    """The store holding ``run_id`` (``--tracking-uri``, else ``MLFLOW_TRACKING_URI``, else
+    ./mlflow.db), checked before the evaluation so a wrong id costs no evaluation."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    uri = existing_store_uri(tracking_uri, Path.cwd())
+    try:
+        MlflowClient(tracking_uri=uri).get_run(run_id)
+    except MlflowException as exc:
+        raise MegalithError(
+            f"--mlflow-run {run_id}: no such run in {uri} ({exc.error_code})"
+        ) from None
+    return uri
 
 
 def data_config(source: str, overrides: list[str], package_dir: str) -> DataConfig:

@@ -450,3 +450,22 @@ def test_fuzz_task_yaml_only_megalith_errors_escape(tmp_path: Path, cut: int, fl
     task.write_bytes(bytes(data))
     with contextlib.suppress(MegalithError):
         assert check_tasks([str(task)])[1] == ["fuzzed_facts"]
+
+
+def test_a_wrong_mlflow_run_is_refused_before_evaluating(
+    store: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The run is looked up first: a typo costs no evaluation (the package here does not
+    even exist, and is never reached)."""
+    with pytest.raises(MegalithError, match=f"--mlflow-run {'0' * 32}: no such run in {store}"):
+        megalith_eval(
+            "--model", str(tmp_path / "no-package"), "--lm-eval-tasks", "sample_facts",
+            "--mlflow-run", "0" * 32, "--tracking-uri", store,
+        )  # fmt: skip
+    with pytest.raises(MegalithError, match="no MLflow store at"):
+        megalith_eval(
+            "--model", str(tmp_path / "no-package"),
+            "--mlflow-run", "0" * 32, "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}",
+        )  # fmt: skip
+    assert not (tmp_path / "none.db").exists()
