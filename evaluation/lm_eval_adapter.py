@@ -349,7 +349,7 @@ def _label_scores(
 
 def run_tasks(
     lm: MegalithLM,
-    tasks: Sequence[str],
+    tasks: Sequence[str] | CheckedTasks,
     *,
     limit: int | None = None,
     num_fewshot: int | None = None,
@@ -357,7 +357,7 @@ def run_tasks(
     """Run lm-eval tasks (names lm-eval knows, the shipped ones in :data:`TASKS_DIR`, or
     task YAML files) on ``lm``; returns ``{"version", "tasks": {name: {metric: value}},
     "samples": {name: [per-item results]}, "metrics": {flat MLflow-safe name: value}}``."""
-    manager, names = check_tasks(tasks)
+    manager, names = tasks if isinstance(tasks, CheckedTasks) else check_tasks(tasks)
     results = lm_eval.simple_evaluate(
         model=lm,
         tasks=names,
@@ -378,9 +378,16 @@ def run_tasks(
     }
 
 
-def check_tasks(tasks: Sequence[str]) -> tuple[TaskManager, list[str]]:
+class CheckedTasks(NamedTuple):
+    """Tasks lm-eval can load: its index over them, and their names."""
+
+    manager: TaskManager
+    names: list[str]
+
+
+def check_tasks(tasks: Sequence[str]) -> CheckedTasks:
     """lm-eval's task index and the task names; an unknown name, or a task file lm-eval
-    cannot read, is an error.
+    cannot read, is an error (``megalith eval`` checks before it loads the model).
 
     The shipped tasks and the folders of task YAML files given by path are indexed
     first; lm-eval's own few thousand task files (a few seconds to index) only when a
@@ -407,7 +414,7 @@ def check_tasks(tasks: Sequence[str]) -> tuple[TaskManager, list[str]]:
             f"lm-eval could not load task {', '.join(names)}: {type(error).__name__}: "
             f"{safe_read.clip(str(error), 200)}"
         ) from None
-    return manager, names
+    return CheckedTasks(manager, names)
 
 
 def _has(manager: TaskManager, name: str) -> bool:

@@ -85,7 +85,7 @@ def evaluate_model(
         # lm-eval is an optional extra: imported only when its tasks are asked for.
         from evaluation import lm_eval_adapter
 
-        lm_eval_adapter.check_tasks(lm_eval_tasks)
+        lm_eval_checked = lm_eval_adapter.check_tasks(lm_eval_tasks)
     sampling = sampling or SamplingConfig()
     torch_device = resolve_device(device)
     precision = resolve_precision(precision, torch_device)
@@ -128,7 +128,7 @@ def evaluate_model(
         lm = lm_eval_adapter.MegalithLM.from_model(
             model, tokenizer, autocast_dtype=autocast_dtype, batch_size=batch_size
         )
-        report["lm_eval"] = lm_eval_adapter.run_tasks(lm, lm_eval_tasks, limit=lm_eval_limit)
+        report["lm_eval"] = lm_eval_adapter.run_tasks(lm, lm_eval_checked, limit=lm_eval_limit)
     seq2seq = config.family == "t5"
     if prompts is None:
         prompts = T5_DEFAULT_PROMPTS if seq2seq else DEFAULT_PROMPTS

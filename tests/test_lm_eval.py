@@ -197,7 +197,7 @@ def hf_samples(hf_dir: Path, task: str, task_source: str, **model_args: Any) -> 
         model="hf",
         model_args={"pretrained": str(hf_dir), "dtype": "float32", "device": "cpu", **model_args},
         tasks=[task],
-        task_manager=check_tasks([task_source])[0],
+        task_manager=check_tasks([task_source]).manager,
         batch_size=16,
         log_samples=True,
         bootstrap_iters=0,
@@ -449,7 +449,7 @@ def test_fuzz_task_yaml_only_megalith_errors_escape(tmp_path: Path, cut: int, fl
     task = folder / "task.yaml"
     task.write_bytes(bytes(data))
     with contextlib.suppress(MegalithError):
-        assert check_tasks([str(task)])[1] == ["fuzzed_facts"]
+        assert check_tasks([str(task)]).names == ["fuzzed_facts"]
 
 
 def test_a_wrong_mlflow_run_is_refused_before_evaluating(
