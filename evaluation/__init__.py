@@ -2,8 +2,10 @@
 
 Modules: ``perplexity`` (held-out loss on a shard set), ``tasks`` (zero-shot
 multiple choice from jsonl), ``generate`` (sampling with a KV cache), ``report``
-(``evaluate_model``: all of them into one JSON report and a table) and ``cli``
-(``megalith eval``). Importing this package stays light; torch loads with the modules.
+(``evaluate_model``: all of them into one JSON report and a table), ``cli``
+(``megalith eval``) and ``lm_eval_adapter`` (the ``megalith`` model type of
+lm-evaluation-harness, the ``eval`` extra). Importing this package stays light; torch
+loads with the modules.
 """
 
 from training.errors import MegalithError
