@@ -1,7 +1,9 @@
 """Small faults a new user meets, tried as the user meets them: ``megalith`` run as a
 subprocess. A mistyped subcommand names the nearest valid one; ``serve`` and
 ``registry`` find the store ``megalith demo`` wrote (or say where they looked) and never
-create an empty one; stopping ``megalith ui`` stops every server it started."""
+create an empty one; a store that is not one, a server that does not answer, a bad
+number, a taken port, a bad cron or a file in the way of --workdir is one line naming
+it; stopping ``megalith ui`` (SIGTERM, SIGINT, SIGHUP) stops every server it started."""
 
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ from tests.servers import free_port, run_group, running_process
 MEGALITH = [sys.executable, "-m", "pipelines.cli"]
 
 
-def megalith(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None):
+def megalith(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """``megalith ARGS`` with no MLFLOW_TRACKING_URI unless ``env`` sets one."""
     environment = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     environment.update(env or {})
