@@ -602,10 +602,13 @@ class CheckpointConfig(StrictModel):
     resume: bool = Field(default=False, description="Continue from the latest checkpoint.")
     sign: bool | None = Field(
         default=None,
-        description="HMAC-sign each checkpoint with MEGALITH_SIGNING_KEY; None: when it is set.",
+        description="Sign each checkpoint (HMAC with MEGALITH_SIGNING_KEY, or Ed25519 with a "
+        "private key, MEGALITH_ED25519_PRIVATE_KEY); None: when a key is set.",
     )
     require_signature: bool = Field(
-        default=False, description="Refuse to resume from an unsigned or wrongly signed checkpoint."
+        default=False,
+        description="Refuse to resume or fine-tune from an unsigned or wrongly signed "
+        "checkpoint (MEGALITH_REQUIRE_SIGNATURE=1 asks the same of every loader).",
     )
     async_save: bool = Field(
         default=True,
