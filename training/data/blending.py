@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from training.data.index_cache import load_or_build
+from training.data.index_cache import check_ids, load_or_build
 
 BLEND_FORMAT = 1
 BLEND_NAMES = ("dataset_index", "dataset_sample_index")
@@ -71,8 +71,25 @@ def load_blending_indices(
         "num_samples": num_samples,
     }
     return load_or_build(
-        cache_dir, description, BLEND_NAMES, lambda: blending_indices(weights, num_samples)
+        cache_dir,
+        description,
+        BLEND_NAMES,
+        lambda: blending_indices(weights, num_samples),
+        lambda arrays: _check_blend(arrays, len(weights), num_samples),
     )
+
+
+def _check_blend(arrays: dict[str, np.ndarray], num_datasets: int, num_samples: int) -> None:
+    """Cached blending indices: a known dataset per sample, and each dataset's samples
+    numbered below the count the blend takes from it."""
+    datasets, samples = arrays["dataset_index"], arrays["dataset_sample_index"]
+    check_ids(datasets, "dataset_index", 0, num_datasets)
+    check_ids(samples, "dataset_sample_index", 0, max(num_samples, 1))
+    if datasets.size < num_samples or samples.size != datasets.size:
+        raise ValueError(f"dataset_index {datasets.shape}, dataset_sample_index {samples.shape}")
+    taken = np.bincount(datasets, minlength=num_datasets)
+    if datasets.size and (samples >= taken[datasets]).any():
+        raise ValueError("dataset_sample_index numbers more samples than the blend takes")
 
 
 def samples_per_dataset(dataset_index: np.ndarray, num_datasets: int) -> list[int]:

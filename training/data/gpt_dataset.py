@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from training.data.index_cache import load_or_build
+from training.data.index_cache import check_ids, load_or_build
 from training.data.shard_set import ShardSet
 
 INDEX_FORMAT = 1
@@ -225,10 +225,28 @@ class GPTDataset(SplitSamples):
                 self.seed,
                 split_id,
             ),
+            self._check_indices,
         )
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
+
+    def _check_indices(self, arrays: dict[str, np.ndarray]) -> None:
+        """Cached indices that ``sample_tokens`` can follow: shuffled samples inside the
+        sample index, samples in order spanning at most ``seq_length + 1`` positions,
+        offsets inside their documents, documents inside this split."""
+        documents, samples, order = (arrays[name] for name in INDEX_NAMES)
+        check_ids(documents, "document_index", self.documents.start, self.documents.stop)
+        if samples.ndim != 2 or samples.shape[1] != 2 or order.size < self.num_samples:
+            raise ValueError(f"sample_index {samples.shape}, shuffle_index {order.shape}")
+        check_ids(samples[:, 0], "sample_index positions", 0, max(documents.size, 1))
+        check_ids(order, "shuffle_index", 0, max(samples.shape[0] - 1, 0))
+        steps = np.diff(samples[:, 0])
+        if steps.size and (steps.min() < 0 or steps.max() > self.seq_length + 1):
+            raise ValueError("sample_index positions go back or skip past a sample's length")
+        lengths = self.shard_set.document_lengths[documents[samples[:, 0]]]
+        if (samples[:, 1] < 0).any() or (samples[:, 1] >= lengths).any():
+            raise ValueError("sample_index offsets lie past their documents")
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {"tokens": torch.from_numpy(self.sample_tokens(index))}

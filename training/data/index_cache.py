@@ -38,13 +38,24 @@ def load_or_build(
     description: dict[str, Any],
     names: tuple[str, ...],
     build: Callable[[], dict[str, np.ndarray]],
+    check: Callable[[dict[str, np.ndarray]], None] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Memory-map the cached arrays for ``description``, building and saving them on a miss."""
+    """Memory-map the cached arrays for ``description``, building and saving them on a miss.
+
+    ``check`` raises ``ValueError`` for cached arrays the dataset cannot index safely (the
+    cache may sit on shared storage: an index past the documents, or a sample spanning
+    10^12 positions, would crash or hang training); such an entry is rebuilt."""
     cache_dir = Path(cache_dir)
     key = cache_key(description)
     paths = {name: cache_dir / f"{key}-{name}.npy" for name in names}
     described = cache_dir / f"{key}-description.json"
     cached = _load(described, description, paths)
+    if cached is not None and check is not None:
+        try:
+            check(cached)
+        except ValueError as exc:
+            logger.warning("rebuilding the index cache entry %s: %s", described, exc)
+            cached = None
     if cached is not None:
         return cached
     start = time.perf_counter()
@@ -80,6 +91,14 @@ def _load(
         }
     except (OSError, ValueError):  # missing, partial, foreign or oversized files: rebuild
         return None
+
+
+def check_ids(array: np.ndarray, name: str, low: int, high: int, ndim: int = 1) -> None:
+    """``array`` has ``ndim`` dimensions of integers, each in ``[low, high)``."""
+    if array.ndim != ndim or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name} is a {array.ndim}-d {array.dtype} array")
+    if array.size and (int(array.min()) < low or int(array.max()) >= high):
+        raise ValueError(f"{name} holds values outside [{low}, {high})")
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:

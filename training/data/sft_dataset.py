@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from training.data.gpt_dataset import SPLIT_NAMES, SplitSamples, _rng, random_permutations
-from training.data.index_cache import load_or_build
+from training.data.index_cache import check_ids, load_or_build
 from training.data.shard_set import ShardSet, ShardSetError
 
 logger = logging.getLogger(__name__)
@@ -143,9 +143,22 @@ class SFTDataset(SplitSamples):
                 self.seed,
                 SPLIT_NAMES.index(self.split),
             ),
+            self._check_indices,
         )
         self.document_index = arrays["document_index"]
         self.sample_bounds = arrays["sample_bounds"]
+
+    def _check_indices(self, arrays: dict[str, np.ndarray]) -> None:
+        """Cached packing that ``sample_arrays`` can follow: documents inside this split,
+        bounds in order, each sample at most ``seq_length + 1`` documents."""
+        documents, bounds = arrays["document_index"], arrays["sample_bounds"]
+        check_ids(documents, "document_index", self.documents.start, self.documents.stop)
+        check_ids(bounds, "sample_bounds", 0, documents.size + 1)
+        steps = np.diff(bounds)
+        if bounds.size < self.num_samples + 1 or (
+            steps.size and (steps.min() < 0 or steps.max() > self.seq_length + 1)
+        ):
+            raise ValueError("sample_bounds are too few, go back or span too many documents")
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         tokens, mask, documents = self.sample_arrays(index)
