@@ -261,6 +261,7 @@ def test_data_parallel_and_fsdp_train_in_fp8_like_one_process(shards: Path, tmp_
 
 
 CUDA_COMPILED = {
+    "model.backend": "torch",  # auto would pick Transformer Engine where it is installed
     "training.device": "cuda",
     "training.compile": "true",
     "training.train_iters": 30,

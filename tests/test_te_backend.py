@@ -254,7 +254,7 @@ needs_te = pytest.mark.skipif(
     reason="needs transformer_engine and a CUDA GPU",
 )
 TRAIN_STEPS = 20
-BF16_LOSS_TOLERANCE = 0.05  # |TE bf16 loss - torch bf16 loss| at every step
+BF16_LOSS_TOLERANCE = 0.02  # |TE bf16 loss - torch bf16 loss| at every step (H100: max 0.003)
 # benchmarks/fp8_convergence.py's verdict: mean and max |fp8 loss - bf16 loss|
 FP8_MEAN_TOLERANCE, FP8_MAX_TOLERANCE = 0.05, 0.15
 
