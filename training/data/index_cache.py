@@ -89,7 +89,7 @@ def _load(
         return {
             name: np.load(path, mmap_mode="r", allow_pickle=False) for name, path in paths.items()
         }
-    except (OSError, ValueError):  # missing, partial, foreign or oversized files: rebuild
+    except (OSError, ValueError, EOFError):  # missing, partial, foreign, oversized: rebuild
         return None
 
 
