@@ -23,6 +23,7 @@ a client timeout), and the server still answers a plain request afterwards.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import resource
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -56,7 +58,8 @@ from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from preprocessing.verify import verify_shard_set
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.checkpoint_cli import verify as ckpt_verify
-from training.config import MegalithConfig, load_config
+from training.config import DataConfig, DatasetSource, MegalithConfig, load_config
+from training.data import build_gpt_datasets
 from training.data.shard_set import open_shard_set
 from training.errors import MegalithError
 from training.interop.hf import export_hf, import_hf
@@ -546,6 +549,69 @@ def test_fuzzed_safetensors_headers_are_checked_or_refused(
         tensors = step / "model-r00000.safetensors"
         mutate_file(data, tensors)
         loads_or_refuses(lambda: check_safetensors(tensors))
+
+
+CACHE_SAMPLES = (48, 0, 0)
+
+
+def cache_config(shards: Path, cache: Path) -> DataConfig:
+    """Two sources (so a blend is cached too), 32-token samples, the cache in ``cache``."""
+    sources = [DatasetSource(path=str(shards)), DatasetSource(path=str(shards), weight=0.5)]
+    return DataConfig(blend=sources, seq_length=32, split=(1.0, 0.0, 0.0), cache_dir=str(cache))
+
+
+def samples_digest(data: DataConfig) -> str:
+    """The sha256 of every training sample the datasets of ``data`` give, in order."""
+    train, _, _ = build_gpt_datasets(data, CACHE_SAMPLES)
+    samples = [train[i]["tokens"].tolist() for i in range(len(train))]
+    return hashlib.sha256(json.dumps(samples).encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def cached(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A built index cache and the digest of the samples it gives."""
+    cache = tmp_path_factory.mktemp("fuzz-cache") / "cache"
+    return cache, samples_digest(cache_config(Path(shards), cache))
+
+
+def mutate_array(data: st.DataObject, path: Path) -> None:
+    """One value set to a big or negative integer, the array cut, reshaped or made float."""
+    array = np.load(path, allow_pickle=False)
+    action = data.draw(st.sampled_from(["value", "value", "cut", "shape", "float"]), label="array")
+    if action == "value" and array.size:
+        flat = array.reshape(-1).astype(np.int64)
+        at = data.draw(st.integers(0, flat.size - 1), label="element")
+        flat[at] = data.draw(st.sampled_from([-1, 10**6, 2**40, *BIG_INTS[:8]]), label="value")
+        array = flat.reshape(array.shape)
+    elif action == "cut":
+        array = array[: data.draw(st.integers(0, max(len(array) - 1, 0)), label="length")]
+    elif action == "shape":
+        array = array.reshape(-1)
+    else:
+        array = array.astype(np.float64)
+    np.save(path, array, allow_pickle=False)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_index_caches_are_rebuilt_or_refused(
+    shards: Path, cached: tuple[Path, str], data: st.DataObject
+) -> None:
+    """The index cache may sit on shared storage: a tampered entry must give the same
+    samples as a clean build (it is rebuilt) or a MegalithError, never a crash or hang."""
+    cache, expected = cached
+    with copy_of(cache) as copy:
+        arrays = sorted(path.name for path in copy.glob("*.npy"))
+        for name in data.draw(
+            st.lists(st.sampled_from(arrays), min_size=1, max_size=2, unique=True)
+        ):
+            if data.draw(st.booleans(), label="as bytes"):
+                mutate_file(data, copy / name)
+            else:
+                mutate_array(data, copy / name)
+        digest: list[str] = []
+        loads_or_refuses(lambda: digest.append(samples_digest(cache_config(Path(shards), copy))))
+        assert digest in ([], [expected])
 
 
 @pytest.fixture(scope="module")
