@@ -5,21 +5,31 @@ Playwright drives the system Chromium through ``executable_path``. Where Chromiu
 missing and the tests run as root on a Debian/Ubuntu machine (a CI container),
 :func:`chromium_path` installs Debian's package once (``apt-get install chromium``, a
 few minutes); otherwise the browser tests are skipped with the command to run.
+
+The tests write their screenshots under a temporary directory. The README's pictures in
+``docs/screenshots/`` are refreshed only on purpose::
+
+    python -m tests.browser --refresh-docs
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
 import pytest
 
-SCREENSHOTS = Path(__file__).resolve().parents[1] / "docs" / "screenshots"
+REPO = Path(__file__).resolve().parents[1]
+DOCS_SCREENSHOTS = REPO / "docs" / "screenshots"
+# Set (to "1") only by ``--refresh-docs``: then the tests write into DOCS_SCREENSHOTS.
+REFRESH_ENV = "MEGALITH_REFRESH_SCREENSHOTS"
 # Flags for a sandboxless container with no network beyond loopback (without the
 # background-networking ones Chromium keeps dialling Google's hosts).
 CHROMIUM_ARGS = [
@@ -62,7 +72,6 @@ def chromium_page(width: int = 1400, height: int = 900) -> Iterator:
     executable = chromium_path()
     if executable is None:
         pytest.skip("no Chromium here: apt-get install chromium (Debian) to run the UI tests")
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
         try:
@@ -71,3 +80,31 @@ def chromium_page(width: int = 1400, height: int = 900) -> Iterator:
             yield page
         finally:
             browser.close()
+
+
+def screenshot_dir(scratch: Path) -> Path:
+    """Where the browser tests save screenshots: ``scratch`` unless refreshing the docs."""
+    return DOCS_SCREENSHOTS if os.environ.get(REFRESH_ENV) == "1" else scratch
+
+
+def refresh_docs() -> int:
+    """Run the browser tests so that they overwrite the README's screenshots."""
+    env = {**os.environ, REFRESH_ENV: "1"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               "tests/test_browser_ui.py"]  # fmt: skip
+    return subprocess.run(command, env=env, cwd=REPO, check=False).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.browser", description=__doc__)
+    parser.add_argument("--refresh-docs", action="store_true",
+                        help=f"rerun tests/test_browser_ui.py writing into {DOCS_SCREENSHOTS}")  # fmt: skip
+    args = parser.parse_args(argv)
+    if not args.refresh_docs:
+        parser.print_help()
+        return 2
+    return refresh_docs()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

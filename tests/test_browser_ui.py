@@ -7,7 +7,9 @@
 - MLflow: a real ``mlflow server``; the experiment page lists the run with its metrics,
   the registered model page shows the ``candidate`` and ``champion`` aliases.
 
-Screenshots go to ``docs/screenshots/`` (the README shows them). Needs Chromium
+Screenshots go to a temporary directory; ``python -m tests.browser --refresh-docs``
+reruns these tests writing them into ``docs/screenshots/`` (the README shows them).
+Needs Chromium
 (Debian's ``chromium`` at /usr/bin/chromium, see tests/browser.py); skipped without it.
 """
 
@@ -21,10 +23,16 @@ from pathlib import Path
 import pytest
 
 from tests import servers
-from tests.browser import SCREENSHOTS, chromium_page
+from tests.browser import chromium_page, screenshot_dir
 from tests.servers import running_process
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def screenshots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory for screenshots: a temporary one unless the docs are being refreshed."""
+    return screenshot_dir(tmp_path_factory.mktemp("screenshots"))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +62,7 @@ def flow_runs(api: str) -> list[dict]:
 
 
 def test_prefect_ui_shows_scheduled_deployments_and_starts_a_run(
-    prefect_server: dict[str, str], served_pipelines: Path
+    prefect_server: dict[str, str], served_pipelines: Path, screenshots: Path
 ) -> None:
     api = prefect_server["PREFECT_API_URL"]
     ui = api.removesuffix("/api")
@@ -64,18 +72,18 @@ def test_prefect_ui_shows_scheduled_deployments_and_starts_a_run(
         page.goto(f"{ui}/deployments")
         for name in names:
             page.get_by_text(name, exact=True).first.wait_for(timeout=30_000)
-        page.screenshot(path=str(SCREENSHOTS / "prefect-deployments.png"))
+        page.screenshot(path=str(screenshots / "prefect-deployments.png"))
 
         page.get_by_role("link", name="finetune", exact=True).first.click()
         page.wait_for_url("**/deployments/deployment/**")
         page.get_by_text("Schedules").first.wait_for(timeout=30_000)
         page.get_by_text("At 03:00 AM").first.wait_for(timeout=30_000)
-        page.screenshot(path=str(SCREENSHOTS / "prefect-finetune-deployment.png"))
+        page.screenshot(path=str(screenshots / "prefect-finetune-deployment.png"))
 
         page.get_by_role("button", name="Run", exact=True).click()
         page.get_by_text("Custom run").click()
         page.get_by_text("data_location").first.wait_for(timeout=30_000)
-        page.screenshot(path=str(SCREENSHOTS / "prefect-finetune-form.png"), full_page=True)
+        page.screenshot(path=str(screenshots / "prefect-finetune-form.png"), full_page=True)
         page.get_by_role("button", name="Submit").click()
 
         deadline = time.monotonic() + 180
@@ -90,7 +98,7 @@ def test_prefect_ui_shows_scheduled_deployments_and_starts_a_run(
         run = next(r for r in runs if r["state"]["type"] == "COMPLETED")
         page.goto(f"{ui}/runs/flow-run/{run['id']}")
         page.get_by_text("Completed").first.wait_for(timeout=30_000)
-        page.screenshot(path=str(SCREENSHOTS / "prefect-finetune-run.png"))
+        page.screenshot(path=str(screenshots / "prefect-finetune-run.png"))
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +124,9 @@ def tracked_model(mlflow_server: str, tmp_path_factory: pytest.TempPathFactory) 
     return {"name": name, "run_id": logger.run_id, "experiment": "megalith-ui"}
 
 
-def test_mlflow_ui_shows_runs_metrics_and_aliases(mlflow_server: str, tracked_model: dict) -> None:
+def test_mlflow_ui_shows_runs_metrics_and_aliases(
+    mlflow_server: str, tracked_model: dict, screenshots: Path
+) -> None:
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=mlflow_server)
@@ -125,15 +135,15 @@ def test_mlflow_ui_shows_runs_metrics_and_aliases(mlflow_server: str, tracked_mo
     with chromium_page() as page:
         page.goto(f"{mlflow_server}/#/experiments/{experiment.experiment_id}/runs")
         page.get_by_text(run.info.run_name, exact=True).first.wait_for(timeout=60_000)
-        page.screenshot(path=str(SCREENSHOTS / "mlflow-experiment.png"))
+        page.screenshot(path=str(screenshots / "mlflow-experiment.png"))
 
         page.goto(
             f"{mlflow_server}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}"
         )
         page.get_by_text("loss", exact=True).first.wait_for(timeout=60_000)
-        page.screenshot(path=str(SCREENSHOTS / "mlflow-run.png"))
+        page.screenshot(path=str(screenshots / "mlflow-run.png"))
 
         page.goto(f"{mlflow_server}/#/models/{tracked_model['name']}")
         page.get_by_text("champion").first.wait_for(timeout=60_000)
         page.get_by_text("candidate").first.wait_for(timeout=60_000)
-        page.screenshot(path=str(SCREENSHOTS / "mlflow-registered-model.png"))
+        page.screenshot(path=str(screenshots / "mlflow-registered-model.png"))
