@@ -8,6 +8,7 @@ sequence 64) and run on one thread, which is fastest for tensors this small.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -16,6 +17,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -397,13 +400,35 @@ def test_constant_after_warmup() -> None:
 # --- precision ----------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def module_output_dtypes() -> Iterator[dict[str, set[torch.dtype]]]:
+    """The dtypes of the tensors each module class returned while the block ran."""
+    seen: dict[str, set[torch.dtype]] = defaultdict(set)
+
+    def record(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            seen[type(module).__name__].add(output.dtype)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
 def test_bf16_autocast_trains_on_cpu(shards: Path, tmp_path: Path) -> None:
+    """The MLP blocks compute in bf16 (a run ignoring the setting computes them in fp32),
+    while the trained parameters and the saved tensors stay fp32 master weights."""
     values = {
         "mixed_precision.dtype": "bf16",
         "training.train_iters": 4,
         "training.eval_interval": 4,
     }
-    result = train(tiny_config(shards, values), tmp_path, show_progress=False)
+    with module_output_dtypes() as dtypes:
+        result = train(tiny_config(shards, values), tmp_path, show_progress=False)
+    assert dtypes["MLP"] == {torch.bfloat16}, dict(dtypes)
+    saved = read_global_tensors(result.checkpoint)
+    assert {t.dtype for t in saved.values()} == {torch.float32}
     assert len(result.metrics) == 4
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in result.metrics)
     assert math.isfinite(result.val_loss)
