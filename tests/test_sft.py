@@ -436,17 +436,33 @@ def test_a_short_sft_run_lowers_the_assistant_token_loss(chat_shards: Path, tmp_
     assert result.val_loss == val[-1]
 
 
-def test_data_parallel_fine_tuning_matches_one_process(chat_shards: Path, tmp_path: Path) -> None:
-    """DP=2 (DDP and ZeRO-1) on torchrun + gloo: each rank's micro-batches hold different
-    numbers of assistant tokens, so only the step-wide count gives one process's losses
-    and gradients (a per-rank mean would not)."""
+def test_parallel_fine_tuning_matches_one_process_and_resumes_exactly(
+    chat_shards: Path, tmp_path: Path
+) -> None:
+    """One torchrun job of 2 processes (gloo), each layout through ``Trainer.fit`` for
+    STEPS steps against one process: DP=2 (DDP and ZeRO-1), where each rank's
+    micro-batches hold different numbers of assistant tokens, so only the step-wide count
+    gives one process's losses and gradients (a per-rank mean would not); and TP=2 with
+    and without sequence parallelism (packed rows with document ids, the masked loss over
+    a vocab-parallel softmax). Per step: losses, validation losses and grad norms within
+    LOSS_ATOL / 1e-4 relative; the final checkpoint's whole weights and AdamW moments
+    within rtol 1e-4 / atol 1e-5 (sums in another order, amplified by Adam). Each layout
+    stopped at RESUME_STEP and resumed repeats its uninterrupted run step by step: equal
+    losses and bit-equal final weights and moments."""
     from parallel_helpers import (
+        RESUME_STEP,
+        STEPS,
+        assert_close_tensors,
         assert_metrics_match,
+        assert_resume_exact,
+        assert_whole_checkpoint,
         fit_one_process,
         metrics,
         run_trainer_worker,
         trainer_settings,
     )
+
+    from training.sharded_checkpoint import read_global_tensors
 
     settings = trainer_settings(
         chat_shards,
@@ -456,7 +472,22 @@ def test_data_parallel_fine_tuning_matches_one_process(chat_shards: Path, tmp_pa
     cases = {
         "ddp": settings,
         "zero1": {**settings, "parallel.data_parallel_mode": "distributed_optimizer"},
+        "tp2": {**settings, "parallel.tensor": 2},
+        "tp2-sp": {**settings, "parallel.tensor": 2, "parallel.sequence_parallel": "true"},
     }
-    run_trainer_worker(tmp_path, cases, world=2, label="SFT DP=2")
+    run_trainer_worker(tmp_path, cases, world=2, label="SFT, 2 processes")
+    last = f"checkpoints/step-{STEPS:08d}"
     for layout in cases:
-        assert_metrics_match(metrics(tmp_path / layout), metrics(reference), f"SFT {layout}")
+        name = f"SFT {layout}"
+        run, resumed = tmp_path / layout, tmp_path / f"{layout}-resumed"
+        assert [r["step"] for r in metrics(run)] == list(range(1, STEPS + 1))
+        assert_metrics_match(metrics(run), metrics(reference), name)
+        assert_whole_checkpoint(run, reference, name)
+        assert_resume_exact(run, resumed, f"{name} resumed at step {RESUME_STEP}")
+        assert_close_tensors(
+            read_global_tensors(resumed / last),
+            read_global_tensors(run / last),
+            f"{name} resumed at step {RESUME_STEP}, step {STEPS} checkpoint",
+            rtol=0,
+            atol=0,
+        )
