@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from dtype_probe import module_output_dtypes
 from torch import nn
 
 from evaluation import EvaluationError
@@ -436,11 +437,22 @@ def test_cli_prints_a_table_and_writes_a_json_report(
 def test_bf16_autocast_runs_and_stays_close_to_fp32(
     model: GPTModel, tokenizer: Tokenizer, shards: DataConfig
 ) -> None:
-    fp32 = evaluate_perplexity(model, shards, max_samples=4)
-    bf16 = evaluate_perplexity(model, shards, max_samples=4, autocast_dtype=torch.bfloat16)
+    """Perplexity, scoring and generation each compute their MLP blocks in bf16 (each
+    fails if it drops ``autocast_dtype``); the fp32 path computes in fp32."""
+    with module_output_dtypes() as dtypes:
+        fp32 = evaluate_perplexity(model, shards, max_samples=4)
+    assert dtypes["MLP"] == {torch.float32}
+    with module_output_dtypes() as dtypes:
+        bf16 = evaluate_perplexity(model, shards, max_samples=4, autocast_dtype=torch.bfloat16)
+    assert dtypes["MLP"] == {torch.bfloat16}, dict(dtypes)
     assert bf16.loss == pytest.approx(fp32.loss, rel=0.05)
-    scores = score_choices(model, tokenizer, ITEMS, autocast_dtype=torch.bfloat16)
+    assert bf16.loss != fp32.loss  # bf16 rounding shows
+    with module_output_dtypes() as dtypes:
+        scores = score_choices(model, tokenizer, ITEMS, autocast_dtype=torch.bfloat16)
+    assert dtypes["MLP"] == {torch.bfloat16}, dict(dtypes)
     assert all(math.isfinite(s.loglik) for item in scores for s in item)
     sampling = SamplingConfig(max_new_tokens=5, temperature=0)
-    result = generate(model, tokenizer, PROMPTS, sampling, autocast_dtype=torch.bfloat16)
+    with module_output_dtypes() as dtypes:
+        result = generate(model, tokenizer, PROMPTS, sampling, autocast_dtype=torch.bfloat16)
+    assert dtypes["MLP"] == {torch.bfloat16}, dict(dtypes)
     assert all(g.new_tokens + (g.finish_reason == "eod") == 5 for g in result.generations)

@@ -8,7 +8,6 @@ sequence 64) and run on one thread, which is fastest for tensors this small.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -17,13 +16,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from dtype_probe import module_output_dtypes
 from parallel_helpers import tiny_shard_set
 from safetensors.torch import load_file
 
@@ -398,22 +396,6 @@ def test_constant_after_warmup() -> None:
 
 
 # --- precision ----------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def module_output_dtypes() -> Iterator[dict[str, set[torch.dtype]]]:
-    """The dtypes of the tensors each module class returned while the block ran."""
-    seen: dict[str, set[torch.dtype]] = defaultdict(set)
-
-    def record(module: torch.nn.Module, args: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor):
-            seen[type(module).__name__].add(output.dtype)
-
-    handle = torch.nn.modules.module.register_module_forward_hook(record)
-    try:
-        yield seen
-    finally:
-        handle.remove()
 
 
 def test_bf16_autocast_trains_on_cpu(shards: Path, tmp_path: Path) -> None:
