@@ -60,7 +60,7 @@ from training.fp8 import prepare_fp8
 from training.models.flops import flops_per_token
 from training.models.layers import attention_kernels
 from training.models.moe import moe_aux_loss
-from training.models.package import save_model_package
+from training.models.package import TrainingData, save_model_package
 from training.optim import folds_clipping, step_with_clipping
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
@@ -624,6 +624,7 @@ class Trainer:
                     self.output / "model",
                     overwrite=True,
                     lineage=self.finetune.lineage() if self.finetune else None,
+                    training_data=TrainingData.of(self.config.data),
                 )
         if self.is_main and self.finetune is not None:
             adapter = self.finetune.save_adapter(self.output / "adapter")

@@ -5,7 +5,9 @@
     model.safetensors   every tensor of the state dict once (tied aliases left out), contiguous
     config.json         {"format", "format_version", "megalith_version", "dtype",
                          "model": ModelConfig, "tokenizer": {"file", "id"},
-                         "lineage": {tag: value} of a fine-tune (optional)}
+                         "lineage": {tag: value} of a fine-tune (optional),
+                         "training_data": {"manifests", "manifest_sha256", "split", "seed"}
+                         of a trained model (optional: packages before it, imports)}
     tokenizer.model     the SentencePiece model; its id is the sha256 of its bytes
     checksums.json      {"files": {name: sha256}} for each file above
 
@@ -21,6 +23,7 @@ import json
 import os
 import shutil
 import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +34,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from preprocessing import safe_read
+from preprocessing.manifest import manifest_url
 from preprocessing.storage import sha256_of_file
 from training import __version__
-from training.config import ModelConfig, format_validation_error
+from training.config import DataConfig, ModelConfig, format_validation_error
 from training.errors import MegalithError, naming_path
 from training.models.gpt import GPTModel
 from training.models.t5 import T5Model
@@ -86,6 +90,27 @@ class PackageTensorError(ModelPackageError):
     """Tensors whose names, shapes or dtypes do not match the model the config describes."""
 
 
+@dataclass(frozen=True)
+class TrainingData:
+    """What a model trained on: its shard sets (manifest URLs and the sha256 of each
+    manifest, the shard set's content id) and the train/valid/test shares that decided
+    which documents it saw (``seed`` orders samples; it does not move documents)."""
+
+    manifests: tuple[str, ...]
+    manifest_sha256: tuple[str, ...]
+    split: tuple[float, float, float]
+    seed: int
+
+    @classmethod
+    def of(cls, data: DataConfig) -> TrainingData:
+        urls = tuple(manifest_url(source.path) for source in data.training_sources())
+        digests = tuple(sha256_of_file(url, data.storage_options) for url in urls)
+        return cls(urls, digests, tuple(data.split), data.seed)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 def model_tensors(model: nn.Module) -> dict[str, Tensor]:
     """The state dict to save: tied aliases left out, every tensor detached and contiguous."""
     aliases = model.tied_weights
@@ -109,12 +134,14 @@ def save_model_package(
     overwrite: bool = False,
     sign: bool | None = None,
     lineage: dict[str, str] | None = None,
+    training_data: TrainingData | None = None,
 ) -> Path:
     """Write ``model`` as a package at ``out_dir`` (atomically: temp dir, then rename).
 
     ``sign``: HMAC-sign checksums.json (:mod:`training.signing`); None: when the key is set.
     ``lineage``: what the model was made from (a fine-tune's base and data,
-    :mod:`training.finetune`), kept as config.json's ``"lineage"``.
+    :mod:`training.finetune`), kept as config.json's ``"lineage"``. ``training_data``:
+    the shard sets and split it trained on, so evaluation can hold out the same documents.
     """
     out_dir = Path(out_dir)
     tokenizer_path = Path(tokenizer_path)
@@ -144,6 +171,8 @@ def save_model_package(
         }
         if lineage:
             meta["lineage"] = dict(lineage)
+        if training_data is not None:
+            meta["training_data"] = training_data.to_json()
         _write_json(tmp / CONFIG_FILE, meta)
         checksums = {name: sha256_file(tmp / name) for name in REQUIRED_FILES}
         _write_json(tmp / CHECKSUMS_FILE, {"files": checksums})
@@ -213,6 +242,33 @@ def load_model_package(
     if dtype is not None:
         model.to(dtype)
     return model.eval(), config, package_dir / TOKENIZER_FILE
+
+
+def read_training_data(package_dir: str | Path) -> TrainingData | None:
+    """The shard sets and split a package's model trained on; ``None`` if it records none
+    (written before packages recorded it, or imported from another framework)."""
+    path = Path(package_dir) / CONFIG_FILE
+    record = safe_read.field(
+        _read_meta(Path(package_dir)), "training_data", dict, str(path), default=None
+    )
+    if record is None:
+        return None
+    source = f"{path}: training_data"
+    manifests = safe_read.field(record, "manifests", list, source)
+    digests = safe_read.field(record, "manifest_sha256", list, source)
+    split = safe_read.field(record, "split", list, source)
+    if (
+        len(manifests) != len(digests)
+        or not all(isinstance(v, str) for v in (*manifests, *digests))
+        or len(split) != 3
+        or not all(isinstance(v, int | float) and not isinstance(v, bool) and v >= 0 for v in split)
+    ):
+        raise PackageConfigError(
+            f"{source}: expected manifests and manifest_sha256 (strings, one per shard set) "
+            "and three non-negative split shares"
+        )
+    seed = safe_read.field(record, "seed", int, source)
+    return TrainingData(tuple(manifests), tuple(digests), tuple(map(float, split)), seed)
 
 
 def read_package_model_config(package_dir: str | Path) -> ModelConfig:
