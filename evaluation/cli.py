@@ -35,7 +35,14 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a data key, e.g. data.split=[0.9,0.05,0.05] (must match training)",
+        help="override a data key, e.g. data.seq_length=256; data.split defaults to the "
+        "split the model trained with",
+    )
+    parser.add_argument(
+        "--allow-split-mismatch",
+        action="store_true",
+        help="score a split of the training shard set other than the model's own (its "
+        "valid/test documents may then include training documents)",
     )
     parser.add_argument("--split", choices=["valid", "test"], default="valid")
     parser.add_argument(
@@ -123,6 +130,7 @@ def _eval(args: argparse.Namespace) -> int:
         output=args.output,
         lm_eval_tasks=args.lm_eval_tasks,
         lm_eval_limit=args.lm_eval_limit,
+        allow_split_mismatch=args.allow_split_mismatch,
     )
     print(format_table(report))
     print(f"\nwrote {args.output}")

@@ -18,21 +18,33 @@ tokens, EOS) scored given the corrupted input.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from evaluation import EvaluationError
 from evaluation.runtime import autocast, model_device
+from preprocessing.manifest import manifest_url
+from preprocessing.storage import sha256_of_file
 from training.config import DataConfig
 from training.data import build_gpt_datasets, open_shard_set
-from training.data.gpt_dataset import SPLIT_NAMES, plan_epochs, split_document_ranges
+from training.data.gpt_dataset import (
+    SPLIT_NAMES,
+    GPTDataset,
+    plan_epochs,
+    split_document_ranges,
+)
 from training.data.t5_dataset import T5_KEYS, build_t5_datasets, span_corruption_lengths
+from training.models.package import TrainingData
 from training.sft import micro_batch_loss
+
+logger = logging.getLogger(__name__)
 
 MAX_LOG_PERPLEXITY = 700.0  # math.exp overflows a float a little above 709
 
@@ -46,6 +58,9 @@ class PerplexityResult:
     perplexity: float
     seconds: float
     scored: str = "every next token"  # or "assistant tokens" (chat), "span targets" (T5)
+    # {"shard_set", "document", "tokens", "nll"} per document a scored token came from;
+    # empty where samples are not plain documents of one shard set (blend, chat, T5).
+    documents: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,17 +95,22 @@ def evaluate_perplexity(
         raise EvaluationError(f"the {split} split of {_sources(data)} holds no tokens")
 
     chat = not t5 and data.format == "chat"
+    per_document = DocumentScores() if isinstance(dataset, GPTDataset) else None
     start = time.perf_counter()
     total_loss, total_tokens = 0.0, 0
     for first in range(0, samples, batch_size):
-        items = [dataset[i] for i in range(first, min(first + batch_size, samples))]
+        indices = range(first, min(first + batch_size, samples))
+        items = [dataset[i] for i in indices]
         batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
         if t5:
             loss_sum, count = span_loss_sum(model, batch, autocast_dtype)
         elif chat:
             loss_sum, count = assistant_loss_sum(model, batch, autocast_dtype)
         else:
-            loss_sum, count = token_loss_sum(model, batch["tokens"], autocast_dtype)
+            losses = token_losses(model, batch["tokens"], autocast_dtype)
+            loss_sum, count = losses.sum().item(), losses.numel()
+            if per_document is not None:
+                per_document.add(dataset, indices, losses)
         total_loss += loss_sum
         total_tokens += count
     loss = total_loss / total_tokens
@@ -102,20 +122,70 @@ def evaluate_perplexity(
         perplexity=math.exp(loss) if loss < MAX_LOG_PERPLEXITY else math.inf,
         seconds=time.perf_counter() - start,
         scored="span targets" if t5 else "assistant tokens" if chat else "every next token",
+        documents=per_document.results(dataset.shard_set.root) if per_document else (),
     )
 
 
+class DocumentScores:
+    """Summed loss and scored tokens per document: each predicted token counts for the
+    document it belongs to (a sample crosses document boundaries)."""
+
+    def __init__(self) -> None:
+        self.nll: dict[int, float] = {}
+        self.tokens: dict[int, int] = {}
+
+    def add(self, dataset: GPTDataset, indices: range, losses: torch.Tensor) -> None:
+        for row, index in enumerate(indices):
+            documents = sample_documents(dataset, index)[1:]  # the predicted positions
+            ids, inverse = np.unique(documents, return_inverse=True)
+            sums = np.bincount(inverse, weights=losses[row].cpu().numpy(), minlength=ids.size)
+            counts = np.bincount(inverse, minlength=ids.size)
+            for document, nll, count in zip(ids.tolist(), sums, counts, strict=True):
+                self.nll[document] = self.nll.get(document, 0.0) + float(nll)
+                self.tokens[document] = self.tokens.get(document, 0) + int(count)
+
+    def results(self, shard_set: object) -> tuple[dict[str, Any], ...]:
+        return tuple(
+            {
+                "shard_set": str(shard_set),
+                "document": document,
+                "tokens": self.tokens[document],
+                "nll": self.nll[document],
+            }
+            for document in sorted(self.nll)
+        )
+
+
+def sample_documents(dataset: GPTDataset, index: int) -> np.ndarray:
+    """The shard-set document id of each of sample ``index``'s ``seq_length + 1`` tokens
+    (the positions :meth:`GPTDataset.sample_tokens` reads)."""
+    sample = int(dataset.shuffle_index[index])
+    first, first_offset = (int(v) for v in dataset.sample_index[sample])
+    last, last_offset = (int(v) for v in dataset.sample_index[sample + 1])
+    parts = []
+    for position in range(first, last + 1):
+        document = int(dataset.document_index[position])
+        start = first_offset if position == first else 0
+        stop = (
+            last_offset + 1
+            if position == last
+            else int(dataset.shard_set.document_lengths[document])
+        )
+        parts.append(np.full(stop - start, document, dtype=np.int64))
+    return np.concatenate(parts)
+
+
 @torch.no_grad()
-def token_loss_sum(
+def token_losses(
     model: nn.Module, tokens: torch.Tensor, autocast_dtype: torch.dtype | None = None
-) -> tuple[float, int]:
-    """Summed next-token cross-entropy of ``tokens [B, T+1]`` and the number of scored tokens."""
+) -> torch.Tensor:
+    """Next-token cross-entropy ``[B, T]`` (float64) of each position of ``tokens [B, T+1]``."""
     device = model_device(model)
     tokens = tokens.to(device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     with autocast(device, autocast_dtype):
         losses = model(inputs, labels, loss_reduction="none")
-    return losses.double().sum().item(), labels.numel()
+    return losses.double()
 
 
 @torch.no_grad()
@@ -127,6 +197,65 @@ def assistant_loss_sum(
     with autocast(device, autocast_dtype):
         loss_sum = micro_batch_loss(model, batch, device, weight=torch.ones((), device=device))
     return loss_sum.item(), int(batch["loss_mask"].sum())
+
+
+def held_out_data(
+    data: DataConfig, trained_on: TrainingData | None, allow_split_mismatch: bool = False
+) -> DataConfig:
+    """``data`` with the split the model trained with, so its valid/test documents are the
+    ones the model never saw.
+
+    A shard set the model trained on (same manifest sha256) is split as in training unless
+    ``data.split`` was set; a set split that moves documents between splits is refused
+    unless ``allow_split_mismatch``. Other shard sets keep ``data.split``. A package that
+    records no training data keeps ``data.split`` with a warning.
+    """
+    if trained_on is None:
+        logger.warning(
+            "warning: the model package records no training data (written before packages "
+            "recorded it, or imported): scoring with data.split=%s, which may hold documents "
+            "the model trained on",
+            list(data.split),
+        )
+        return data
+    shared = _shared_shard_sets(data, trained_on)
+    if not shared:
+        return data
+    if "split" not in data.model_fields_set:
+        return data.model_copy(update={"split": trained_on.split})
+    moved = [
+        path
+        for path, documents in shared
+        if split_document_ranges(documents, data.split)
+        != split_document_ranges(documents, trained_on.split)
+    ]
+    if moved and not allow_split_mismatch:
+        raise EvaluationError(
+            f"data.split={list(data.split)} is not the split the model trained with "
+            f"({list(trained_on.split)}) on {', '.join(moved)}: its valid/test documents "
+            "would include training documents. Leave data.split out to use the training "
+            "split, or pass --allow-split-mismatch"
+        )
+    if moved:
+        logger.warning(
+            "warning: data.split=%s differs from the training split %s on %s "
+            "(--allow-split-mismatch): the scored documents may include training documents",
+            list(data.split),
+            list(trained_on.split),
+            ", ".join(moved),
+        )
+    return data
+
+
+def _shared_shard_sets(data: DataConfig, trained_on: TrainingData) -> list[tuple[str, int]]:
+    """``(path, documents)`` of each evaluated shard set the model trained on."""
+    shared = []
+    for source in data.training_sources():
+        digest = sha256_of_file(manifest_url(source.path), data.storage_options)
+        if digest in trained_on.manifest_sha256:
+            shard_set = open_shard_set(source.path, data.storage_options, data.cache_dir)
+            shared.append((source.path, shard_set.num_documents))
+    return shared
 
 
 def _check_length(model: nn.Module, data: DataConfig) -> None:

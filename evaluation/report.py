@@ -36,7 +36,7 @@ from typing import Any
 from evaluation import EvaluationError
 from evaluation.generate import SamplingConfig, generate
 from evaluation.generate_t5 import generate_seq2seq
-from evaluation.perplexity import evaluate_perplexity
+from evaluation.perplexity import evaluate_perplexity, held_out_data
 from evaluation.runtime import AUTOCAST_DTYPES, resolve_precision
 from evaluation.tasks import evaluate_task, load_task, resolve_task_file
 from preprocessing.storage import atomic_write_bytes
@@ -44,7 +44,7 @@ from preprocessing.tokenizer import load_tokenizer
 from training import __version__
 from training.config import DataConfig
 from training.device import resolve_device
-from training.models.package import load_model_package
+from training.models.package import load_model_package, read_training_data
 
 REPORT_FORMAT = "megalith-eval-report"
 REPORT_VERSION = 1
@@ -68,6 +68,7 @@ def evaluate_model(
     output: str | Path | None = None,
     lm_eval_tasks: Sequence[str] = (),
     lm_eval_limit: int | None = None,
+    allow_split_mismatch: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a model package and return the report (written to ``output`` if given).
 
@@ -75,6 +76,7 @@ def evaluate_model(
     paths or shipped task names. ``prompts``: ``None`` for :data:`DEFAULT_PROMPTS`,
     empty to skip generation. ``sampling``: defaults to ``SamplingConfig()``.
     ``lm_eval_tasks``: lm-eval task names or YAML files (``lm_eval_limit`` items each).
+    Perplexity uses the split the model trained with (:func:`held_out_data`).
     """
     start = time.perf_counter()
     task_paths = [resolve_task_file(t) for t in task_files]
@@ -111,6 +113,7 @@ def evaluate_model(
         "lm_eval": None,
     }
     if data is not None:
+        data = held_out_data(data, read_training_data(package_dir), allow_split_mismatch)
         result = evaluate_perplexity(
             model,
             data,

@@ -72,6 +72,7 @@ class TaskResult:
     acc_per_token: float
     by_kind: dict[str, dict[str, float]]
     seconds: float
+    per_item: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -83,6 +84,7 @@ class TaskResult:
             "acc_per_token": self.acc_per_token,
             "by_kind": self.by_kind,
             "seconds": self.seconds,
+            "per_item": list(self.per_item),
         }
 
 
@@ -256,14 +258,38 @@ def accuracies(items: Sequence[Item], scores: Sequence[Sequence[ChoiceScore]]) -
     """``acc`` (sum), ``acc_norm`` (per character) and ``acc_per_token``; ties go to the first."""
     correct = {"acc": 0, "acc_norm": 0, "acc_per_token": 0}
     for item, choices in zip(items, scores, strict=True):
-        ranked = {
-            "acc": [s.loglik for s in choices],
-            "acc_norm": [s.loglik / s.chars for s in choices],
-            "acc_per_token": [s.loglik / s.tokens for s in choices],
-        }
-        for name, values in ranked.items():
-            correct[name] += values.index(max(values)) == item.answer
+        for name, pick in picks(choices).items():
+            correct[name] += pick == item.answer
     return {name: count / len(items) for name, count in correct.items()}
+
+
+def picks(choices: Sequence[ChoiceScore]) -> dict[str, int]:
+    """The choice each accuracy picks: the highest sum, per character, per token."""
+    ranked = {
+        "acc": [s.loglik for s in choices],
+        "acc_norm": [s.loglik / s.chars for s in choices],
+        "acc_per_token": [s.loglik / s.tokens for s in choices],
+    }
+    return {name: values.index(max(values)) for name, values in ranked.items()}
+
+
+def item_results(
+    items: Sequence[Item], scores: Sequence[Sequence[ChoiceScore]]
+) -> tuple[dict[str, Any], ...]:
+    """Per item: each choice's log-likelihood, tokens and characters, the answer and the
+    pick of each accuracy, so the numbers can be compared with another tool's."""
+    return tuple(
+        {
+            "index": index,
+            "kind": item.kind,
+            "answer": item.answer,
+            "choices": [
+                {"loglik": s.loglik, "tokens": s.tokens, "chars": s.chars} for s in choices
+            ],
+            "pick": picks(choices),
+        }
+        for index, (item, choices) in enumerate(zip(items, scores, strict=True))
+    )
 
 
 def evaluate_task(
@@ -293,6 +319,7 @@ def evaluate_task(
         **accuracies(items, scores),
         by_kind=by_kind,
         seconds=time.perf_counter() - start,
+        per_item=item_results(items, scores),
     )
 
 
