@@ -13,6 +13,11 @@ another order); after the K steps each weight within 1% (L2) of its total update
 since AdamW's ``m / sqrt(v)`` turns last-bit differences of near-zero gradients into
 update differences of up to ~lr per element. Under bf16 autocast (one check) the
 loss within 2% and every gradient at cosine similarity > 0.99.
+
+Sequence-parallel dropout (no, full and selective activation checkpointing) has a
+reference of its own: the masks each rank drew, gathered, replayed in one process
+(loss and gradients within the same tolerances), and the masks themselves checked:
+different on every sequence shard, about ``DROPOUT`` of the activations dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from parallel_helpers import init_gloo, mismatch
 from training.config import ConfigError, ModelConfig
 from training.models import BackendError, GPTModel, TorchBackend
 from training.models.flops import param_groups
+from training.models.layers import SDPAttention
 from training.models.tp_backend import TensorParallelBackend
 from training.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -55,6 +61,7 @@ LOSS_TOL = {"rtol": 1e-5, "atol": 1e-5}
 BF16_LOSS_TOL = {"rtol": 2e-2, "atol": 0.0}
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 STEP_UPDATE_RTOL = 1e-2
+DROPOUT_CHECKPOINTING = ("none", "full", "selective")
 
 
 def tiny(style: str = "llama", **overrides) -> ModelConfig:
@@ -297,6 +304,114 @@ def _check_layers(group: dist.ProcessGroup) -> dict[str, list[str]]:
     return {"layers": failures}
 
 
+DROPOUT = 0.1
+
+
+def _record_dropout_masks(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The keep-mask of every ``nn.Dropout`` call, in call order (recomputations too).
+    Where the input is 0 either mask gives the same output: counted as kept."""
+    masks: list[torch.Tensor] = []
+
+    def hook(module, inputs, output):
+        masks.append(((output != 0) | (inputs[0] == 0)).detach().clone())
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.register_forward_hook(hook)
+    return masks
+
+
+def _replay_dropout_masks(model: torch.nn.Module, masks: list[torch.Tensor]) -> None:
+    """Every ``nn.Dropout`` call of MODEL applies the next of MASKS instead of its own."""
+    queue = iter(masks)
+
+    def hook(module, inputs, output):
+        return inputs[0] * next(queue) / (1 - module.p)
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.register_forward_hook(hook)
+
+
+def _without_attention_dropout(model: torch.nn.Module) -> None:
+    """Attention-probability dropout runs inside SDPA, out of a hook's reach: off here."""
+    for module in model.modules():
+        if isinstance(module, SDPAttention):
+            module.dropout = 0.0
+
+
+def _whole_masks(local: list[torch.Tensor], shapes: list[torch.Size], group, where: str):
+    """Each rank's masks gathered into the unsharded activation's shape (sequence shards
+    concatenated where the shapes say so); the failures of the masks themselves."""
+    world, whole, failures, split = dist.get_world_size(group), [], [], 0
+    if len(local) != len(shapes):
+        return [], [f"{where}: {len(local)} dropout calls, one process makes {len(shapes)}"]
+    for index, (mask, whole_mask) in enumerate(zip(local, shapes, strict=True)):
+        shape = whole_mask.shape
+        parts = [torch.empty_like(mask) for _ in range(world)]
+        dist.all_gather(parts, mask, group=group)
+        dims = [d for d in range(mask.dim()) if mask.shape[d] != shape[d]]
+        if not dims:
+            whole.append(parts[0])
+            if not all(torch.equal(part, parts[0]) for part in parts):
+                failures.append(f"{where}: dropout {index} on a replicated tensor differs by rank")
+            continue
+        split += 1
+        whole.append(torch.cat(parts, dim=dims[0]))
+        if torch.equal(parts[0], parts[1]):
+            failures.append(f"{where}: dropout {index} draws one mask on every sequence shard")
+    dropped = 1 - torch.cat([m.flatten().float() for m in whole]).mean().item()
+    if not split:
+        failures.append(f"{where}: no dropout ran on sequence shards")
+    if not 0.5 * DROPOUT < dropped < 1.5 * DROPOUT:
+        failures.append(f"{where}: dropout {DROPOUT} dropped {dropped:.3f} of the activations")
+    return whole, failures
+
+
+def _check_dropout_against_replayed_masks(
+    checkpointing: str, group: dist.ProcessGroup
+) -> dict[str, list[str]]:
+    """TP+SP with dropout (and CHECKPOINTING) against one process that applies the very
+    masks the ranks drew, gathered: the loss, and every gradient, including what
+    recomputation in backward redraws. Independent of the checkpointing modes, so a bug
+    they share (a mask not applied, or not the one backward uses) fails here."""
+    layout = Layout("llama", True, checkpointing)
+    config = tiny("llama", activation_checkpointing=checkpointing, dropout=DROPOUT)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    where = f"{layout.id} dropout {DROPOUT} rank {rank}"
+    torch.manual_seed(0)
+    full = GPTModel(tiny("llama", dropout=DROPOUT), TorchBackend())
+    tp = GPTModel(config, TensorParallelBackend(group, sequence_parallel=True))
+    tp.load_state_dict(shard_full_state_dict(full.state_dict(), config, rank, world))
+    for model in (full, tp):
+        _without_attention_dropout(model)
+    tokens, labels = _batch(0)
+
+    shape_model = GPTModel(tiny("llama", dropout=DROPOUT), TorchBackend()).eval()
+    shapes = _record_dropout_masks(shape_model)
+    with torch.no_grad():
+        shape_model(tokens, labels)
+
+    drawn = _record_dropout_masks(tp)
+    torch.manual_seed(1)
+    got = tp(tokens, labels)
+    forward_calls = len(drawn)
+    got.backward()
+    masks, failures = _whole_masks(drawn[:forward_calls], shapes, group, where)
+    if failures:
+        return {"dropout": failures}
+    _replay_dropout_masks(full, masks)
+    expected = full(tokens, labels)
+    expected.backward()
+    failures += mismatch(f"{where}: loss", got, expected, LOSS_TOL)
+    full_grads = {name: param.grad for name, param in full.named_parameters()}
+    expected_grads = shard_full_state_dict(full_grads, config, rank, world)
+    for name, param in tp.named_parameters():
+        what = f"{where}: gradient of {name}"
+        failures += mismatch(what, param.grad, expected_grads[name], GRAD_TOL)
+    return {"dropout": failures}
+
+
 def _expect_error(
     what: str, error: type[Exception], needle: str, build: Callable[[], object]
 ) -> list[str]:
@@ -334,6 +449,10 @@ def _run_all(group: dist.ProcessGroup) -> dict[str, dict]:
     cases["cross_entropy"] = lambda: _check_cross_entropy(group)
     cases["layers"] = lambda: _check_layers(group)
     cases["refusals"] = lambda: _check_refusals(group)
+    for mode in DROPOUT_CHECKPOINTING:
+        cases[f"dropout {mode}"] = lambda mode=mode: _check_dropout_against_replayed_masks(
+            mode, group
+        )
     results: dict[str, dict] = {}
     for name, case in cases.items():
         try:
@@ -413,6 +532,12 @@ def test_column_output_gather_sp_saved_shard_and_reduce_scattered_embedding(resu
 
 def test_refuses_split_kv_groups_and_indivisible_sequence(results):
     assert not (failures := _failures(results, "refusals", "refusals")), failures
+
+
+@pytest.mark.parametrize("checkpointing", DROPOUT_CHECKPOINTING)
+def test_sequence_parallel_dropout_matches_one_process_replaying_its_masks(results, checkpointing):
+    failures = _failures(results, f"dropout {checkpointing}", "dropout")
+    assert not failures, failures
 
 
 # ---------------------------------------------------------------------------------------
