@@ -8,6 +8,11 @@ Registering uploads it as the run's artifacts under ``model/``, beside an
 downloads the files and checks them against ``checksums.json``; nothing from the
 artifact is ever unpickled or imported.
 
+The sha256 of the MLflow files written beside the package (``MLmodel``,
+``python_env.yaml``, ``requirements.txt``), as uploaded, and of ``checksums.json`` are
+tags of the version in the registry, so loading a version refuses any of them changed
+in the artifact store after registration (a swapped loader module included).
+
 The ``MLmodel`` names a pyfunc ``loader_module`` from our installed package
 (``deploy.mlflow_pyfunc``) rather than pickled Python, so that
 ``mlflow models serve --env-manager local`` can serve a version once that module
@@ -19,6 +24,7 @@ Aliases (``candidate``, ``champion``) mark versions; stages are deprecated in ML
 from __future__ import annotations
 
 import hashlib
+import json
 import platform
 import re
 import tempfile
@@ -40,8 +46,10 @@ if TYPE_CHECKING:
 MODEL_ARTIFACT_PATH = "model"
 CHECKSUMS_FILE = "checksums.json"
 LOADER_MODULE = "deploy.mlflow_pyfunc"
-# Files MLflow needs beside the package; not covered by checksums.json.
+# Files MLflow needs beside the package; not covered by checksums.json but by the tag below.
 MLFLOW_FILES = frozenset({"MLmodel", "python_env.yaml", "requirements.txt"})
+CHECKSUMS_TAG = "megalith.package.checksums_sha256"
+MLFLOW_FILES_TAG = "megalith.package.mlflow_files_sha256"  # JSON {file name: sha256}
 SERVING_REQUIREMENTS = ("mlflow", "torch", "safetensors", "sentencepiece", "numpy", "pydantic")
 
 _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))/?$")
@@ -80,11 +88,13 @@ def register_model(
     run = client.get_run(run_id)
     _upload_package(client, run, package)
     _ensure_registered_model(client, name)
+    version_tags = _version_tags(run, package, eval_metrics, tags or {})
+    version_tags[MLFLOW_FILES_TAG] = json.dumps(_uploaded_mlflow_digests(client, run_id))
     version = client.create_model_version(
         name,
         source=f"{run.info.artifact_uri}/{MODEL_ARTIFACT_PATH}",
         run_id=run_id,
-        tags=_version_tags(run, package, eval_metrics, tags or {}),
+        tags=version_tags,
     )
     if alias:
         client.set_registered_model_alias(name, alias, version.version)
@@ -125,6 +135,16 @@ def _uploaded_checksums(client: MlflowClient, run_id: str) -> bytes | None:
         return Path(path).read_bytes()
 
 
+def _uploaded_mlflow_digests(client: MlflowClient, run_id: str) -> dict[str, str]:
+    """sha256 of each MLflow file as the artifact store holds it (this upload's or a retried one's)."""
+    with tempfile.TemporaryDirectory(prefix="megalith-mlmodel-") as tmp:
+        digests = {}
+        for name in sorted(MLFLOW_FILES):
+            path = client.download_artifacts(run_id, f"{MODEL_ARTIFACT_PATH}/{name}", tmp)
+            digests[name] = _sha256(Path(path))
+        return digests
+
+
 def _ensure_registered_model(client: MlflowClient, name: str) -> None:
     from mlflow.exceptions import MlflowException
 
@@ -143,7 +163,7 @@ def _version_tags(
     if tokenizer_id:  # what the model actually uses, whatever the run was told
         tags["megalith.tokenizer.id"] = tokenizer_id
     tags.update({f"eval.{k}": v for k, v in flatten_params(eval_metrics).items()})
-    tags["megalith.package.checksums_sha256"] = _sha256(package / CHECKSUMS_FILE)
+    tags[CHECKSUMS_TAG] = _sha256(package / CHECKSUMS_FILE)
     tags.update(extra)
     return tags
 
@@ -230,8 +250,37 @@ def load_registered_model(
     )
     package = Path(local)
     verify_package(package, allowed_extra=MLFLOW_FILES)
+    check_registered_digests(package, client.get_model_version(name, str(version)).tags)
     check_mlmodel(package / "MLmodel")
     return package
+
+
+def check_registered_digests(package: Path, tags: Mapping[str, str]) -> None:
+    """Refuse a downloaded version whose ``checksums.json`` or MLflow files differ from the
+    sha256 recorded in the version's tags at registration (versions registered before
+    these tags existed are checked by :func:`check_mlmodel` alone)."""
+    expected = {}
+    if CHECKSUMS_TAG in tags:
+        expected[CHECKSUMS_FILE] = tags[CHECKSUMS_TAG]
+    if MLFLOW_FILES_TAG in tags:
+        try:
+            recorded = safe_read.loads_json(tags[MLFLOW_FILES_TAG].encode(), MLFLOW_FILES_TAG)
+        except safe_read.UnsafeFileError as error:
+            raise RegistryError(str(error)) from None
+        if not isinstance(recorded, dict) or set(recorded) != MLFLOW_FILES:
+            raise RegistryError(
+                f"tag {MLFLOW_FILES_TAG}: expected the sha256 of {sorted(MLFLOW_FILES)}"
+            )
+        expected.update(recorded)
+    for name, digest in sorted(expected.items()):
+        path = package / name
+        if not path.is_file():
+            raise RegistryError(f"{path}: missing from the registered version")
+        if _sha256(path) != digest:
+            raise RegistryError(
+                f"{path}: sha256 differs from the one recorded when the version was registered "
+                "(modified in the artifact store)"
+            )
 
 
 def resolve_model_version(uri: str, *, tracking_uri: str | None = None) -> tuple[str, int]:

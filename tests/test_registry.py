@@ -16,9 +16,11 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
+from deploy.loading import load_served_model
 from registry import tracking
 from registry.models import (
     MLFLOW_FILES,
+    MLFLOW_FILES_TAG,
     RegistryError,
     get_alias_version,
     load_registered_model,
@@ -408,6 +410,38 @@ def test_tampered_files_are_refused(
     finally:
         stored.write_bytes(original)
         (stored.parent / "extra.pkl").unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "old", "new"),
+    [
+        ("MLmodel", "loader_module: deploy.mlflow_pyfunc", "loader_module: os"),
+        ("requirements.txt", "mlflow==", "evil-mlflow=="),
+        ("checksums.json", "{", "{ "),
+    ],
+)
+def test_files_outside_the_package_checksums_changed_after_registration_are_refused(
+    store: str, client: MlflowClient, registered: dict[str, Any], tmp_path: Path,
+    name: str, old: str, new: str,
+) -> None:  # fmt: skip
+    """MLflow's own files (the MLmodel naming the loader module MLflow imports) and
+    checksums.json itself are pinned by the version's tags: rewriting one in the
+    artifact store is refused by loading and by serving, naming the file."""
+    recorded = json.loads(model_version_tags(MODEL_NAME, 1, tracking_uri=store)[MLFLOW_FILES_TAG])
+    assert set(recorded) == MLFLOW_FILES
+    source = client.get_model_version(MODEL_NAME, "1").source
+    stored = Path(source.removeprefix("file://")) / name
+    original = stored.read_text()
+    assert old in original
+    try:
+        stored.write_text(original.replace(old, new, 1))
+        with pytest.raises(RegistryError, match=rf"{name}: sha256 differs from the one recorded"):
+            load_registered_model(f"models:/{MODEL_NAME}/1", tmp_path / "a", tracking_uri=store)
+        with pytest.raises(RegistryError, match=rf"{name}: sha256 differs"):
+            load_served_model(f"models:/{MODEL_NAME}/1", tracking_uri=store)
+    finally:
+        stored.write_text(original)
+    load_registered_model(f"models:/{MODEL_NAME}/1", tmp_path / "b", tracking_uri=store)
 
 
 def test_run_with_a_different_model_is_not_overwritten(
