@@ -70,10 +70,14 @@ def _check_local_file(path: Path, allow_symlink: bool) -> None:
         raise UnsafeFileError(f"{path}: not a regular file (a device, pipe or folder)")
 
 
-def loads_json(data: bytes | str, source: str, max_depth: int = MAX_DEPTH) -> Any:
-    """Parse JSON text from ``source`` (named in errors), with the nesting limit."""
+def loads_json(
+    data: bytes | str, source: str, max_depth: int = MAX_DEPTH, allow_nan: bool = True
+) -> Any:
+    """Parse JSON text from ``source`` (named in errors), with the nesting limit.
+    ``allow_nan=False``: strict JSON, refusing Python's ``NaN``/``Infinity`` extension (for
+    formats other readers parse strictly, such as safetensors headers)."""
     try:
-        value = json.loads(data)
+        value = json.loads(data, parse_constant=None if allow_nan else _refuse_constant)
     except RecursionError:
         raise UnsafeFileError(f"{source}: JSON nested deeper than {max_depth} levels") from None
     except UnicodeDecodeError as exc:
@@ -238,6 +242,10 @@ _NAMES = {
     float: "number",
     bool: "boolean",
 }
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _first_clause(error: Exception) -> str:

@@ -66,7 +66,7 @@ def check_safetensors(path: str | Path) -> dict[str, tuple[list[int], str]]:
             )
         raw = handle.read(length)
     try:  # bounded nesting: a 100k-deep header is a RecursionError in json.loads
-        header = loads_json(raw, f"{path}: header")
+        header = loads_json(raw, f"{path}: header", allow_nan=False)  # as safetensors reads it
     except UnsafeFileError as exc:
         raise UnsafeTensorFileError(str(exc)) from None
     if not isinstance(header, dict):
