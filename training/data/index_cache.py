@@ -89,7 +89,10 @@ def _load(
         return {
             name: np.load(path, mmap_mode="r", allow_pickle=False) for name, path in paths.items()
         }
-    except (OSError, ValueError, EOFError):  # missing, partial, foreign, oversized: rebuild
+    except Exception:  # noqa: BLE001
+        # Missing, cut, foreign or oversized files: rebuild. np.load parses a .npy header
+        # with ast.literal_eval, whose errors on a damaged header range from SyntaxError to
+        # tokenize.TokenError; the entry is disposable, so any error means "build it again".
         return None
 
 
