@@ -72,7 +72,9 @@ def test_no_labels_at_all_is_nan_as_in_cross_entropy() -> None:
 
 def test_a_model_with_chunked_loss_trains_like_the_plain_one() -> None:
     """Whole GPT models (tied embeddings): loss and every parameter's gradient agree, and
-    evaluation under no_grad gives the same loss."""
+    evaluation under no_grad gives the same loss; and the chunked model really is: autograd
+    keeps no more than one chunk of logits for backward (the plain one keeps all 48 rows;
+    a model ignoring the setting would too)."""
     results = []
     for chunk in (0, 10):
         torch.manual_seed(0)
@@ -83,8 +85,15 @@ def test_a_model_with_chunked_loss_trains_like_the_plain_one() -> None:
         )  # fmt: skip
         model = GPTModel(config)
         tokens = torch.randint(0, 96, (3, 17), generator=torch.Generator().manual_seed(1))
-        loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        kept = []  # the sizes of saved tensors shaped like logits rows ([..., vocab])
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, kept=kept: (t.dim() and t.shape[-1] == 96 and kept.append(t.numel())) or t,
+            lambda t: t,
+        ):
+            loss = model(tokens[:, :-1], labels=tokens[:, 1:])
         loss.backward()
+        largest = max(kept, default=0)
+        assert largest == 3 * 16 * 96 if chunk == 0 else largest <= chunk * 96, (chunk, kept)
         with torch.no_grad():
             evaluated = model(tokens[:, :-1], labels=tokens[:, 1:])
         grads = {n: p.grad for n, p in model.named_parameters()}
