@@ -591,3 +591,56 @@ def test_serve_command_is_registered() -> None:
     assert (args.model, args.max_batch_size, args.host) == (
         "models:/megalith-demo@candidate", 4, "127.0.0.1"
     )  # fmt: skip
+
+
+# --- `megalith serve` as a user runs it ---------------------------------------------------
+
+MEGALITH = [sys.executable, "-m", "pipelines.cli"]
+
+
+@contextlib.contextmanager
+def megalith_serve(package: Path, host: str, token: str | None, log: Path) -> Iterator[str]:
+    """``megalith serve --model PACKAGE --host HOST`` as a subprocess, with
+    MEGALITH_ADMIN_TOKEN set to ``token`` (unset for None); yields its loopback URL."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "MEGALITH_ADMIN_TOKEN"}
+    env.update({"OMP_NUM_THREADS": "1"} | ({"MEGALITH_ADMIN_TOKEN": token} if token else {}))
+    command = [*MEGALITH, "serve", "--model", str(package), "--host", host, "--port", str(port)]
+    url = f"http://127.0.0.1:{port}"
+    with running_process(command, env, "megalith serve", f"{url}/health", log=log):
+        yield url
+
+
+def test_megalith_serve_reload_needs_the_admin_token_from_the_environment(
+    packages: dict[int, Path], tmp_path: Path
+) -> None:
+    """/admin/reload: no token and a wrong one are 401, the right one reloads (200); the
+    token is never shown by /v1/model; a public bind with a token set gives no warning."""
+    token = "s3cret-admin-token-for-the-test"
+    log = tmp_path / "serve.log"
+    with megalith_serve(packages[1], "0.0.0.0", token, log) as url:
+        reload = f"{url}/admin/reload"
+        assert httpx.post(reload, timeout=60).status_code == 401
+        wrong = {"Authorization": "Bearer not-the-token"}
+        assert httpx.post(reload, headers=wrong, timeout=60).status_code == 401
+        right = httpx.post(reload, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        assert right.status_code == 200, right.text
+        info = httpx.get(f"{url}/v1/model", timeout=60)
+        assert info.status_code == 200, info.text
+        assert token not in info.text
+    said = log.read_text()
+    assert "serving" in said and "warning" not in said, said
+
+
+def test_megalith_serve_on_a_public_address_without_a_token_warns(
+    packages: dict[int, Path], tmp_path: Path
+) -> None:
+    """Bound to 0.0.0.0 (only loopback is contacted) with no MEGALITH_ADMIN_TOKEN: stderr
+    says anyone can reload the model, and reloads are open."""
+    log = tmp_path / "serve.log"
+    with megalith_serve(packages[1], "0.0.0.0", None, log) as url:
+        assert httpx.post(f"{url}/admin/reload", timeout=60).status_code == 200
+    said = log.read_text()
+    assert (
+        "warning: 0.0.0.0 is reachable from other hosts and MEGALITH_ADMIN_TOKEN is not set" in said
+    ), said
