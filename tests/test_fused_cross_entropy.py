@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from saved_tensors_probe import saved_for_backward
 
 from training.config import ModelConfig
 from training.models.fused_cross_entropy import linear_cross_entropy
@@ -85,15 +86,12 @@ def test_a_model_with_chunked_loss_trains_like_the_plain_one() -> None:
         )  # fmt: skip
         model = GPTModel(config)
         tokens = torch.randint(0, 96, (3, 17), generator=torch.Generator().manual_seed(1))
-        kept = []  # the sizes of saved tensors shaped like logits rows ([..., vocab])
-        with torch.autograd.graph.saved_tensors_hooks(
-            lambda t, kept=kept: (t.dim() and t.shape[-1] == 96 and kept.append(t.numel())) or t,
-            lambda t: t,
-        ):
+        with saved_for_backward() as saved:
             loss = model(tokens[:, :-1], labels=tokens[:, 1:])
         loss.backward()
-        largest = max(kept, default=0)
-        assert largest == 3 * 16 * 96 if chunk == 0 else largest <= chunk * 96, (chunk, kept)
+        logits_rows = [t.numel() for t in saved if t.dim() and t.shape[-1] == 96]
+        largest = max(logits_rows, default=0)
+        assert largest == 3 * 16 * 96 if chunk == 0 else largest <= chunk * 96, (chunk, logits_rows)
         with torch.no_grad():
             evaluated = model(tokens[:, :-1], labels=tokens[:, 1:])
         grads = {n: p.grad for n, p in model.named_parameters()}

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from saved_tensors_probe import saved_for_backward, total_bytes
 
 from training.config import ConfigError, ModelConfig, load_config
 from training.models import BackendError, GPTModel, TorchBackend, resolve_backend
@@ -252,13 +253,11 @@ def test_activation_checkpointing_is_exact(style, mode):
     def loss_and_grads(checkpointing):
         model = build(tiny(style, dropout=0.1, activation_checkpointing=checkpointing))
         torch.manual_seed(7)  # dropout masks
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
-        ):
+        with saved_for_backward() as saved:
             loss = model(tokens(), tokens(seed=3))
         loss.backward()
-        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, sum(saved)
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        return loss.detach(), grads, total_bytes(saved)
 
     base_loss, base_grads, base_bytes = loss_and_grads("none")
     loss, grads, saved_bytes = loss_and_grads(mode)

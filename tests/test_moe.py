@@ -52,6 +52,7 @@ from parallel_helpers import (
     trainer_settings,
 )
 from safetensors.torch import load_file
+from saved_tensors_probe import saved_for_backward, total_bytes
 
 from training.config import ConfigError, ModelConfig, load_config
 from training.errors import MegalithError
@@ -216,14 +217,18 @@ def test_dropless_keeps_every_token_and_capacity_drops_some() -> None:
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_keeps_gradients(mode: str) -> None:
-    grads = {}
+    grads, kept = {}, {}
     for checkpointing in ("none", mode):
         torch.manual_seed(0)
         model = GPTModel(tiny_model_config(activation_checkpointing=checkpointing))
         tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-        loss = model(tokens, labels=tokens)
+        with saved_for_backward() as saved:
+            loss = model(tokens, labels=tokens)
         (loss + moe_aux_loss(model)).backward()
         grads[checkpointing] = {n: p.grad for n, p in model.named_parameters()}
+        kept[checkpointing] = total_bytes(saved)
+    # The blocks' activations (the experts' included) are really not kept.
+    assert kept[mode] < kept["none"] / 3, kept
     for name, grad in grads["none"].items():
         torch.testing.assert_close(
             grads[mode][name], grad, msg=lambda m, n=name: f"{mode} {n}: {m}"
