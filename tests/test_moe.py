@@ -236,15 +236,24 @@ def test_activation_checkpointing_keeps_gradients(mode: str) -> None:
 
 
 def test_aux_loss_is_recorded_in_training_only() -> None:
-    torch.manual_seed(0)
-    model = GPTModel(tiny_model_config(moe_aux_loss_coeff=0.5))
-    tokens = torch.randint(0, 64, (2, 8))
-    model(tokens, labels=tokens)
-    aux = moe_aux_loss(model)
+    """The coefficient scales the recorded loss, whose gradient reaches every router."""
+
+    def model_and_aux(coeff: float) -> tuple[GPTModel, torch.Tensor | None]:
+        torch.manual_seed(0)
+        model = GPTModel(tiny_model_config(moe_aux_loss_coeff=coeff))
+        model(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)))
+        return model, moe_aux_loss(model)
+
+    model, aux = model_and_aux(0.5)
     assert aux is not None and aux.requires_grad
     # Two MoE layers, each 0.5 · (a value >= 1, equal to 1 when perfectly balanced).
     assert aux.item() >= 0.5 * 2 - 1e-6
+    assert aux.item() == pytest.approx(0.5 * model_and_aux(1.0)[1].item(), rel=1e-6)
     assert moe_aux_loss(model) is None  # cleared
+    aux.backward()
+    routers = {n: p.grad for n, p in model.named_parameters() if "router" in n}
+    assert len(routers) == 2 and all(g is not None and g.abs().sum() > 0 for g in routers.values())
+    tokens = torch.randint(0, 64, (2, 8))
     model.eval()
     model(tokens, labels=tokens)
     assert moe_aux_loss(model) is None
