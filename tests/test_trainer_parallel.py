@@ -137,7 +137,9 @@ def test_sequence_parallel_dropout_with_activation_checkpointing(
 ) -> None:
     """TP=2 + SP with dropout: per-rank masks are replayed exactly when full or selective
     checkpointing recomputes a block, so all three runs give the same losses and grad
-    norms, and each resumes exactly."""
+    norms, and each resumes exactly. The modes' independent reference (the ranks' masks
+    replayed in one process) is test_tensor_parallel's
+    test_sequence_parallel_dropout_matches_one_process_replaying_its_masks."""
     dropout = {"parallel.tensor": 2, "parallel.sequence_parallel": "true", "model.dropout": 0.1}
     modes = ("none", "full", "selective")
     cases = {
