@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,7 +94,7 @@ def test_export_loads_in_transformers_with_matching_logits(exported: dict, case:
     model, _, hf_dir = exported[case]
     assert sorted(p.name for p in hf_dir.iterdir()) == [
         "config.json", "generation_config.json", "model.safetensors",
-        "tokenizer.model", "tokenizer_config.json",
+        "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
     ]  # fmt: skip
     x = tokens()
     with torch.no_grad():
@@ -175,6 +177,41 @@ def test_tokenizer_loads_in_transformers(exported: dict, tokenizer_file: Path) -
         assert tokenizer(text)["input_ids"] == [eod, *sp.encode(text)]
     generation = json.loads((hf_dir / "generation_config.json").read_text())
     assert generation == {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": pad}
+
+
+# A fresh environment: importing sentencepiece or google.protobuf fails, as where they are
+# not installed; AutoTokenizer must load the export from its tokenizer.json alone.
+NO_SENTENCEPIECE = """
+import json, sys
+sys.modules["sentencepiece"] = None
+sys.modules["google.protobuf"] = None
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+texts = json.loads(sys.argv[2])
+ids = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+print(json.dumps({"ids": ids, "decoded": [tokenizer.decode(i) for i in ids],
+                  "with_bos": tokenizer(texts[0])["input_ids"]}))
+"""
+SAMPLE_TEXTS = [
+    "Teacher: Good afternoon, class.",
+    " a leading space,  two spaces and\ttabs\n\nnew lines  ",
+    "Digits 12345, unicode ünïcödé 漢字 🙂 (byte fallback).",
+    "",
+]
+
+
+def test_exported_tokenizer_json_loads_without_sentencepiece_or_protobuf(
+    exported: dict, tokenizer_file: Path
+) -> None:
+    hf_dir = exported["llama-gqa"][2]
+    command = [sys.executable, "-c", NO_SENTENCEPIECE, str(hf_dir), json.dumps(SAMPLE_TEXTS)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_file))
+    assert result["ids"] == [sp.encode(text) for text in SAMPLE_TEXTS]
+    assert result["decoded"] == SAMPLE_TEXTS
+    assert result["with_bos"] == [sp.piece_to_id("<|eod|>"), *sp.encode(SAMPLE_TEXTS[0])]
 
 
 def test_export_refuses_a_non_empty_output_unless_overwrite(exported: dict, tmp_path: Path):

@@ -21,8 +21,10 @@ GPT-2's Conv1D stores ``[in, out]``: the transpose of our ``nn.Linear`` weight. 
 mapping is a pure permutation of values, so a round trip is bit-exact.
 
 Export writes ``config.json``, ``generation_config.json``, ``model.safetensors``, the
-SentencePiece ``tokenizer.model`` and a ``tokenizer_config.json`` for ``LlamaTokenizer``
-(see :func:`tokenizer_files`), into a temporary sibling directory renamed into place.
+SentencePiece ``tokenizer.model``, and for GPT models the same tokenizer as a fast
+``tokenizer.json`` (:func:`fast_tokenizer_json`, so ``AutoTokenizer`` needs neither
+sentencepiece nor protobuf) with its ``tokenizer_config.json`` (:func:`tokenizer_files`),
+into a temporary sibling directory renamed into place.
 Import reads ``config.json`` (JSON) and safetensors (``model.safetensors``, a sharded
 ``model.safetensors.index.json``, or every ``*.safetensors``); PyTorch ``.bin`` files
 only with ``allow_torch_bin=True`` and then through ``torch.load(weights_only=True)``.
@@ -44,6 +46,7 @@ import torch
 from pydantic import ValidationError
 from safetensors import safe_open
 from safetensors.torch import save_file
+from sentencepiece import sentencepiece_model_pb2
 from torch import Tensor
 
 from preprocessing import safe_read
@@ -379,7 +382,9 @@ def from_hf_tensors(config: ModelConfig, tensors: dict[str, Tensor]) -> dict[str
 
 
 def tokenizer_files(tokenizer_model: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """``tokenizer_config.json`` for ``LlamaTokenizer`` over our SentencePiece model, and the
+    """``tokenizer_config.json`` for the ``tokenizer.json`` that :func:`fast_tokenizer_json`
+    writes from our SentencePiece model (loaded as it is: ``LlamaTokenizer`` would replace
+    its normalizer, and a leading space would then encode differently), and the
     special token ids for ``config.json``.
 
     ``<|eod|>`` (our document separator) is both ``bos_token`` and ``eos_token``, added in
@@ -398,7 +403,7 @@ def tokenizer_files(tokenizer_model: Path) -> tuple[dict[str, Any], dict[str, in
     if PAD_TOKEN in pieces:
         tokens["pad_token"] = PAD_TOKEN
     config = {
-        "tokenizer_class": "LlamaTokenizer",
+        "tokenizer_class": "PreTrainedTokenizerFast",
         **tokens,
         "add_bos_token": True,
         "add_eos_token": False,
@@ -409,6 +414,110 @@ def tokenizer_files(tokenizer_model: Path) -> tuple[dict[str, Any], dict[str, in
     ids = {name.removesuffix("_token"): pieces[piece] for name, piece in tokens.items()}
     ids.pop("unk")
     return config, ids
+
+
+def fast_tokenizer_json(tokenizer_model: Path, bos_token: str) -> dict[str, Any]:
+    """Our SentencePiece model as a Hugging Face ``tokenizers`` JSON that encodes and
+    decodes exactly as SentencePiece does: identity normalization, a "▁" always prepended
+    (SentencePiece's dummy prefix, even before a leading space) and spaces as "▁", the BPE
+    merges (or unigram scores) of its pieces, byte fallback, and ``bos_token`` added in
+    front as :func:`tokenizer_files` configures. One difference: a user-defined piece
+    (``<|eod|>``) written inside a text splits it before normalization, so the text after
+    it gets a "▁" of its own (SentencePiece's plain encode of such text differs there)."""
+    proto = sentencepiece_model_pb2.ModelProto()
+    try:
+        proto.ParseFromString(tokenizer_model.read_bytes())
+    except Exception as exc:  # protobuf's DecodeError and friends
+        raise HFInteropError(f"{tokenizer_model}: not a SentencePiece model: {exc}") from None
+    kinds = sentencepiece_model_pb2.ModelProto.SentencePiece
+    pieces = [(piece.piece, piece.score, piece.type) for piece in proto.pieces]
+    ids = {piece: index for index, (piece, _, _) in enumerate(pieces)}
+    whole = (kinds.UNKNOWN, kinds.CONTROL, kinds.USER_DEFINED)
+    added = [
+        {
+            "id": index,
+            "content": piece,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": kind != kinds.USER_DEFINED or piece in (EOD_TOKEN, PAD_TOKEN),
+        }
+        for index, (piece, _, kind) in enumerate(pieces)
+        if kind in whole
+    ]
+    byte_fallback = proto.trainer_spec.byte_fallback
+    if proto.trainer_spec.model_type == proto.trainer_spec.BPE:
+        model = {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": byte_fallback,
+            "ignore_merges": False,
+            "vocab": ids,
+            "merges": _bpe_merges(pieces, ids),
+        }
+    elif proto.trainer_spec.model_type == proto.trainer_spec.UNIGRAM:
+        model = {
+            "type": "Unigram",
+            "unk_id": proto.trainer_spec.unk_id,
+            "vocab": [[piece, score] for piece, score, _ in pieces],
+            "byte_fallback": byte_fallback,
+        }
+    else:
+        raise HFInteropError(f"{tokenizer_model}: only BPE and unigram models are exported")
+    bos = {"SpecialToken": {"id": bos_token, "type_id": 0}}
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+            ],
+        },
+        "pre_tokenizer": None,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}]
+            + [bos, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {
+                bos_token: {"id": bos_token, "ids": [ids[bos_token]], "tokens": [bos_token]}
+            },
+        },
+        "decoder": {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+            ],
+        },
+        "model": model,
+    }
+
+
+def _bpe_merges(pieces: list[tuple[str, float, int]], ids: dict[str, int]) -> list[list[str]]:
+    """Every split of a normal piece into two pieces, in the order SentencePiece merges:
+    by the merged piece's score, then by the parts' ids."""
+    normal = sentencepiece_model_pb2.ModelProto.SentencePiece.NORMAL
+    ranked = []
+    for piece, score, kind in pieces:
+        if kind != normal:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in ids and right in ids:
+                ranked.append((-score, ids[piece], ids[left], ids[right], [left, right]))
+    return [merge for *_, merge in sorted(ranked)]
 
 
 # Export.
@@ -432,6 +541,9 @@ def export_hf(package_dir: str | Path, out_dir: str | Path, *, overwrite: bool =
         tok_config, special_ids = tokenizer_files(tokenizer)
         config_json = hf_config(config, dtype, special_ids)
     tok_config["model_max_length"] = config.max_position_embeddings
+    fast = (
+        None if config.family == "t5" else fast_tokenizer_json(tokenizer, tok_config["bos_token"])
+    )
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -445,6 +557,8 @@ def export_hf(package_dir: str | Path, out_dir: str | Path, *, overwrite: bool =
             tmp / "generation_config.json", {f"{k}_token_id": v for k, v in special_ids.items()}
         )
         _write_json(tmp / "tokenizer_config.json", tok_config)
+        if fast is not None:
+            _write_json(tmp / "tokenizer.json", fast)
         if out_dir.exists():
             old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
             out_dir.rename(old)
