@@ -58,15 +58,17 @@ from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from preprocessing.verify import verify_shard_set
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.checkpoint_cli import verify as ckpt_verify
-from training.config import DataConfig, DatasetSource, MegalithConfig, load_config
+from training.config import DataConfig, DatasetSource, LoRAConfig, MegalithConfig, load_config
 from training.data import build_gpt_datasets
 from training.data.shard_set import open_shard_set
 from training.errors import MegalithError
+from training.finetune.adapter import load_adapter, merge_adapter, save_adapter
 from training.interop.hf import export_hf, import_hf
 from training.memory import memory_report, resolve_layout
 from training.models import build_model
 from training.models.package import (
     load_model_package,
+    model_tensors,
     read_package_model_config,
     save_model_package,
 )
@@ -549,6 +551,35 @@ def test_fuzzed_safetensors_headers_are_checked_or_refused(
         tensors = step / "model-r00000.safetensors"
         mutate_file(data, tensors)
         loads_or_refuses(lambda: check_safetensors(tensors))
+
+
+@pytest.fixture(scope="module")
+def adapter(run: Path, run_config: MegalithConfig, tmp_path_factory) -> Path:
+    """A rank-4 LoRA adapter on the run's model: layer 0's attention projection."""
+    hidden = run_config.model.hidden_size
+    tensors = {
+        "layers.0.attention.proj.lora.a": torch.full((4, hidden), 0.01),
+        "layers.0.attention.proj.lora.b": torch.full((hidden, 4), 0.01),
+    }
+    out = tmp_path_factory.mktemp("fuzz-adapter") / "adapter"
+    return save_adapter(tensors, LoRAConfig(rank=4, alpha=8), run_config.model, {}, out)
+
+
+def restamp_adapter(root: Path) -> None:
+    meta = json.loads((root / "adapter.json").read_text())
+    meta["weights"]["sha256"] = sha256(root / "adapter.safetensors")
+    (root / "adapter.json").write_text(json.dumps(meta))
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_lora_adapters_load_and_merge_or_raise_a_megalith_error(
+    run: Path, adapter: Path, data: st.DataObject
+) -> None:
+    base = model_tensors(load_model_package(run / "model")[0])
+    with copy_of(adapter) as copy:
+        mutate_folder(data, copy, ["adapter.json", "adapter.safetensors"], restamp_adapter)
+        loads_or_refuses(lambda: merge_adapter(load_adapter(copy), base))
 
 
 CACHE_SAMPLES = (48, 0, 0)
