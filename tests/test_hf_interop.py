@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 import torch
+from safetensors.torch import load_file, save_file
 
 from pipelines.cli import main
 from preprocessing.tokenizer import train_tokenizer
@@ -24,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 448  # 400 SentencePiece pieces padded to a multiple of 64
 ATOL = 1e-4
+SEQUENCE = 32  # every position the tiny models have
 CASES = {
     "llama-gqa": {"style": "llama", "num_query_groups": 2},
     "llama-tied-mqa-bias": {
@@ -48,27 +50,38 @@ def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(f"{prefix}.model")
 
 
-def tiny_model(case: str, seed: int = 0) -> GPTModel:
+def tiny_model(
+    case: str, seed: int = 0, init_std: float = 0.2, norm_noise: float = 0.3
+) -> GPTModel:
+    """Weights large enough (std 0.2, not the 0.02 default) that attention is far from
+    uniform, so a position or norm bug changes the outputs by nats, not by 1e-4."""
     config = ModelConfig(
         num_layers=2,
         hidden_size=32,
         num_attention_heads=4,
         ffn_hidden_size=48,
         vocab_size=VOCAB,
-        max_position_embeddings=32,
+        max_position_embeddings=SEQUENCE,
+        init_std=init_std,
         **CASES[case],
     )
     torch.manual_seed(seed)
     model = GPTModel(config)
-    with torch.no_grad():  # norms and biases away from 1 and 0, so their mapping is tested
+    with torch.no_grad():  # norms and biases well away from 1 and 0: their mapping matters
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
-                param.add_(0.1 * torch.randn_like(param))
+                param.add_(norm_noise * torch.randn_like(param))
     return model.eval()
 
 
 def tokens(seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, VOCAB, (2, SEQUENCE), generator=torch.Generator().manual_seed(seed))
+
+
+def token_logliks(logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """log p(x[t+1] | x[:t+1]) for every position: what a user's evaluation compares."""
+    logprobs = torch.log_softmax(logits.double(), dim=-1)[:, :-1]
+    return logprobs.gather(-1, x[:, 1:, None]).squeeze(-1)
 
 
 def hf_logits(hf_dir: Path, x: torch.Tensor) -> torch.Tensor:
@@ -91,6 +104,12 @@ def exported(tokenizer_file: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_export_loads_in_transformers_with_matching_logits(exported: dict, case: str) -> None:
+    """Per-token log-likelihoods of 2 x 32 tokens agree within ATOL (1e-4 nats); measured:
+    the export agrees within 8e-7, while breaking it moves them far beyond ATOL:
+    RoPE base x10 in the exported config (a position bug): 0.76-2.7 nats (llama cases);
+    GPT-2 position table shifted by one: 1.4-2.1 nats; every norm weight left at 1:
+    1.5-2.6 nats (all cases). With the former weights (init std 0.02, norm noise 0.1, 16
+    tokens) the same RoPE bug moved them by 4e-6-1.3e-4, inside the tolerance."""
     model, _, hf_dir = exported[case]
     assert sorted(p.name for p in hf_dir.iterdir()) == [
         "config.json", "generation_config.json", "model.safetensors",
@@ -100,6 +119,7 @@ def test_export_loads_in_transformers_with_matching_logits(exported: dict, case:
     with torch.no_grad():
         ours = model(x)
     theirs = hf_logits(hf_dir, x)
+    assert (token_logliks(ours, x) - token_logliks(theirs, x)).abs().max().item() < ATOL
     assert (ours - theirs).abs().max().item() < ATOL
     config = json.loads((hf_dir / "config.json").read_text())
     arch = "GPT2LMHeadModel" if case.startswith("gpt2") else "LlamaForCausalLM"
@@ -114,6 +134,32 @@ def test_export_loads_in_transformers_with_matching_logits(exported: dict, case:
         )
         assert config["rms_norm_eps"] == c.norm_eps and config["rope_theta"] == c.rope_base
         assert (config["vocab_size"], config["max_position_embeddings"]) == (VOCAB, 32)
+
+
+def test_a_position_or_norm_bug_in_the_export_would_exceed_the_tolerance(
+    exported: dict, tmp_path: Path
+) -> None:
+    """The comparison above can see the bugs it exists for: the export with a wrong RoPE
+    base, or with its norm weights left at 1, moves log-likelihoods by > 1000 x ATOL."""
+    model, _, hf_dir = exported["llama-gqa"]
+    x = tokens()
+    with torch.no_grad():
+        ours = token_logliks(model(x), x)
+    rope = _copy(hf_dir, tmp_path / "rope")
+    config = json.loads((rope / "config.json").read_text())
+    theta = config["rope_theta"] * 10
+    config.update(
+        rope_theta=theta, rope_parameters={**config["rope_parameters"], "rope_theta": theta}
+    )
+    (rope / "config.json").write_text(json.dumps(config))
+    norm = _copy(hf_dir, tmp_path / "norm")
+    weights = load_file(norm / "model.safetensors")
+    ones = {k: torch.ones_like(v) for k, v in weights.items() if k.endswith("norm.weight")}
+    assert len(ones) == 5  # two per layer and the final one
+    save_file({**weights, **ones}, norm / "model.safetensors", metadata={"format": "pt"})
+    for broken in (rope, norm):
+        moved = (ours - token_logliks(hf_logits(broken, x), x)).abs().max().item()
+        assert moved > 1000 * ATOL, (broken.name, moved)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -328,7 +374,7 @@ def test_import_reads_original_gpt2_names_and_skips_mask_buffers(
 
 
 def test_bfloat16_export_and_import(tokenizer_file: Path, tmp_path: Path) -> None:
-    model = tiny_model("llama-gqa").to(torch.bfloat16)
+    model = tiny_model("llama-gqa", init_std=0.02, norm_noise=0.1).to(torch.bfloat16)
     package = save_model_package(model, model.config, tokenizer_file, tmp_path / "pkg")
     hf_dir = export_hf(package, tmp_path / "hf")
     assert json.loads((hf_dir / "config.json").read_text())["dtype"] == "bfloat16"
