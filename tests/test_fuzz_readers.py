@@ -532,6 +532,22 @@ def test_fuzzed_checkpoints_verify_load_or_raise_a_megalith_error(
             assert weights is None, weights
 
 
+@pytest.mark.parametrize("kind", ["v2", "v1"])
+@pytest.mark.parametrize(("key", "value"), [("eps", float("nan")), ("betas", [0.9]), ("lr", "1")])
+def test_optimizer_settings_unlike_the_optimizers_are_refused_on_resume(
+    checkpoints: dict[str, Path], run_config: MegalithConfig, kind: str, key: str, value: Any
+) -> None:
+    """A NaN eps, a one-element betas or a string lr would fail (or poison) the first step
+    after the resume; they are refused naming the group and setting."""
+    with copy_of(checkpoints[kind]) as step:
+        state = json.loads((step / "state.json").read_text())
+        state["optimizer"]["param_groups"][0][key] = value
+        (step / "state.json").write_text(json.dumps(state))
+        restamp_checksums(step)
+        with pytest.raises(MegalithError, match=f"{key}"):
+            resume(step, run_config)
+
+
 @FUZZ
 @given(data=st.data())
 def test_fuzzed_latest_pointers_resolve_or_raise_a_megalith_error(

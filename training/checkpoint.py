@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import re
 import shutil
@@ -592,23 +593,68 @@ def load_model_tensors(
 
 
 def _load_optimizer(optimizer, tensors, state, param_names, path) -> None:
-    saved_names = state["optimizer"]["param_names"]
-    if saved_names != param_names:
+    where = f"{path}/state.json"
+    record = safe_read.field(state, "optimizer", dict, where)
+    if safe_read.field(record, "param_names", list, where) != param_names:
         raise CheckpointError(f"{path}: optimizer parameters differ from the model's")
+    saved = saved_param_groups(state, optimizer, where)
+    if [group.get("params") for group in saved] != optimizer_group_indices(optimizer):
+        raise CheckpointError(f"{path}: optimizer parameter groups differ from the model's")
     per_param: dict[int, dict[str, torch.Tensor]] = {}
     position = {name: i for i, name in enumerate(param_names)}
     for key, tensor in tensors.items():
         name, _, state_key = key.rpartition("/")
+        if name not in position:
+            raise CheckpointError(f"{path}: optimizer tensor {brief(key)} names no parameter")
         per_param.setdefault(position[name], {})[state_key] = tensor
-    groups = state["optimizer"]["param_groups"]
-    if [g["params"] for g in groups] != optimizer_group_indices(optimizer):
-        raise CheckpointError(f"{path}: optimizer parameter groups differ from the model's")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, values in per_param.items():
         for key, tensor in values.items():
             if tensor.shape == params[index].shape:  # moments, not the step count
                 values[key] = _like(params[index], tensor)
-    optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+    optimizer.load_state_dict({"state": per_param, "param_groups": saved})
+
+
+def saved_param_groups(state: Any, optimizer, where: str) -> list[dict[str, Any]]:
+    """state.json's optimizer groups, one per group of ``optimizer``, each setting typed like
+    the live optimizer's (a string ``lr`` or a NaN ``eps`` would fail the first step, or
+    train on garbage). Settings the live groups lack are dropped, ``params`` kept."""
+    record = safe_read.field(state, "optimizer", dict, where)
+    groups = safe_read.field(record, "param_groups", list, where)
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{where}: {len(groups)} optimizer parameter groups, this model's optimizer has "
+            f"{len(optimizer.param_groups)}"
+        )
+    checked = []
+    for number, (saved, live) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{where}: optimizer group {number} is {brief(saved)}")
+        group = {key: saved.get(key, value) for key, value in live.items() if key != "params"}
+        for key, value in group.items():
+            if not _same_kind(value, live[key]):
+                raise CheckpointError(
+                    f"{where}: optimizer group {number} {key} is {brief(value)}; expected "
+                    f"{brief(live[key])}'s kind"
+                )
+        checked.append({**group, "params": saved.get("params")})
+    return checked
+
+
+def _same_kind(value: Any, like: Any) -> bool:
+    if isinstance(like, bool) or like is None:  # switches such as fused: None, True, False
+        return value is None or isinstance(value, bool)
+    if isinstance(like, (int, float)):
+        return (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        )
+    if isinstance(like, (list, tuple)):
+        return (
+            isinstance(value, (list, tuple))
+            and len(value) == len(like)
+            and all(_same_kind(v, w) for v, w in zip(value, like, strict=True))
+        )
+    return isinstance(value, type(like))
 
 
 def _like(target: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

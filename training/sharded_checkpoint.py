@@ -80,6 +80,7 @@ from training.checkpoint import (
     read_checkpoint_tensors,
     read_latest_pointer,
     restore_rng_state,
+    saved_param_groups,
     step_dir_name,
     verify_checkpoint_state,
 )
@@ -991,13 +992,9 @@ def load_sharded_checkpoint(
             for shard in meta["shards"]:
                 if any(_overlap(p.box, shard["box"]) is not None for p in spec.pieces):
                     reader.check_shard(shard, meta)
-        if optimizer is not None and len(state["optimizer"]["param_groups"]) != len(
-            optimizer.param_groups
-        ):
-            raise CheckpointError(
-                f"{where}: {len(state['optimizer']['param_groups'])} optimizer parameter "
-                f"groups, this model's optimizer has {len(optimizer.param_groups)}"
-            )
+        saved_groups = None
+        if optimizer is not None:
+            saved_groups = saved_param_groups(state, optimizer, _url(path, STATE))
         with torch.no_grad():
             for spec, target, meta in model_plan + opt_plan:
                 _fill(reader, spec, target, meta)
@@ -1005,9 +1002,7 @@ def load_sharded_checkpoint(
             groups = [
                 {**saved, "params": indices}
                 for saved, indices in zip(
-                    state["optimizer"]["param_groups"],
-                    optimizer_group_indices(optimizer),
-                    strict=True,
+                    saved_groups, optimizer_group_indices(optimizer), strict=True
                 )
             ]
             optimizer.load_state_dict({"state": per_param, "param_groups": groups})
