@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from pipelines.cli import main
 from preprocessing.tokenizer import train_tokenizer
 from training.config import ModelConfig, TokenizerConfig
-from training.interop.hf import HFInteropError, export_hf, import_hf
+from training.interop.hf import HFInteropError, export_hf, fast_tokenizer_json, import_hf
 from training.models.gpt import GPTModel
 from training.models.package import load_model_package, model_tensors, save_model_package
 
@@ -258,6 +258,25 @@ def test_exported_tokenizer_json_loads_without_sentencepiece_or_protobuf(
     assert result["ids"] == [sp.encode(text) for text in SAMPLE_TEXTS]
     assert result["decoded"] == SAMPLE_TEXTS
     assert result["with_bos"] == [sp.piece_to_id("<|eod|>"), *sp.encode(SAMPLE_TEXTS[0])]
+
+
+def test_tokenizer_json_of_a_unigram_model_encodes_as_sentencepiece(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    lines = (REPO / "preprocessing/sample_corpus/stories.jsonl").read_text().splitlines()
+    docs = [json.loads(line)["text"] for line in lines[:200]]
+    config = TokenizerConfig(model_type="unigram", vocab_size=600, max_training_documents=200)
+    train_tokenizer(docs, config, str(tmp_path / "uni"))
+    model_file = tmp_path / "uni.model"
+    fast = fast_tokenizer_json(model_file, "<|eod|>")
+    assert fast["model"]["type"] == "Unigram"
+    (tmp_path / "tokenizer.json").write_text(json.dumps(fast), encoding="utf-8")
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    for text in [*SAMPLE_TEXTS, *docs[-5:]]:
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        assert ids == sp.encode(text)
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text
 
 
 def test_export_refuses_a_non_empty_output_unless_overwrite(exported: dict, tmp_path: Path):
