@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from evaluation.report import evaluate_model
 from evaluation.tasks import SAMPLE_TASK
@@ -33,7 +35,13 @@ from tests.parallel_helpers import RECIPE, tiny_settings, tiny_shard_set
 from training.config import load_config
 from training.data import open_shard_set
 from training.data.gpt_dataset import split_document_ranges
-from training.models.package import load_model_package, read_training_data, save_model_package
+from training.errors import MegalithError
+from training.models.package import (
+    TrainingData,
+    load_model_package,
+    read_training_data,
+    save_model_package,
+)
 from training.trainer import train
 
 TRAIN_SPLIT = (0.99, 0.005, 0.005)  # its train split holds the default valid split
@@ -168,3 +176,42 @@ def test_per_item_choice_scores_reproduce_the_task_accuracies(package: Path) -> 
     n = len(whole) - len(context)
     expected = sum(logprobs[len(context) - 1 + i, whole[len(context) + i]] for i in range(n))
     assert items[0]["choices"][0]["loglik"] == pytest.approx(float(expected), abs=1e-4)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=12,
+)
+RECORDS = st.fixed_dictionaries(
+    {},
+    optional={
+        "manifests": JSON_VALUES,
+        "manifest_sha256": JSON_VALUES,
+        "split": JSON_VALUES | st.lists(st.floats(), min_size=3, max_size=3),
+        "seed": JSON_VALUES,
+    },
+)
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(record=RECORDS | JSON_VALUES)
+def test_a_damaged_training_data_record_is_refused_in_one_line(
+    package: Path, tmp_path: Path, record: Any
+) -> None:
+    copy = tmp_path / "pkg"
+    if not copy.exists():
+        copy.mkdir()
+        for name in ("config.json", "model.safetensors", "tokenizer.model", "checksums.json"):
+            (copy / name).write_bytes((package / name).read_bytes())
+    meta = json.loads((package / "config.json").read_text())
+    meta["training_data"] = record
+    (copy / "config.json").write_text(json.dumps(meta))
+    try:
+        result = read_training_data(copy)
+    except MegalithError as exc:
+        assert "training_data" in str(exc)
+        return
+    assert isinstance(result, TrainingData) or (result is None and record is None)
