@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from evaluation.generate import SamplingConfig, generate
 from pipelines.commands import DEMO_RECIPE, sample_corpus
+from preprocessing.tokenizer import load_tokenizer
+from registry.models import load_registered_model
 from training.config import load_config
+from training.models.package import load_model_package
 
 pytestmark = pytest.mark.slow
 
@@ -225,3 +229,12 @@ def test_the_first_demo_on_a_fresh_prefect_home_prints_no_error(tmp_path: Path) 
     for unwanted in ("Traceback", "database is locked", "| ERROR"):
         assert unwanted not in output, output[-6000:]
     assert (tmp_path / "work" / "mlflow.db").is_file() and not (tmp_path / "mlflow.db").exists()
+    # The registered @candidate is a package that verifies, loads and generates.
+    store = f"sqlite:///{tmp_path / 'work' / 'mlflow.db'}"
+    package = load_registered_model(
+        "models:/megalith-demo@candidate", tmp_path / "download", tracking_uri=store
+    )
+    model, _, tokenizer_path = load_model_package(package)
+    sampling = SamplingConfig(max_new_tokens=3, temperature=0)
+    result = generate(model, load_tokenizer(tokenizer_path), ["Once upon a time"], sampling)
+    assert result.generations[0].new_tokens >= 1
