@@ -17,8 +17,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from tests.servers import free_port, running_process
+
+# The fuzz tests draw the same examples on every run, so CI is repeatable and a failure
+# reproduces; HYPOTHESIS_PROFILE=explore draws new ones (run it when hardening a reader).
+# No example database: nothing is written into the source tree.
+hypothesis_settings.register_profile("repeatable", derandomize=True, database=None)
+hypothesis_settings.register_profile("explore", database=None)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 S3_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
