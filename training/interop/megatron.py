@@ -65,8 +65,8 @@ from torch import Tensor
 
 from training.config import ModelConfig, format_validation_error
 from training.errors import MegalithError
-from training.models.gpt import GPTModel
-from training.models.package import DTYPES, model_tensors, save_model_package
+from training.models.package import DTYPES, save_model_package
+from training.models.weights_check import checked_meta_model
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RANK_FILE = "model_optim_rng.pt"
@@ -383,20 +383,9 @@ def import_megatron(
         raise MegatronImportError(
             f"{tokenizer} has {pieces} pieces, more than the model's vocab {config.vocab_size}"
         )
-    with torch.device("meta"):
-        model = GPTModel(config)
-    expected = model_tensors(model)
-    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    if missing or extra:
-        raise MegatronImportError(
-            f"{source}: tensors do not match args (missing {missing[:5]}, unexpected {extra[:5]})"
-        )
-    for name, tensor in tensors.items():
-        if tensor.shape != expected[name].shape:
-            raise MegatronImportError(
-                f"{source}: {name} merges to {list(tensor.shape)}, args imply "
-                f"{list(expected[name].shape)}"
-            )
+    model = checked_meta_model(
+        config, {name: list(tensor.shape) for name, tensor in tensors.items()}, str(source)
+    )
     dtype = dtype or next(
         (n for n, d in DTYPES.items() if d == tensors["embedding.word.weight"].dtype), "float32"
     )
