@@ -144,10 +144,10 @@ class DocumentScores:
                 self.nll[document] = self.nll.get(document, 0.0) + float(nll)
                 self.tokens[document] = self.tokens.get(document, 0) + int(count)
 
-    def results(self, shard_set: object) -> tuple[dict[str, Any], ...]:
+    def results(self, shard_set: str) -> tuple[dict[str, Any], ...]:
         return tuple(
             {
-                "shard_set": str(shard_set),
+                "shard_set": shard_set,
                 "document": document,
                 "tokens": self.tokens[document],
                 "nll": self.nll[document],

@@ -5,8 +5,8 @@ The report is a JSON object (``REPORT_FORMAT``, version 1)::
     {"format", "format_version", "created_at", "megalith_version",
      "model": {"package", "tokenizer_id", "parameters", "config"},
      "runtime": {"device", "precision", "seconds"},
-     "perplexity": PerplexityResult | null,
-     "tasks": {name: TaskResult},
+     "perplexity": PerplexityResult | null,  (with "documents": per-document tokens, nll)
+     "tasks": {name: TaskResult},  (with "per_item": choice log-likelihoods and picks)
      "generation": {"settings", "sampled_tokens", "seconds", "tokens_per_s", "samples"} | null,
      "lm_eval": {"version", "tasks", "samples", "metrics"} | null,
      "metrics": {name: number}}
