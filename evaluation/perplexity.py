@@ -220,6 +220,12 @@ def held_out_data(
         return data
     shared = _shared_shard_sets(data, trained_on)
     if not shared:
+        logger.warning(
+            "warning: %s is not a shard set the model trained on (no manifest sha256 "
+            "matches the package's record); scoring with data.split=%s",
+            _sources(data),
+            list(data.split),
+        )
         return data
     if "split" not in data.model_fields_set:
         return data.model_copy(update={"split": trained_on.split})

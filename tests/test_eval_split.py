@@ -28,6 +28,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from evaluation.perplexity import held_out_data
 from evaluation.report import evaluate_model
 from evaluation.tasks import SAMPLE_TASK
 from preprocessing.tokenizer import load_tokenizer
@@ -135,6 +136,15 @@ def test_package_without_a_record_is_evaluated_with_a_warning(
     report = evaluate_model(old, data, prompts=[], max_samples=4, device="cpu")
     assert "records no training data" in caplog.text
     assert scored_documents(report) <= set(held_out(shards, data.split))
+
+
+def test_another_shard_set_keeps_its_split_with_a_warning(
+    shards: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = load_config(None, ["data.seq_length=32"], {"data.output": str(shards)}).data
+    elsewhere = TrainingData(("other/manifest.json",), ("0" * 64,), TRAIN_SPLIT, 1)
+    assert held_out_data(data, elsewhere).split == data.split
+    assert "not a shard set the model trained on" in caplog.text
 
 
 def test_per_document_results_add_up_to_the_perplexity(
