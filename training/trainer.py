@@ -65,7 +65,7 @@ from training.optim import folds_clipping, step_with_clipping
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import expert_parallel_training as ep
-from training.parallel.groups import ParallelState, build_parallel_state
+from training.parallel.groups import ParallelState, build_parallel_state, validate_layout
 from training.parallel.pipeline import PipelineParallel
 from training.parallel.support import check_trainer_support
 from training.precision import Precision, resolve_precision
@@ -187,6 +187,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def check_same_layout(config: MegalithConfig, state: ParallelState) -> None:
+    """A parallel state handed to a Trainer (reused across runs in one job) must be the
+    layout the config asks for; otherwise the run would silently train in another."""
+    wanted = validate_layout(config, state.sizes.world)
+    if wanted != state.sizes:
+        raise MegalithError(
+            f"the parallel state given is {state.sizes.describe()}, "
+            f"the config asks for {wanted.describe()}"
+        )
+
+
 class Trainer:
     def __init__(
         self,
@@ -201,6 +212,8 @@ class Trainer:
         # torchrun's LOCAL_RANK picks the GPU; one process: training.device as given.
         self.device = local_device(env_from_torchrun(), config.training.device)
         self.parallel = parallel_state or build_parallel_state(config, self.device.type)
+        if parallel_state is not None:
+            check_same_layout(config, parallel_state)
         check_trainer_support(config, self.parallel.sizes)
         self.is_main = self.parallel.rank == 0
         if self.is_main:
