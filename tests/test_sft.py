@@ -446,7 +446,9 @@ def test_parallel_fine_tuning_matches_one_process_and_resumes_exactly(
     and without sequence parallelism (packed rows with document ids, the masked loss over
     a vocab-parallel softmax). Per step: losses, validation losses and grad norms within
     LOSS_ATOL / 1e-4 relative; the final checkpoint's whole weights and AdamW moments
-    within rtol 1e-4 / atol 1e-5 (sums in another order, amplified by Adam). Each layout
+    within rtol 1e-4 and atol 1e-5 (DP) or 1e-4 (TP: its partial sums in another order
+    give last-bit gradient differences that Adam's m / sqrt(v) turns into up to ~1e-5
+    on near-zero-gradient embedding rows; 1e-4 is 3% of one step's lr 3e-3). Each layout
     stopped at RESUME_STEP and resumed repeats its uninterrupted run step by step: equal
     losses and bit-equal final weights and moments."""
     from parallel_helpers import (
@@ -455,8 +457,8 @@ def test_parallel_fine_tuning_matches_one_process_and_resumes_exactly(
         assert_close_tensors,
         assert_metrics_match,
         assert_resume_exact,
-        assert_whole_checkpoint,
         fit_one_process,
+        last_checkpoint_state,
         metrics,
         run_trainer_worker,
         trainer_settings,
@@ -482,7 +484,18 @@ def test_parallel_fine_tuning_matches_one_process_and_resumes_exactly(
         run, resumed = tmp_path / layout, tmp_path / f"{layout}-resumed"
         assert [r["step"] for r in metrics(run)] == list(range(1, STEPS + 1))
         assert_metrics_match(metrics(run), metrics(reference), name)
-        assert_whole_checkpoint(run, reference, name)
+        assert_close_tensors(
+            read_global_tensors(run / last),
+            read_global_tensors(reference / last),
+            f"{name} step {STEPS} checkpoint",
+            atol=1e-4 if "parallel.tensor" in cases[layout] else 1e-5,
+        )
+        layout_of_run = last_checkpoint_state(run)["layout"]
+        want_tp = cases[layout].get("parallel.tensor", 1)
+        assert (layout_of_run["parallel.tensor"], layout_of_run["parallel.data"]) == (
+            want_tp,
+            2 // want_tp,
+        ), f"{name} ran as {layout_of_run}"
         assert_resume_exact(run, resumed, f"{name} resumed at step {RESUME_STEP}")
         assert_close_tensors(
             read_global_tensors(resumed / last),

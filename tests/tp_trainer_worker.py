@@ -3,6 +3,7 @@
 For each case: ``Trainer.fit`` over the whole run (metrics, checkpoints every
 ``checkpoint.interval`` steps, the model package), then rank 0 copies the first
 checkpoint into a fresh directory and a second trainer resumes from it to the end.
+Cases of one layout share its process groups; a case of another layout builds its own.
 
     torchrun --nproc-per-node 2 tests/tp_trainer_worker.py SPEC.json
 """
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from training.config import load_config
 from training.distributed import distributed
+from training.parallel.groups import validate_layout
 from training.trainer import Trainer
 
 
@@ -30,6 +32,8 @@ def run_case(spec: dict, name: str, settings: dict, state) -> object:
     """Fit, then resume a copy of the checkpoint of ``resume_step`` to the end."""
     config = config_of(spec, settings)
     out = Path(spec["out"]) / name
+    if state is not None and validate_layout(config, state.sizes.world) != state.sizes:
+        state = None  # another layout: its own process groups
     trainer = Trainer(config, out, parallel_state=state)
     trainer.fit(show_progress=False)
 
