@@ -25,6 +25,7 @@ from parallel_helpers import (
     assert_whole_checkpoint,
     config_of,
     fit_one_process,
+    last_checkpoint_state,
     metrics,
     run_trainer_worker,
     trainer_settings,
@@ -298,6 +299,9 @@ def test_tensor_and_data_parallel_lora_match_one_process(
     run_trainer_worker(tmp_path, cases, world=2, label="LoRA TP=2 / DP=2")
     for layout in cases:
         run = tmp_path / layout
+        recorded = last_checkpoint_state(run)["layout"]
+        tp = 2 if layout.startswith("tp2") else 1
+        assert (recorded["parallel.tensor"], recorded["parallel.data"]) == (tp, 2 // tp), recorded
         assert_metrics_match(metrics(run), metrics(lora_run), layout)
         assert_whole_checkpoint(run, lora_run, layout)
         assert_resume_exact(run, tmp_path / f"{layout}-resumed", layout)
