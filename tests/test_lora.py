@@ -74,14 +74,15 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def registered(base: Path, store: str) -> str:
+def registered(base: Path, store: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The base package registered as tiny-base@champion; returns the models:/ URI."""
     from mlflow import MlflowClient
 
     from registry.models import register_model
 
     client = MlflowClient(tracking_uri=store)
-    run = client.create_run(client.create_experiment("lora-base"))
+    artifacts = tmp_path_factory.mktemp("lora-artifacts").as_uri()  # not ./mlruns in the tree
+    run = client.create_run(client.create_experiment("lora-base", artifacts))
     register_model(base / "model", "tiny-base", run.info.run_id, {}, "champion", tracking_uri=store)
     return "models:/tiny-base@champion"
 
