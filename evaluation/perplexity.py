@@ -159,20 +159,10 @@ class DocumentScores:
 def sample_documents(dataset: GPTDataset, index: int) -> np.ndarray:
     """The shard-set document id of each of sample ``index``'s ``seq_length + 1`` tokens
     (the positions :meth:`GPTDataset.sample_tokens` reads)."""
-    sample = int(dataset.shuffle_index[index])
-    first, first_offset = (int(v) for v in dataset.sample_index[sample])
-    last, last_offset = (int(v) for v in dataset.sample_index[sample + 1])
-    parts = []
-    for position in range(first, last + 1):
-        document = int(dataset.document_index[position])
-        start = first_offset if position == first else 0
-        stop = (
-            last_offset + 1
-            if position == last
-            else int(dataset.shard_set.document_lengths[document])
-        )
-        parts.append(np.full(stop - start, document, dtype=np.int64))
-    return np.concatenate(parts)
+    spans = dataset.sample_spans(index)
+    return np.concatenate(
+        [np.full(stop - start, document, dtype=np.int64) for document, start, stop in spans]
+    )
 
 
 @torch.no_grad()

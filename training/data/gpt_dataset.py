@@ -253,12 +253,21 @@ class GPTDataset(SplitSamples):
 
     def sample_tokens(self, index: int) -> np.ndarray:
         """The ``seq_length + 1`` tokens at global ``index``, as int64."""
+        parts = [
+            self.shard_set.document_tokens(document, start, stop)
+            for document, start, stop in self.sample_spans(index)
+        ]
+        return np.concatenate(parts).astype(np.int64)
+
+    def sample_spans(self, index: int) -> list[tuple[int, int, int]]:
+        """``(document, start, stop)`` token ranges that make up the sample at global
+        ``index``, in order (its ``seq_length + 1`` tokens)."""
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
         sample = int(self.shuffle_index[index])
         first, first_offset = (int(v) for v in self.sample_index[sample])
         last, last_offset = (int(v) for v in self.sample_index[sample + 1])
-        parts = []
+        spans = []
         for position in range(first, last + 1):
             document = int(self.document_index[position])
             start = first_offset if position == first else 0
@@ -267,5 +276,5 @@ class GPTDataset(SplitSamples):
                 if position == last
                 else int(self.shard_set.document_lengths[document])
             )
-            parts.append(self.shard_set.document_tokens(document, start, stop))
-        return np.concatenate(parts).astype(np.int64)
+            spans.append((document, start, stop))
+        return spans
