@@ -49,7 +49,7 @@ def running_process(
     try:
         if ready_url:
             deadline = time.monotonic() + timeout_s
-            while not _answers(ready_url):
+            while not answers(ready_url):
                 if process.poll() is not None:
                     said = log.read_bytes() if log else process.stderr.read()
                     raise AssertionError(f"{what} exited: {said.decode()[-3000:]}")
@@ -147,7 +147,8 @@ def run_group(
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
+    """Whether ``url`` answers 200 within 2 s."""
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
             return response.status == 200

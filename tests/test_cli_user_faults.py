@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.servers import free_port, run_group, running_process
+from tests.servers import answers, free_port, run_group, running_process
 
 MEGALITH = [sys.executable, "-m", "pipelines.cli"]
 
@@ -273,14 +273,6 @@ def test_serve_pipelines_without_a_prefect_server_names_the_address(tmp_path: Pa
 
 
 # --- stopping `megalith ui` stops every server it started ---------------------------
-
-
-def answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 def port_open(port: int) -> bool:

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from parallel_helpers import (
     set_args,
     tiny_settings,
 )
-from servers import free_port, run_group, stop_group
+from servers import answers, free_port, run_group, stop_group
 
 from registry.tracking import OPEN_RUN_FILE
 from training.errors import MegalithError, storage_error_message
@@ -403,14 +402,6 @@ class MLflowServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
             self.process = None
-
-
-def answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 def wait_until(condition, what: str, timeout_s: float = HANG_GUARD_S) -> None:
