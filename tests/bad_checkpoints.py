@@ -210,7 +210,7 @@ def megatron_wrong_shape(target: Target, root: Path, marker: Path) -> str:
         state = torch.load(file, weights_only=True)
     state["model"]["decoder.layers.0.mlp.linear_fc2.weight"] = torch.zeros(32, 47)
     torch.save(state, file)
-    return r"layers\.0\.mlp\.fc2\.weight merges to \[32, 47\], args imply \[32, 48\]"
+    return r"tensor layers\.0\.mlp\.fc2\.weight is \[32, 47\], the config needs \[32, 48\]"
 
 
 def missing_file(target: Target, root: Path, marker: Path) -> str:
