@@ -13,10 +13,12 @@ import sentencepiece as spm
 import torch
 from safetensors.torch import load_file, save_file
 
+from evaluation.generate_t5 import encoder_ids
 from pipelines.cli import main
-from preprocessing.tokenizer import train_tokenizer
-from training.config import ModelConfig, TokenizerConfig
+from preprocessing.tokenizer import load_tokenizer, train_tokenizer
+from training.config import DEFAULT_SPECIAL_TOKENS, ModelConfig, TokenizerConfig
 from training.interop.hf import HFInteropError, export_hf, fast_tokenizer_json, import_hf
+from training.models import build_model
 from training.models.gpt import GPTModel
 from training.models.package import load_model_package, model_tensors, save_model_package
 
@@ -236,7 +238,8 @@ tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
 texts = json.loads(sys.argv[2])
 ids = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
 print(json.dumps({"ids": ids, "decoded": [tokenizer.decode(i) for i in ids],
-                  "with_bos": tokenizer(texts[0])["input_ids"]}))
+                  "with_specials": [tokenizer(text)["input_ids"] for text in texts],
+                  "eos_pad": [tokenizer.eos_token_id, tokenizer.pad_token_id]}))
 """
 SAMPLE_TEXTS = [
     "Teacher: Good afternoon, class.",
@@ -257,7 +260,40 @@ def test_exported_tokenizer_json_loads_without_sentencepiece_or_protobuf(
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer_file))
     assert result["ids"] == [sp.encode(text) for text in SAMPLE_TEXTS]
     assert result["decoded"] == SAMPLE_TEXTS
-    assert result["with_bos"] == [sp.piece_to_id("<|eod|>"), *sp.encode(SAMPLE_TEXTS[0])]
+    eod = sp.piece_to_id("<|eod|>")
+    assert result["with_specials"] == [[eod, *sp.encode(text)] for text in SAMPLE_TEXTS]
+
+
+def test_t5_export_tokenizer_json_gives_our_encoder_input_without_sentencepiece(
+    tmp_path: Path,
+) -> None:
+    """The T5 export's tokenizer.json, loaded by AutoTokenizer with sentencepiece and
+    protobuf blocked, encodes a text as our T5 encoder input: its pieces, then <|eod|>
+    (no BOS), as span-corruption samples and ``generate_seq2seq`` prompts end."""
+    lines = (REPO / "preprocessing/sample_corpus/stories.jsonl").read_text().splitlines()
+    docs = [json.loads(line)["text"] for line in lines[:300]]
+    specials = [*DEFAULT_SPECIAL_TOKENS, "<extra_id_0>", "<extra_id_1>"]
+    tok_config = TokenizerConfig(
+        vocab_size=400, pad_vocab_multiple=64, max_training_documents=300, special_tokens=specials
+    )
+    tokenizer = train_tokenizer(docs, tok_config, str(tmp_path / "tok"))
+    config = ModelConfig(
+        family="t5", num_layers=1, num_decoder_layers=1, hidden_size=32, num_attention_heads=4,
+        vocab_size=tokenizer.padded_vocab_size, max_position_embeddings=32,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16,
+    )  # fmt: skip
+    model = build_model(config)
+    package = save_model_package(model, config, tmp_path / "tok.model", tmp_path / "pkg")
+    hf_dir = export_hf(package, tmp_path / "hf")
+    texts = [*SAMPLE_TEXTS, "Once upon a time,<extra_id_0>"]  # the sentinel ends the prompt
+    command = [sys.executable, "-c", NO_SENTENCEPIECE, str(hf_dir), json.dumps(texts)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    ours = load_tokenizer(str(tmp_path / "tok.model"))
+    assert result["with_specials"] == [encoder_ids(ours, text) for text in texts]
+    assert result["eos_pad"] == [ours.eod_id, ours.pad_id]
+    assert result["decoded"][:-1] == SAMPLE_TEXTS
 
 
 def test_tokenizer_json_of_a_unigram_model_encodes_as_sentencepiece(tmp_path: Path) -> None:
@@ -268,7 +304,7 @@ def test_tokenizer_json_of_a_unigram_model_encodes_as_sentencepiece(tmp_path: Pa
     config = TokenizerConfig(model_type="unigram", vocab_size=600, max_training_documents=200)
     train_tokenizer(docs, config, str(tmp_path / "uni"))
     model_file = tmp_path / "uni.model"
-    fast = fast_tokenizer_json(model_file, "<|eod|>")
+    fast = fast_tokenizer_json(model_file, "<|eod|> $A")
     assert fast["model"]["type"] == "Unigram"
     (tmp_path / "tokenizer.json").write_text(json.dumps(fast), encoding="utf-8")
     tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))

@@ -21,10 +21,11 @@ GPT-2's Conv1D stores ``[in, out]``: the transpose of our ``nn.Linear`` weight. 
 mapping is a pure permutation of values, so a round trip is bit-exact.
 
 Export writes ``config.json``, ``generation_config.json``, ``model.safetensors``, the
-SentencePiece ``tokenizer.model``, and for GPT models the same tokenizer as a fast
-``tokenizer.json`` (:func:`fast_tokenizer_json`, so ``AutoTokenizer`` needs neither
-sentencepiece nor protobuf) with its ``tokenizer_config.json`` (:func:`tokenizer_files`),
-into a temporary sibling directory renamed into place.
+SentencePiece ``tokenizer.model``, and the same tokenizer as a fast ``tokenizer.json``
+(:func:`fast_tokenizer_json`, so ``AutoTokenizer`` needs neither sentencepiece nor
+protobuf; ``<|eod|>`` in front for GPT, after the text for T5) with its
+``tokenizer_config.json`` (:func:`tokenizer_files`), into a temporary sibling directory
+renamed into place.
 Import reads ``config.json`` (JSON) and safetensors (``model.safetensors``, a sharded
 ``model.safetensors.index.json``, or every ``*.safetensors``); PyTorch ``.bin`` files
 only with ``allow_torch_bin=True`` and then through ``torch.load(weights_only=True)``.
@@ -416,12 +417,14 @@ def tokenizer_files(tokenizer_model: Path) -> tuple[dict[str, Any], dict[str, in
     return config, ids
 
 
-def fast_tokenizer_json(tokenizer_model: Path, bos_token: str) -> dict[str, Any]:
+def fast_tokenizer_json(tokenizer_model: Path, template: str) -> dict[str, Any]:
     """Our SentencePiece model as a Hugging Face ``tokenizers`` JSON that encodes and
     decodes exactly as SentencePiece does: identity normalization, a "▁" always prepended
     (SentencePiece's dummy prefix, even before a leading space) and spaces as "▁", the BPE
-    merges (or unigram scores) of its pieces, byte fallback, and ``bos_token`` added in
-    front as :func:`tokenizer_files` configures. One difference: a user-defined piece
+    merges (or unigram scores) of its pieces, byte fallback, and the special tokens that
+    ``template`` places around a text (``$A``), as ``TemplateProcessing`` writes it:
+    ``"<|eod|> $A"`` for GPT (:func:`tokenizer_files`), ``"$A <|eod|>"`` for T5's
+    encoder input; a pair repeats it for ``$B``. One difference: a user-defined piece
     (``<|eod|>``) written inside a text splits it before normalization, so the text after
     it gets a "▁" of its own (SentencePiece's plain encode of such text differs there)."""
     proto = sentencepiece_model_pb2.ModelProto()
@@ -469,7 +472,6 @@ def fast_tokenizer_json(tokenizer_model: Path, bos_token: str) -> dict[str, Any]
         }
     else:
         raise HFInteropError(f"{tokenizer_model}: only BPE and unigram models are exported")
-    bos = {"SpecialToken": {"id": bos_token, "type_id": 0}}
     return {
         "version": "1.0",
         "truncation": None,
@@ -483,15 +485,7 @@ def fast_tokenizer_json(tokenizer_model: Path, bos_token: str) -> dict[str, Any]
             ],
         },
         "pre_tokenizer": None,
-        "post_processor": {
-            "type": "TemplateProcessing",
-            "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}]
-            + [bos, {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {
-                bos_token: {"id": bos_token, "ids": [ids[bos_token]], "tokens": [bos_token]}
-            },
-        },
+        "post_processor": _template_processing(template, ids, tokenizer_model),
         "decoder": {
             "type": "Sequence",
             "decoders": [
@@ -502,6 +496,34 @@ def fast_tokenizer_json(tokenizer_model: Path, bos_token: str) -> dict[str, Any]
             ],
         },
         "model": model,
+    }
+
+
+def _template_processing(template: str, ids: dict[str, int], source: Path) -> dict[str, Any]:
+    """``TemplateProcessing`` of ``template`` (special pieces and one ``$A``, space-separated):
+    the single template, and the pair template (it again with ``$B``, type id 1)."""
+    parts = template.split()
+    specials = [part for part in parts if part != "$A"]
+    if parts.count("$A") != 1 or any(piece not in ids for piece in specials):
+        raise HFInteropError(
+            f"{source}: template {template!r} needs one $A and pieces of the model around it"
+        )
+
+    def sequence(name: str, type_id: int) -> list[dict[str, Any]]:
+        return [
+            {"Sequence": {"id": name, "type_id": type_id}}
+            if part == "$A"
+            else {"SpecialToken": {"id": part, "type_id": type_id}}
+            for part in parts
+        ]
+
+    return {
+        "type": "TemplateProcessing",
+        "single": sequence("A", 0),
+        "pair": sequence("A", 0) + sequence("B", 1),
+        "special_tokens": {
+            piece: {"id": piece, "ids": [ids[piece]], "tokens": [piece]} for piece in specials
+        },
     }
 
 
@@ -536,14 +558,14 @@ def export_hf(package_dir: str | Path, out_dir: str | Path, *, overwrite: bool =
         tensors = hf_t5.to_hf_t5_tensors(config, model_tensors(model))
         tok_config, special_ids = hf_t5.t5_tokenizer_files(tokenizer)
         config_json = hf_t5.hf_t5_config(config, dtype, special_ids)
+        template = f"$A {tok_config['eos_token']}"  # the encoder input: text, then EOS
     else:
         tensors = to_hf_tensors(config, model_tensors(model))
         tok_config, special_ids = tokenizer_files(tokenizer)
         config_json = hf_config(config, dtype, special_ids)
+        template = f"{tok_config['bos_token']} $A"
     tok_config["model_max_length"] = config.max_position_embeddings
-    fast = (
-        None if config.family == "t5" else fast_tokenizer_json(tokenizer, tok_config["bos_token"])
-    )
+    fast = fast_tokenizer_json(tokenizer, template)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -557,8 +579,7 @@ def export_hf(package_dir: str | Path, out_dir: str | Path, *, overwrite: bool =
             tmp / "generation_config.json", {f"{k}_token_id": v for k, v in special_ids.items()}
         )
         _write_json(tmp / "tokenizer_config.json", tok_config)
-        if fast is not None:
-            _write_json(tmp / "tokenizer.json", fast)
+        _write_json(tmp / "tokenizer.json", fast)
         if out_dir.exists():
             old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
             out_dir.rename(old)

@@ -109,7 +109,7 @@ def t5_tokenizer_files(tokenizer_model: Path) -> tuple[dict[str, Any], dict[str,
     numbered = {int(m.group(1)): p for p in pieces if (m := sentinel.fullmatch(p))}
     sentinels = [numbered[n] for n in sorted(numbered)]
     tok_config = {
-        "tokenizer_class": "T5Tokenizer",
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": EOD_TOKEN,
         "pad_token": PAD_TOKEN,
         "unk_token": sp.id_to_piece(sp.unk_id()),
