@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from parallel_helpers import (
@@ -39,11 +40,15 @@ from parallel_helpers import (
     set_args,
     tiny_settings,
 )
+from safetensors import SafetensorError
 from servers import answers, free_port, run_group, stop_group
 
 from registry.tracking import OPEN_RUN_FILE
+from training.async_checkpoint import Checkpointer
+from training.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
 from training.errors import MegalithError, storage_error_message
 from training.run_lock import LOCK_NAME, RunLock
+from training.sharded_checkpoint import Snapshot
 from training.tracking import MetricsFile
 
 HANG_GUARD_S = 240
@@ -261,6 +266,17 @@ def limit_file_size(limit: int):
     return apply
 
 
+@contextlib.contextmanager
+def limit_own_file_size(limit: int) -> Iterator[None]:
+    """This process's writes past ``limit`` bytes fail with EFBIG while inside."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
 def run_limited(
     args: list[str], limit: int, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
@@ -307,20 +323,54 @@ def test_an_output_under_a_file_is_one_line_naming_it(shards: Path, tmp_path: Pa
     assert one_error_line(done).endswith(": Not a directory (ENOTDIR)")
 
 
+@pytest.mark.parametrize("background", ["true", "false"], ids=["async", "sync"])
 def test_a_checkpoint_past_a_file_size_limit_is_one_line_and_never_latest(
-    shards: Path, tmp_path: Path
+    background: str, shards: Path, tmp_path: Path
 ) -> None:
     from training.sharded_checkpoint import latest_sharded_checkpoint
 
     output = tmp_path / "run"
     # Hidden size 128: the tensor files (> 512 KB) outgrow the data index cache (~360 KB).
-    wider = {"checkpoint.interval": 2, "model.hidden_size": 128, "model.ffn_hidden_size": 256}
+    wider = {"checkpoint.interval": 2, "model.hidden_size": 128, "model.ffn_hidden_size": 256,
+             "checkpoint.async_save": background}  # fmt: skip
     line = one_error_line(run_limited([*train_args(shards, output, wider), "--quiet"], 450_000))
     staging = output / "checkpoints" / "step-00000002.tmp"
     assert line.startswith(f"error: writing a checkpoint failed: {staging}/")
     assert line.endswith(".safetensors: File too large (EFBIG)")
     assert latest_sharded_checkpoint(str(output / "checkpoints")) is None
-    assert [p.name for p in (output / "checkpoints").iterdir()] == [staging.name]
+    assert list((output / "checkpoints").iterdir()) == []  # the failed save's space is back
+
+
+def test_a_v1_checkpoint_save_that_fails_leaves_no_staging_folder(tmp_path: Path) -> None:
+    model = torch.nn.Linear(256, 256)  # 256 KB of weights: past the limit below
+    optimizer = torch.optim.AdamW(model.parameters())
+    names = [name for name, _ in model.named_parameters()]
+    # safetensors' own writer (v1 only) reports the OS error as a SafetensorError.
+    with limit_own_file_size(100_000), pytest.raises(SafetensorError, match="File too large"):
+        save_checkpoint(tmp_path, 1, model, optimizer, names, {"consumed_samples": 0})
+    assert list(tmp_path.iterdir()) == []
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_a_failed_save_to_an_object_store_leaves_no_objects(
+    s3_bucket: str, s3_endpoint: dict
+) -> None:
+    import s3fs
+
+    root = f"{s3_bucket}/run/checkpoints"
+    # Rank 1 of two never wrote its part: the commit fails after rank 0's files are up.
+    snapshot = Snapshot(
+        root=root, step=3, rank=0, world=2, state={"step": 3}, layout={}, keep_last=1,
+        files={"model-r00000.safetensors": {"w": torch.ones(8)}},
+        tensors={"w": {"shape": [16], "dtype": "float32", "shards": []}},
+    )  # fmt: skip
+    checkpointer = Checkpointer(storage_options=s3_endpoint)
+    checkpointer.save(lambda: snapshot, background=True)
+    with pytest.raises(CheckpointError, match="writing a checkpoint failed: .*rank-00001.json"):
+        checkpointer.wait()
+    store = s3fs.S3FileSystem(**s3_endpoint)
+    store.invalidate_cache()
+    assert store.find(root) == []
 
 
 def test_export_past_a_file_size_limit_names_the_file_and_leaves_no_folder(

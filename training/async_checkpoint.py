@@ -11,7 +11,8 @@ training wait for it; an error in the thread is raised there.
 
 A kill at any moment leaves the previous checkpoint complete: the new one has no
 index.json yet (object stores) or is still ``step-X.tmp`` (local disk); the next save
-removes it.
+removes it. A save that fails (a full disk, a quota, a file-size limit) removes it at
+once, on the failing rank.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from training.sharded_checkpoint import (
     Snapshot,
     checkpoint_url,
     commit,
+    discard_staging,
     remove_tree,
     staging_url,
     write_rank_files,
@@ -107,9 +109,9 @@ class Checkpointer:
             dist.barrier(group=self.group)
 
     def _run(self, snapshot: Snapshot) -> None:
+        staging = staging_url(snapshot.root, snapshot.step)
         try:
             started = time.perf_counter()
-            staging = staging_url(snapshot.root, snapshot.step)
             if snapshot.rank == 0:
                 remove_tree(staging, self.storage_options)
                 if is_local(staging):
@@ -132,6 +134,9 @@ class Checkpointer:
                 )  # fmt: skip
         except BaseException as error:  # re-raised in the training thread by wait()
             self._error = error
+            # Any failing rank: the others may be stuck at a barrier until the launcher
+            # stops them, and a full disk should not wait for the next save to empty.
+            discard_staging(staging, self.storage_options)
 
     def pop_timings(self) -> dict[str, float]:
         """``checkpoint_blocked_s`` of the last save and, once written,

@@ -103,29 +103,32 @@ def save_checkpoint(
     staging = root / f"{step_dir_name(step)}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    try:
+        tensors = {
+            "model.safetensors": _model_tensors(model),
+            "optimizer.safetensors": _optimizer_tensors(optimizer, param_names),
+            "rng.safetensors": _rng_tensors(),
+        }
+        for name, content in tensors.items():
+            save_file(content, str(staging / name))
+        record = {
+            **state,
+            "step": step,
+            "optimizer": {"param_groups": _param_groups(optimizer), "param_names": param_names},
+            "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+            "rng": _rng_json(),
+        }
+        (staging / "state.json").write_text(json.dumps(record, indent=2))
+        _write_index(staging, tensors, step)
+        if should_sign(sign):
+            sign_directory(staging, "index.json")
 
-    tensors = {
-        "model.safetensors": _model_tensors(model),
-        "optimizer.safetensors": _optimizer_tensors(optimizer, param_names),
-        "rng.safetensors": _rng_tensors(),
-    }
-    for name, content in tensors.items():
-        save_file(content, str(staging / name))
-    record = {
-        **state,
-        "step": step,
-        "optimizer": {"param_groups": _param_groups(optimizer), "param_names": param_names},
-        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-        "rng": _rng_json(),
-    }
-    (staging / "state.json").write_text(json.dumps(record, indent=2))
-    _write_index(staging, tensors, step)
-    if should_sign(sign):
-        sign_directory(staging, "index.json")
-
-    if final.exists():
-        shutil.rmtree(final)
-    staging.rename(final)
+        if final.exists():
+            shutil.rmtree(final)
+        staging.rename(final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # a full disk gets its space back at once
+        raise
     atomic_write_json(str(root / "latest.json"), {"step": step, "path": final.name})
     _prune(root, step, keep_last)
     return final

@@ -47,6 +47,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -114,6 +115,8 @@ INDEX = "index.json"
 STATE = "state.json"
 LATEST = "latest.json"
 
+logger = logging.getLogger(__name__)
+
 _DTYPES = {
     torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
     torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL",
@@ -169,6 +172,19 @@ def remove_tree(url: str, storage_options: dict | None = None) -> None:
         shutil.rmtree(url.removeprefix("file://"), ignore_errors=True)
     else:
         fs.rm(path, recursive=True)
+
+
+def discard_staging(staging: str, storage_options: dict | None = None) -> None:
+    """Remove what a failed save wrote, so a full disk gets its space back at once.
+
+    Best effort: it must never replace the save's own error. A staging folder that holds
+    index.json on an object store is the committed checkpoint itself (no rename there),
+    and stays."""
+    try:
+        if is_local(staging) or not _exists(_url(staging, INDEX), storage_options):
+            remove_tree(staging, storage_options)
+    except Exception as exc:  # the next save or resume removes it
+        logger.warning("could not remove %s after a failed save: %s", staging, exc)
 
 
 def _step_entries(root: str, storage_options: dict | None = None) -> list[str]:
