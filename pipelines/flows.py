@@ -24,6 +24,7 @@ from pipelines.tokenize import manifest_markdown, train_tokenizer_task, write_sh
 from training.config import MegalithConfig, PromotionConfig
 
 SAMPLE_TASKS = ["sample_facts"]
+NO_LM_EVAL_TASKS: list[str] = []
 
 
 @flow(name="pretrain", log_prints=True)
@@ -45,9 +46,14 @@ def evaluate(
     report_path: str,
     task_files: list[str] = SAMPLE_TASKS,  # noqa: B006 - a read-only form default
     run_id: str | None = None,
+    lm_eval_tasks: list[str] = NO_LM_EVAL_TASKS,  # noqa: B006 - a read-only form default
 ) -> dict[str, Any]:
-    """Perplexity on the valid split, zero-shot tasks and sample generations."""
-    evaluation = evaluate_task(model_package, config, report_path, task_files, None, run_id)
+    """Perplexity on the valid split, zero-shot tasks, sample generations and the
+    ``lm_eval_tasks`` (lm-evaluation-harness task names, e.g. ``sample_facts``; empty: none),
+    all logged to MLflow run ``run_id`` when given."""
+    evaluation = evaluate_task(
+        model_package, config, report_path, task_files, None, run_id, lm_eval_tasks=lm_eval_tasks
+    )
     publish_evaluation(evaluation)
     return evaluation
 
@@ -75,10 +81,17 @@ def promote_model_flow(
 
 
 @flow(name="end-to-end", log_prints=True)
-def end_to_end(config: MegalithConfig, workdir: str, nproc_per_node: int = 1) -> dict[str, Any]:
+def end_to_end(
+    config: MegalithConfig,
+    workdir: str,
+    nproc_per_node: int = 1,
+    lm_eval_tasks: list[str] = NO_LM_EVAL_TASKS,  # noqa: B006 - a read-only form default
+) -> dict[str, Any]:
     """Tokenize → pretrain → evaluate → register. A rerun skips unchanged stages.
 
-    ``nproc_per_node`` > 1 pretrains on that many ranks of this machine (torchrun)."""
+    ``nproc_per_node`` > 1 pretrains on that many ranks of this machine (torchrun);
+    ``lm_eval_tasks``: lm-evaluation-harness tasks the evaluation runs too (their metrics
+    reach MLflow and the registered version, as ``lm_eval.TASK.METRIC``)."""
     logger = get_run_logger()
     root = Path(workdir)
     model_path = train_tokenizer_task(config.data, config.tokenizer)
@@ -97,6 +110,7 @@ def end_to_end(config: MegalithConfig, workdir: str, nproc_per_node: int = 1) ->
         SAMPLE_TASKS,
         run_id=run_id,
         package_id=trained["package_id"],
+        lm_eval_tasks=lm_eval_tasks,
     )
     publish_evaluation(evaluation)
 

@@ -132,8 +132,10 @@ def evaluate_task(
     prompts: list[str] | None = None,
     run_id: str | None = None,
     package_id: str = "",
+    lm_eval_tasks: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Perplexity, zero-shot tasks and sample generations; returns the headline metrics.
+    """Perplexity, zero-shot tasks, lm-eval tasks (names or YAML files, as ``megalith eval
+    --lm-eval-tasks`` takes) and sample generations; returns the headline metrics.
 
     ``package_id`` keys the cache to the model's content, not just its path."""
     from evaluation.generate import SamplingConfig
@@ -142,7 +144,13 @@ def evaluate_task(
     # Leave at least half the context for the prompt.
     sampling = SamplingConfig(max_new_tokens=min(64, config.data.seq_length // 2))
     report = evaluate_model(
-        model_package, config.data, task_files, prompts, sampling=sampling, output=report_path
+        model_package,
+        config.data,
+        task_files,
+        prompts,
+        sampling=sampling,
+        output=report_path,
+        lm_eval_tasks=lm_eval_tasks or (),
     )
     metrics = headline_metrics(report)
     if run_id:

@@ -69,6 +69,10 @@ def config(workdir: Path):
     )
 
 
+# What a user types in the flow's form: the shipped lm-eval task (local data, no hub).
+LM_EVAL_TASKS = ["sample_facts"]
+
+
 @pytest.fixture(scope="module")
 def first_run(prefect_api, tracking_uri: str, workdir: Path, config) -> dict:
     from pipelines.flows import end_to_end
@@ -76,7 +80,8 @@ def first_run(prefect_api, tracking_uri: str, workdir: Path, config) -> dict:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
         patch.setenv("OMP_NUM_THREADS", "1")
-        return end_to_end(config, str(workdir))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        return end_to_end(config, str(workdir), lm_eval_tasks=LM_EVAL_TASKS)
 
 
 def test_every_stage_ran_and_reported(first_run: dict, workdir: Path) -> None:
@@ -102,12 +107,18 @@ def test_mlflow_holds_the_run_and_the_candidate(first_run: dict, tracking_uri: s
     assert run.data.params["training.train_iters"] == "6"
     assert len(client.get_metric_history(run_id, "loss")) == 6
     assert "eval.valid_perplexity" in run.data.metrics
+    # The flow's lm_eval_tasks ran through lm-eval; its metrics reached the run.
+    lm_acc = first_run["evaluation"]["metrics"]["lm_eval.sample_facts.acc"]
+    assert run.data.metrics["eval.lm_eval.sample_facts.acc"] == pytest.approx(lm_acc)
+    report = json.loads(Path(first_run["evaluation"]["report"]).read_text())
+    assert report["lm_eval"]["samples"]["sample_facts"], "lm-eval scored no item"
     assert run.data.tags["megalith.tokenizer.id"] == first_run["shards"]["tokenizer_id"]
     version = client.get_model_version_by_alias(MODEL_NAME, "candidate")
     assert int(version.version) == 1
     assert float(version.tags["eval.valid_perplexity"]) == pytest.approx(
         first_run["evaluation"]["metrics"]["valid_perplexity"]
     )
+    assert float(version.tags["eval.lm_eval.sample_facts.acc"]) == pytest.approx(lm_acc)
 
 
 def test_the_flow_published_its_artifacts(first_run: dict) -> None:
@@ -154,7 +165,8 @@ def test_rerun_skips_evaluation_and_registration(
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
         patch.setenv("OMP_NUM_THREADS", "1")
-        again = end_to_end(config, str(workdir))
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        again = end_to_end(config, str(workdir), lm_eval_tasks=LM_EVAL_TASKS)
     assert again["shards"]["skipped"], "the shards should have been reused"
     assert again["training"]["package_id"] == first_run["training"]["package_id"]
     assert again["registration"]["version"] == 1
@@ -207,6 +219,15 @@ def test_serve_pipelines_offers_every_flow_with_form_defaults(tmp_path: Path) ->
     schema = parameter_schema(flow).model_dump()
     assert schema["properties"]["config"]["$ref"].endswith("MegalithConfig")
     assert "ModelConfig" in schema["definitions"]  # the UI renders each section as a form
+    from pipelines.flows import evaluate
+
+    for with_lm_eval in (flow, evaluate):  # a list-of-strings field, empty by default
+        field = parameter_schema(with_lm_eval).model_dump()["properties"]["lm_eval_tasks"]
+        assert (field["type"], field["items"], field["default"]) == (
+            "array",
+            {"type": "string"},
+            [],
+        )
 
 
 def test_the_first_demo_on_a_fresh_prefect_home_prints_no_error(tmp_path: Path) -> None:
