@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 from deploy.cli import PORT, require_free_port
+from pipelines import group_watchdog
 from registry.tracking import DEMO_WORKDIR
 from training.config import MegalithConfig, load_config
 from training.errors import MegalithError
@@ -92,7 +93,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="start the Prefect UI and the MLflow UI on localhost",
         description=f"Start `prefect server start` on {PREFECT_URL} and `mlflow ui` on "
         f"http://127.0.0.1:{MLFLOW_PORT} for WORKDIR/mlflow.db (or MLFLOW_TRACKING_URI). Ctrl-C "
-        "or SIGTERM stops both, with every process they started.",
+        "or SIGTERM stops both, with every process they started; if `megalith ui` is killed "
+        "outright (SIGKILL), a small watchdog it started stops them.",
     )
     ui.add_argument(
         "--workdir", default=DEMO_WORKDIR, help=f"whose mlflow.db to show (default {DEMO_WORKDIR})"
@@ -223,10 +225,12 @@ def _ui(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _interrupt)
     servers: dict[str, subprocess.Popen] = {}
+    watchdog = _start_watchdog()
     try:
         for name, (command, env) in commands.items():
             # Each server leads its own process group: stopping it stops its workers too.
             servers[name] = subprocess.Popen(command, env=env, process_group=0)
+            _tell(watchdog, str(servers[name].pid))
         print(f"Prefect UI  {prefect_url}   (export PREFECT_API_URL={prefect_url}/api)")
         print(f"MLflow UI   http://127.0.0.1:{args.mlflow_port}   ({tracking})")
         print("Ctrl-C stops both.", flush=True)
@@ -239,6 +243,7 @@ def _ui(args: argparse.Namespace) -> int:
             signal.signal(signum, signal.SIG_IGN)
         died = [(name, s.returncode) for name, s in servers.items() if s.poll() is not None]
         stop_process_groups(list(servers.values()))
+        _dismiss(watchdog)
     if died:
         raise MegalithError(f"the {died[0][0]} server stopped by itself (exit code {died[0][1]})")
     return 0
@@ -265,6 +270,28 @@ def _ui_servers(
     }  # fmt: skip
 
 
+def _start_watchdog() -> subprocess.Popen:
+    """The process that stops the servers' groups if this one dies without doing so
+    (SIGKILL, the OOM killer): :mod:`pipelines.group_watchdog`. In a group of its own, so
+    a terminal's Ctrl-C or hangup reaches only `megalith ui`."""
+    command = [sys.executable, "-m", "pipelines.group_watchdog"]
+    return subprocess.Popen(command, stdin=subprocess.PIPE, text=True, process_group=0)
+
+
+def _tell(watchdog: subprocess.Popen, line: str) -> None:
+    with contextlib.suppress(OSError):  # it died: nothing to tell, nothing it can do
+        watchdog.stdin.write(f"{line}\n")
+        watchdog.stdin.flush()
+
+
+def _dismiss(watchdog: subprocess.Popen) -> None:
+    """The servers are stopped: the watchdog ends without touching their groups."""
+    _tell(watchdog, group_watchdog.DONE)
+    with contextlib.suppress(OSError):
+        watchdog.stdin.close()
+    watchdog.wait()
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -273,19 +300,14 @@ def stop_process_groups(leaders: list[subprocess.Popen], grace_s: float = 15) ->
     """SIGTERM to each leader's process group; SIGKILL to whatever of a group is left
     ``grace_s`` later (or once its leader has exited: its workers would be orphans)."""
     for leader in leaders:
-        _signal_group(leader, signal.SIGTERM)
+        group_watchdog.signal_group(leader.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for leader in leaders:
         with contextlib.suppress(subprocess.TimeoutExpired):
             leader.wait(timeout=max(0.1, deadline - time.monotonic()))
     for leader in leaders:
-        _signal_group(leader, signal.SIGKILL)
+        group_watchdog.signal_group(leader.pid, signal.SIGKILL)
         leader.wait()
-
-
-def _signal_group(leader: subprocess.Popen, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(leader.pid, signum)
 
 
 def _healthy(url: str) -> bool:
