@@ -93,10 +93,11 @@ def hf_t5_config(config: ModelConfig, dtype: str, special_ids: dict[str, int]) -
 
 
 def t5_tokenizer_files(tokenizer_model: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """``tokenizer_config.json`` for ``T5Tokenizer`` over our SentencePiece model (its
-    ``<extra_id_N>`` sentinels are already pieces, so ``extra_ids`` is 0), and the
-    pad/eos/decoder-start ids. ``<|eod|>`` ends a sequence, ``<|pad|>`` pads and starts
-    the decoder."""
+    """``tokenizer_config.json`` for the export's ``tokenizer.json`` (its ``<extra_id_N>``
+    sentinels are already pieces, so ``extra_ids`` is 0), and the pad/eos/decoder-start
+    ids. ``<|eod|>`` ends a sequence, ``<|pad|>`` pads and starts the decoder. The class is
+    ``PreTrainedTokenizerFast``: transformers 5's ``T5Tokenizer`` rebuilds a unigram model
+    from the vocabulary and cannot load a BPE ``tokenizer.json``."""
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer_model))
     pieces = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     missing = [piece for piece in (EOD_TOKEN, PAD_TOKEN) if piece not in pieces]
