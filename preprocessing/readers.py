@@ -14,7 +14,9 @@ import contextlib
 import functools
 import gzip
 import json
+import os
 import posixpath
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -55,6 +57,11 @@ READ_CHUNK = 1 << 20
 # A batch is also cut when its texts reach this size, so a few huge documents
 # cannot make one batch (and the worker holding it) arbitrarily large.
 MAX_BATCH_BYTES = 32 << 20
+# One record (a jsonl line, a text line or paragraph) or one whole-file document may be at
+# most this large: a file without newlines (or /dev/zero behind a .jsonl name) is refused
+# instead of being read into memory without end.
+MAX_RECORD_BYTES = 64 << 20
+MAX_FILE_DOCUMENT_BYTES = 256 << 20
 CHECK_THREADS = 16
 SNIPPET_CHARS = 80
 DETAIL_CHARS = 240
@@ -243,6 +250,8 @@ def _check_readable(source: InputFile, storage_options: dict[str, Any] | None) -
                 pq.ParquetFile(stream).metadata  # noqa: B018 - reads and checks the footer
             else:
                 stream.read(1)
+    except InputError:
+        raise
     except Exception as exc:
         raise InputError(f"{source.url}: cannot read input ({_describe(exc)})") from exc
 
@@ -262,6 +271,9 @@ def _describe(exc: BaseException) -> str:
 def _open_stream(source: InputFile, storage_options: dict[str, Any] | None) -> Iterator[IO[bytes]]:
     """Open ``source`` for binary reading, decompressing on the fly."""
     fs, path = filesystem(source.url, storage_options)
+    if isinstance(fs, LocalFileSystem) and not stat.S_ISREG(os.stat(path).st_mode):
+        # devices and pipes never end (/dev/zero, /dev/urandom behind a .jsonl name)
+        raise InputError(f"{source.url}: not a regular file (a device, pipe or socket)")
     with fs.open(path, "rb") as raw:
         if source.compression == "gzip":
             with gzip.GzipFile(fileobj=raw) as stream:
@@ -378,6 +390,11 @@ def _read_lines(stream: IO[bytes], url: str) -> Iterator[tuple[int, bytes, int]]
             break
         lines = (tail + chunk).split(b"\n")
         tail = lines.pop()
+        if len(tail) > MAX_RECORD_BYTES:
+            raise InputError(
+                f"{url}: line {lineno + len(lines) + 1} runs past {MAX_RECORD_BYTES >> 20} MiB "
+                "without a newline; expected one record per line"
+            )
         for line in lines:
             lineno += 1
             yield lineno, line.removesuffix(b"\r"), len(line) + 1
@@ -536,9 +553,14 @@ def _parquet_text(value: Any, key: str) -> str:
 
 def _whole_file_batches(stream: IO[bytes], url: str, batcher: _Batcher) -> Iterator[TextBatch]:
     try:
-        data = stream.read()
+        data = stream.read(MAX_FILE_DOCUMENT_BYTES + 1)
     except Exception as exc:
         raise InputError(f"{url}: read failed ({_describe(exc)})") from exc
+    if len(data) > MAX_FILE_DOCUMENT_BYTES:
+        raise InputError(
+            f"{url}: larger than {MAX_FILE_DOCUMENT_BYTES >> 20} MiB, too large to be one "
+            "document (text_mode 'file'); use text_mode 'line' or 'paragraph'"
+        )
     batcher.nbytes += len(data)
     data = _strip_bom(1, data)
     try:
@@ -577,11 +599,19 @@ def _line_batches(stream: IO[bytes], url: str, batcher: _Batcher) -> Iterator[Te
 def _paragraph_batches(stream: IO[bytes], url: str, batcher: _Batcher) -> Iterator[TextBatch]:
     """Documents separated by one or more blank (whitespace-only) lines."""
     lines: list[str] = []
+    paragraph_bytes = 0
     bad: tuple[int, _Reject] | None = None  # the first bad line of the current paragraph
     for lineno, line, size in _read_lines(stream, url):
         batcher.nbytes += size
         line = _strip_bom(lineno, line)
         if line and not line.isspace():
+            paragraph_bytes += size
+            if paragraph_bytes > MAX_FILE_DOCUMENT_BYTES:
+                raise InputError(
+                    f"{url}: the paragraph ending at line {lineno} runs past "
+                    f"{MAX_FILE_DOCUMENT_BYTES >> 20} MiB without a blank line; use text_mode "
+                    "'line' for text without paragraphs"
+                )
             try:
                 lines.append(_decode(line))
             except _Reject as reject:
@@ -589,7 +619,7 @@ def _paragraph_batches(stream: IO[bytes], url: str, batcher: _Batcher) -> Iterat
             continue
         if lines or bad:
             _end_paragraph(url, lines, bad, batcher)
-            lines, bad = [], None
+            lines, bad, paragraph_bytes = [], None, 0
             if batcher.full():
                 yield batcher.take()
     if lines or bad:

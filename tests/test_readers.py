@@ -422,3 +422,40 @@ def test_s3_missing_bucket_and_key_fail_in_resolve(s3_endpoint, s3_bucket):
     for url in ("s3://megalith-no-such-bucket/a.jsonl", f"{s3_bucket}/missing.jsonl"):
         with pytest.raises(InputError, match=url):
             resolve_inputs([url], storage_options=s3_endpoint)
+
+
+# ---------------------------------------------------------------- unbounded inputs
+
+
+def test_a_device_behind_a_corpus_name_is_refused_before_reading(tmp_path):
+    link = tmp_path / "zero.jsonl"
+    os.symlink("/dev/zero", link)
+    with pytest.raises(InputError, match=r"zero.jsonl: not a regular file \(a device"):
+        resolve_inputs([str(link)])
+
+
+def test_a_gzip_bomb_without_newlines_is_refused_at_the_record_limit(tmp_path, monkeypatch):
+    # 64 MiB of one line would be refused the same way; a smaller limit keeps the test fast
+    monkeypatch.setattr(readers, "MAX_RECORD_BYTES", 1 << 20)
+    path = write(tmp_path / "bomb.jsonl.gz", b'{"text": "' + b"a" * (8 << 20))
+    tracemalloc.start()
+    try:
+        with pytest.raises(InputError, match=r"bomb.jsonl.gz: line 1 runs past 1 MiB without"):
+            read_all(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20  # never held the whole decompressed line
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [("file", r"larger than 1 MiB, too large to be one document"),
+     ("paragraph", r"paragraph ending at line \d+ runs past 1 MiB without a blank line")],
+)  # fmt: skip
+def test_text_documents_past_the_limit_are_refused(tmp_path, monkeypatch, mode, message):
+    monkeypatch.setattr(readers, "MAX_FILE_DOCUMENT_BYTES", 1 << 20)
+    path = write(tmp_path / "book.txt", b"a line of a book without paragraphs\n" * 40_000)
+    with pytest.raises(InputError, match=message):
+        read_all(path, text_mode=mode)
+    assert len(read_all(path, text_mode="line")[0]) == 40_000  # line mode reads it
