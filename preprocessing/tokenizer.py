@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import sentencepiece as spm
+from google.protobuf.message import DecodeError
 
 from preprocessing import safe_read
 from preprocessing.storage import atomic_write_bytes, sha256_of_bytes
@@ -113,12 +114,15 @@ def _processor_from_bytes(model_bytes: bytes, name: str) -> spm.SentencePiecePro
     return processor
 
 
-def _special_ids(model_bytes: bytes) -> dict[str, int]:
+def _special_ids(model_bytes: bytes, name: str) -> dict[str, int]:
     """Control, unknown and user-defined pieces (the processor API cannot tell the last apart)."""
     from sentencepiece import sentencepiece_model_pb2
 
     model = sentencepiece_model_pb2.ModelProto()
-    model.ParseFromString(model_bytes)
+    try:
+        model.ParseFromString(model_bytes)
+    except DecodeError:  # bytes SentencePiece's own parser let through
+        raise TokenizerError(f"{name}: not a SentencePiece model file (corrupt protobuf)") from None
     special = {
         sentencepiece_model_pb2.ModelProto.SentencePiece.UNKNOWN,
         sentencepiece_model_pb2.ModelProto.SentencePiece.CONTROL,
@@ -132,7 +136,7 @@ def tokenizer_from_bytes(
 ) -> Tokenizer:
     """Build a ``Tokenizer`` from serialized model bytes; ``model_path`` is where they live."""
     processor = _processor_from_bytes(model_bytes, model_path)
-    special_ids = _special_ids(model_bytes)
+    special_ids = _special_ids(model_bytes, model_path)
     if EOD_TOKEN in special_ids:
         eod_id = special_ids[EOD_TOKEN]
     elif processor.eos_id() >= 0:

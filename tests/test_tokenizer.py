@@ -222,6 +222,17 @@ def test_non_model_file_is_a_clear_error(tmp_path: Path) -> None:
         load_tokenizer(str(tmp_path))
 
 
+def test_a_model_only_sentencepiece_accepts_is_a_clear_error(
+    trained: dict[str, Tokenizer], tmp_path: Path
+) -> None:
+    # Found by the reader fuzz: SentencePiece's parser loads these bytes, protobuf's does not.
+    bad = tmp_path / "prefixed.model"
+    prefix = bytes.fromhex("e80000dd000000000099808080100000000000000000")
+    bad.write_bytes(prefix + trained["bpe"].model_bytes)
+    with pytest.raises(TokenizerError, match=f"{bad}: not a SentencePiece model file"):
+        load_tokenizer(str(bad))
+
+
 def test_vocab_too_large_suggests_smaller(documents: list[str], tmp_path: Path) -> None:
     with pytest.raises(TokenizerError, match=r"too large.*--vocab-size \(at most \d+\)"):
         train_tokenizer(documents[:20], config(vocab_size=20000), str(tmp_path / "big"))
