@@ -341,6 +341,16 @@ def test_verify_and_inspect_cli_name_the_bad_key(good_set: Path) -> None:
     assert "shard-00000.idx.bytes: Input should be a valid integer" in verified.stderr
 
 
+def test_a_manifest_in_a_symlink_loop_is_one_line(good_set: Path) -> None:
+    manifest = good_set / "manifest.json"
+    manifest.unlink()
+    manifest.symlink_to("manifest.json")  # points at itself: ELOOP on every open
+    for command in ("verify", "inspect"):
+        result = megalith("data", command, good_set)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert "manifest.json: Too many levels of symbolic links (ELOOP)" in result.stderr
+
+
 def test_inspect_and_verify_cli_refuse_a_corrupt_index(bad_ids: Path) -> None:
     """A pointer rewritten and the manifest's hash updated to match: the index check itself
     must catch it, in verify and in inspect --decode."""

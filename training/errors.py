@@ -19,12 +19,13 @@ class MegalithError(Exception):
 
 
 # A full disk, a quota, a file-size limit, a read-only or forbidden place, a path through
-# a file: the user can act on these (free space, another --output), so they get one line,
+# a file, a symlink loop or a name too long: the user can act on these (free space, another
+# --output, a fixed link), so they get one line,
 # not a traceback.
 STORAGE_ERRNOS = frozenset(
     {
         errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM,
-        errno.ENOTDIR, errno.EISDIR,
+        errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.ENAMETOOLONG,
     }
 )  # fmt: skip
 
