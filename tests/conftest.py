@@ -14,6 +14,7 @@ import os
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -156,3 +157,19 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     with running_process(command, env, "mlflow server", f"{url}/health"):
         yield url
+
+
+@pytest.fixture(scope="session")
+def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 400-piece SentencePiece model trained on the shipped stories."""
+    import json
+
+    from preprocessing.tokenizer import train_tokenizer
+    from training.config import TokenizerConfig
+
+    corpus = Path(__file__).parent.parent / "preprocessing/sample_corpus/stories.jsonl"
+    docs = [json.loads(line)["text"] for line in corpus.read_text().splitlines()[:300]]
+    prefix = tmp_path_factory.mktemp("tok") / "tok"
+    config = TokenizerConfig(vocab_size=400, pad_vocab_multiple=64, max_training_documents=300)
+    train_tokenizer(docs, config, str(prefix))
+    return Path(f"{prefix}.model")

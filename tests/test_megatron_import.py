@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import random
 from pathlib import Path
 
@@ -23,8 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from pipelines.cli import main
-from preprocessing.tokenizer import train_tokenizer
-from training.config import TokenizerConfig
 from training.interop.megatron import MegatronImportError, import_megatron
 from training.models.package import load_model_package
 
@@ -34,16 +31,6 @@ REPO = Path(__file__).resolve().parents[1]
 VOCAB, SEQ, LAYERS = 448, 16, 2
 # fp32 on CPU: megatron-core's unfused attention/softmax vs our SDPA differ by rounding only.
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    lines = (REPO / "preprocessing/sample_corpus/stories.jsonl").read_text().splitlines()
-    docs = [json.loads(line)["text"] for line in lines[:300]]
-    prefix = tmp_path_factory.mktemp("tok") / "tok"
-    config = TokenizerConfig(vocab_size=400, pad_vocab_multiple=64, max_training_documents=300)
-    train_tokenizer(docs, config, str(prefix))
-    return Path(f"{prefix}.model")
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from evaluation.cli import package_max_positions, read_prompts
-from preprocessing.tokenizer import train_tokenizer
 from registry.models import RegistryError, check_mlmodel, verify_package
 from tests.test_data_cli import assert_clean_error, megalith
 from training.checkpoint import save_checkpoint
-from training.config import ConfigError, ModelConfig, OptimizerConfig, TokenizerConfig, load_config
+from training.config import ConfigError, ModelConfig, OptimizerConfig, load_config
 from training.errors import MegalithError
 from training.finetune.base import load_base
 from training.interop.hf import HFInteropError, export_hf, import_hf, model_config_from_hf
@@ -65,16 +64,6 @@ def tiny_config(**overrides: Any) -> ModelConfig:
         "max_position_embeddings": 64,
     }
     return ModelConfig(**{**values, **overrides})
-
-
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    lines = (REPO / "preprocessing/sample_corpus/stories.jsonl").read_text().splitlines()
-    docs = [json.loads(line)["text"] for line in lines[:300]]
-    prefix = tmp_path_factory.mktemp("tok") / "tok"
-    config = TokenizerConfig(vocab_size=400, pad_vocab_multiple=64, max_training_documents=300)
-    train_tokenizer(docs, config, str(prefix))
-    return Path(f"{prefix}.model")
 
 
 @pytest.fixture(scope="module")
