@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
+from preprocessing.errors import MegalithError
 from training.config import MegalithConfig, load_config
-from training.errors import MegalithError
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:

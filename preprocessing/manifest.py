@@ -13,8 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from preprocessing import safe_read
+from preprocessing.errors import MegalithError
 from preprocessing.storage import atomic_write_json, is_local, join
-from training.errors import MegalithError
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "megalith-shards"

@@ -42,6 +42,7 @@ from tqdm import tqdm
 from preprocessing import safe_read
 from preprocessing.chat import MASK_DTYPE, encode_conversations
 from preprocessing.corpus import Corpus
+from preprocessing.errors import MegalithError, naming_path
 from preprocessing.indexed_dataset import IndexedDatasetWriter, token_dtype
 from preprocessing.manifest import (
     MANIFEST_NAME,
@@ -64,7 +65,6 @@ from preprocessing.storage import (
 from preprocessing.tokenizer import Tokenizer
 from training import __version__
 from training.config import ConfigError, DataConfig, TokenizerConfig
-from training.errors import MegalithError, naming_path
 
 STATE_DIR = ".prepare"
 SCAN_VERSION = 1

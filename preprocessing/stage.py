@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from preprocessing import safe_read
 from preprocessing.corpus import Corpus, train_tokenizer_on_corpus
+from preprocessing.errors import MegalithError
 from preprocessing.prepare import PrepareReport, input_fingerprint, prepare_dataset
 from preprocessing.storage import atomic_write_json, join
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from training.config import ConfigError, MegalithConfig
-from training.errors import MegalithError
 
 
 def tokenizer_prefix(config: MegalithConfig) -> str:

@@ -13,7 +13,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from preprocessing import safe_read
-from training.errors import naming_path
+from preprocessing.errors import naming_path
 
 HASH_CHUNK = 8 << 20
 

@@ -25,9 +25,9 @@ import sentencepiece as spm
 from google.protobuf.message import DecodeError
 
 from preprocessing import safe_read
+from preprocessing.errors import MegalithError
 from preprocessing.storage import atomic_write_bytes, sha256_of_bytes
 from training.config import TokenizerConfig
-from training.errors import MegalithError
 
 EOD_TOKEN = "<|eod|>"
 PAD_TOKEN = "<|pad|>"
