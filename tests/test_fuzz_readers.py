@@ -63,7 +63,8 @@ from training.data import build_gpt_datasets
 from training.data.shard_set import open_shard_set
 from training.errors import MegalithError
 from training.finetune.adapter import load_adapter, merge_adapter, save_adapter
-from training.interop.hf import export_hf, import_hf
+from training.interop.export import export_hf
+from training.interop.hf import import_hf
 from training.memory import memory_report, resolve_layout
 from training.models import build_model
 from training.models.package import (

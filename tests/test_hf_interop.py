@@ -17,7 +17,8 @@ from evaluation.generate_t5 import encoder_ids
 from pipelines.cli import main
 from preprocessing.tokenizer import load_tokenizer, train_tokenizer
 from training.config import DEFAULT_SPECIAL_TOKENS, ModelConfig, TokenizerConfig
-from training.interop.hf import HFInteropError, export_hf, fast_tokenizer_json, import_hf
+from training.interop.export import export_hf
+from training.interop.hf import HFInteropError, fast_tokenizer_json, import_hf
 from training.models import build_model
 from training.models.gpt import GPTModel
 from training.models.package import load_model_package, model_tensors, save_model_package

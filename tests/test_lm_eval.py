@@ -52,7 +52,7 @@ from registry.tracking import MLflowRunLogger
 from tests.test_registry import store  # noqa: F401  (fixture)
 from training.config import DEFAULT_SPECIAL_TOKENS, MetricRule, ModelConfig, TokenizerConfig
 from training.errors import MegalithError
-from training.interop.hf import export_hf
+from training.interop.export import export_hf
 from training.models import build_model
 from training.models.package import load_model_package, save_model_package
 

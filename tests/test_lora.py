@@ -137,7 +137,8 @@ def test_lora_run_changes_only_the_adapters(base: Path, lora_run: Path) -> None:
 def test_merged_package_equals_the_adapter_on_its_base(
     base: Path, lora_run: Path, tmp_path: Path
 ) -> None:
-    from training.interop.hf import export_hf, import_hf
+    from training.interop.export import export_hf
+    from training.interop.hf import import_hf
 
     merged, config, _ = load_model_package(lora_run / "model")
     model, _, _ = load_model_package(base / "model")
@@ -209,7 +210,7 @@ def v1_checkpoint(package: Path, root: Path) -> Path:
 def test_every_starting_point_gives_the_same_model(
     shards: Path, base: Path, registered: str, store: str, tmp_path: Path
 ) -> None:
-    from training.interop.hf import export_hf
+    from training.interop.export import export_hf
 
     sources = {
         "package": str(base / "model"),

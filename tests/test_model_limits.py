@@ -28,7 +28,8 @@ from training.checkpoint import save_checkpoint
 from training.config import ConfigError, ModelConfig, OptimizerConfig, load_config
 from training.errors import MegalithError
 from training.finetune.base import load_base
-from training.interop.hf import HFInteropError, export_hf, import_hf, model_config_from_hf
+from training.interop.export import export_hf
+from training.interop.hf import HFInteropError, import_hf, model_config_from_hf
 from training.models import build_model
 from training.models.gpt import GPTModel
 from training.models.package import (

@@ -28,7 +28,8 @@ from training.checkpoint import load_checkpoint, save_checkpoint
 from training.checkpoint_cli import verify
 from training.config import ModelConfig, OptimizerConfig, TokenizerConfig
 from training.errors import MegalithError
-from training.interop.hf import export_hf, import_hf
+from training.interop.export import export_hf
+from training.interop.hf import import_hf
 from training.interop.megatron import import_megatron
 from training.models.gpt import GPTModel
 from training.models.package import load_model_package, save_model_package

@@ -282,7 +282,8 @@ def test_hf_export_logits_match_transformers(tokenizer_file, tmp_path):
 
 
 def test_hf_export_refuses_rope_t5(tokenizer_file, tmp_path):
-    from training.interop.hf import HFInteropError, export_hf
+    from training.interop.export import export_hf
+    from training.interop.hf import HFInteropError
 
     _, package = packaged_t5(tokenizer_file, tmp_path / "pkg", position_embedding="rope")
     with pytest.raises(HFInteropError, match="position_embedding is 'rope'"):

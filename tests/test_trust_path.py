@@ -362,7 +362,7 @@ def test_require_signature_env_reaches_every_package_loader(tmp_path: Path, monk
     """MEGALITH_REQUIRE_SIGNATURE: evaluation, serving and export load packages through
     load_model_package; the CLI export refuses too."""
     from deploy.loading import load_served_model
-    from training.interop.hf import export_hf
+    from training.interop.export import export_hf
 
     pkg = package(tmp_path)
     monkeypatch.setenv(REQUIRE_ENV, "1")

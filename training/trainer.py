@@ -46,23 +46,20 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
 from preprocessing.storage import atomic_write_bytes, atomic_write_json
-from training import sft, t5
+from training import sft
 from training.async_checkpoint import Checkpointer, checkpoint_group
 from training.checkpoint import load_checkpoint
 from training.config import MegalithConfig, ModelConfig, dump_config
-from training.data import build_gpt_datasets
 from training.data.shard_set import open_shard_set
-from training.data.t5_dataset import build_t5_datasets
 from training.distributed import env_from_torchrun, local_device
 from training.errors import MegalithError
+from training.families import model_family
 from training.finetune.session import FineTune
 from training.fp8 import prepare_fp8
-from training.models.flops import flops_per_token
 from training.models.layers import attention_kernels
 from training.models.moe import moe_aux_loss
 from training.models.package import TrainingData, save_model_package
 from training.optim import folds_clipping, step_with_clipping
-from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import expert_parallel_training as ep
 from training.parallel.groups import ParallelState, build_parallel_state, validate_layout
@@ -164,10 +161,7 @@ def resolve_model_config(config: MegalithConfig) -> ModelConfig:
             first.path, config.data.storage_options, config.data.cache_dir
         ).manifest
         updates["vocab_size"] = manifest.tokenizer.padded_vocab_size
-    length, what = config.data.seq_length, f"data.seq_length {config.data.seq_length}"
-    if model.family == "t5":
-        length = max(t5.sample_lengths(config.data))
-        what = f"the T5 sample length {length} (data.span_corruption)"
+    length, what = model_family(model).context_length(config.data)
     if model.max_position_embeddings is None:
         updates["max_position_embeddings"] = length
     elif model.max_position_embeddings < length:
@@ -231,10 +225,16 @@ class Trainer:
         self.model_config = (
             self.finetune.model_config if self.finetune else resolve_model_config(config)
         )
+        self.family = model_family(self.model_config)
         self.pipeline: PipelineParallel | None = None
         if self.parallel.sizes.pp > 1:  # this rank's stages; gradients averaged after the schedule
             self.pipeline = PipelineParallel(
-                config, self.model_config, self.parallel, self.device, self.precision
+                config,
+                self.model_config,
+                self.parallel,
+                self.device,
+                self.precision,
+                self.family.pipeline,
             )
             self.model = self.dp_model = self.pipeline.model
         else:
@@ -259,16 +259,11 @@ class Trainer:
         # On a GPU, fit reads step k's metrics after launching step k + 1 (step_metrics);
         # on the CPU there is nothing to overlap, and a step is recorded as it ends.
         self.records_one_step_late = self.device.type == "cuda"
-        # The output head is a real matmul: counting it matches the reference MFU figures
-        # (HF Llama 65.5k tokens/s ≈ 47% at the 1B shape). Only the embedding lookup is left out.
-        self.flops_per_token = flops_per_token(
-            self.model_config, config.data.seq_length, include_output_head=True
+        # The output head counts as a real matmul: that matches the reference MFU figures
+        # (HF Llama 65.5k tokens/s ≈ 47% at the 1B shape). A T5 sample counts S + T tokens.
+        self.tokens_per_sample, self.flops_per_token = self.family.tokens_and_flops(
+            self.model_config, config.data
         )
-        self.tokens_per_sample = config.data.seq_length
-        if self.model_config.family == "t5":  # encoder + decoder tokens
-            self.tokens_per_sample, self.flops_per_token = t5.tokens_and_flops(
-                self.model_config, config.data
-            )
         self.step = 0
         self.consumed_samples = 0
         self.checkpoint: Path | str | None = None  # the checkpoint of the current state
@@ -295,8 +290,7 @@ class Trainer:
         # Validation always scores the same first samples of the valid split, so the
         # curve compares like with like.
         valid_samples = training.eval_iters * training.micro_batch_size
-        build = build_t5_datasets if self.model_config.family == "t5" else build_gpt_datasets
-        train, valid, _ = build(
+        train, valid, _ = self.family.build_datasets(
             self.config.data, (training.train_iters * training.global_batch_size, valid_samples, 0)
         )
         if train is None:
@@ -444,16 +438,10 @@ class Trainer:
         if self.config.data.format == "chat":  # assistant tokens of packed conversations
             with self.precision.autocast():
                 return sft.micro_batch_loss(self.forward_model, batch, self.device, loss_weight)
-        if self.model_config.family == "t5":  # span-corruption targets
-            with self.precision.autocast():
-                return t5.micro_batch_loss(self.forward_model, batch, self.device)
-        tokens = batch["tokens"].to(self.device, non_blocking=True)
-        with self.precision.autocast():
-            if self.parallel.sizes.cp > 1:  # this rank's part of the sequence, loss scaled
-                return cp.micro_batch_loss(
-                    self.forward_model, tokens[:, :-1], tokens[:, 1:], self.parallel
-                )
-            return self.forward_model(tokens[:, :-1], labels=tokens[:, 1:])
+        with self.precision.autocast():  # next tokens (GPT), span targets (T5)
+            return self.family.micro_batch_loss(
+                self.forward_model, batch, self.device, self.parallel
+            )
 
     def train_step(self, batches) -> dict[str, float]:
         """One optimizer step over ``accumulation`` micro-batches; its metrics."""

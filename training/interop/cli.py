@@ -109,7 +109,7 @@ def _register_import_megatron(formats: argparse._SubParsersAction) -> None:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    from training.interop.hf import export_hf
+    from training.interop.export import export_hf
 
     if not args.package.startswith("models:/"):
         out = export_hf(args.package, args.output, overwrite=args.overwrite)

@@ -1,5 +1,6 @@
 """Hugging Face interop: model packages <-> ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` directories
 (and T5 packages -> ``T5ForConditionalGeneration``, export only: :mod:`training.interop.hf_t5`).
+:func:`training.interop.export.export_hf` writes a package with its family's converter.
 
 Which HF architecture a model becomes follows from its architecture, not its ``style``:
 RMSNorm + SwiGLU + RoPE is Llama (GQA, optional biases, tied or untied); LayerNorm +
@@ -20,7 +21,7 @@ mlp.fc2                                mlp.down_proj / mlp.c_proj (Conv1D)
 GPT-2's Conv1D stores ``[in, out]``: the transpose of our ``nn.Linear`` weight. Every
 mapping is a pure permutation of values, so a round trip is bit-exact.
 
-Export writes ``config.json``, ``generation_config.json``, ``model.safetensors``, the
+Export (:mod:`training.interop.export`) writes ``config.json``, ``generation_config.json``, ``model.safetensors``, the
 SentencePiece ``tokenizer.model``, and the same tokenizer as a fast ``tokenizer.json``
 (:func:`fast_tokenizer_json`, so ``AutoTokenizer`` needs neither sentencepiece nor
 protobuf; ``<|eod|>`` in front for GPT, after the text for T5) with its
@@ -34,10 +35,7 @@ Nothing is unpickled otherwise.
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,19 +44,17 @@ import sentencepiece as spm
 import torch
 from pydantic import ValidationError
 from safetensors import safe_open
-from safetensors.torch import save_file
 from sentencepiece import sentencepiece_model_pb2
 from torch import Tensor
 
 from preprocessing import safe_read
 from preprocessing.tokenizer import TokenizerError, load_tokenizer
 from training.config import ModelConfig, format_validation_error
-from training.errors import MegalithError, naming_path
+from training.errors import MegalithError
 from training.models.gpt import GPTModel
 from training.models.package import (
     DTYPES,
     MAX_JSON_BYTES,
-    load_model_package,
     model_tensors,
     save_model_package,
 )
@@ -542,60 +538,6 @@ def _bpe_merges(pieces: list[tuple[str, float, int]], ids: dict[str, int]) -> li
     return [merge for *_, merge in sorted(ranked)]
 
 
-# Export.
-
-
-def export_hf(package_dir: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
-    """Write the model package at ``package_dir`` as an HF model directory ``out_dir``."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-        raise HFInteropError(f"{out_dir} exists and is not empty (pass --overwrite to replace it)")
-    model, config, tokenizer = load_model_package(package_dir)
-    dtype = next(name for name, dt in DTYPES.items() if dt == model.embedding.word.weight.dtype)
-    if config.family == "t5":  # T5ForConditionalGeneration (training.interop.hf_t5)
-        from training.interop import hf_t5
-
-        tensors = hf_t5.to_hf_t5_tensors(config, model_tensors(model))
-        tok_config, special_ids = hf_t5.t5_tokenizer_files(tokenizer)
-        config_json = hf_t5.hf_t5_config(config, dtype, special_ids)
-        template = f"$A {tok_config['eos_token']}"  # the encoder input: text, then EOS
-    else:
-        tensors = to_hf_tensors(config, model_tensors(model))
-        tok_config, special_ids = tokenizer_files(tokenizer)
-        config_json = hf_config(config, dtype, special_ids)
-        template = f"{tok_config['bos_token']} $A"
-    tok_config["model_max_length"] = config.max_position_embeddings
-    fast = fast_tokenizer_json(tokenizer, template)
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        with naming_path(out_dir / HF_WEIGHTS):  # a full disk: one line naming the file
-            save_file(tensors, str(tmp / HF_WEIGHTS), metadata={"format": "pt"})
-        shutil.copyfile(tokenizer, tmp / TOKENIZER_MODEL)
-        _write_json(tmp / "config.json", config_json)
-        _write_json(
-            tmp / "generation_config.json", {f"{k}_token_id": v for k, v in special_ids.items()}
-        )
-        _write_json(tmp / "tokenizer_config.json", tok_config)
-        _write_json(tmp / "tokenizer.json", fast)
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            if old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                old.unlink()
-        else:
-            tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
-
-
 # Import.
 
 
@@ -818,7 +760,3 @@ def _read_json(path: Path) -> dict[str, Any]:
         return safe_read.read_json(path, MAX_JSON_BYTES * 16, allow_symlink=False, expect=dict)
     except safe_read.UnsafeFileError as exc:
         raise HFInteropError(str(exc)) from None
-
-
-def _write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,6 +1,6 @@
 """Hugging Face export of T5 model packages as ``T5ForConditionalGeneration``.
 
-:func:`training.interop.hf.export_hf` calls here for ``model.family: t5``. Tensor names
+:func:`training.interop.export.export_hf` calls here for ``model.family: t5``. Tensor names
 (ours as in :mod:`training.models.t5`; HF block ``{i}`` of ``encoder.`` or ``decoder.``):
 
 =============================================  ===========================================

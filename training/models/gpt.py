@@ -307,6 +307,10 @@ class GPTModel(nn.Module):
         comparing a config with the tensors of a file before building the model."""
         return {"layers": ("num_layers", config.num_layers)}
 
+    def transformer_blocks(self) -> list[nn.Module]:
+        """The blocks in order (one FSDP unit each)."""
+        return list(self.layers)
+
     @property
     def tied_weights(self) -> dict[str, str]:
         """State-dict names that alias another entry (``{alias: source}``); save the source once."""

@@ -273,6 +273,10 @@ class T5Model(nn.Module):
             "decoder.layers": ("num_decoder_layers", config.decoder_layers),
         }
 
+    def transformer_blocks(self) -> list[nn.Module]:
+        """The encoder's blocks, then the decoder's (one FSDP unit each)."""
+        return [*self.encoder.layers, *self.decoder.layers]
+
     @property
     def tied_weights(self) -> dict[str, str]:
         """No aliases: T5 v1.1's head is untied (``GPTModel``'s API, for savers)."""

@@ -140,16 +140,10 @@ def shard_model(model: nn.Module, state: ParallelState) -> nn.Module:
     then its decoder blocks), the rest in the root (embedding, final norms, relative-bias
     tables and a tied output head share the root's all-gather)."""
     mesh = state.dp_cp_mesh
-    for block in _transformer_blocks(model):
+    for block in model.transformer_blocks():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def _transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    if model.config.family == "t5":
-        return [*model.encoder.layers, *model.decoder.layers]
-    return list(model.layers)
 
 
 def _is_sharded(model: nn.Module) -> bool:

@@ -32,9 +32,11 @@ how many layers each virtual stage holds.
   package holds whole tensors: stages (and TP shards) send their parameters to rank 0.
   Whole (v1) checkpoints still load: :meth:`load` picks this rank's parameters.
 
-T5 (``model.family: t5``): the encoder's then the decoder's layers are split over the
-stages, stages exchange ``(encoder side, decoder side)`` pairs and the encoder mask goes
-to every stage as a keyword input (:mod:`training.parallel.pipeline_t5`).
+What differs per model family comes from its :class:`~training.families.spec.PipelineSplit`
+(the stage model, a chunk, the schedule's inputs, what travels between stages, who owns a
+parameter): GPT's are here; T5's (the encoder's then the decoder's layers are split over
+the stages, stages exchange ``(encoder side, decoder side)`` pairs and the encoder mask
+goes to every stage as a keyword input) in :mod:`training.parallel.pipeline_t5`.
 
 Inputs are made contiguous before the schedule: torch 2.11's ``PipelineStage`` checks
 each micro-batch's strides against those it inferred, and ``tokens[:, :-1]`` is a view
@@ -83,7 +85,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -113,20 +115,14 @@ from training.parallel.groups import ParallelState
 from training.parallel.pipeline_layout import (
     bubble_fraction,
     layer_counts,
-    owner_of_parameter,
-    owner_of_t5_parameter,
     pipelined_layers,
     stage_layers,
     virtual_stages_of,
 )
-from training.parallel.pipeline_t5 import (
-    T5StageChunk,
-    build_t5_stage_model,
-    relative_bias_tables,
-    t5_activation_shapes,
-    t5_schedule_inputs,
-)
 from training.precision import Precision
+
+if TYPE_CHECKING:  # the family registry imports this module for GPT's stages
+    from training.families.spec import PipelineSplit
 
 STATE_KEYS = dp.DistributedOptimizer.STATE_KEYS  # AdamW's moments and step count
 
@@ -192,6 +188,23 @@ class StageChunk(nn.Module):
             if self.final_norm is not None:
                 x = self.final_norm(x)
         return x
+
+
+def schedule_inputs(
+    batches: list[dict[str, Tensor]], device: torch.device
+) -> tuple[tuple[Tensor, ...], dict[str, Tensor], Tensor]:
+    """The schedule's whole-batch inputs of a GPT: the first stage's tokens, no keyword
+    inputs, the last stage's next-token targets (all contiguous)."""
+    tokens = torch.cat([b["tokens"] for b in batches]).to(device, non_blocking=True)
+    return (tokens[:, :-1].contiguous(),), {}, tokens[:, 1:].contiguous()
+
+
+def activation_shapes(
+    batch: dict[str, Tensor], hidden_size: int, sequence_shards: int
+) -> list[tuple[int, ...]]:
+    """The shape of one GPT micro-batch's hidden states between stages."""
+    tokens = batch["tokens"]
+    return [(tokens.size(0), (tokens.size(1) - 1) // sequence_shards, hidden_size)]
 
 
 class _Busy:
@@ -261,23 +274,22 @@ class PipelineParallel:
         state: ParallelState,
         device: torch.device,
         precision: Precision,
+        split: PipelineSplit,
     ):
         sizes = state.sizes
         self.config, self.model_config, self.state = config, model_config, state
         self.device, self.precision = device, precision
-        self.t5 = model_config.family == "t5"
+        self.split = split
         self.counts = layer_counts(
             pipelined_layers(model_config), sizes.pp, sizes.vpp, config.parallel.pipeline_layers
         )
         whole = tp.build_model(model_config, state, config.parallel.sequence_parallel, device)
-        build_stage = build_t5_stage_model if self.t5 else build_stage_model
-        self.model, chunk_layers = build_stage(whole, state, self.counts)
+        self.model, chunk_layers = split.build_stage(whole, state, self.counts)
         self.virtual_stages = virtual_stages_of(state.pp_rank, sizes.pp, sizes.vpp)
         self.num_virtual = sizes.pp * sizes.vpp
         shards = sizes.tp if config.parallel.sequence_parallel else 1
-        chunk_class = T5StageChunk if self.t5 else StageChunk
         self.chunks = [
-            chunk_class(
+            split.chunk(
                 self.model, layers, stage == 0, stage == self.num_virtual - 1,
                 precision.autocast, shards,
             )
@@ -343,10 +355,7 @@ class PipelineParallel:
     ) -> tuple[tuple[Tensor, ...], dict[str, Tensor], Tensor]:
         """The schedule's whole-batch inputs: the first stage's positional inputs, every
         stage's keyword inputs, the last stage's loss target (all contiguous)."""
-        if self.t5:
-            return t5_schedule_inputs(batches, self.device)
-        tokens = torch.cat([b["tokens"] for b in batches]).to(self.device, non_blocking=True)
-        return (tokens[:, :-1].contiguous(),), {}, tokens[:, 1:].contiguous()
+        return self.split.schedule_inputs(batches, self.device)
 
     def _bubble_metrics(self, busy: float, elapsed: float) -> dict[str, float]:
         """``pipeline_bubble`` (critical stage), ``pipeline_idle``, ``pipeline_imbalance``
@@ -400,11 +409,11 @@ class PipelineParallel:
             if grad is None:
                 grad = self._tied_copy().grad = torch.zeros_like(self._tied_copy())
             dist.all_reduce(grad, group=self.state.embedding_group)
-        if self.t5:
-            for table in relative_bias_tables(self.model):
-                if table.grad is None:
-                    table.grad = torch.zeros_like(table)
-                dist.all_reduce(table.grad, group=self.state.pp_group)
+        for name, param in self.model.named_parameters():
+            if self.split.on_every_stage(name):
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                dist.all_reduce(param.grad, group=self.state.pp_group)
 
     def _tied_copy(self) -> nn.Parameter | None:
         """The word embedding where it is tied and held by a first or last stage."""
@@ -449,10 +458,7 @@ class PipelineParallel:
         pp, group = self.state.sizes.pp, self.state.pp_group
         shards = self.state.sizes.tp if self.config.parallel.sequence_parallel else 1
         hidden = self.model_config.hidden_size
-        if self.t5:
-            shapes = t5_activation_shapes(batch, hidden, shards)
-        else:
-            shapes = [(labels.size(0), labels.size(1) // shards, hidden)]
+        shapes = self.split.activation_shapes(batch, hidden, shards)
         dtype = next(self.model.parameters()).dtype
         loss, xs = self._zero(), inputs
         for chunk, stage in zip(self.chunks, self.virtual_stages, strict=True):
@@ -472,11 +478,7 @@ class PipelineParallel:
     # ---------------------------------------------------------------- whole tensors
 
     def _owner(self, name: str) -> int:
-        if self.t5:
-            return owner_of_t5_parameter(
-                name, self.counts, self.state.sizes.pp, self.model_config.num_layers
-            )
-        return owner_of_parameter(name, self.counts, self.state.sizes.pp)
+        return self.split.owner(name, self.counts, self.state.sizes.pp, self.model_config)
 
     def owner_stage(self, name: str) -> int:
         """The pipeline rank that saves parameter ``name`` (sharded checkpoints)."""

@@ -8,6 +8,8 @@ the keys that conflict.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from training.config import MegalithConfig
 from training.errors import MegalithError
 from training.parallel.groups import ParallelSizes
@@ -31,7 +33,7 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
     problems += _chat_problems(config, sizes)
     problems += _finetune_problems(config, sizes)
     problems += fp8_problems(config, sizes)
-    problems += t5_problems(config, sizes)
+    problems += family_problems(config, sizes)
     if problems:
         raise MegalithError("; ".join(problems))
 
@@ -106,24 +108,33 @@ def _finetune_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
     return problems
 
 
-def t5_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
-    """What the encoder-decoder (model.family t5, training.t5) does not train with yet:
-    data parallelism (ddp, distributed_optimizer, fsdp), tensor/sequence parallelism and
-    pipeline stages (training.parallel.pipeline_t5) do."""
-    if config.model.family != "t5":
-        return []
-    refused = {
-        "parallel.context": (sizes.cp > 1, "context-parallel cross-attention"),
+# Settings a model family's trainer does not run with yet, by model.family (as data:
+# this module stays torch-free for the launcher): {key: (refused?, what is missing)}.
+FAMILY_UNSUPPORTED: dict[
+    str, dict[str, tuple[Callable[[MegalithConfig, ParallelSizes], bool], str]]
+] = {
+    "gpt": {},
+    "t5": {  # data parallelism, tensor/sequence parallelism and pipeline stages do run
+        "parallel.context": (lambda c, s: s.cp > 1, "context-parallel cross-attention"),
         "data.format=chat": (
-            config.data.format == "chat",
+            lambda c, s: c.data.format == "chat",
             "chat fine-tuning of an encoder-decoder",
         ),
-        "finetune.base": (config.finetune.base is not None, "fine-tuning an encoder-decoder"),
-    }
+        "finetune.base": (
+            lambda c, s: c.finetune.base is not None,
+            "fine-tuning an encoder-decoder",
+        ),
+    },
+}
+
+
+def family_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
+    """What model.family does not train with yet (:data:`FAMILY_UNSUPPORTED`)."""
+    family = config.model.family
     return [
-        f"{key} with model.family=t5: not integrated yet ({what})"
-        for key, (applies, what) in refused.items()
-        if applies
+        f"{key} with model.family={family}: not integrated yet ({what})"
+        for key, (refused, what) in FAMILY_UNSUPPORTED[family].items()
+        if refused(config, sizes)
     ]
 
 

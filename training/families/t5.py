@@ -1,0 +1,73 @@
+"""The encoder-decoder family (``model.family: t5``): T5 v1.1 trained on span corruption.
+
+Its parts: the model (training/models/t5.py), the span-corruption samples
+(training/data/t5_dataset.py), the objective and throughput count (training/t5.py), the
+pipeline stages (training/parallel/pipeline_t5.py) and the HF export
+(training/interop/hf_t5.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from training import t5
+from training.config import DataConfig, ModelConfig
+from training.data.t5_dataset import build_t5_datasets, span_corruption_lengths
+from training.families.spec import Batch, HFExport, ModelFamily, PipelineSplit
+from training.interop import hf_t5
+from training.models.t5 import T5Model
+from training.parallel import pipeline_t5
+from training.parallel.groups import ParallelState
+from training.parallel.pipeline_layout import owner_of_t5_parameter
+
+
+def micro_batch_loss(
+    model: nn.Module, batch: Batch, device: torch.device, state: ParallelState
+) -> Tensor:
+    """Mean cross-entropy over the span-corruption targets (no context parallelism)."""
+    return t5.micro_batch_loss(model, batch, device)
+
+
+def context_length(data: DataConfig) -> tuple[int, str]:
+    """The longer of the encoder and decoder lengths: both stacks' positions."""
+    length = max(t5.sample_lengths(data))
+    return length, f"the T5 sample length {length} (data.span_corruption)"
+
+
+def hf_export(
+    config: ModelConfig, tensors: dict[str, Tensor], tokenizer: Path, dtype: str
+) -> HFExport:
+    """``T5ForConditionalGeneration`` (:mod:`training.interop.hf_t5`)."""
+    tok_config, special_ids = hf_t5.t5_tokenizer_files(tokenizer)
+    return HFExport(
+        tensors=hf_t5.to_hf_t5_tensors(config, tensors),
+        config=hf_t5.hf_t5_config(config, dtype, special_ids),
+        tokenizer_config=tok_config,
+        special_ids=special_ids,
+        template=f"$A {tok_config['eos_token']}",  # the encoder input: text, then EOS
+    )
+
+
+FAMILY = ModelFamily(
+    name="t5",
+    model_class=T5Model,
+    build_datasets=build_t5_datasets,
+    context_length=context_length,
+    sample_window=lambda data: span_corruption_lengths(data).raw,
+    micro_batch_loss=micro_batch_loss,
+    tokens_and_flops=t5.tokens_and_flops,
+    pipeline=PipelineSplit(
+        build_stage=pipeline_t5.build_t5_stage_model,
+        chunk=pipeline_t5.T5StageChunk,
+        schedule_inputs=pipeline_t5.t5_schedule_inputs,
+        activation_shapes=pipeline_t5.t5_activation_shapes,
+        owner=lambda name, counts, pp, model: owner_of_t5_parameter(
+            name, counts, pp, model.num_layers
+        ),
+        # Every stage holds both relative-bias tables (pipeline_t5's docstring).
+        on_every_stage=lambda name: ".relative_bias." in name,
+    ),
+    hf_export=hf_export,
+)
