@@ -81,7 +81,7 @@ def directory_bytes(path: Path) -> int:
 
 
 def make_trainer(args, shards: str, directory: Path, async_save: bool):
-    from training.config import load_config
+    from megalith.config import load_config
     from training.trainer import Trainer
 
     values = {

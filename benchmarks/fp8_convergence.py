@@ -69,7 +69,7 @@ def default_variants() -> list[str]:
 
 def build_config(args, variant: str):
     """The shape's recipe with this variant's settings and the short schedule."""
-    from training.config import load_config
+    from megalith.config import load_config
 
     warmup = max(1, args.steps // 10)
     settings = tt.SHAPE_SETTINGS.get(args.shape, []) + VARIANTS[variant] + list(args.set)

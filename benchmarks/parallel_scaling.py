@@ -110,7 +110,7 @@ def parse_layout(name: str) -> tuple[int, dict]:
 def build_config(
     shape: str, layout: str, shards: str, steps: int, accumulation: int, compile_model: bool
 ):
-    from training.config import load_config
+    from megalith.config import load_config
 
     gpus, overrides = parse_layout(layout)
     values = {
@@ -138,7 +138,7 @@ def build_config(
 def worker(args) -> None:
     import torch
 
-    from training.distributed import distributed
+    from training.runtime.distributed import distributed
     from training.trainer import Trainer
 
     config = build_config(

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import sentencepiece
 
+from megalith.config import DataConfig, TokenizerConfig
 from preprocessing.prepare import prepare_dataset
 from preprocessing.tokenizer import load_tokenizer, train_tokenizer
-from training.config import DataConfig, TokenizerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "preprocessing" / "sample_corpus" / "stories.jsonl"

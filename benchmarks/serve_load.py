@@ -69,8 +69,8 @@ def demo_shaped_package(workdir: Path) -> Path:
     """The demo recipe's model with random weights and a tokenizer trained on the corpus."""
     import torch
 
+    from megalith.config import load_config
     from preprocessing.tokenizer import train_tokenizer
-    from training.config import load_config
     from training.models.gpt import GPTModel
     from training.models.package import save_model_package
 

@@ -82,7 +82,7 @@ def load_shape(
     micro_batch: int | None,
     settings: list[str] = (),
 ):
-    from training.config import load_config
+    from megalith.config import load_config
 
     config = load_config(
         SHAPES[shape],
@@ -116,7 +116,7 @@ def flops_per_token(config) -> float:
 
 def tokens_and_flops(config) -> tuple[int, float]:
     """A T5 sample's tokens (encoder + decoder) and the FLOPs per such token."""
-    from training import t5
+    from training.objectives import t5
     from training.trainer import resolve_model_config
 
     return t5.tokens_and_flops(resolve_model_config(config), config.data)
@@ -247,7 +247,7 @@ def run_hf(args, compile_model: bool) -> dict:
     mbs, seq = config.training.micro_batch_size, config.data.seq_length
     decoder = seq  # GPT: labels are the inputs
     if config.model.family == "t5":  # T5: encoder S tokens in, decoder T tokens scored
-        from training.t5 import sample_lengths
+        from training.objectives.t5 import sample_lengths
 
         seq, decoder = sample_lengths(config.data)
     batches = [
@@ -323,9 +323,9 @@ def worker(args) -> None:
 
 def prepare_shards(out: Path, sentinels: int = 0) -> str:
     """The sample corpus with a 2048-piece tokenizer (``sentinels`` T5 sentinels among them)."""
+    from megalith.config import DataConfig, TokenizerConfig
     from preprocessing.prepare import prepare_dataset
     from preprocessing.tokenizer import train_tokenizer
-    from training.config import DataConfig, TokenizerConfig
 
     name = f"-sentinels{sentinels}" if sentinels else ""
     shards = out / f"shards{name}"

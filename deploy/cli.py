@@ -10,9 +10,9 @@ import socket
 import sys
 from collections.abc import Callable
 
+from megalith.errors import MegalithError
 from registry.cli import add_store_arguments, mlflow_errors_in_one_line
 from registry.tracking import existing_store_uri
-from training.errors import MegalithError
 
 DEFAULT_PORT = 8000
 ADMIN_TOKEN_ENV = "MEGALITH_ADMIN_TOKEN"

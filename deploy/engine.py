@@ -40,7 +40,7 @@ import torch
 from deploy.loading import ServedModel
 from evaluation.generate import SamplingConfig, generate_ids
 from evaluation.generate_t5 import generate_seq2seq_ids
-from training.errors import MegalithError
+from megalith.errors import MegalithError
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ import torch
 
 from evaluation.generate import continuation_text, prompt_ids
 from evaluation.generate_t5 import encoder_ids
+from megalith.errors import MegalithError
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
-from training.errors import MegalithError
 from training.models.gpt import GPTModel
 from training.models.package import CHECKSUMS_FILE, load_model_package, sha256_file
 from training.models.t5 import T5Model

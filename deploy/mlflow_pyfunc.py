@@ -27,7 +27,7 @@ from deploy.loading import ServedModel, load_served_model
 from deploy.schema import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P
 from evaluation.generate import SamplingConfig, generate
 from evaluation.generate_t5 import generate_seq2seq
-from training.errors import MegalithError
+from megalith.errors import MegalithError
 
 PARAM_DEFAULTS: dict[str, int | float] = {
     "max_tokens": 64,

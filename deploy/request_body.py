@@ -20,7 +20,7 @@ import json
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
-from preprocessing.safe_read import UnsafeFileError, loads_json
+from megalith.safe_read import UnsafeFileError, loads_json
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

@@ -60,7 +60,7 @@ from deploy.schema import (
     prepare,
     sse,
 )
-from training.errors import MegalithError
+from megalith.errors import MegalithError
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class Deployment:
 
     def __init__(self, config: ServeConfig) -> None:
         from evaluation.runtime import AUTOCAST_DTYPES, resolve_precision
-        from training.device import resolve_device
+        from training.runtime.device import resolve_device
 
         self.config = config
         self.device = resolve_device(config.device)

@@ -8,7 +8,7 @@ lm-evaluation-harness, the ``eval`` extra). Importing this package stays light; 
 loads with the modules.
 """
 
-from training.errors import MegalithError
+from megalith.errors import MegalithError
 
 
 class EvaluationError(MegalithError):

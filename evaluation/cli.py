@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from preprocessing import safe_read
+from megalith import safe_read
+from megalith.config import MAX_POSITIONS, DataConfig, load_config
+from megalith.errors import MegalithError
 from registry.tracking import existing_store_uri, log_evaluation
-from training.config import MAX_POSITIONS, DataConfig, load_config
-from training.errors import MegalithError
 
 DEFAULT_OUTPUT = "eval-report.json"
 CONFIG_SUFFIXES = (".yaml", ".yml")

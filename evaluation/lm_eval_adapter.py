@@ -49,10 +49,10 @@ from evaluation.generate_t5 import generate_seq2seq_ids
 from evaluation.runtime import AUTOCAST_DTYPES, autocast, model_device, resolve_precision
 from evaluation.seq2seq import span_prompt, span_rows
 from evaluation.tasks import IGNORE_INDEX, TASKS_DIR, choice_tokens, padded_rows
-from preprocessing import safe_read
+from megalith import safe_read
 from preprocessing.tokenizer import Tokenizer, load_tokenizer, sentinel_ids
-from training.device import resolve_device
 from training.models.package import load_model_package
+from training.runtime.device import resolve_device
 
 try:
     import lm_eval

@@ -7,7 +7,7 @@ of the split is read, so a small split is never counted twice.
 
 Chat data (``data.format: chat``) is scored as the fine-tune validates it: packed
 conversations that attend only within themselves, and only assistant tokens counted
-(:func:`training.sft.micro_batch_loss`), so a promotion gate compares the answers, not
+(:func:`training.objectives.sft.micro_batch_loss`), so a promotion gate compares the answers, not
 the prompts every model is given.
 
 A T5 model (``model.family: t5``) is scored on span corruption instead: the same
@@ -30,9 +30,9 @@ from torch import nn
 
 from evaluation import EvaluationError
 from evaluation.runtime import autocast, model_device
+from megalith.config import DataConfig
+from megalith.storage import sha256_of_file
 from preprocessing.manifest import manifest_url
-from preprocessing.storage import sha256_of_file
-from training.config import DataConfig
 from training.data import build_gpt_datasets, open_shard_set
 from training.data.gpt_dataset import (
     SPLIT_NAMES,
@@ -42,7 +42,7 @@ from training.data.gpt_dataset import (
 )
 from training.data.t5_dataset import T5_KEYS, build_t5_datasets, span_corruption_lengths
 from training.models.package import TrainingData
-from training.sft import micro_batch_loss
+from training.objectives.sft import micro_batch_loss
 
 logger = logging.getLogger(__name__)
 

@@ -39,12 +39,12 @@ from evaluation.generate_t5 import generate_seq2seq
 from evaluation.perplexity import evaluate_perplexity, held_out_data
 from evaluation.runtime import AUTOCAST_DTYPES, resolve_precision
 from evaluation.tasks import evaluate_task, load_task, resolve_task_file
-from preprocessing.storage import atomic_write_bytes
+from megalith import __version__
+from megalith.config import DataConfig
+from megalith.storage import atomic_write_bytes
 from preprocessing.tokenizer import load_tokenizer
-from training import __version__
-from training.config import DataConfig
-from training.device import resolve_device
 from training.models.package import load_model_package, read_training_data
+from training.runtime.device import resolve_device
 
 REPORT_FORMAT = "megalith-eval-report"
 REPORT_VERSION = 1

@@ -344,7 +344,7 @@ def sample_task_lines(seed: int = 0, per_kind: int = 20) -> list[str]:
 
 def write_sample_task(path: str | Path = SAMPLE_TASK) -> int:
     """Regenerate the shipped sample task file; returns the number of items."""
-    from preprocessing.storage import atomic_write_bytes
+    from megalith.storage import atomic_write_bytes
 
     lines = sample_task_lines()
     atomic_write_bytes(str(path), ("\n".join(lines) + "\n").encode("utf-8"))

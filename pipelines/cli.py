@@ -13,16 +13,16 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from training import __version__
-from training.errors import MegalithError, storage_error_message
+from megalith import __version__
+from megalith.errors import MegalithError, storage_error_message
 
 # Modules whose register(subparsers) adds a stage's subcommands.
 COMMAND_MODULES = [
     "preprocessing.cli",
     "training.cli",
     "training.interop.cli",
-    "training.checkpoint_cli",
-    "training.memory_cli",
+    "training.checkpoint.cli",
+    "training.memory.cli",
     "training.finetune.cli",
     "evaluation.cli",
     "registry.cli",

@@ -14,10 +14,10 @@ from importlib import resources
 from pathlib import Path
 
 from deploy.cli import PORT, require_free_port
+from megalith.config import MegalithConfig, load_config
+from megalith.errors import MegalithError
 from pipelines import group_watchdog
 from registry.tracking import DEMO_WORKDIR
-from training.config import MegalithConfig, load_config
-from training.errors import MegalithError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_RECIPE = REPO_ROOT / "configs" / "tiny-cpu.yaml"

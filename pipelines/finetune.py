@@ -30,6 +30,9 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from megalith.config import MegalithConfig, ModelConfig
+from megalith.errors import MegalithError
+from megalith.storage import atomic_write_bytes
 from pipelines.artifacts import (
     publish_evaluation,
     publish_promotion,
@@ -38,9 +41,6 @@ from pipelines.artifacts import (
 )
 from pipelines.tasks import evaluate_task, gate_task, pretrain_task, register_task
 from pipelines.tokenize import manifest_markdown, write_shards_task
-from preprocessing.storage import atomic_write_bytes
-from training.config import MegalithConfig, ModelConfig
-from training.errors import MegalithError
 
 STATE_FILE = "finetune-state.json"
 CHAT_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")

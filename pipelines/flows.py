@@ -13,6 +13,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from megalith.config import MegalithConfig, PromotionConfig
 from pipelines.artifacts import (
     publish_evaluation,
     publish_promotion,
@@ -21,7 +22,6 @@ from pipelines.artifacts import (
 )
 from pipelines.tasks import evaluate_task, gate_task, pretrain_task, register_task
 from pipelines.tokenize import manifest_markdown, train_tokenizer_task, write_shards_task
-from training.config import MegalithConfig, PromotionConfig
 
 SAMPLE_TASKS = ["sample_facts"]
 NO_LM_EVAL_TASKS: list[str] = []

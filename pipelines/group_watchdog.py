@@ -8,7 +8,7 @@ Unless the last line was ``done`` (an orderly exit that stopped the groups itsel
 stops every group it was told about: SIGTERM, then SIGKILL to what is left ``GRACE_S``
 later.
 
-A pipe rather than ``PR_SET_PDEATHSIG`` (``training.launch.die_with_parent``): the
+A pipe rather than ``PR_SET_PDEATHSIG`` (``training.runtime.launch.die_with_parent``): the
 kernel's signal reaches one process, a server's leader, never the workers it started
 (mlflow's uvicorn), so something that outlives ``megalith ui`` has to stop the whole
 group; and a pipe's end is seen on every system, not only Linux.

@@ -21,9 +21,9 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from training.config import MegalithConfig, dump_config
-from training.launch import PARENT_PID_ENV
-from training.run_lock import hold_run_folder
+from megalith.config import MegalithConfig, dump_config
+from training.runtime.launch import PARENT_PID_ENV
+from training.runtime.run_lock import hold_run_folder
 
 CACHED = {
     "cache_policy": INPUTS + TASK_SOURCE,
@@ -64,7 +64,7 @@ def stream_process(command: list[str], logger, extra_env: dict[str, str] | None 
 
     The child stays in this process group (no new session), so cancelling the flow run
     takes it and its torchrun workers down too; and it dies with this process however
-    this one ends (``training.launch.die_with_parent``), so a retry never trains beside
+    this one ends (``training.runtime.launch.die_with_parent``), so a retry never trains beside
     an orphan. Only rank 0 logs progress; the other ranks print warnings and errors only.
     """
     tail: deque[str] = deque(maxlen=40)
@@ -118,7 +118,7 @@ def pretrain_task(
 
 def package_id(package_dir: str) -> str:
     """A model package's content id: the sha256 of its checksums.json."""
-    from preprocessing.storage import sha256_of_file
+    from megalith.storage import sha256_of_file
 
     return sha256_of_file(str(Path(package_dir) / "checksums.json"))
 
@@ -200,8 +200,8 @@ def gate_task(
     """Gate ``version`` (default @candidate) against @champion; promote it if it passes.
     Not cached: the champion it compares with changes. ``champion_metrics``: the champion
     evaluated on the candidate's data (default: its own eval tags)."""
+    from megalith.config import MetricRule
     from registry.promotion import gate
-    from training.config import MetricRule
 
     decision = gate(
         name,

@@ -9,10 +9,10 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from megalith.config import DataConfig, MegalithConfig, TokenizerConfig
+from megalith.errors import MegalithError
 from preprocessing.prepare import PrepareReport, prepare_dataset
 from preprocessing.stage import ensure_tokenizer
-from training.config import DataConfig, MegalithConfig, TokenizerConfig
-from training.errors import MegalithError
 
 # No Prefect cache on these two tasks: the stage is its own cache, and it looks at the data.
 # ensure_tokenizer reuses a model whose record matches the inputs and settings, and

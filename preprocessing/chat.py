@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from preprocessing.errors import MegalithError
-from training.config import DEFAULT_SPECIAL_TOKENS
+from megalith.config import DEFAULT_SPECIAL_TOKENS
+from megalith.errors import MegalithError
 
 ROLES = ("system", "user", "assistant")
 ROLE_MARKERS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}

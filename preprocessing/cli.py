@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
-from preprocessing.errors import MegalithError
-from training.config import MegalithConfig, load_config
+from megalith.config import MegalithConfig, load_config
+from megalith.errors import MegalithError
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -202,7 +202,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _find_tokenizer(manifest, root: str) -> str:
     """The manifest's tokenizer path, or ROOT/tokenizer.model when the shard set was moved."""
-    from preprocessing.storage import filesystem, join
+    from megalith.storage import filesystem, join
 
     recorded = manifest.tokenizer.path
     beside = join(root, "tokenizer.model")

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from megalith.config import ConfigError, DataConfig, TokenizerConfig
 from preprocessing.chat import conversation_contents
 from preprocessing.readers import InputFile, RejectLog, TextBatch, iter_text_batches, resolve_inputs
 from preprocessing.tokenizer import Tokenizer, sample_documents, train_tokenizer
-from training.config import ConfigError, DataConfig, TokenizerConfig
 
 
 @dataclass

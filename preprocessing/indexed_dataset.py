@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from preprocessing.errors import MegalithError
+from megalith.errors import MegalithError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from preprocessing import safe_read
-from preprocessing.errors import MegalithError
-from preprocessing.storage import atomic_write_json, is_local, join
+from megalith import safe_read
+from megalith.errors import MegalithError
+from megalith.storage import atomic_write_json, is_local, join
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "megalith-shards"

@@ -39,10 +39,18 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from preprocessing import safe_read
+from megalith import __version__, safe_read
+from megalith.config import ConfigError, DataConfig, TokenizerConfig
+from megalith.errors import MegalithError, naming_path
+from megalith.storage import (
+    atomic_write_json,
+    filesystem,
+    is_local,
+    join,
+    sha256_of_file,
+)
 from preprocessing.chat import MASK_DTYPE, encode_conversations
 from preprocessing.corpus import Corpus
-from preprocessing.errors import MegalithError, naming_path
 from preprocessing.indexed_dataset import IndexedDatasetWriter, token_dtype
 from preprocessing.manifest import (
     MANIFEST_NAME,
@@ -55,16 +63,7 @@ from preprocessing.manifest import (
     write_manifest,
 )
 from preprocessing.readers import RejectLog
-from preprocessing.storage import (
-    atomic_write_json,
-    filesystem,
-    is_local,
-    join,
-    sha256_of_file,
-)
 from preprocessing.tokenizer import Tokenizer
-from training import __version__
-from training.config import ConfigError, DataConfig, TokenizerConfig
 
 STATE_DIR = ".prepare"
 SCAN_VERSION = 1

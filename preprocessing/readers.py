@@ -28,9 +28,9 @@ import pyarrow.parquet as pq
 import zstandard
 from fsspec.implementations.local import LocalFileSystem
 
-from preprocessing.errors import MegalithError
+from megalith.errors import MegalithError
+from megalith.storage import filesystem
 from preprocessing.manifest import RejectedRecords
-from preprocessing.storage import filesystem
 
 REJECT_REASONS: tuple[str, ...] = (
     "malformed_json",

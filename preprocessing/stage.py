@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from preprocessing import safe_read
+from megalith import safe_read
+from megalith.config import ConfigError, MegalithConfig
+from megalith.errors import MegalithError
+from megalith.storage import atomic_write_json, join
 from preprocessing.corpus import Corpus, train_tokenizer_on_corpus
-from preprocessing.errors import MegalithError
 from preprocessing.prepare import PrepareReport, input_fingerprint, prepare_dataset
-from preprocessing.storage import atomic_write_json, join
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
-from training.config import ConfigError, MegalithConfig
 
 
 def tokenizer_prefix(config: MegalithConfig) -> str:

@@ -24,10 +24,10 @@ from typing import Any
 import sentencepiece as spm
 from google.protobuf.message import DecodeError
 
-from preprocessing import safe_read
-from preprocessing.errors import MegalithError
-from preprocessing.storage import atomic_write_bytes, sha256_of_bytes
-from training.config import TokenizerConfig
+from megalith import safe_read
+from megalith.config import TokenizerConfig
+from megalith.errors import MegalithError
+from megalith.storage import atomic_write_bytes, sha256_of_bytes
 
 EOD_TOKEN = "<|eod|>"
 PAD_TOKEN = "<|pad|>"

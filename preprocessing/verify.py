@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from megalith.storage import filesystem, is_local, join, sha256_of_file
 from preprocessing.indexed_dataset import IndexedDatasetError, IndexedDatasetReader
 from preprocessing.manifest import MASK_SUFFIX, Manifest, ShardInfo, read_manifest
-from preprocessing.storage import filesystem, is_local, join, sha256_of_file
 from preprocessing.tokenizer import Tokenizer
 
 

@@ -7,9 +7,9 @@ import functools
 import json
 from collections.abc import Callable
 
+from megalith.config import MegalithConfig, load_config
+from megalith.errors import MegalithError
 from registry.tracking import DEMO_WORKDIR, existing_store_uri
-from training.config import MegalithConfig, load_config
-from training.errors import MegalithError
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:

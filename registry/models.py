@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from preprocessing import safe_read
+from megalith import safe_read
+from megalith.errors import MegalithError
 from registry.tracking import ensure_tracking_store, flatten_params
-from training.errors import MegalithError
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient

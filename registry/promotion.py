@@ -2,7 +2,7 @@
 
 The gate compares the eval metrics a version carries as ``eval.<metric>`` tags (written
 at registration) with the current champion's, rule by rule (``promotion.rules`` of the
-recipe, :class:`training.config.MetricRule`):
+recipe, :class:`megalith.config.MetricRule`):
 
 - ``improvement`` = (champion − candidate) / |champion| for ``goal: min`` (perplexity,
   loss), (candidate − champion) / |champion| for ``goal: max`` (accuracy): positive is
@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
+from megalith.config import MetricRule
 from registry.models import RegistryError, _client, get_alias_version, model_version_tags
-from training.config import MetricRule
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient

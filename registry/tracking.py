@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from preprocessing import safe_read
-from preprocessing.storage import atomic_write_json, sha256_of_file
-from training.config import LoggingConfig
-from training.errors import MegalithError
-from training.tracking import NullLogger, RunLogger, read_metrics
+from megalith import safe_read
+from megalith.config import LoggingConfig
+from megalith.errors import MegalithError
+from megalith.storage import atomic_write_json, sha256_of_file
+from training.metrics.run_logger import NullLogger, RunLogger, read_metrics
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -338,7 +338,7 @@ def open_run_logger(
     flow created; such a run is left open on ``close``. Otherwise a new run starts in
     ``config.experiment``. Any failure to reach the store warns once and returns a
     ``NullLogger``: training goes on without tracking. With ``run_folder`` (held by
-    this job, ``training.run_lock``) a run that an earlier job there left RUNNING (it
+    this job, ``training.runtime.run_lock``) a run that an earlier job there left RUNNING (it
     was killed, or the store was down when it ended) is ended first (``OPEN_RUN_FILE``).
     """
     if rank != 0 or not config.mlflow:

@@ -164,8 +164,8 @@ def tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 400-piece SentencePiece model trained on the shipped stories."""
     import json
 
+    from megalith.config import TokenizerConfig
     from preprocessing.tokenizer import train_tokenizer
-    from training.config import TokenizerConfig
 
     corpus = Path(__file__).parent.parent / "preprocessing/sample_corpus/stories.jsonl"
     docs = [json.loads(line)["text"] for line in corpus.read_text().splitlines()[:300]]

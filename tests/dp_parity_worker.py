@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from training.config import load_config
-from training.distributed import distributed
+from megalith.config import load_config
+from training.runtime.distributed import distributed
 from training.trainer import Trainer
 
 

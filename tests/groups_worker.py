@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from training.config import MegalithConfig
-from training.distributed import distributed
+from megalith.config import MegalithConfig
 from training.parallel.groups import build_parallel_state, group_ranks
+from training.runtime.distributed import distributed
 
 LAYOUTS = [
     {"tensor": 2, "expert": 2},  # tp 2 · dp 2, experts over the two DP ranks

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import save_file
 from tp_trainer_worker import config_of, run_case
 
-from training.distributed import distributed
 from training.parallel import expert_parallel_training as ep
+from training.runtime.distributed import distributed
 from training.trainer import Trainer
 
 

@@ -47,8 +47,8 @@ def tiny_shard_set(
 ) -> Path:
     """The sample corpus as shards with a 1024-piece tokenizer, built once per session
     (per ``name``; ``overrides`` are more ``--set`` values, e.g. tokenizer sentinels)."""
+    from megalith.config import load_config
     from preprocessing.stage import run_tokenize_stage
-    from training.config import load_config
 
     root = tmp_path_factory.getbasetemp() / name
     root.mkdir(exist_ok=True)
@@ -110,7 +110,7 @@ def trainer_settings(shards: Path, values: dict[str, Any] | None = None) -> dict
 
 
 def config_of(settings: dict[str, Any]):
-    from training.config import load_config
+    from megalith.config import load_config
 
     return load_config(RECIPE, [f"{k}={v}" for k, v in settings.items()])
 
@@ -244,7 +244,7 @@ def assert_metrics_match(
 
 def assert_whole_checkpoint(run: Path, reference: Path, layout: str) -> None:
     """The weights and AdamW moments of the last checkpoint, whole, against REFERENCE's."""
-    from training.sharded_checkpoint import read_global_tensors
+    from training.checkpoint.sharded import read_global_tensors
 
     step = f"step-{STEPS:08d}"
     got = read_global_tensors(run / "checkpoints" / step)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from tp_trainer_worker import config_of, run_case
 
-from training.distributed import distributed
+from training.runtime.distributed import distributed
 from training.trainer import Trainer
 
 
@@ -49,7 +49,7 @@ def check_boxes(trainer: Trainer) -> list[str]:
     existing load paths (TP/EP ``shard_loaded``, the pipeline's, FSDP's ``_like``)."""
     from torch.distributed.tensor import DTensor
 
-    from training.checkpoint import _like
+    from training.checkpoint.format import _like
     from training.parallel import expert_parallel_training as ep
     from training.parallel.shard_specs import assemble, model_specs, reshard_fsdp
 

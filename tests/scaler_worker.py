@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from training.config import MixedPrecisionConfig
-from training.precision import resolve_precision
+from megalith.config import MixedPrecisionConfig
+from training.precision.mixed import resolve_precision
 
 
 def one_step(scaler: torch.amp.GradScaler, rank: int) -> dict:

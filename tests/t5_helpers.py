@@ -68,6 +68,6 @@ def t5_settings(shards: Path, values: dict | None = None) -> dict:
 
 
 def t5_config(settings: dict):
-    from training.config import load_config
+    from megalith.config import load_config
 
     return load_config(T5_RECIPE, [f"{k}={v}" for k, v in settings.items()])

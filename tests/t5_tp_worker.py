@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 from parallel_helpers import mismatch
 
-from training.config import ModelConfig
-from training.distributed import distributed
+from megalith.config import ModelConfig
 from training.models import T5Model, TorchBackend
 from training.models.tp_backend import TensorParallelBackend
 from training.parallel.tensor_parallel import (
@@ -31,6 +30,7 @@ from training.parallel.tensor_parallel import (
     tensor_parallel_partition,
 )
 from training.parallel.tensor_parallel.sharding import shard_tensor
+from training.runtime.distributed import distributed
 
 
 def _batch(vocab: int) -> dict[str, torch.Tensor]:
@@ -99,7 +99,7 @@ def check_layout(spec: dict, layout: dict, group: dist.ProcessGroup) -> list[str
 def check_trainer_helpers(spec: dict, group: dist.ProcessGroup) -> list[str]:
     """tensor_parallel_training.build_model shards a T5 built from the seed as one
     device does, and full_model gathers the whole single-process T5 back on rank 0."""
-    from training.config import MegalithConfig
+    from megalith.config import MegalithConfig
     from training.parallel import tensor_parallel_training as tpt
     from training.parallel.groups import build_parallel_state
 

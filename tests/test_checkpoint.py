@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-from training.checkpoint import (
+from megalith.config import ModelConfig, OptimizerConfig
+from training.checkpoint.format import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
-from training.config import ModelConfig, OptimizerConfig
 from training.models import GPTModel
-from training.optim import build_optimizer
+from training.optim.adamw import build_optimizer
 
 VOCAB = 128
 SEQ = 16

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from training.config import (
+from megalith.config import (
     ConfigError,
     DataConfig,
     MegalithConfig,
@@ -15,7 +15,7 @@ from training.config import (
     dump_config,
     load_config,
 )
-from training.errors import MegalithError
+from megalith.errors import MegalithError
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "configs").glob("*.yaml"))

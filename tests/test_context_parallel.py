@@ -46,8 +46,8 @@ from parallel_helpers import (
     trainer_settings,
 )
 
-from training.config import ModelConfig, load_config
-from training.errors import MegalithError
+from megalith.config import ModelConfig, load_config
+from megalith.errors import MegalithError
 from training.models import GPTModel, TorchBackend
 from training.models.layers import SDPAttention
 from training.parallel import context_parallel as cp

@@ -29,8 +29,8 @@ from parallel_helpers import (
 )
 from safetensors.torch import load_file
 
-from training.checkpoint import latest_checkpoint
-from training.sharded_checkpoint import read_global_tensors
+from training.checkpoint.format import latest_checkpoint
+from training.checkpoint.sharded import read_global_tensors
 from training.trainer import ResumableSampler, Trainer
 
 MODES = ["ddp", "distributed_optimizer", "fsdp"]

@@ -31,12 +31,12 @@ from hypothesis import strategies as st
 from evaluation.perplexity import held_out_data
 from evaluation.report import evaluate_model
 from evaluation.tasks import SAMPLE_TASK
+from megalith.config import load_config
+from megalith.errors import MegalithError
 from preprocessing.tokenizer import load_tokenizer
 from tests.parallel_helpers import RECIPE, tiny_settings, tiny_shard_set
-from training.config import load_config
 from training.data import open_shard_set
 from training.data.gpt_dataset import split_document_ranges
-from training.errors import MegalithError
 from training.models.package import (
     TrainingData,
     load_model_package,

@@ -31,10 +31,10 @@ from evaluation.tasks import (
     sample_task_lines,
     score_choices,
 )
+from megalith.config import DataConfig, ModelConfig, load_config
 from preprocessing import corpus_generator
 from preprocessing.stage import run_tokenize_stage
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
-from training.config import DataConfig, ModelConfig, load_config
 from training.data import build_gpt_datasets
 from training.models.gpt import GPTModel
 from training.models.package import save_model_package

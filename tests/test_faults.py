@@ -43,13 +43,13 @@ from parallel_helpers import (
 from safetensors import SafetensorError
 from servers import answers, free_port, run_group, stop_group
 
+from megalith.errors import MegalithError, storage_error_message
 from registry.tracking import OPEN_RUN_FILE
-from training.async_checkpoint import Checkpointer
-from training.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
-from training.errors import MegalithError, storage_error_message
-from training.run_lock import LOCK_NAME, RunLock
-from training.sharded_checkpoint import Snapshot
-from training.tracking import MetricsFile
+from training.checkpoint.async_save import Checkpointer
+from training.checkpoint.format import CheckpointError, latest_checkpoint, save_checkpoint
+from training.checkpoint.sharded import Snapshot
+from training.metrics.run_logger import MetricsFile
+from training.runtime.run_lock import LOCK_NAME, RunLock
 
 HANG_GUARD_S = 240
 FOREVER = 1_000_000  # steps: a run that trains until it is killed
@@ -327,7 +327,7 @@ def test_an_output_under_a_file_is_one_line_naming_it(shards: Path, tmp_path: Pa
 def test_a_checkpoint_past_a_file_size_limit_is_one_line_and_never_latest(
     background: str, shards: Path, tmp_path: Path
 ) -> None:
-    from training.sharded_checkpoint import latest_sharded_checkpoint
+    from training.checkpoint.sharded import latest_sharded_checkpoint
 
     output = tmp_path / "run"
     # Hidden size 128: the tensor files (> 512 KB) outgrow the data index cache (~360 KB).

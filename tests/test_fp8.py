@@ -1,4 +1,4 @@
-"""FP8 training (training/fp8.py) on CPU through the real path: torchao 0.18's float8
+"""FP8 training (training/precision/fp8.py) on CPU through the real path: torchao 0.18's float8
 training with torch's CPU ``_scaled_mm`` (no emulation), in the real Trainer.
 
 The model is tests/parallel_helpers.py's tiny one (hidden 32, every block linear a
@@ -20,13 +20,13 @@ from parallel_helpers import tiny_settings
 from safetensors.torch import load_file
 from torch import nn
 
-from training.config import ConfigError, load_config
-from training.errors import MegalithError
-from training.fp8 import FP8Error, convert_linears, fp8_eligible, prepare_fp8
+from megalith.config import ConfigError, load_config
+from megalith.errors import MegalithError
+from training.checkpoint.sharded import read_global_tensors
 from training.models import GPTModel
 from training.models.package import load_model_package
-from training.precision import resolve_precision
-from training.sharded_checkpoint import read_global_tensors
+from training.precision.fp8 import FP8Error, convert_linears, fp8_eligible, prepare_fp8
+from training.precision.mixed import resolve_precision
 from training.trainer import Trainer
 
 pytest.importorskip("torchao.float8", reason="torchao (megalith[gpu] / [test]) is not installed")
@@ -169,7 +169,7 @@ def test_config_errors_name_the_keys(
 def test_compile_and_selective_checkpointing_trace_the_float8_linears() -> None:
     """torch.compile (aot_eager: dynamo and AOT autograd, without inductor's slow CPU
     codegen; the Trainer's inductor path was run by hand, see the module docstring of
-    training/fp8.py) over a converted model with selective checkpointing gives the eager
+    training/precision/fp8.py) over a converted model with selective checkpointing gives the eager
     loss and gradients."""
     from training.models.gpt import SELECTIVE_SAVED_OPS
 

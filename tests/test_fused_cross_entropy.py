@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from saved_tensors_probe import saved_for_backward
 
-from training.config import ModelConfig
+from megalith.config import ModelConfig
 from training.models.fused_cross_entropy import linear_cross_entropy
 from training.models.gpt import GPTModel
 from training.models.layers import IGNORE_INDEX

@@ -54,18 +54,26 @@ from deploy.mlflow_pyfunc import MegalithPyfunc, ScoringInputError
 from deploy.request_body import DEFAULT_MAX_BODY_BYTES
 from deploy.server import ServeConfig
 from evaluation.generate import SamplingConfig, generate
+from megalith.config import DataConfig, DatasetSource, LoRAConfig, MegalithConfig, load_config
+from megalith.errors import MegalithError
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from preprocessing.verify import verify_shard_set
-from training.checkpoint import load_checkpoint, save_checkpoint
-from training.checkpoint_cli import verify as ckpt_verify
-from training.config import DataConfig, DatasetSource, LoRAConfig, MegalithConfig, load_config
+from training.checkpoint.cli import verify as ckpt_verify
+from training.checkpoint.format import load_checkpoint, save_checkpoint
+from training.checkpoint.safe_tensors import check_safetensors
+from training.checkpoint.sharded import (
+    is_sharded,
+    latest_sharded_checkpoint,
+    load_sharded_checkpoint,
+    read_index,
+    read_model_weights,
+)
 from training.data import build_gpt_datasets
 from training.data.shard_set import open_shard_set
-from training.errors import MegalithError
 from training.finetune.adapter import load_adapter, merge_adapter, save_adapter
 from training.interop.export import export_hf
 from training.interop.hf import import_hf
-from training.memory import memory_report, resolve_layout
+from training.memory.estimate import memory_report, resolve_layout
 from training.models import build_model
 from training.models.package import (
     load_model_package,
@@ -73,16 +81,8 @@ from training.models.package import (
     read_package_model_config,
     save_model_package,
 )
-from training.optim import build_optimizer
+from training.optim.adamw import build_optimizer
 from training.parallel.groups import single_process_state
-from training.safe_tensors import check_safetensors
-from training.sharded_checkpoint import (
-    is_sharded,
-    latest_sharded_checkpoint,
-    load_sharded_checkpoint,
-    read_index,
-    read_model_weights,
-)
 
 # CI's budget; MEGALITH_FUZZ_EXAMPLES=5000 runs a longer search by hand.
 FUZZ = settings(

@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megalith.config import DataConfig, DatasetSource
+from megalith.storage import sha256_of_file
 from preprocessing.indexed_dataset import IndexedDatasetWriter
 from preprocessing.manifest import (
     FileInfo,
@@ -18,8 +20,6 @@ from preprocessing.manifest import (
     read_manifest,
     write_manifest,
 )
-from preprocessing.storage import sha256_of_file
-from training.config import DataConfig, DatasetSource
 from training.data import (
     BlendedDataset,
     GPTDataset,

@@ -20,9 +20,9 @@ from parallel_helpers import RECIPE, child_env, megalith, set_args, tiny_setting
 from servers import free_port, run_group, stop_group
 
 from pipelines.cli import main
-from training.launch import LaunchSpec, slurm_script, torchrun_command
+from training.metrics.run_logger import read_metrics
 from training.models.package import verify_model_package
-from training.tracking import read_metrics
+from training.runtime.launch import LaunchSpec, slurm_script, torchrun_command
 
 pytestmark = pytest.mark.slow
 STEPS = 4
@@ -170,9 +170,9 @@ def test_prefect_pretrain_on_two_ranks_records_the_layout(
 ) -> None:
     from mlflow import MlflowClient
 
+    from megalith.config import load_config
     from pipelines.flows import pretrain
     from registry.tracking import ensure_tracking_store
-    from training.config import load_config
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     ensure_tracking_store(uri)
@@ -196,7 +196,7 @@ def test_prefect_pretrain_on_two_ranks_records_the_layout(
 
 def test_torchrun_command_lines() -> None:
     single = torchrun_command(LaunchSpec(nproc_per_node=2), ["pipelines.cli", "train"])
-    assert single[:4] == [sys.executable, "-m", "training.launch", "--standalone"]
+    assert single[:4] == [sys.executable, "-m", "training.runtime.launch", "--standalone"]
     assert single[single.index("--nproc-per-node") + 1] == "2"
     assert single[single.index("--max-restarts") + 1] == "0"
     assert single[single.index("-m", 3) + 1 :] == ["pipelines.cli", "train"]

@@ -45,13 +45,13 @@ from evaluation.lm_eval_adapter import (
 from evaluation.report import evaluate_model
 from evaluation.seq2seq import span_logliks, span_prompt
 from evaluation.tasks import SAMPLE_TASK, load_task, score_choices
+from megalith.config import DEFAULT_SPECIAL_TOKENS, MetricRule, ModelConfig, TokenizerConfig
+from megalith.errors import MegalithError
 from preprocessing.tokenizer import load_tokenizer, sentinel_ids, train_tokenizer
 from registry.models import register_model
 from registry.promotion import gate
 from registry.tracking import MLflowRunLogger
 from tests.test_registry import store  # noqa: F401  (fixture)
-from training.config import DEFAULT_SPECIAL_TOKENS, MetricRule, ModelConfig, TokenizerConfig
-from training.errors import MegalithError
 from training.interop.export import export_hf
 from training.models import build_model
 from training.models.package import load_model_package, save_model_package

@@ -31,7 +31,8 @@ from parallel_helpers import (
     trainer_settings,
 )
 
-from training.config import ConfigError, LoRAConfig, ModelConfig
+from megalith.config import ConfigError, LoRAConfig, ModelConfig
+from training.checkpoint.sharded import read_global_tensors
 from training.finetune.adapter import AdapterError, attach_adapter, load_adapter
 from training.finetune.base import content_id
 from training.finetune.lora import apply_lora, is_adapter_param
@@ -40,7 +41,6 @@ from training.finetune.session import FineTune
 from training.models import GPTModel
 from training.models.flops import param_groups
 from training.models.package import load_model_package, model_tensors
-from training.sharded_checkpoint import read_global_tensors
 from training.trainer import Trainer
 
 LORA = {"finetune.lora.rank": 4, "finetune.lora.alpha": 8, "finetune.lora.dropout": 0.0}
@@ -198,8 +198,8 @@ def test_lora_checkpoint_resumes_exactly(
 
 def v1_checkpoint(package: Path, root: Path) -> Path:
     """PACKAGE's weights as a v1 (whole-tensor) checkpoint step directory."""
-    from training.checkpoint import save_checkpoint
-    from training.optim import build_optimizer
+    from training.checkpoint.format import save_checkpoint
+    from training.optim.adamw import build_optimizer
 
     model, config, _ = load_model_package(package)
     optimizer, names = build_optimizer(model, config_of({}).optimizer, torch.device("cpu"))
@@ -265,7 +265,7 @@ def test_full_finetune_from_a_registered_model_records_lineage(
     assert tags["megalith.base.uri"] == registered
     assert tags["megalith.finetune.method"] == "full"
     manifest = shards / "manifest.json"
-    from preprocessing.storage import sha256_of_file
+    from megalith.storage import sha256_of_file
 
     assert tags["megalith.data.manifest_sha256"] == sha256_of_file(str(manifest))
     lineage = json.loads((result.model_package / "config.json").read_text())["lineage"]

@@ -1,4 +1,4 @@
-"""The memory report (training/memory.py) against real tensors, and the planner and CLI."""
+"""The memory report (training/memory/estimate.py) against real tensors, and the planner and CLI."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megalith.config import load_config
 from pipelines.cli import main
-from training.config import load_config
-from training.memory import (
+from training.memory.estimate import (
     MemoryPlanError,
     memory_report,
     plan,
@@ -19,7 +19,7 @@ from training.memory import (
     usable_bytes,
 )
 from training.models import GPTModel
-from training.optim import build_optimizer
+from training.optim.adamw import build_optimizer
 from training.parallel.tensor_parallel.sharding import shard_full_state_dict
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from saved_tensors_probe import saved_for_backward, total_bytes
 
-from training.config import ConfigError, ModelConfig, load_config
+from megalith.config import ConfigError, ModelConfig, load_config
 from training.models import BackendError, GPTModel, TorchBackend, resolve_backend
 from training.models import backend as backend_module
 from training.models.flops import flops_per_token, matmul_params, param_groups, total_params

@@ -22,11 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from evaluation.cli import package_max_positions, read_prompts
+from megalith.config import ConfigError, ModelConfig, OptimizerConfig, load_config
+from megalith.errors import MegalithError
 from registry.models import RegistryError, check_mlmodel, verify_package
 from tests.test_data_cli import assert_clean_error, megalith
-from training.checkpoint import save_checkpoint
-from training.config import ConfigError, ModelConfig, OptimizerConfig, load_config
-from training.errors import MegalithError
+from training.checkpoint.format import save_checkpoint
 from training.finetune.base import load_base
 from training.interop.export import export_hf
 from training.interop.hf import HFInteropError, import_hf, model_config_from_hf
@@ -39,7 +39,7 @@ from training.models.package import (
     save_model_package,
     sha256_file,
 )
-from training.optim import build_optimizer
+from training.optim.adamw import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 448  # 400 SentencePiece pieces padded to a multiple of 64

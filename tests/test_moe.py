@@ -54,8 +54,8 @@ from parallel_helpers import (
 from safetensors.torch import load_file
 from saved_tensors_probe import saved_for_backward, total_bytes
 
-from training.config import ConfigError, ModelConfig, load_config
-from training.errors import MegalithError
+from megalith.config import ConfigError, ModelConfig, load_config
+from megalith.errors import MegalithError
 from training.models.flops import matmul_params, param_groups, total_params
 from training.models.gpt import GPTModel
 from training.models.layers import gelu, swiglu

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from training.config import MegalithConfig, ParallelConfig
+from megalith.config import MegalithConfig, ParallelConfig
 from training.parallel.groups import (
     ParallelLayoutError,
     ParallelSizes,

@@ -47,7 +47,7 @@ from parallel_helpers import (
 )
 from safetensors.torch import load_file
 
-from training.errors import MegalithError
+from megalith.errors import MegalithError
 from training.parallel.groups import ParallelLayoutError, ParallelSizes, validate_layout
 from training.parallel.pipeline_layout import (
     bubble_fraction,

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from evaluation.generate import SamplingConfig, generate
+from megalith.config import load_config
 from pipelines.commands import DEMO_RECIPE, sample_corpus
 from preprocessing.tokenizer import load_tokenizer
 from registry.models import load_registered_model
-from training.config import load_config
 from training.models.package import load_model_package
 
 pytestmark = pytest.mark.slow

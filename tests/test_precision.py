@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from parallel_helpers import run_torchrun_worker
 
-from training.config import MixedPrecisionConfig
-from training.precision import resolve_precision
+from megalith.config import MixedPrecisionConfig
+from training.precision.mixed import resolve_precision
 
 
 def test_one_process_uses_the_plain_scaler() -> None:

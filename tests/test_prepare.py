@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megalith.config import DataConfig, TokenizerConfig
 from preprocessing import corpus_generator
 from preprocessing.indexed_dataset import IndexedDatasetReader
 from preprocessing.manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -27,7 +28,6 @@ from preprocessing.prepare import (
 )
 from preprocessing.readers import REJECT_REASONS, BadRecordError, InputError
 from preprocessing.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
-from training.config import DataConfig, TokenizerConfig
 
 CORPUS = Path(corpus_generator.__file__).parent / "sample_corpus" / "stories.jsonl"
 SMALL_DOCUMENTS = 400

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from megalith.config import MetricRule, PromotionConfig
+from megalith.errors import MegalithError
 from pipelines.cli import main
 from registry.models import get_alias_version, model_version_tags, register_model
 from registry.promotion import (
@@ -24,8 +26,6 @@ from registry.promotion import (
 )
 from registry.tracking import MLflowRunLogger
 from tests.test_registry import make_package, store  # noqa: F401  (fixture)
-from training.config import MetricRule, PromotionConfig
-from training.errors import MegalithError
 
 NAME = "megalith-promotion-test"
 PPL = MetricRule(metric="valid_perplexity", goal="min", margin=0.01)

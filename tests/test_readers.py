@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
+from megalith.errors import MegalithError
 from preprocessing import readers
 from preprocessing.readers import (
     REJECT_REASONS,
@@ -23,7 +24,6 @@ from preprocessing.readers import (
     iter_text_batches,
     resolve_inputs,
 )
-from training.errors import MegalithError
 
 # ---------------------------------------------------------------- helpers
 

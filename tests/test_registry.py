@@ -17,6 +17,7 @@ import yaml
 from mlflow import MlflowClient
 
 from deploy.loading import load_served_model
+from megalith.config import LoggingConfig, MegalithConfig, ModelConfig
 from registry import tracking
 from registry.models import (
     MLFLOW_FILES,
@@ -38,10 +39,9 @@ from registry.tracking import (
     open_run_logger,
     resolve_tracking_uri,
 )
-from training.config import LoggingConfig, MegalithConfig, ModelConfig
+from training.metrics.run_logger import NullLogger
 from training.models.gpt import GPTModel
 from training.models.package import load_model_package, save_model_package
-from training.tracking import NullLogger
 
 MODEL_NAME = "megalith-test"
 PACKAGE_FILES = ("model.safetensors", "config.json", "tokenizer.model")

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from preprocessing import safe_read
-from preprocessing.safe_read import UnsafeFileError
-from training.config import ConfigError, load_config
+from megalith import safe_read
+from megalith.config import ConfigError, load_config
+from megalith.safe_read import UnsafeFileError
 
 BILLION_LAUGHS = """
 a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]

@@ -21,22 +21,22 @@ import bad_checkpoints as bad
 import pytest
 import torch
 
+from megalith.config import ModelConfig, OptimizerConfig, TokenizerConfig
+from megalith.errors import MegalithError
 from pipelines.cli import main
 from preprocessing.tokenizer import train_tokenizer
-from training.async_checkpoint import Checkpointer
-from training.checkpoint import load_checkpoint, save_checkpoint
-from training.checkpoint_cli import verify
-from training.config import ModelConfig, OptimizerConfig, TokenizerConfig
-from training.errors import MegalithError
+from training.checkpoint.async_save import Checkpointer
+from training.checkpoint.cli import verify
+from training.checkpoint.format import load_checkpoint, save_checkpoint
+from training.checkpoint.sharded import HostBuffers, load_sharded_checkpoint, take_snapshot
+from training.checkpoint.signing import KEY_ENV
 from training.interop.export import export_hf
 from training.interop.hf import import_hf
 from training.interop.megatron import import_megatron
 from training.models.gpt import GPTModel
 from training.models.package import load_model_package, save_model_package
-from training.optim import build_optimizer
+from training.optim.adamw import build_optimizer
 from training.parallel.groups import single_process_state
-from training.sharded_checkpoint import HostBuffers, load_sharded_checkpoint, take_snapshot
-from training.signing import KEY_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 448
@@ -248,7 +248,7 @@ def test_sound_inputs_load(sources: dict, tmp_path: Path, loader_name: str) -> N
 
 
 def _signed_copy(sources: dict, loader: Loader, tmp_path: Path, monkeypatch) -> Path:
-    from training.signing import sign_directory
+    from training.checkpoint.signing import sign_directory
 
     root = _copy(sources, loader, tmp_path)
     monkeypatch.setenv(KEY_ENV, KEY)
@@ -439,7 +439,7 @@ def _ed25519_pems(directory: Path, name: str) -> tuple[Path, Path]:
 def test_ed25519_signatures_verify_with_the_public_key_only(
     sources: dict, tmp_path: Path, loader_name: str, monkeypatch
 ) -> None:
-    from training.signing import ED25519_PRIVATE_ENV, ED25519_PUBLIC_ENV, sign_directory
+    from training.checkpoint.signing import ED25519_PRIVATE_ENV, ED25519_PUBLIC_ENV, sign_directory
 
     loader = LOADERS[loader_name]
     private_pem, public_pem = _ed25519_pems(tmp_path, "signer")

@@ -17,6 +17,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from parallel_helpers import init_gloo
 
+from megalith.config import DataConfig, ModelConfig, TokenizerConfig, load_config
+from megalith.errors import MegalithError
 from preprocessing.chat import RESERVED, generation_prompt, render
 from preprocessing.chat_generator import write_chat_corpus
 from preprocessing.indexed_dataset import IndexedDatasetReader
@@ -25,19 +27,17 @@ from preprocessing.prepare import prepare_dataset
 from preprocessing.readers import BadRecordError
 from preprocessing.tokenizer import Tokenizer, train_tokenizer
 from preprocessing.verify import verify_shard_set
-from training.config import DataConfig, ModelConfig, TokenizerConfig, load_config
 from training.data import build_gpt_datasets
 from training.data.sft_dataset import SFTDataset
 from training.data.shard_set import ShardSetError, open_shard_set
-from training.errors import MegalithError
+from training.metrics.run_logger import read_metrics
 from training.models import GPTModel, TorchBackend
 from training.models.packing import document_positions
 from training.models.tp_backend import TensorParallelBackend
+from training.objectives.sft import micro_batch_loss
 from training.parallel.groups import ParallelSizes
 from training.parallel.support import check_trainer_support
 from training.parallel.tensor_parallel import shard_full_state_dict
-from training.sft import micro_batch_loss
-from training.tracking import read_metrics
 from training.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -464,7 +464,7 @@ def test_parallel_fine_tuning_matches_one_process_and_resumes_exactly(
         trainer_settings,
     )
 
-    from training.sharded_checkpoint import read_global_tensors
+    from training.checkpoint.sharded import read_global_tensors
 
     settings = trainer_settings(
         chat_shards,

@@ -23,6 +23,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megalith.config import DataConfig, TokenizerConfig
+from megalith.errors import MegalithError
+from megalith.storage import sha256_of_file
 from preprocessing.indexed_dataset import (
     MAGIC,
     IndexedDatasetError,
@@ -32,14 +35,11 @@ from preprocessing.indexed_dataset import (
 )
 from preprocessing.manifest import MANIFEST_NAME, ManifestError, read_manifest
 from preprocessing.prepare import check_token_ids, prepare_dataset
-from preprocessing.storage import sha256_of_file
 from preprocessing.tokenizer import Tokenizer, train_tokenizer
 from preprocessing.verify import verify_shard_set
 from tests.test_data_cli import assert_clean_error, megalith
 from tests.test_gpt_dataset import config, write_shard_set
-from training.config import DataConfig, TokenizerConfig
 from training.data import ShardSetError, build_gpt_datasets, open_shard_set
-from training.errors import MegalithError
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO / "preprocessing" / "sample_corpus" / "stories.jsonl"

@@ -51,16 +51,16 @@ from parallel_helpers import (
 from safetensors.torch import load_file, save_file
 
 from pipelines.cli import main as cli_main
-from training.async_checkpoint import TEST_WRITE_DELAY_ENV
-from training.checkpoint import CheckpointError, save_checkpoint
-from training.checkpoint_convert import consolidate
-from training.sharded_checkpoint import (
+from training.checkpoint.async_save import TEST_WRITE_DELAY_ENV
+from training.checkpoint.convert import consolidate
+from training.checkpoint.format import CheckpointError, save_checkpoint
+from training.checkpoint.sharded import (
     latest_sharded_checkpoint,
     read_global_tensor,
     read_index,
     verify_sharded_checkpoint,
 )
-from training.signing import sign_directory
+from training.checkpoint.signing import sign_directory
 from training.trainer import Trainer
 
 # 4 layers for 2 pipeline stages; 4 KV groups so that TP=4 divides them.

@@ -11,6 +11,7 @@ import torch
 from t5_helpers import t5_shard_set, uncorrupt
 from torch.utils.data import DataLoader
 
+from megalith.config import ConfigError, DataConfig, TokenizerConfig, load_config
 from preprocessing.manifest import read_manifest
 from preprocessing.tokenizer import (
     TokenizerError,
@@ -19,7 +20,6 @@ from preprocessing.tokenizer import (
     sentinel_ids,
     train_tokenizer,
 )
-from training.config import ConfigError, DataConfig, TokenizerConfig, load_config
 from training.data import build_gpt_datasets
 from training.data.t5_dataset import (
     T5_KEYS,

@@ -1,4 +1,4 @@
-"""`megalith memory` for T5 (training/memory.py with training/memory_t5.py): the static
+"""`megalith memory` for T5 (training/memory/estimate.py with training/memory/t5.py): the static
 rows against the real encoder-decoder and its real pipeline stages, the activation
 model's structure, and the CLI on the T5-base recipe."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megalith.config import load_config
 from pipelines.cli import main
-from training.config import load_config
-from training.memory import memory_report, resolve_layout, static_memory
-from training.memory_t5 import stage_layer_kinds
+from training.memory.estimate import memory_report, resolve_layout, static_memory
+from training.memory.t5 import stage_layer_kinds
 from training.models import T5Model
 from training.parallel.groups import ParallelState, coords_of
 from training.parallel.pipeline_layout import layer_counts, pipelined_layers

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
 
-from training.config import MegalithConfig, ModelConfig
+from megalith.config import MegalithConfig, ModelConfig
 from training.models import GPTModel, T5Model, build_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -214,8 +214,8 @@ def test_trainer_tensor_parallel_helpers_build_and_gather_t5(tp_results):
 @pytest.fixture(scope="module")
 def tokenizer_file(tmp_path_factory) -> Path:
     """A 400-piece SentencePiece model with <|eod|>, <|pad|> and two sentinels."""
+    from megalith.config import DEFAULT_SPECIAL_TOKENS, TokenizerConfig
     from preprocessing.tokenizer import train_tokenizer
-    from training.config import DEFAULT_SPECIAL_TOKENS, TokenizerConfig
 
     lines = (REPO / "preprocessing/sample_corpus/stories.jsonl").read_text().splitlines()
     docs = [json.loads(line)["text"] for line in lines[:300]]

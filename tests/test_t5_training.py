@@ -23,10 +23,10 @@ from t5_helpers import REPO, T5_RECIPE, t5_config, t5_settings, t5_shard_set
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from megalith.config import ModelConfig
+from megalith.errors import MegalithError
 from preprocessing.manifest import read_manifest
-from training.config import ModelConfig
 from training.data.t5_dataset import span_corruption_lengths
-from training.errors import MegalithError
 from training.models import T5Model, build_model
 from training.models.flops import encoder_decoder_flops
 from training.parallel.groups import ParallelSizes
@@ -211,12 +211,12 @@ def test_end_to_end_flow_trains_evaluates_and_registers_a_t5(
     """configs/t5-tiny-cpu.yaml shrunk, through the same end-to-end flow as GPT: tokenizer
     with sentinels → shards → train → eval (span perplexity, tasks, seq2seq generation) →
     register; the registered model loads back as a T5."""
+    from megalith.config import load_config
     from pipelines.commands import sample_corpus
     from pipelines.flows import end_to_end
     from preprocessing.tokenizer import load_tokenizer, sentinel_ids
     from registry.models import load_registered_model
     from registry.tracking import ensure_tracking_store
-    from training.config import load_config
     from training.models.package import load_model_package
 
     root = tmp_path_factory.mktemp("t5-e2e")
@@ -261,7 +261,7 @@ def test_t5_base_recipe_has_the_t5_v1_1_base_shape() -> None:
     512 -> 114 span-corruption lengths."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from training.config import load_config
+    from megalith.config import load_config
 
     config = load_config(REPO / "configs" / "t5-base.yaml")
     hf_config = T5Config(

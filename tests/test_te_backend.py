@@ -33,8 +33,7 @@ import torch.nn.functional as F
 from parallel_helpers import tiny_settings
 from torch import nn
 
-from training.config import ModelConfig, load_config
-from training.fp8 import FP8Error, prepare_fp8
+from megalith.config import ModelConfig, load_config
 from training.models import GPTModel, TorchBackend, resolve_backend
 from training.models import backend as backend_module
 from training.models.gpt import model_from_tensors
@@ -45,7 +44,8 @@ from training.models.te_backend import (
     TransformerEngineBackend,
     te_parameter_names,
 )
-from training.precision import resolve_precision
+from training.precision.fp8 import FP8Error, prepare_fp8
+from training.precision.mixed import resolve_precision
 from training.trainer import Trainer
 
 

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from parallel_helpers import init_gloo, mismatch
 
-from training.config import ConfigError, ModelConfig
+from megalith.config import ConfigError, ModelConfig
 from training.models import BackendError, GPTModel, TorchBackend
 from training.models.flops import param_groups
 from training.models.layers import SDPAttention

@@ -10,11 +10,11 @@ from uuid import UUID
 
 import pytest
 
+from megalith.config import DataConfig, TokenizerConfig
 from preprocessing import corpus_generator
 from preprocessing.manifest import read_manifest
 from preprocessing.readers import InputError
 from preprocessing.verify import verify_shard_set
-from training.config import DataConfig, TokenizerConfig
 
 prefect = pytest.importorskip("prefect")
 

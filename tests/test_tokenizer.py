@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from megalith.config import DEFAULT_SPECIAL_TOKENS, TokenizerConfig
+from megalith.errors import MegalithError
 from preprocessing import corpus_generator
 from preprocessing.tokenizer import (
     Tokenizer,
@@ -19,8 +21,6 @@ from preprocessing.tokenizer import (
     split_for_training,
     train_tokenizer,
 )
-from training.config import DEFAULT_SPECIAL_TOKENS, TokenizerConfig
-from training.errors import MegalithError
 
 CORPUS = Path(corpus_generator.__file__).parent / "sample_corpus" / "stories.jsonl"
 UNSEEN = "Émoji 🦙🚀, 中文字符 and ÅÄÖ — “quotes”\ttab\n\nnew  line  "

@@ -25,15 +25,15 @@ from dtype_probe import module_output_dtypes
 from parallel_helpers import tiny_shard_set
 from safetensors.torch import load_file
 
+from megalith.config import MegalithConfig, ModelConfig, OptimizerConfig, load_config
+from megalith.config import SchedulerConfig as Schedule
+from megalith.errors import MegalithError
 from pipelines.cli import main
-from training.config import MegalithConfig, ModelConfig, OptimizerConfig, load_config
-from training.config import SchedulerConfig as Schedule
-from training.errors import MegalithError
+from training.checkpoint.sharded import read_global_tensors
+from training.metrics.run_logger import read_metrics
 from training.models import GPTModel
-from training.optim import build_optimizer
-from training.schedule import learning_rate
-from training.sharded_checkpoint import read_global_tensors
-from training.tracking import read_metrics
+from training.optim.adamw import build_optimizer
+from training.optim.schedule import learning_rate
 from training.trainer import Trainer, train
 
 REPO = Path(__file__).resolve().parents[1]

@@ -38,7 +38,7 @@ from parallel_helpers import (
     trainer_settings,
 )
 
-from training.errors import MegalithError
+from megalith.errors import MegalithError
 from training.parallel.groups import ParallelSizes
 from training.parallel.support import check_trainer_support
 

@@ -27,17 +27,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from training.async_checkpoint import Checkpointer
-from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from training.checkpoint_cli import inspect, verify
-from training.config import ModelConfig, OptimizerConfig
-from training.errors import MegalithError
-from training.finetune.base import load_base
-from training.models.gpt import GPTModel
-from training.models.package import load_model_package, save_model_package
-from training.optim import build_optimizer
-from training.parallel.groups import single_process_state
-from training.sharded_checkpoint import (
+from megalith.config import ModelConfig, OptimizerConfig
+from megalith.errors import MegalithError
+from training.checkpoint.async_save import Checkpointer
+from training.checkpoint.cli import inspect, verify
+from training.checkpoint.format import latest_checkpoint, load_checkpoint, save_checkpoint
+from training.checkpoint.sharded import (
     HostBuffers,
     latest_sharded_checkpoint,
     load_sharded_checkpoint,
@@ -45,13 +40,18 @@ from training.sharded_checkpoint import (
     read_model_weights,
     take_snapshot,
 )
-from training.signing import (
+from training.checkpoint.signing import (
     ED25519_PRIVATE_ENV,
     ED25519_PUBLIC_ENV,
     KEY_ENV,
     REQUIRE_ENV,
     sign_directory,
 )
+from training.finetune.base import load_base
+from training.models.gpt import GPTModel
+from training.models.package import load_model_package, save_model_package
+from training.optim.adamw import build_optimizer
+from training.parallel.groups import single_process_state
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "k" * 40
@@ -389,7 +389,7 @@ def test_require_signature_env_reaches_every_package_loader(tmp_path: Path, monk
 def test_adapters_are_signed_and_checked(tmp_path: Path, monkeypatch) -> None:
     """A LoRA adapter saved alone loads weights too: signed when a key is set, refused
     unsigned when required, and a changed adapter.json breaks its signature."""
-    from training.config import LoRAConfig
+    from megalith.config import LoRAConfig
     from training.finetune.adapter import load_adapter, save_adapter
 
     tensors = {

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from megalith.config import load_config
 from pipelines.commands import DEMO_RECIPE, FINETUNE_RECIPE, sample_corpus
 from tests.test_pipelines import TINY_DEMO
-from training.config import load_config
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from training.config import load_config
-from training.distributed import distributed
+from megalith.config import load_config
 from training.parallel.groups import validate_layout
+from training.runtime.distributed import distributed
 from training.trainer import Trainer
 
 

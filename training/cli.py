@@ -9,9 +9,11 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-from preprocessing.storage import atomic_write_json
-from training.config import MegalithConfig, load_config
-from training.launch import (
+from megalith.config import MegalithConfig, load_config
+from megalith.storage import atomic_write_json
+from training.parallel.groups import validate_layout
+from training.parallel.support import check_trainer_support
+from training.runtime.launch import (
     DEFAULT_RDZV_PORT,
     DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
@@ -23,9 +25,7 @@ from training.launch import (
     under_torchrun,
     unwinding_on_sigterm,
 )
-from training.parallel.groups import validate_layout
-from training.parallel.support import check_trainer_support
-from training.run_lock import hold_run_folder
+from training.runtime.run_lock import hold_run_folder
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -185,7 +185,7 @@ def _train_or_launch(args: argparse.Namespace) -> int:
         return _launch(args, config)
     # Only now the heavy imports (torch, ~seconds): a bad config fails at once.
     from registry.tracking import lineage_tags, open_run_logger
-    from training.distributed import distributed
+    from training.runtime.distributed import distributed
     from training.trainer import train
 
     output = _output(args, config)

@@ -7,17 +7,17 @@ validates periodically, checkpoints, and writes ``metrics.jsonl``. With
 curve equals that of an uninterrupted run.
 
 Under torchrun (torch.distributed initialised by the caller, see
-``training.distributed``) each data-parallel rank reads its own slice of every
+``training.runtime.distributed``) each data-parallel rank reads its own slice of every
 global batch, gradients are averaged by DDP (``training.parallel.data_parallel``),
 and rank 0 alone writes metrics and the model package and talks to MLflow; every rank
-writes its own shards of a checkpoint (``training.sharded_checkpoint``, in a background
+writes its own shards of a checkpoint (``training.checkpoint.sharded``, in a background
 thread with ``checkpoint.async_save``), which loads into any other layout. Tensor (and
 sequence) parallel peers read the same batches and hold shards of the model
 (``training.parallel.tensor_parallel_training``); the package holds whole tensors.
 Context-parallel peers read the same batches too and each keeps its load-balanced part
 of every sequence (``training.parallel.context_parallel``).
 With ``model.family: t5`` the samples are span-corrupted windows of the same shards and
-the model an encoder-decoder (``training.t5``).
+the model an encoder-decoder (``training.objectives.t5``).
 Pipeline stages run the micro-batches through a 1F1B schedule
 (``training.parallel.pipeline``). Mixture-of-experts models add their load-balancing
 loss to the training loss; expert-parallel ranks hold a share of the experts
@@ -45,29 +45,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
-from preprocessing.storage import atomic_write_bytes, atomic_write_json
-from training import sft
-from training.async_checkpoint import Checkpointer, checkpoint_group
-from training.checkpoint import load_checkpoint
-from training.config import MegalithConfig, ModelConfig, dump_config
-from training.data.shard_set import open_shard_set
-from training.distributed import env_from_torchrun, local_device
-from training.errors import MegalithError
-from training.families import model_family
-from training.finetune.session import FineTune
-from training.fp8 import prepare_fp8
-from training.models.layers import attention_kernels
-from training.models.moe import moe_aux_loss
-from training.models.package import TrainingData, save_model_package
-from training.optim import folds_clipping, step_with_clipping
-from training.parallel import data_parallel as dp
-from training.parallel import expert_parallel_training as ep
-from training.parallel.groups import ParallelState, build_parallel_state, validate_layout
-from training.parallel.pipeline import PipelineParallel
-from training.parallel.support import check_trainer_support
-from training.precision import Precision, resolve_precision
-from training.schedule import learning_rate
-from training.sharded_checkpoint import (
+from megalith.config import MegalithConfig, ModelConfig, dump_config
+from megalith.errors import MegalithError
+from megalith.storage import atomic_write_bytes, atomic_write_json
+from training.checkpoint.async_save import Checkpointer, checkpoint_group
+from training.checkpoint.format import load_checkpoint
+from training.checkpoint.sharded import (
     as_location,
     is_sharded,
     latest_sharded_checkpoint,
@@ -75,8 +58,25 @@ from training.sharded_checkpoint import (
     read_index,
     take_snapshot,
 )
-from training.step_metrics import PendingMetrics
-from training.tracking import MetricsFile, NullLogger, RunLogger, read_metrics
+from training.data.shard_set import open_shard_set
+from training.families import model_family
+from training.finetune.session import FineTune
+from training.metrics.pending import PendingMetrics
+from training.metrics.run_logger import MetricsFile, NullLogger, RunLogger, read_metrics
+from training.models.layers import attention_kernels
+from training.models.moe import moe_aux_loss
+from training.models.package import TrainingData, save_model_package
+from training.objectives import sft
+from training.optim.adamw import folds_clipping, step_with_clipping
+from training.optim.schedule import learning_rate
+from training.parallel import data_parallel as dp
+from training.parallel import expert_parallel_training as ep
+from training.parallel.groups import ParallelState, build_parallel_state, validate_layout
+from training.parallel.pipeline import PipelineParallel
+from training.parallel.support import check_trainer_support
+from training.precision.fp8 import prepare_fp8
+from training.precision.mixed import Precision, resolve_precision
+from training.runtime.distributed import env_from_torchrun, local_device
 
 logger = logging.getLogger(__name__)
 
@@ -270,7 +270,7 @@ class Trainer:
         self.train_data, self.valid_data = self._datasets()
 
     def _can_clip_in_step(self) -> bool:
-        """Whether the fused AdamW kernel can apply the clipping (``training.optim``):
+        """Whether the fused AdamW kernel can apply the clipping (``training.optim.adamw``):
         whole gradients on this rank (no TP, PP, EP or FSDP shards) and no fp16 scaler,
         which already uses the kernel's unscaling input."""
         sizes = self.parallel.sizes

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from torch.utils.data import Dataset
 
-from preprocessing.storage import is_local
-from training.config import DataConfig
+from megalith.config import DataConfig
+from megalith.storage import is_local
 from training.data.blending import BlendedDataset, load_blending_indices, samples_per_dataset
 from training.data.gpt_dataset import SPLIT_NAMES, GPTDataset, split_document_ranges
 from training.data.sft_dataset import SFTDataset

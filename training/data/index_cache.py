@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from preprocessing import safe_read
-from preprocessing.storage import atomic_write_json
-from training.errors import MegalithError
+from megalith import safe_read
+from megalith.errors import MegalithError
+from megalith.storage import atomic_write_json
 
 logger = logging.getLogger(__name__)
 

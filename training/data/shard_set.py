@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from megalith.errors import MegalithError
+from megalith.storage import filesystem, is_local, join
 from preprocessing.indexed_dataset import IndexedDatasetError, IndexedDatasetReader
 from preprocessing.manifest import MASK_SUFFIX, Manifest, read_manifest
-from preprocessing.storage import filesystem, is_local, join
-from training.errors import MegalithError
 
 logger = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from megalith.config import ConfigError, DataConfig
 from preprocessing.manifest import read_manifest
 from preprocessing.tokenizer import load_tokenizer, require_sentinels
-from training.config import ConfigError, DataConfig
 from training.data.builder import build_gpt_datasets
 from training.data.gpt_dataset import SPLIT_NAMES
 from training.data.shard_set import ShardSetError

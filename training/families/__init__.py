@@ -8,8 +8,8 @@ and list it below (docs/architecture.md, "Model families").
 
 from __future__ import annotations
 
-from training.config import MegalithConfig, ModelConfig
-from training.errors import MegalithError
+from megalith.config import MegalithConfig, ModelConfig
+from megalith.errors import MegalithError
 from training.families import gpt, t5
 from training.families.spec import HFExport, ModelFamily, PipelineSplit
 

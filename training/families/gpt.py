@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from training.config import DataConfig, ModelConfig
+from megalith.config import DataConfig, ModelConfig
 from training.data import build_gpt_datasets
 from training.families.spec import Batch, HFExport, ModelFamily, PipelineSplit
 from training.interop import hf

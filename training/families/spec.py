@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from training.config import DataConfig, ModelConfig
+from megalith.config import DataConfig, ModelConfig
 from training.parallel.groups import ParallelState
 
 Batch = dict[str, Tensor]

@@ -1,7 +1,7 @@
 """The encoder-decoder family (``model.family: t5``): T5 v1.1 trained on span corruption.
 
 Its parts: the model (training/models/t5.py), the span-corruption samples
-(training/data/t5_dataset.py), the objective and throughput count (training/t5.py), the
+(training/data/t5_dataset.py), the objective and throughput count (training/objectives/t5.py), the
 pipeline stages (training/parallel/pipeline_t5.py) and the HF export
 (training/interop/hf_t5.py)."""
 
@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from training import t5
-from training.config import DataConfig, ModelConfig
+from megalith.config import DataConfig, ModelConfig
 from training.data.t5_dataset import build_t5_datasets, span_corruption_lengths
 from training.families.spec import Batch, HFExport, ModelFamily, PipelineSplit
 from training.interop import hf_t5
 from training.models.t5 import T5Model
+from training.objectives import t5
 from training.parallel import pipeline_t5
 from training.parallel.groups import ParallelState
 from training.parallel.pipeline_layout import owner_of_t5_parameter

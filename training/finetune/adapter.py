@@ -10,7 +10,7 @@ An adapter directory is small (``rank · (in + out)`` values per target layer)::
                            "weights": {"file": "adapter.safetensors", "sha256": hex}}
 
 Written to a temporary sibling directory renamed into place, with ``signature.json``
-over adapter.json when a signing key is set (:mod:`training.signing`). Loading reads
+over adapter.json when a signing key is set (:mod:`training.checkpoint.signing`). Loading reads
 adapter.json once, checks its signature over those bytes (required with
 ``require_signature``), then the weights' sha256 before reading a tensor, bounds the safetensors header, and checks every name
 and shape against the base weights it is put on; an adapter made on other base
@@ -31,24 +31,24 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from preprocessing import safe_read
-from preprocessing.storage import sha256_of_file
-from training.config import LoRAConfig, ModelConfig, format_validation_error
-from training.errors import MegalithError
+from megalith import safe_read
+from megalith.config import LoRAConfig, ModelConfig, format_validation_error
+from megalith.errors import MegalithError
+from megalith.storage import sha256_of_file
+from training.checkpoint.safe_tensors import UnsafeTensorFileError, check_safetensors
+from training.checkpoint.signing import (
+    SignatureError,
+    check_signature_bytes,
+    read_signature,
+    should_sign,
+    sign_directory,
+)
 from training.finetune.lora import (
     adapters_of,
     apply_lora,
     is_adapter_param,
     merge_tensors,
     target_linears,
-)
-from training.safe_tensors import UnsafeTensorFileError, check_safetensors
-from training.signing import (
-    SignatureError,
-    check_signature_bytes,
-    read_signature,
-    should_sign,
-    sign_directory,
 )
 
 ADAPTER_FORMAT = "megalith-lora-adapter"

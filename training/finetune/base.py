@@ -34,18 +34,18 @@ import torch
 from pydantic import ValidationError
 from torch import Tensor
 
-from preprocessing import safe_read
-from training.config import (
+from megalith import safe_read
+from megalith.config import (
     ConfigError,
     LoRAConfig,
     MegalithConfig,
     ModelConfig,
     format_validation_error,
 )
-from training.errors import MegalithError
+from megalith.errors import MegalithError
+from training.checkpoint.sharded import latest_sharded_checkpoint, read_model_weights
 from training.finetune.lora import is_adapter_param, merge_tensors
 from training.models.weights_check import checked_meta_model
-from training.sharded_checkpoint import latest_sharded_checkpoint, read_model_weights
 
 # Model keys that change how the model runs, not what its weights are: a recipe may set
 # them to other values than the base's.
@@ -174,7 +174,7 @@ def _package(
     keep_tokenizer: bool = True,
     require_signature: bool = False,
 ) -> BaseWeights:
-    from preprocessing.storage import sha256_of_file
+    from megalith.storage import sha256_of_file
     from training.models.package import load_model_package, model_tensors
 
     # every file's sha256 checked, the signature when required or present

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from training.config import ConfigError, LoRAConfig
+from megalith.config import ConfigError, LoRAConfig
 from training.models.layers import NormLinear
 from training.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from training.parallel.tensor_parallel.mappings import (

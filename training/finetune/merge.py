@@ -33,7 +33,7 @@ def merge_adapter_package(
     unless ``allow_other_base``. ``tokenizer``: the SentencePiece model to package,
     needed when the base is a checkpoint (packages, registered models and HF
     directories bring theirs). ``require_signature``: the adapter and the base must be
-    signed (see :mod:`training.signing`)."""
+    signed (see :mod:`training.checkpoint.signing`)."""
     adapter = load_adapter(adapter_dir, require_signature)
     with tempfile.TemporaryDirectory(prefix="megalith-merge-") as workdir:
         weights = load_base(

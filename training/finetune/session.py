@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from preprocessing.storage import sha256_of_file
-from training.config import MegalithConfig
+from megalith.config import MegalithConfig
+from megalith.storage import sha256_of_file
 from training.data.shard_set import open_shard_set
 from training.finetune.adapter import save_adapter
 from training.finetune.base import (

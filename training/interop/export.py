@@ -11,7 +11,7 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from training.errors import naming_path
+from megalith.errors import naming_path
 from training.families import model_family
 from training.interop.hf import HF_WEIGHTS, TOKENIZER_MODEL, HFInteropError, fast_tokenizer_json
 from training.models.package import DTYPES, load_model_package, model_tensors

@@ -47,10 +47,11 @@ from safetensors import safe_open
 from sentencepiece import sentencepiece_model_pb2
 from torch import Tensor
 
-from preprocessing import safe_read
+from megalith import safe_read
+from megalith.config import ModelConfig, format_validation_error
+from megalith.errors import MegalithError
 from preprocessing.tokenizer import TokenizerError, load_tokenizer
-from training.config import ModelConfig, format_validation_error
-from training.errors import MegalithError
+from training.checkpoint.safe_tensors import UnsafeTensorFileError, check_safetensors
 from training.models.gpt import GPTModel
 from training.models.package import (
     DTYPES,
@@ -58,7 +59,6 @@ from training.models.package import (
     model_tensors,
     save_model_package,
 )
-from training.safe_tensors import UnsafeTensorFileError, check_safetensors
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"

@@ -41,7 +41,7 @@ from typing import Any
 import sentencepiece as spm
 from torch import Tensor
 
-from training.config import ModelConfig
+from megalith.config import ModelConfig
 from training.interop.hf import EOD_TOKEN, PAD_TOKEN, HFInteropError
 
 

@@ -63,8 +63,8 @@ import torch
 from pydantic import ValidationError
 from torch import Tensor
 
-from training.config import ModelConfig, format_validation_error
-from training.errors import MegalithError
+from megalith.config import ModelConfig, format_validation_error
+from megalith.errors import MegalithError
 from training.models.package import DTYPES, save_model_package
 from training.models.weights_check import checked_meta_model
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from training.config import ModelConfig
-from training.errors import MegalithError
+from megalith.config import ModelConfig
+from megalith.errors import MegalithError
 from training.models.backend import BackendError, LayerBackend, TorchBackend, resolve_backend
 from training.models.gpt import GPTModel, KVCache
 from training.models.t5 import T5Model

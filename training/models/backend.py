@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from training.config import ModelConfig
-from training.errors import MegalithError
+from megalith.config import ModelConfig
+from megalith.errors import MegalithError
 from training.models import layers
 from training.models.layers import NormSpec
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from training.config import ModelConfig
+from megalith.config import ModelConfig
 
 
 def matmul_params(config: ModelConfig, *, include_output_head: bool = False) -> int:

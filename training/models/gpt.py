@@ -51,7 +51,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from training.config import ConfigError, ModelConfig
+from megalith.config import ConfigError, ModelConfig
 from training.models.backend import LayerBackend, resolve_backend
 from training.models.layers import (
     Embedding,
@@ -255,7 +255,7 @@ def _saved_ops() -> set[torch._ops.OpOverload]:
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
         "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_mm",  # float8 matmuls (training.fp8)
+        "_scaled_mm",  # float8 matmuls (training.precision.fp8)
     ]  # fmt: skip
     return {getattr(aten, name).default for name in names if hasattr(aten, name)}
 

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from training.config import ModelConfig
+from megalith.config import ModelConfig
 from training.models.layers import gelu, scaled_init_std, swiglu
 
 EXPERT_PARAM_MARK = ".mlp.experts."

@@ -33,17 +33,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from preprocessing import safe_read
+from megalith import __version__, safe_read
+from megalith.config import DataConfig, ModelConfig, format_validation_error
+from megalith.errors import MegalithError, naming_path
+from megalith.storage import sha256_of_file
 from preprocessing.manifest import manifest_url
-from preprocessing.storage import sha256_of_file
-from training import __version__
-from training.config import DataConfig, ModelConfig, format_validation_error
-from training.errors import MegalithError, naming_path
-from training.models.gpt import GPTModel
-from training.models.t5 import T5Model
-from training.models.weights_check import WeightsMismatchError, checked_meta_model
-from training.safe_tensors import UnsafeTensorFileError, check_safetensors
-from training.signing import (
+from training.checkpoint.safe_tensors import UnsafeTensorFileError, check_safetensors
+from training.checkpoint.signing import (
     SIGNATURE_FILE,
     SignatureError,
     check_signature_bytes,
@@ -51,6 +47,9 @@ from training.signing import (
     should_sign,
     sign_directory,
 )
+from training.models.gpt import GPTModel
+from training.models.t5 import T5Model
+from training.models.weights_check import WeightsMismatchError, checked_meta_model
 
 PACKAGE_FORMAT = "megalith-model-package"
 FORMAT_VERSION = 1
@@ -138,7 +137,7 @@ def save_model_package(
 ) -> Path:
     """Write ``model`` as a package at ``out_dir`` (atomically: temp dir, then rename).
 
-    ``sign``: HMAC-sign checksums.json (:mod:`training.signing`); None: when the key is set.
+    ``sign``: HMAC-sign checksums.json (:mod:`training.checkpoint.signing`); None: when the key is set.
     ``lineage``: what the model was made from (a fine-tune's base and data,
     :mod:`training.finetune`), kept as config.json's ``"lineage"``. ``training_data``:
     the shard sets and split it trained on, so evaluation can hold out the same documents.
@@ -190,7 +189,7 @@ def save_model_package(
 def verify_model_package(
     package_dir: str | Path, require_signature: bool = False
 ) -> dict[str, Any]:
-    """Check the signature (see :func:`training.signing.check_signature`), every file's
+    """Check the signature (see :func:`training.checkpoint.signing.check_signature`), every file's
     sha256 and config.json; returns config.json's content."""
     package_dir = Path(package_dir)
     if not package_dir.is_dir():

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from training.config import ConfigError, ModelConfig
+from megalith.config import ConfigError, ModelConfig
 from training.models.backend import LayerBackend, resolve_backend
 from training.models.gpt import (
     MLP,

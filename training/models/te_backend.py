@@ -1,7 +1,7 @@
 """The Transformer Engine layer backend (``model.backend: te``; ``auto`` picks it where
 ``transformer_engine`` imports): ``te.LayerNormLinear`` for the fused norm + QKV and
 norm + fc1, ``te.Linear`` for the output projection and fc2, ``te.DotProductAttention``
-for the attention core, and fp8 through ``te.fp8_autocast`` (:mod:`training.fp8`).
+for the attention core, and fp8 through ``te.fp8_autocast`` (:mod:`training.precision.fp8`).
 
 Checkpoint names. The model keeps the torch backend's parameter names and whole-tensor
 format (``layers.{i}.attention.qkv.norm.weight``, ``...qkv.linear.weight``,
@@ -23,7 +23,7 @@ Limits: a LayerNorm without bias has no fused TE kernel (TE's LayerNorm always h
 bias), so it runs as our norm then ``te.Linear``; attention over a KV cache (queries
 fewer than keys) and fp32 inputs use SDPA; ``torch.compile`` graph-breaks around the
 TE calls (TE marks them dynamo-disabled); activation checkpointing with fp8 is refused
-by :mod:`training.fp8` (the recomputed forward would run outside ``fp8_autocast``);
+by :mod:`training.precision.fp8` (the recomputed forward would run outside ``fp8_autocast``);
 tensor parallelism uses the tensor-parallel backend, not this one.
 
 Verified with a real Transformer Engine (2.20.2, torch 2.11, one H100, 2026-11-25): the

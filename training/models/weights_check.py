@@ -16,8 +16,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from training.config import ModelConfig
-from training.errors import MegalithError
+from megalith.config import ModelConfig
+from megalith.errors import MegalithError
 from training.models import build_model, model_class
 
 _BLOCK = re.compile(r"^(?P<stack>(?:[\w.]+\.)?layers)\.(?P<index>\d+)\.")

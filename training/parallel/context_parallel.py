@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from training.errors import MegalithError
+from megalith.errors import MegalithError
 from training.models.backend import LayerBackend
 from training.models.layers import IGNORE_INDEX, NormSpec
 from training.parallel.groups import ParallelState

@@ -6,7 +6,7 @@ backward is still running, and not at all on accumulation micro-steps (``no_sync
 ``distributed_optimizer``: the same DDP gradients, and the AdamW state sharded over
 the data-parallel ranks (ZeRO-1). Each parameter has one owner rank, which keeps
 its moments and updates it; after the step every owner broadcasts what it updated.
-Sharded checkpoints (``training.sharded_checkpoint``) have each owner write its
+Sharded checkpoints (``training.checkpoint.sharded``) have each owner write its
 parameters' state, so a checkpoint loads into any data-parallel size. (torch's
 ZeroRedundancyOptimizer consolidates by pickling; this one only moves tensors.)
 
@@ -32,9 +32,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from training.checkpoint import optimizer_group_indices
-from training.config import OptimizerConfig, ParallelConfig
-from training.errors import MegalithError
+from megalith.config import OptimizerConfig, ParallelConfig
+from megalith.errors import MegalithError
+from training.checkpoint.format import optimizer_group_indices
 from training.models import build_model
 from training.models.flops import param_groups
 from training.parallel.groups import ParallelState
@@ -195,7 +195,7 @@ def build_optimizer(
 ) -> tuple[Any, list[str]]:
     """AdamW (sharded over data-parallel ranks in ``distributed_optimizer`` mode) and the
     parameter names in its state order (for checkpoints)."""
-    from training.optim import build_optimizer as build_adamw
+    from training.optim.adamw import build_optimizer as build_adamw
 
     check_mode(parallel)
     if parallel.data_parallel_mode != "distributed_optimizer" or data_parallel_size(state) == 1:
@@ -299,12 +299,12 @@ class DistributedOptimizer:
             yield owner, params
 
     # --- checkpoints: the single-process AdamW format (sharded checkpoints write each
-    # rank's own share: training.sharded_checkpoint) -----------------------------------
+    # rank's own share: training.checkpoint.sharded) -----------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         raise RuntimeError(
             "DistributedOptimizer has no single-process state_dict: sharded checkpoints save "
-            "each rank's share (training.sharded_checkpoint)"
+            "each rank's share (training.checkpoint.sharded)"
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

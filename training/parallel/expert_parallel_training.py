@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from training.config import ModelConfig
+from megalith.config import ModelConfig
 from training.models import GPTModel
 from training.models.gpt import model_from_tensors
 from training.models.moe import is_expert_param, moe_layers

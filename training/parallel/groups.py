@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from training.config import ConfigError, MegalithConfig, ParallelConfig
+from megalith.config import ConfigError, MegalithConfig, ParallelConfig
 from training.parallel.pipeline_layout import (
     layout_problems,
     pipelined_layers,

@@ -27,7 +27,7 @@ how many layers each virtual stage holds.
   schedule (one flat all-reduce per dtype; no overlap with backward), then the
   distributed optimizer (ZeRO-1) or AdamW steps each stage's parameters.
 - Validation runs forward only, one micro-batch at a time through the virtual stages.
-- Checkpoints are sharded (:mod:`training.sharded_checkpoint`; :meth:`owner_stage`
+- Checkpoints are sharded (:mod:`training.checkpoint.sharded`; :meth:`owner_stage`
   says which stage writes a tied copy) and load at any pipeline size. The model
   package holds whole tensors: stages (and TP shards) send their parameters to rank 0.
   Whole (v1) checkpoints still load: :meth:`load` picks this rank's parameters.
@@ -41,7 +41,7 @@ goes to every stage as a keyword input) in :mod:`training.parallel.pipeline_t5`.
 Inputs are made contiguous before the schedule: torch 2.11's ``PipelineStage`` checks
 each micro-batch's strides against those it inferred, and ``tokens[:, :-1]`` is a view
 with the row stride of ``tokens`` (seen as a hang on 2x H200: the first stage raised
-``PipeliningShapeError`` and the last waited for it forever; :func:`training.distributed.distributed`
+``PipeliningShapeError`` and the last waited for it forever; :func:`training.runtime.distributed.distributed`
 now ends a failed rank at once so torchrun stops the job).
 
 Not integrated: fp16 (the loss scaler would need its inf checks over every stage),
@@ -98,14 +98,14 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from training.checkpoint import (
+from megalith.config import MegalithConfig, ModelConfig
+from training.checkpoint.format import (
     load_model_tensors,
     optimizer_group_indices,
     read_checkpoint_tensors,
     restore_rng_state,
     verify_checkpoint_state,
 )
-from training.config import MegalithConfig, ModelConfig
 from training.models import GPTModel, T5Model, build_model
 from training.models.flops import param_groups
 from training.models.gpt import model_from_tensors
@@ -119,7 +119,7 @@ from training.parallel.pipeline_layout import (
     stage_layers,
     virtual_stages_of,
 )
-from training.precision import Precision
+from training.precision.mixed import Precision
 
 if TYPE_CHECKING:  # the family registry imports this module for GPT's stages
     from training.families.spec import PipelineSplit

@@ -37,7 +37,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from training.config import ModelConfig
+    from megalith.config import ModelConfig
 
 Split = str | list[int]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from training.config import MegalithConfig
-from training.errors import MegalithError
+from megalith.config import MegalithConfig
+from megalith.errors import MegalithError
 from training.parallel.groups import ParallelSizes
 
 
@@ -176,7 +176,7 @@ def expert_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
 
 
 def fp8_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
-    """What ``mixed_precision.fp8`` (training.fp8) does not run with yet."""
+    """What ``mixed_precision.fp8`` (training.precision.fp8) does not run with yet."""
     if not config.mixed_precision.fp8:
         return []
     problems = []

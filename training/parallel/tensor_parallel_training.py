@@ -5,7 +5,7 @@
   model built with :class:`TensorParallelBackend`.
 - :func:`full_model`: the model package holds whole tensors in the single-process
   format; TP shards are gathered to rank 0 (checkpoints are sharded:
-  :mod:`training.sharded_checkpoint`).
+  :mod:`training.checkpoint.sharded`).
 - :func:`shard_loaded`: the inverse for loading, so a checkpoint written at any TP size
   loads at any other.
 
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megalith.config import ModelConfig
 from training import models
-from training.config import ModelConfig
 from training.models import GPTModel, resolve_backend
 from training.models.gpt import model_from_tensors
 from training.models.tp_backend import TensorParallelBackend

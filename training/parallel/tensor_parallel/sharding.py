@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from training.config import ConfigError, ModelConfig
+from megalith.config import ConfigError, ModelConfig
 
 _SPLIT_PATTERNS: list[tuple[re.Pattern[str], int]] = [
     (re.compile(r"(^|\.)(embedding\.word|output)\.weight$"), 0),

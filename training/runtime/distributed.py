@@ -23,9 +23,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from training.device import resolve_device
-from training.errors import MegalithError, storage_error_message
-from training.launch import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
+from megalith.errors import MegalithError, storage_error_message
+from training.runtime.device import resolve_device
+from training.runtime.launch import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from pydantic import (
     model_validator,
 )
 
-from preprocessing import safe_read
-from training.errors import MegalithError
+from megalith import safe_read
+from megalith.errors import MegalithError
 
 # Upper bounds on every number that sizes a model, a buffer or a process count, so a
 # crafted recipe, package, checkpoint or HF config.json is refused before anything is
@@ -179,7 +179,7 @@ class DataConfig(StrictModel):
         default="pretrain",
         description="pretrain: documents of text, loss on every token. chat: jsonl "
         "conversations (preprocessing.chat) prepared with a loss mask and trained as packed "
-        "whole conversations with the loss on assistant tokens only (training.sft).",
+        "whole conversations with the loss on assistant tokens only (training.objectives.sft).",
     )
 
     # Training-time dataset.
@@ -557,7 +557,7 @@ class MixedPrecisionConfig(StrictModel):
     """Compute precision. ``auto``: bf16 on CUDA, fp32 on CPU (bf16 everywhere with fp8).
 
     ``fp8``: the transformer blocks' matrix products run in float8 on top of bf16
-    autocast (:mod:`training.fp8`): with ``model.backend`` torch through torchao's
+    autocast (:mod:`training.precision.fp8`): with ``model.backend`` torch through torchao's
     float8 training (``megalith[gpu]``), with the Transformer Engine backend under TE's
     fp8 autocast. Weights, gradients, optimizer state, checkpoints and model packages
     keep their bf16/fp32 whole-tensor format; only the matmul inputs are cast.

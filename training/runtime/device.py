@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from training.errors import MegalithError
+from megalith.errors import MegalithError
 
 
 def resolve_device(name: str = "auto") -> torch.device:

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from preprocessing import safe_read
-from training.errors import MegalithError
-from training.safe_tensors import ITEMSIZE, TORCH_NAMES, check_safetensors
-from training.signing import check_signature, signature_status
+from megalith import safe_read
+from megalith.errors import MegalithError
+from training.checkpoint.safe_tensors import ITEMSIZE, TORCH_NAMES, check_safetensors
+from training.checkpoint.signing import check_signature, signature_status
 
 INDEX = "index.json"
 CHECKSUMS = "checksums.json"
@@ -126,8 +126,8 @@ def verifier(path: Path, index: Any) -> Callable[..., dict[str, Any]]:
             f"{path / INDEX}: format {safe_read.brief(key)} is not one of {FORMATS}"
         )
     # Imported here: they load torch, which `megalith --help` should not wait for.
-    from training.checkpoint import verify_checkpoint
-    from training.sharded_checkpoint import verify_sharded_checkpoint
+    from training.checkpoint.format import verify_checkpoint
+    from training.checkpoint.sharded import verify_sharded_checkpoint
 
     if key == FORMATS[0]:
         return verify_checkpoint
@@ -140,8 +140,8 @@ def _check_tables(path: Path, index: Any) -> None:
     """The index's tables are of the shapes its format reads (no file is checked): what
     ``inspect`` describes without verifying."""
     verifier(path, index)  # a known format and version
-    from training.checkpoint import check_index_tables
-    from training.sharded_checkpoint import check_index
+    from training.checkpoint.format import check_index_tables
+    from training.checkpoint.sharded import check_index
 
     if index["version"] == 1:
         check_index_tables(index, path / INDEX)
@@ -154,7 +154,7 @@ def _check_tables(path: Path, index: Any) -> None:
 
 def verify(path: str | Path, require_signature: bool = False) -> str:
     """Every check short of reading tensors; returns a one-line summary or raises."""
-    from training.checkpoint import TENSOR_FILES, check_tensor_file
+    from training.checkpoint.format import TENSOR_FILES, check_tensor_file
     from training.models.package import verify_model_package, verify_package_weights
 
     path = Path(path)
@@ -195,7 +195,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from training.checkpoint_convert import consolidate
+    from training.checkpoint.convert import consolidate
 
     written = consolidate(args.source, args.out, require_signature=args.require_signature)
     print(f"{args.source} -> {written}")

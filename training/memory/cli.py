@@ -6,7 +6,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from training.config import load_config
+from megalith.config import load_config
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -18,7 +18,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "real model built on the meta device, sharded as the layout shards it), then the "
         "largest micro-batch for each model.activation_checkpointing mode that fits the GPU "
         "with a 10%% + 1.5 GiB safety margin, and a recommendation. Estimates: see "
-        "training/memory.py for the accounting.",
+        "training/memory/estimate.py for the accounting.",
         epilog="example: megalith memory --config configs/llama-1b.yaml --nproc-per-node 8 "
         "--set parallel.tensor=2 --gpu-memory-gib 80",
     )
@@ -43,7 +43,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 def _memory(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
     # Only now torch (building the meta model): a bad recipe fails at once.
-    from training.memory import (
+    from training.memory.estimate import (
         MemoryPlanError,
         check_gpu_flag,
         format_plan,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from training.config import OptimizerConfig
+from megalith.config import OptimizerConfig
 from training.models.flops import param_groups
 
 

@@ -1,6 +1,6 @@
 """Asynchronous checkpoint saves: the training loop waits only for the copy to host memory.
 
-:class:`Checkpointer` takes a :class:`~training.sharded_checkpoint.Snapshot` in the
+:class:`Checkpointer` takes a :class:`~training.checkpoint.sharded.Snapshot` in the
 caller's thread (this rank's boxes copied to host memory, pinned buffers reused on
 CUDA), then a background thread writes the rank's files and, after a barrier, rank 0
 commits the checkpoint (index.json last, then latest.json). The barriers run on a
@@ -28,10 +28,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from preprocessing.storage import is_local
-from training.checkpoint import CheckpointError
-from training.errors import storage_error_message
-from training.sharded_checkpoint import (
+from megalith.errors import storage_error_message
+from megalith.storage import is_local
+from training.checkpoint.format import CheckpointError
+from training.checkpoint.sharded import (
     HostBuffers,
     Snapshot,
     checkpoint_url,

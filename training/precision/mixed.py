@@ -1,5 +1,5 @@
 """Mixed precision: bf16 autocast, fp16 with dynamic loss scaling, or fp32; float8
-matmuls on top of bf16 come from :mod:`training.fp8`."""
+matmuls on top of bf16 come from :mod:`training.precision.fp8`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from training.config import MixedPrecisionConfig
+from megalith.config import MixedPrecisionConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -21,7 +21,7 @@ class Precision:
     device_type: str
     scaler: torch.amp.GradScaler | None
     # Entered inside autocast around every forward (Transformer Engine's fp8 autocast);
-    # set by training.fp8.prepare_fp8 after the model is built.
+    # set by training.precision.fp8.prepare_fp8 after the model is built.
     fp8_context: Callable[[], contextlib.AbstractContextManager] | None = None
     # The SDPA kernel order (model.attention_backend), entered around every forward too:
     # the forward's kernel choice fixes the backward's, and torch.compile traces under it.

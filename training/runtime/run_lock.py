@@ -30,8 +30,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from preprocessing.safe_read import UnsafeFileError, field, loads_json
-from training.errors import MegalithError
+from megalith.errors import MegalithError
+from megalith.safe_read import UnsafeFileError, field, loads_json
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Launching training on many processes: torchrun for one or more nodes, Slurm scripts.
 
-``megalith train --nproc-per-node N`` re-runs itself as ``python -m training.launch
+``megalith train --nproc-per-node N`` re-runs itself as ``python -m training.runtime.launch
 ... -m pipelines.cli train ...`` (torchrun, see below); each worker then sees torchrun's
-RANK/WORLD_SIZE and joins the job (``training.distributed``). torchrun stops every
+RANK/WORLD_SIZE and joins the job (``training.runtime.distributed``). torchrun stops every
 worker as soon as one fails, and exits non-zero. Commands are argument lists, never
 shell strings.
 
@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from training.errors import MegalithError
+from megalith.errors import MegalithError
 
 DEFAULT_RDZV_PORT = 29500
 TIMEOUT_ENV = "MEGALITH_DIST_TIMEOUT_S"  # seconds before a stuck collective fails the job
@@ -71,7 +71,7 @@ def torchrun_command(spec: LaunchSpec, module_args: Sequence[str]) -> list[str]:
     the endpoint; the node with ``node_rank`` 0 hosts it.
     """
     spec.check()
-    command = [sys.executable, "-m", "training.launch"]
+    command = [sys.executable, "-m", "training.runtime.launch"]
     if spec.nnodes == 1 and not spec.rdzv_endpoint:
         command.append("--standalone")
     else:

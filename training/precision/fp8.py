@@ -52,9 +52,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from training.config import MixedPrecisionConfig
-from training.errors import MegalithError
-from training.precision import Precision
+from megalith.config import MixedPrecisionConfig
+from megalith.errors import MegalithError
+from training.precision.mixed import Precision
 
 logger = logging.getLogger(__name__)
 

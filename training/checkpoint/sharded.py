@@ -24,7 +24,7 @@ Global names are the single-process ``named_parameters`` names
 :mod:`training.parallel.shard_specs`; a local tensor that is several boxes (SwiGLU's
 fc1 under TP) is saved as ``key#0``, ``key#1``. Replicated boxes are written once.
 
-Saving (:class:`training.async_checkpoint.Checkpointer`): the caller's thread copies
+Saving (:class:`training.checkpoint.async_save.Checkpointer`): the caller's thread copies
 this rank's boxes to host memory (pinned buffers reused across saves on CUDA), then a
 background thread (or the caller, without ``checkpoint.async_save``) writes
 the rank's files, hashing as it writes, and a small ``rank-00003.json`` manifest. After
@@ -66,10 +66,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from preprocessing import safe_read
-from preprocessing.safe_read import brief
-from preprocessing.storage import atomic_write_bytes, filesystem, is_local, join
-from training.checkpoint import (
+from megalith import safe_read
+from megalith.errors import naming_path
+from megalith.safe_read import brief
+from megalith.storage import atomic_write_bytes, filesystem, is_local, join
+from training.checkpoint.format import (
     MAX_TENSOR_NAME,
     CheckpointError,
     _is_persistent,
@@ -85,7 +86,15 @@ from training.checkpoint import (
     step_dir_name,
     verify_checkpoint_state,
 )
-from training.errors import naming_path
+from training.checkpoint.safe_tensors import UnsafeTensorFileError, check_safetensors
+from training.checkpoint.signing import (
+    SIGNATURE_FILE,
+    SignatureError,
+    check_signature_bytes,
+    parse_signature,
+    should_sign,
+    signature_record,
+)
 from training.parallel.groups import ParallelState
 from training.parallel.shard_specs import (
     MOMENTS,
@@ -98,15 +107,6 @@ from training.parallel.shard_specs import (
     optimizer_specs,
     reshard_fsdp,
     whole_piece,
-)
-from training.safe_tensors import UnsafeTensorFileError, check_safetensors
-from training.signing import (
-    SIGNATURE_FILE,
-    SignatureError,
-    check_signature_bytes,
-    parse_signature,
-    should_sign,
-    signature_record,
 )
 
 FORMAT = "megalith-sharded-checkpoint"

@@ -24,8 +24,8 @@ import stat
 import struct
 from pathlib import Path
 
-from preprocessing.safe_read import UnsafeFileError, brief, loads_json
-from training.errors import MegalithError
+from megalith.errors import MegalithError
+from megalith.safe_read import UnsafeFileError, brief, loads_json
 
 MAX_HEADER_BYTES = 100_000_000
 ITEMSIZE = {

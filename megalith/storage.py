@@ -12,8 +12,8 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
-from preprocessing import safe_read
-from preprocessing.errors import naming_path
+from megalith import safe_read
+from megalith.errors import naming_path
 
 HASH_CHUNK = 8 << 20
 
@@ -82,5 +82,5 @@ def atomic_write_json(url: str, obj: Any, storage_options: dict[str, Any] | None
 
 
 def read_json(url: str, storage_options: dict[str, Any] | None = None) -> Any:
-    """A JSON file within the shared limits (:mod:`preprocessing.safe_read`)."""
+    """A JSON file within the shared limits (:mod:`megalith.safe_read`)."""
     return safe_read.read_json(url, storage_options=storage_options)

@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
-from training.async_checkpoint import Checkpointer
-from training.checkpoint import CheckpointError, read_checkpoint_tensors, verify_checkpoint_state
-from training.parallel.groups import single_process_state
-from training.parallel.shard_specs import OPTIMIZER_PREFIX
-from training.sharded_checkpoint import (
+from training.checkpoint.async_save import Checkpointer
+from training.checkpoint.format import (
+    CheckpointError,
+    read_checkpoint_tensors,
+    verify_checkpoint_state,
+)
+from training.checkpoint.sharded import (
     ShardReader,
     Snapshot,
     _dtype_name,
@@ -32,7 +34,9 @@ from training.sharded_checkpoint import (
     read_state,
     read_whole,
 )
-from training.signing import should_sign
+from training.checkpoint.signing import should_sign
+from training.parallel.groups import single_process_state
+from training.parallel.shard_specs import OPTIMIZER_PREFIX
 
 
 def consolidate(

@@ -28,7 +28,7 @@ from typing import Any
 import fsspec
 import yaml
 
-from preprocessing.errors import MegalithError
+from megalith.errors import MegalithError
 
 MAX_JSON_BYTES = 64 << 20  # the largest index we write is a few MB at 1000s of tensors
 MAX_YAML_BYTES = 1 << 20  # recipes are a few KB

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from training.config import OptimizerConfig, SchedulerConfig
+from megalith.config import OptimizerConfig, SchedulerConfig
 
 
 def learning_rate(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from training.config import DataConfig, ModelConfig
+from megalith.config import DataConfig, ModelConfig
 from training.data.t5_dataset import T5_KEYS, span_corruption_lengths
 from training.models.flops import encoder_decoder_flops
 

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from training.errors import naming_path
+from megalith.errors import naming_path
 
 
 class RunLogger(Protocol):

@@ -66,7 +66,7 @@ reliably); the static rows are exact for the tensors they count (tests/test_memo
 T5 (``model.family: t5``): the meta model is the encoder-decoder, pipeline ranks hold
 their share of the encoder's then the decoder's layers (every stage also holds both small
 relative-bias tables), the activations count ``S`` encoder and ``T`` decoder tokens with
-the cross-attention and the attention masks (:mod:`training.memory_t5`) and the loss
+the cross-attention and the attention masks (:mod:`training.memory.t5`) and the loss
 buffer the ``T`` decoder tokens.
 """
 
@@ -77,8 +77,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from training.config import MegalithConfig, ModelConfig
-from training.errors import MegalithError
+from megalith.config import MegalithConfig, ModelConfig
+from megalith.errors import MegalithError
 from training.models.moe import is_expert_param
 from training.parallel.data_parallel import partition
 from training.parallel.groups import ParallelLayoutError, ParallelSizes, validate_layout
@@ -328,7 +328,7 @@ def loss_buffer_bytes(config: MegalithConfig, sizes: ParallelSizes, mbs: int) ->
     plus the fp32 gradient of the output weight it accumulates."""
     tokens = mbs * config.data.seq_length // sizes.cp
     if config.model.family == "t5":
-        from training.memory_t5 import loss_tokens
+        from training.memory.t5 import loss_tokens
 
         tokens = loss_tokens(config, mbs)
     chunk = config.model.loss_chunk_tokens
@@ -376,7 +376,7 @@ def _stage_report(
 ) -> MemoryReport:
     in_flight = in_flight_micro_batches(config, sizes, mbs) if stage == 0 else 1.0
     if config.model.family == "t5":
-        from training.memory_t5 import stage_activations
+        from training.memory.t5 import stage_activations
 
         activations, per_layer = stage_activations(config, sizes, stage, mbs, recompute, in_flight)
     else:
@@ -497,7 +497,7 @@ def format_report(report: MemoryReport, sizes: ParallelSizes, config: MegalithCo
 def _lengths(config: MegalithConfig) -> str:
     """The tokens of a sample: ``seq_length``, or T5's ``S enc + T dec``."""
     if config.model.family == "t5":
-        from training.t5 import sample_lengths
+        from training.objectives.t5 import sample_lengths
 
         source, target = sample_lengths(config.data)
         return f"{source} enc + {target} dec"

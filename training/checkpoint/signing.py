@@ -39,7 +39,7 @@ resume, fine-tuning bases, evaluation, serving, export, ``ckpt``), in addition t
 What a signature vouches for is the manifest's bytes, hence every file's sha256,
 hence the checkpoint's identity in them (its step, in ``index.json`` and in the hashed
 ``state.json``); loaders compare that step with the one they asked for
-(:mod:`training.checkpoint`).
+(:mod:`training.checkpoint.format`).
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from preprocessing import safe_read
-from preprocessing.safe_read import brief
-from preprocessing.storage import atomic_write_json
-from training.errors import MegalithError
+from megalith import safe_read
+from megalith.errors import MegalithError
+from megalith.safe_read import brief
+from megalith.storage import atomic_write_json
 
 KEY_ENV = "MEGALITH_SIGNING_KEY"
 ED25519_PRIVATE_ENV = "MEGALITH_ED25519_PRIVATE_KEY"

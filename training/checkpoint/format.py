@@ -49,12 +49,12 @@ from pydantic import (
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from preprocessing import safe_read
-from preprocessing.safe_read import brief
-from preprocessing.storage import atomic_write_json, sha256_of_file
-from training.errors import MegalithError
-from training.safe_tensors import UnsafeTensorFileError, check_safetensors
-from training.signing import (
+from megalith import safe_read
+from megalith.errors import MegalithError
+from megalith.safe_read import brief
+from megalith.storage import atomic_write_json, sha256_of_file
+from training.checkpoint.safe_tensors import UnsafeTensorFileError, check_safetensors
+from training.checkpoint.signing import (
     SignatureError,
     check_signature_bytes,
     read_signature,
@@ -95,7 +95,7 @@ def save_checkpoint(
 ) -> Path:
     """Write a complete checkpoint for ``step`` and prune to the newest ``keep_last``.
 
-    ``sign`` (``checkpoint.sign``): HMAC-sign index.json (see :mod:`training.signing`);
+    ``sign`` (``checkpoint.sign``): HMAC-sign index.json (see :mod:`training.checkpoint.signing`);
     None signs when ``MEGALITH_SIGNING_KEY`` is set.
     """
     root = Path(root)
@@ -524,7 +524,7 @@ def load_checkpoint(
 
 
 def check_tensor_file(file: Path, index: dict[str, Any]) -> dict[str, tuple[list[int], str]]:
-    """Check ``file``'s safetensors header (sizes bounded, see :mod:`training.safe_tensors`)
+    """Check ``file``'s safetensors header (sizes bounded, see :mod:`training.checkpoint.safe_tensors`)
     against index.json's names, shapes and dtypes without reading any tensor."""
     expected = index["tensors"].get(file.name, {})
     try:  # bound every size and compare with the index before anything is allocated

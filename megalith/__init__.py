@@ -1,0 +1,10 @@
+"""The bottom layer every stage may import: the config tree, errors, storage and safe-read
+helpers. It imports no stage package (preprocessing, training, evaluation, registry, deploy,
+pipelines)."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("megalith")
+except PackageNotFoundError:  # running from a source tree without installing
+    __version__ = "0+source"

@@ -1,0 +1,1 @@
+"""Checkpoints: the format and its verification (format), sharded save and load in any layout (sharded), background saves (async_save), signing, bounded safetensors headers, conversion and the ckpt CLI."""

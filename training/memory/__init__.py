@@ -1,0 +1,1 @@
+"""Per-GPU memory of a training layout (estimate; T5 activations in t5) and ``megalith memory`` (cli)."""

@@ -1,0 +1,1 @@
+"""The optimizer (adamw) and the learning-rate schedule (schedule)."""
