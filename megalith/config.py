@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import difflib
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -243,6 +245,78 @@ T5_DEFAULTS: dict[str, Any] = {
 }
 
 
+@dataclass(frozen=True)
+class FamilyRules:
+    """What a ``model.family`` fills and refuses in the config, as data (the family's code
+    is its spec in training/families, which this module may not import)."""
+
+    defaults: dict[str, Any] | None  # unset choices; None: STYLE_DEFAULTS[model.style]
+    # (key, refuses(value), message), checked in order once the defaults are filled
+    refused: tuple[tuple[str, Callable[[Any], bool], str], ...]
+    decoder_stack: bool  # num_decoder_layers more blocks after the num_layers (encoder) ones
+    context_parallel: str | None = None  # why parallel.context > 1 is refused; None: it runs
+
+
+FAMILY_RULES: dict[str, FamilyRules] = {
+    "gpt": FamilyRules(
+        defaults=None,
+        refused=(
+            (
+                "position_embedding",
+                lambda v: v == "relative",
+                "model.position_embedding 'relative' needs model.family t5",
+            ),
+            (
+                "activation",
+                lambda v: v == "geglu",
+                "model.activation 'geglu' needs model.family t5",
+            ),
+            (
+                "num_decoder_layers",
+                lambda v: v is not None,
+                "model.num_decoder_layers needs model.family t5",
+            ),
+        ),
+        decoder_stack=False,
+    ),
+    "t5": FamilyRules(
+        defaults=T5_DEFAULTS,
+        refused=(
+            (
+                "position_embedding",
+                lambda v: v == "learned",
+                "model.position_embedding 'learned' with model.family t5: T5 uses relative or "
+                "rope positions",
+            ),
+            (
+                "normalization",
+                lambda v: v == "layernorm",
+                "model.normalization 'layernorm' with model.family t5: T5 uses rmsnorm",
+            ),
+            ("bias", lambda v: v is True, "model.bias True with model.family t5: T5 has no biases"),
+            (
+                "tie_embeddings",
+                lambda v: v is True,
+                "model.tie_embeddings True with model.family t5: T5 v1.1 has an untied output head",
+            ),
+            (
+                "num_experts",
+                bool,
+                "model.num_experts with model.family t5: T5 MLPs are dense",
+            ),
+            (
+                "activation",
+                lambda v: v == "swiglu",
+                "model.activation 'swiglu' with model.family t5: use geglu or gelu",
+            ),
+        ),
+        decoder_stack=True,
+        context_parallel="context parallelism is not implemented for the encoder-decoder; use "
+        "tensor/sequence or data parallelism",
+    ),
+}
+
+
 class ModelConfig(StrictModel):
     """A transformer. ``style`` fills every architectural choice left unset; with
     ``family: t5`` (an encoder-decoder, training/models/t5.py) T5 v1.1's choices do."""
@@ -360,11 +434,13 @@ class ModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _fill_style(self) -> ModelConfig:
-        defaults = T5_DEFAULTS if self.family == "t5" else STYLE_DEFAULTS[self.style]
-        for key, value in defaults.items():
+        rules = FAMILY_RULES[self.family]
+        for key, value in (rules.defaults or STYLE_DEFAULTS[self.style]).items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
-        self._check_family()
+        for key, refuses, message in rules.refused:  # the choices the family's model lacks
+            if refuses(getattr(self, key)):
+                raise ValueError(message)
         groups = self.num_query_groups or self.num_attention_heads
         object.__setattr__(self, "num_query_groups", groups)
         if self.ffn_hidden_size is None:
@@ -418,39 +494,23 @@ class ModelConfig(StrictModel):
         dense = mlp * self.ffn_hidden_size
         moe_layers = -(-self.num_layers // self.moe_layer_frequency) if self.num_experts else 0
         experts = moe_layers * (self.num_experts or 0) * mlp * (self.moe_ffn_hidden_size or 0)
-        layers = self.num_layers + (self.decoder_layers if self.family == "t5" else 0)
-        cross = (self.decoder_layers if self.family == "t5" else 0) * 2 * hidden * width
+        layers = self.stacked_layers
+        cross = (layers - self.num_layers) * 2 * hidden * width  # the decoder's cross-attention
         positions = self.max_position_embeddings if self.position_embedding == "learned" else 0
         tables = (2 * (self.vocab_size or 0) + (positions or 0)) * hidden
         return layers * (attention + dense) + experts + cross + tables
-
-    def _check_family(self) -> None:
-        """Refuse the choices the chosen family's model does not implement."""
-        if self.family == "gpt":
-            for key, value in (("position_embedding", "relative"), ("activation", "geglu")):
-                if getattr(self, key) == value:
-                    raise ValueError(f"model.{key} {value!r} needs model.family t5")
-            if self.num_decoder_layers is not None:
-                raise ValueError("model.num_decoder_layers needs model.family t5")
-            return
-        refused = {
-            "position_embedding": ("learned", "T5 uses relative or rope positions"),
-            "normalization": ("layernorm", "T5 uses rmsnorm"),
-            "bias": (True, "T5 has no biases"),
-            "tie_embeddings": (True, "T5 v1.1 has an untied output head"),
-        }
-        for key, (value, why) in refused.items():
-            if getattr(self, key) == value:
-                raise ValueError(f"model.{key} {value!r} with model.family t5: {why}")
-        if self.num_experts:
-            raise ValueError("model.num_experts with model.family t5: T5 MLPs are dense")
-        if self.activation == "swiglu":
-            raise ValueError("model.activation 'swiglu' with model.family t5: use geglu or gelu")
 
     @property
     def decoder_layers(self) -> int:
         """family t5: the decoder's layer count (num_decoder_layers, else num_layers)."""
         return self.num_decoder_layers or self.num_layers
+
+    @property
+    def stacked_layers(self) -> int:
+        """Every stack's blocks: GPT's layers, or T5's encoder then decoder layers (what a
+        pipeline splits)."""
+        decoder = self.decoder_layers if FAMILY_RULES[self.family].decoder_stack else 0
+        return self.num_layers + decoder
 
     @property
     def head_dim(self) -> int:
@@ -726,12 +786,12 @@ class MegalithConfig(StrictModel):
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
 
     @model_validator(mode="after")
-    def _check_t5_parallel(self) -> MegalithConfig:
-        if self.model.family == "t5" and self.parallel.context > 1:
+    def _check_family_parallel(self) -> MegalithConfig:
+        why = FAMILY_RULES[self.model.family].context_parallel
+        if why and self.parallel.context > 1:
             raise ValueError(
-                f"model.family t5 with parallel.context={self.parallel.context}: context "
-                "parallelism is not implemented for the encoder-decoder; use tensor/sequence "
-                "or data parallelism"
+                f"model.family {self.model.family} with parallel.context="
+                f"{self.parallel.context}: {why}"
             )
         return self
 

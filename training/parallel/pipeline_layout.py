@@ -106,7 +106,7 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 
 def pipelined_layers(model: ModelConfig) -> int:
     """The layers a pipeline splits: GPT's, or T5's encoder then decoder layers."""
-    return model.num_layers + (model.decoder_layers if model.family == "t5" else 0)
+    return model.stacked_layers
 
 
 def stage_of_layer(layer: int, counts: list[int]) -> int:
