@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from megalith.errors import MegalithError
 from registry.cli import add_store_arguments, mlflow_errors_in_one_line
-from registry.tracking import existing_store_uri
+from training.mlflow_store.runs import existing_store_uri
 
 DEFAULT_PORT = 8000
 ADMIN_TOKEN_ENV = "MEGALITH_ADMIN_TOKEN"
@@ -125,7 +125,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 @mlflow_errors_in_one_line
 def _serve(args: argparse.Namespace) -> int:
-    from deploy.loading import MODELS_SCHEME
+    from training.inference.loading import MODELS_SCHEME
 
     require_free_port(args.host, args.port, "--port")
     tracking_uri = args.tracking_uri

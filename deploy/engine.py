@@ -2,14 +2,14 @@
 
 Requests queue up; the worker takes the first, waits up to ``batch_window_s`` for more
 (never more than ``max_batch_size``), and decodes that batch to the end with
-``evaluation.generate.generate_ids``: one KV cache for the batch, prompts of different
+``training.inference.decode.generate_ids``: one KV cache for the batch, prompts of different
 lengths without padding, each request with its own sampling settings, seed, token
 budget and EOD stop. A request's tokens reach it as they are sampled (``on_token``), so
 streaming works from inside a batch. Since every row of a batch stays at the same
 position, a request's tokens equal those it gets alone (greedy: exactly, up to
 floating-point rounding of near ties).
 
-A T5 package is served the same way with ``evaluation.generate_t5.generate_seq2seq_ids``:
+A T5 package is served the same way with ``training.inference.decode_t5.generate_seq2seq_ids``:
 the prompt (then EOS) is the encoder's input, encoded once per batch, and the answer is
 the decoder's output, each row with its own settings as above.
 
@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from deploy.loading import ServedModel
-from evaluation.generate import SamplingConfig, generate_ids
-from evaluation.generate_t5 import generate_seq2seq_ids
 from megalith.errors import MegalithError
+from training.inference.decode import SamplingConfig, generate_ids
+from training.inference.decode_t5 import generate_seq2seq_ids
+from training.inference.loading import ServedModel
 
 log = logging.getLogger(__name__)
 

@@ -20,21 +20,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from deploy.loading import ServedModel
-from evaluation.generate import SamplingConfig
 from preprocessing.chat import (
     ChatRecordError,
     ChatTemplateError,
     generation_prompt,
     prompt_messages,
 )
-
-MAX_SEED = 2**63 - 1
-# Dividing the logits by a temperature below this, or keeping a nucleus below MIN_TOP_P
-# (0 in float32), turns every probability into NaN: the whole batch would fail.
-MIN_TEMPERATURE = 1e-3
-MAX_TEMPERATURE = 100.0
-MIN_TOP_P = 1e-6
+from training.inference.decode import (
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    SamplingConfig,
+)
+from training.inference.loading import ServedModel
 
 
 class SamplingRequest(BaseModel):

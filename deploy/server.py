@@ -50,7 +50,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deploy.engine import BatchingEngine, EngineBusy, EngineClosed, Finished, PendingRequest
-from deploy.loading import ServedModel, load_served_model, source_version
 from deploy.request_body import DEFAULT_MAX_BODY_BYTES, RequestBodyGuard
 from deploy.schema import (
     ChatRequest,
@@ -61,6 +60,7 @@ from deploy.schema import (
     sse,
 )
 from megalith.errors import MegalithError
+from training.inference.loading import ServedModel, load_served_model, source_version
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Deployment:
     """The engine serving the current model, and the swap to a new one."""
 
     def __init__(self, config: ServeConfig) -> None:
-        from evaluation.runtime import AUTOCAST_DTYPES, resolve_precision
+        from training.inference.runtime import AUTOCAST_DTYPES, resolve_precision
         from training.runtime.device import resolve_device
 
         self.config = config

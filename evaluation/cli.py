@@ -8,7 +8,7 @@ from pathlib import Path
 from megalith import safe_read
 from megalith.config import MAX_POSITIONS, DataConfig, load_config
 from megalith.errors import MegalithError
-from registry.tracking import existing_store_uri, log_evaluation
+from training.mlflow_store.runs import existing_store_uri, log_evaluation
 
 DEFAULT_OUTPUT = "eval-report.json"
 CONFIG_SUFFIXES = (".yaml", ".yml")
@@ -100,8 +100,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from evaluation.generate import SamplingConfig
     from evaluation.report import evaluate_model, format_table
+    from training.inference.decode import SamplingConfig
 
     try:
         sampling = SamplingConfig(

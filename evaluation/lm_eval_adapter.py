@@ -14,7 +14,7 @@ eval`` uses, for GPT and T5 packages alike:
   of the model's context length (lm-eval's own windowing), the first after the
   end-of-document token.
 - ``generate_until(context, gen_kwargs)``: greedy or sampled continuations
-  (:func:`evaluation.generate.generate_ids`) cut at the first ``until`` string.
+  (:func:`training.inference.decode.generate_ids`) cut at the first ``until`` string.
 
 Requests are scored in batches (longest first, so a batch pads little).
 
@@ -44,13 +44,13 @@ from typing import Any, NamedTuple
 import torch
 
 from evaluation import EvaluationError
-from evaluation.generate import SamplingConfig, continuation_text, generate_ids, prompt_ids
-from evaluation.generate_t5 import generate_seq2seq_ids
-from evaluation.runtime import AUTOCAST_DTYPES, autocast, model_device, resolve_precision
 from evaluation.seq2seq import span_prompt, span_rows
 from evaluation.tasks import IGNORE_INDEX, TASKS_DIR, choice_tokens, padded_rows
 from megalith import safe_read
 from preprocessing.tokenizer import Tokenizer, load_tokenizer, sentinel_ids
+from training.inference.decode import SamplingConfig, continuation_text, generate_ids, prompt_ids
+from training.inference.decode_t5 import generate_seq2seq_ids
+from training.inference.runtime import AUTOCAST_DTYPES, autocast, model_device, resolve_precision
 from training.models.package import load_model_package
 from training.runtime.device import resolve_device
 

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from evaluation import EvaluationError
-from evaluation.runtime import autocast, model_device
 from megalith.config import DataConfig
 from megalith.storage import sha256_of_file
 from preprocessing.manifest import manifest_url
@@ -41,6 +40,7 @@ from training.data.gpt_dataset import (
     split_document_ranges,
 )
 from training.data.t5_dataset import T5_KEYS, build_t5_datasets, span_corruption_lengths
+from training.inference.runtime import autocast, model_device
 from training.models.package import TrainingData
 from training.objectives.sft import micro_batch_loss
 

@@ -19,7 +19,7 @@ registry tags. ``lm_eval`` holds lm-evaluation-harness tasks run through
 A T5 package (``model.family: t5``) is evaluated the same way, as it was pretrained:
 perplexity on the span-corruption targets, each task choice scored as the span after
 its context (:mod:`evaluation.seq2seq`), and seq2seq generations
-(:mod:`evaluation.generate_t5`) of prompts that end where the span to fill starts
+(:mod:`training.inference.decode_t5`) of prompts that end where the span to fill starts
 (``<extra_id_0>``, :data:`T5_DEFAULT_PROMPTS`).
 """
 
@@ -34,15 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from evaluation import EvaluationError
-from evaluation.generate import SamplingConfig, generate
-from evaluation.generate_t5 import generate_seq2seq
 from evaluation.perplexity import evaluate_perplexity, held_out_data
-from evaluation.runtime import AUTOCAST_DTYPES, resolve_precision
 from evaluation.tasks import evaluate_task, load_task, resolve_task_file
 from megalith import __version__
 from megalith.config import DataConfig
 from megalith.storage import atomic_write_bytes
 from preprocessing.tokenizer import load_tokenizer
+from training.inference.decode import SamplingConfig, generate
+from training.inference.decode_t5 import generate_seq2seq
+from training.inference.runtime import AUTOCAST_DTYPES, resolve_precision
 from training.models.package import load_model_package, read_training_data
 from training.runtime.device import resolve_device
 

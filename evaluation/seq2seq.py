@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from evaluation.runtime import autocast, model_device
 from preprocessing.tokenizer import Tokenizer, require_sentinels
 from training.data.t5_dataset import IGNORE_INDEX
+from training.inference.runtime import autocast, model_device
 
 
 def span_prompt(tokenizer: Tokenizer, context: Sequence[int]) -> tuple[list[int], list[int]]:

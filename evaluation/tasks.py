@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from evaluation import EvaluationError
-from evaluation.runtime import autocast, model_device
 from evaluation.seq2seq import span_logliks
 from preprocessing.tokenizer import Tokenizer
+from training.inference.runtime import autocast, model_device
 from training.models.gpt import GPTModel
 
 TASKS_DIR = Path(__file__).parent / "tasks"

@@ -11,7 +11,7 @@ def mlflow_run_link(run_id: str | None) -> str:
     """Where to look at a run: the server's page, or how to open the local UI."""
     if not run_id:
         return "MLflow tracking was off for this run."
-    from registry.tracking import resolve_tracking_uri
+    from training.mlflow_store.runs import resolve_tracking_uri
 
     uri = resolve_tracking_uri(None)
     if uri.startswith("http"):

@@ -10,19 +10,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from importlib import resources
 from pathlib import Path
 
 from deploy.cli import PORT, require_free_port
-from megalith.config import MegalithConfig, load_config
 from megalith.errors import MegalithError
 from pipelines import group_watchdog
-from registry.tracking import DEMO_WORKDIR
+from pipelines.recipes import DEMO_RECIPE, FINETUNE_CRON, FINETUNE_RECIPE, demo_config
+from training.mlflow_store.runs import DEMO_WORKDIR
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEMO_RECIPE = REPO_ROOT / "configs" / "tiny-cpu.yaml"
-FINETUNE_RECIPE = REPO_ROOT / "configs" / "finetune-chat-tiny.yaml"
-FINETUNE_CRON = "0 3 * * *"
 PREFECT_PORT = 4200
 PREFECT_URL = f"http://127.0.0.1:{PREFECT_PORT}"
 MLFLOW_PORT = 5000
@@ -104,22 +99,6 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     ui.set_defaults(handler=_ui)
 
 
-def sample_corpus() -> Path:
-    return Path(str(resources.files("preprocessing") / "sample_corpus" / "stories.jsonl"))
-
-
-def demo_config(recipe: str, workdir: Path, overrides: list[str]) -> MegalithConfig:
-    if not Path(recipe).exists():
-        raise MegalithError(
-            f"recipe {recipe} not found; pass --config configs/tiny-cpu.yaml from a checkout"
-        )
-    return load_config(
-        recipe,
-        overrides,
-        {"data.inputs": [str(sample_corpus())], "data.output": str(workdir / "shards")},
-    )
-
-
 def work_folder(value: str) -> Path:
     """--workdir as an absolute folder, created if missing."""
     workdir = Path(value).resolve()
@@ -134,7 +113,7 @@ def work_folder(value: str) -> Path:
 
 def use_local_services(workdir: Path) -> None:
     """Point MLflow at WORKDIR/mlflow.db and Prefect at a local server when one runs."""
-    from registry.tracking import ensure_tracking_store, resolve_tracking_uri
+    from training.mlflow_store.runs import ensure_tracking_store, resolve_tracking_uri
 
     # Assigned, not defaulted: an empty MLFLOW_TRACKING_URI would send runs to ./mlflow.db.
     os.environ["MLFLOW_TRACKING_URI"] = resolve_tracking_uri(None, workdir)
@@ -189,7 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
     import httpx
 
     from pipelines.deployments import FinetuneSchedule, serve_all
-    from registry.tracking import resolve_tracking_uri
+    from training.mlflow_store.runs import resolve_tracking_uri
 
     workdir = Path(args.workdir).resolve()  # the flows create it when they run
     # The flows (run in processes this one starts) log and look up models in the store
@@ -212,7 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _ui(args: argparse.Namespace) -> int:
-    from registry.tracking import ensure_tracking_store, resolve_tracking_uri
+    from training.mlflow_store.runs import ensure_tracking_store, resolve_tracking_uri
 
     require_free_port("127.0.0.1", args.prefect_port, "--prefect-port")
     require_free_port("127.0.0.1", args.mlflow_port, "--mlflow-port")

@@ -10,9 +10,9 @@ from prefect.client.schemas.schedules import CronSchedule
 
 from megalith.config import load_config
 from megalith.errors import MegalithError
-from pipelines.commands import DEMO_RECIPE, FINETUNE_CRON, FINETUNE_RECIPE, demo_config
 from pipelines.finetune import finetune
 from pipelines.flows import end_to_end, evaluate, pretrain, promote_model_flow, register_model_flow
+from pipelines.recipes import DEMO_RECIPE, FINETUNE_CRON, FINETUNE_RECIPE, demo_config
 from pipelines.tokenize import tokenize_corpus
 
 

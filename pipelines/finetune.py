@@ -118,7 +118,7 @@ def mark_processed(state_path: str, files: list[dict[str, Any]], summary: dict[s
 @task(name="resolve-base", cache_policy=NO_CACHE)
 def resolve_base(name: str, alias: str, dest: str) -> dict[str, Any]:
     """Pin ``models:/name@alias`` to its version and download it, verified."""
-    from registry.models import get_alias_version, load_registered_model
+    from training.mlflow_store.registered import get_alias_version, load_registered_model
     from training.models.package import read_package_model_config
 
     version = get_alias_version(name, alias)

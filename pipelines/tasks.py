@@ -138,8 +138,8 @@ def evaluate_task(
     --lm-eval-tasks`` takes) and sample generations; returns the headline metrics.
 
     ``package_id`` keys the cache to the model's content, not just its path."""
-    from evaluation.generate import SamplingConfig
     from evaluation.report import evaluate_model, headline_metrics
+    from training.inference.decode import SamplingConfig
 
     # Leave at least half the context for the prompt.
     sampling = SamplingConfig(max_new_tokens=min(64, config.data.seq_length // 2))
@@ -154,7 +154,7 @@ def evaluate_task(
     )
     metrics = headline_metrics(report)
     if run_id:
-        from registry.tracking import log_evaluation
+        from training.mlflow_store.runs import log_evaluation
 
         log_evaluation(run_id, metrics, report_path)
     get_run_logger().info("evaluation: %s", json.dumps(metrics))

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from megalith.config import MegalithConfig, load_config
 from megalith.errors import MegalithError
-from registry.tracking import DEMO_WORKDIR, existing_store_uri
+from training.mlflow_store.runs import DEMO_WORKDIR, existing_store_uri
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -67,7 +67,7 @@ def _tracking(parser: argparse.ArgumentParser) -> None:
 
 
 def add_store_arguments(parser: argparse.ArgumentParser) -> None:
-    """--tracking-uri and --workdir, resolved by :func:`registry.tracking.existing_store_uri`."""
+    """--tracking-uri and --workdir, resolved by :func:`training.mlflow_store.runs.existing_store_uri`."""
     parser.add_argument("--tracking-uri", help="MLflow tracking URI (else MLFLOW_TRACKING_URI)")
     parser.add_argument(
         "--workdir",

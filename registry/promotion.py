@@ -30,7 +30,12 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from megalith.config import MetricRule
-from registry.models import RegistryError, _client, get_alias_version, model_version_tags
+from training.mlflow_store.registered import (
+    RegistryError,
+    get_alias_version,
+    mlflow_client,
+    model_version_tags,
+)
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -131,7 +136,7 @@ def gate(
         if version is None:
             raise RegistryError(f"registered model {name!r} has no @{CANDIDATE} version to gate")
     else:
-        _require_version(_client(tracking_uri), name, version)
+        _require_version(mlflow_client(tracking_uri), name, version)
     champion = get_alias_version(name, CHAMPION, tracking_uri=tracking_uri)
     if champion == version:
         decision = GateDecision(name, version, champion, False, f"v{version} is the champion")
@@ -167,7 +172,7 @@ def promote(
     name: str, version: int, *, tracking_uri: str | None = None, reason: str = "manual"
 ) -> int | None:
     """Point ``champion`` at ``version``; returns the previous champion (or None)."""
-    client = _client(tracking_uri)
+    client = mlflow_client(tracking_uri)
     _require_version(client, name, version)
     previous = get_alias_version(name, CHAMPION, tracking_uri=tracking_uri)
     if previous == version:
@@ -191,7 +196,7 @@ def _require_version(client: MlflowClient, name: str, version: int) -> None:
 
 def rollback(name: str, *, tracking_uri: str | None = None) -> int:
     """Make the champion before the current one the champion again; returns its version."""
-    client = _client(tracking_uri)
+    client = mlflow_client(tracking_uri)
     current = get_alias_version(name, CHAMPION, tracking_uri=tracking_uri)
     if current is None:
         raise RegistryError(f"registered model {name!r} has no @{CHAMPION} to roll back")
@@ -212,7 +217,7 @@ def rollback(name: str, *, tracking_uri: str | None = None) -> int:
 
 def champion_history(name: str, tracking_uri: str | None = None) -> list[int]:
     """The recorded champions, oldest first."""
-    tags = _client(tracking_uri).get_registered_model(name).tags
+    tags = mlflow_client(tracking_uri).get_registered_model(name).tags
     try:
         history = json.loads(tags.get(HISTORY_TAG, "[]"))
     except ValueError as error:
@@ -223,7 +228,7 @@ def champion_history(name: str, tracking_uri: str | None = None) -> list[int]:
 
 
 def _record(decision: GateDecision, tracking_uri: str | None) -> None:
-    client = _client(tracking_uri)
+    client = mlflow_client(tracking_uri)
     tags = {
         "promotion.decision": "promoted" if decision.promoted else "rejected",
         "promotion.reason": decision.reason,

@@ -141,7 +141,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real ``mlflow server`` on 127.0.0.1 with a SQLite store and served artifacts."""
-    from registry.tracking import ensure_tracking_store
+    from training.mlflow_store.runs import ensure_tracking_store
 
     root = tmp_path_factory.mktemp("mlflow-server")
     store = f"sqlite:///{root / 'mlflow.db'}"

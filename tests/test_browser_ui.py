@@ -105,8 +105,8 @@ def test_prefect_ui_shows_scheduled_deployments_and_starts_a_run(
 def tracked_model(mlflow_server: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A run with metrics and a model with two versions: @champion and @candidate."""
     from registry.models import register_model, set_alias
-    from registry.tracking import MLflowRunLogger
     from tests.test_registry import make_package
+    from training.mlflow_store.runs import MLflowRunLogger
 
     root = tmp_path_factory.mktemp("ui-model")
     name, versions = "megalith-ui-demo", []

@@ -80,7 +80,7 @@ def register_tiny_model(workdir: Path, name: str, tokenizer_model: Path) -> None
 
     from preprocessing.tokenizer import load_tokenizer
     from registry.models import register_model
-    from registry.tracking import ensure_tracking_store
+    from training.mlflow_store.runs import ensure_tracking_store
     from training.models.package import save_model_package
 
     tokenizer = load_tokenizer(str(tokenizer_model))

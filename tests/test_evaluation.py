@@ -19,7 +19,6 @@ from torch import nn
 
 from evaluation import EvaluationError
 from evaluation import cli as eval_cli
-from evaluation.generate import SamplingConfig, filter_logits, generate, next_tokens
 from evaluation.perplexity import evaluate_perplexity, split_capacity
 from evaluation.tasks import (
     SAMPLE_TASK,
@@ -36,6 +35,7 @@ from preprocessing import corpus_generator
 from preprocessing.stage import run_tokenize_stage
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from training.data import build_gpt_datasets
+from training.inference.decode import SamplingConfig, filter_logits, generate, next_tokens
 from training.models.gpt import GPTModel
 from training.models.package import save_model_package
 

@@ -44,11 +44,11 @@ from safetensors import SafetensorError
 from servers import answers, free_port, run_group, stop_group
 
 from megalith.errors import MegalithError, storage_error_message
-from registry.tracking import OPEN_RUN_FILE
 from training.checkpoint.async_save import Checkpointer
 from training.checkpoint.format import CheckpointError, latest_checkpoint, save_checkpoint
 from training.checkpoint.sharded import Snapshot
 from training.metrics.run_logger import MetricsFile
+from training.mlflow_store.runs import OPEN_RUN_FILE
 from training.runtime.run_lock import LOCK_NAME, RunLock
 
 HANG_GUARD_S = 240
@@ -424,7 +424,7 @@ class MLflowServer:
     """A real ``mlflow server`` on a fixed port and SQLite store, to kill and restart."""
 
     def __init__(self, root: Path):
-        from registry.tracking import ensure_tracking_store
+        from training.mlflow_store.runs import ensure_tracking_store
 
         store = f"sqlite:///{root / 'mlflow.db'}"
         ensure_tracking_store(store)  # migrated once, before the server's workers start

@@ -49,15 +49,13 @@ from parallel_helpers import RECIPE, fit_one_process, trainer_settings
 from test_evaluation import tiny_model
 from test_serving import running
 
-from deploy.loading import load_served_model
-from deploy.mlflow_pyfunc import MegalithPyfunc, ScoringInputError
 from deploy.request_body import DEFAULT_MAX_BODY_BYTES
 from deploy.server import ServeConfig
-from evaluation.generate import SamplingConfig, generate
 from megalith.config import DataConfig, DatasetSource, LoRAConfig, MegalithConfig, load_config
 from megalith.errors import MegalithError
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from preprocessing.verify import verify_shard_set
+from registry.mlflow_pyfunc import MegalithPyfunc, ScoringInputError
 from training.checkpoint.cli import verify as ckpt_verify
 from training.checkpoint.format import load_checkpoint, save_checkpoint
 from training.checkpoint.safe_tensors import check_safetensors
@@ -71,6 +69,8 @@ from training.checkpoint.sharded import (
 from training.data import build_gpt_datasets
 from training.data.shard_set import open_shard_set
 from training.finetune.adapter import load_adapter, merge_adapter, save_adapter
+from training.inference.decode import SamplingConfig, generate
+from training.inference.loading import load_served_model
 from training.interop.export import export_hf
 from training.interop.hf import import_hf
 from training.memory.estimate import memory_report, resolve_layout

@@ -13,10 +13,10 @@ import sentencepiece as spm
 import torch
 from safetensors.torch import load_file, save_file
 
-from evaluation.generate_t5 import encoder_ids
 from megalith.config import DEFAULT_SPECIAL_TOKENS, ModelConfig, TokenizerConfig
 from pipelines.cli import main
 from preprocessing.tokenizer import load_tokenizer, train_tokenizer
+from training.inference.decode_t5 import encoder_ids
 from training.interop.export import export_hf
 from training.interop.hf import HFInteropError, fast_tokenizer_json, import_hf
 from training.models import build_model

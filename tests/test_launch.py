@@ -172,7 +172,7 @@ def test_prefect_pretrain_on_two_ranks_records_the_layout(
 
     from megalith.config import load_config
     from pipelines.flows import pretrain
-    from registry.tracking import ensure_tracking_store
+    from training.mlflow_store.runs import ensure_tracking_store
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     ensure_tracking_store(uri)

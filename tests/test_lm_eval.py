@@ -33,8 +33,6 @@ from lm_eval.api.instance import Instance
 
 from evaluation import EvaluationError
 from evaluation import cli as eval_cli
-from evaluation.generate import SamplingConfig, generate, generate_ids, prompt_ids
-from evaluation.generate_t5 import generate_seq2seq_ids
 from evaluation.lm_eval_adapter import (
     TASKS_DIR,
     MegalithLM,
@@ -50,9 +48,11 @@ from megalith.errors import MegalithError
 from preprocessing.tokenizer import load_tokenizer, sentinel_ids, train_tokenizer
 from registry.models import register_model
 from registry.promotion import gate
-from registry.tracking import MLflowRunLogger
 from tests.test_registry import store  # noqa: F401  (fixture)
+from training.inference.decode import SamplingConfig, generate, generate_ids, prompt_ids
+from training.inference.decode_t5 import generate_seq2seq_ids
 from training.interop.export import export_hf
+from training.mlflow_store.runs import MLflowRunLogger
 from training.models import build_model
 from training.models.package import load_model_package, save_model_package
 

@@ -63,7 +63,7 @@ def lora_run(shards: Path, base: Path, tmp_path_factory: pytest.TempPathFactory)
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from registry.tracking import ensure_tracking_store
+    from training.mlflow_store.runs import ensure_tracking_store
 
     uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
     with pytest.MonkeyPatch.context() as env:
@@ -239,7 +239,7 @@ def test_full_finetune_from_a_registered_model_records_lineage(
 ) -> None:
     from mlflow import MlflowClient
 
-    from registry.tracking import open_run_logger
+    from training.mlflow_store.runs import open_run_logger
 
     settings = trainer_settings(
         shards,

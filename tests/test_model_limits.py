@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 from evaluation.cli import package_max_positions, read_prompts
 from megalith.config import ConfigError, ModelConfig, OptimizerConfig, load_config
 from megalith.errors import MegalithError
-from registry.models import RegistryError, check_mlmodel, verify_package
 from tests.test_data_cli import assert_clean_error, megalith
 from training.checkpoint.format import save_checkpoint
 from training.finetune.base import load_base
 from training.interop.export import export_hf
 from training.interop.hf import HFInteropError, import_hf, model_config_from_hf
+from training.mlflow_store.registered import RegistryError, check_mlmodel, verify_package
 from training.models import build_model
 from training.models.gpt import GPTModel
 from training.models.package import (

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from evaluation.generate import SamplingConfig, generate
 from megalith.config import load_config
-from pipelines.commands import DEMO_RECIPE, sample_corpus
+from pipelines.recipes import DEMO_RECIPE, sample_corpus
 from preprocessing.tokenizer import load_tokenizer
-from registry.models import load_registered_model
+from training.inference.decode import SamplingConfig, generate
+from training.mlflow_store.registered import load_registered_model
 from training.models.package import load_model_package
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ MODEL_NAME = "e2e-test-model"
 
 @pytest.fixture(scope="module")
 def tracking_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from registry.tracking import ensure_tracking_store
+    from training.mlflow_store.runs import ensure_tracking_store
 
     uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
     ensure_tracking_store(uri)
@@ -177,9 +177,9 @@ def test_rerun_skips_evaluation_and_registration(
 def test_registered_model_loads_back_and_generates(
     first_run: dict, tracking_uri: str, tmp_path: Path
 ) -> None:
-    from evaluation.generate import SamplingConfig, generate
     from preprocessing.tokenizer import load_tokenizer
-    from registry.models import load_registered_model
+    from training.inference.decode import SamplingConfig, generate
+    from training.mlflow_store.registered import load_registered_model
     from training.models.package import load_model_package
 
     package = load_registered_model(

@@ -15,7 +15,7 @@ import pytest
 from megalith.config import MetricRule, PromotionConfig
 from megalith.errors import MegalithError
 from pipelines.cli import main
-from registry.models import get_alias_version, model_version_tags, register_model
+from registry.models import register_model
 from registry.promotion import (
     CHAMPION,
     champion_history,
@@ -24,8 +24,9 @@ from registry.promotion import (
     promote,
     rollback,
 )
-from registry.tracking import MLflowRunLogger
 from tests.test_registry import make_package, store  # noqa: F401  (fixture)
+from training.mlflow_store.registered import get_alias_version, model_version_tags
+from training.mlflow_store.runs import MLflowRunLogger
 
 NAME = "megalith-promotion-test"
 PPL = MetricRule(metric="valid_perplexity", goal="min", margin=0.01)

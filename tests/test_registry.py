@@ -16,21 +16,21 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from deploy.loading import load_served_model
 from megalith.config import LoggingConfig, MegalithConfig, ModelConfig
-from registry import tracking
-from registry.models import (
+from registry.models import register_model, set_alias
+from training.inference.loading import load_served_model
+from training.metrics.run_logger import NullLogger
+from training.mlflow_store import runs as tracking
+from training.mlflow_store.registered import (
     MLFLOW_FILES,
     MLFLOW_FILES_TAG,
     RegistryError,
     get_alias_version,
     load_registered_model,
     model_version_tags,
-    register_model,
-    set_alias,
     verify_package,
 )
-from registry.tracking import (
+from training.mlflow_store.runs import (
     MAX_PARAM_VALUE_LENGTH,
     MLflowRunLogger,
     ensure_tracking_store,
@@ -39,7 +39,6 @@ from registry.tracking import (
     open_run_logger,
     resolve_tracking_uri,
 )
-from training.metrics.run_logger import NullLogger
 from training.models.gpt import GPTModel
 from training.models.package import load_model_package, save_model_package
 
@@ -97,7 +96,9 @@ def write_manifest(directory: Path) -> Path:
 
 def our_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [
-        r for r in caplog.records if r.name == "registry.tracking" and r.levelno == logging.WARNING
+        r
+        for r in caplog.records
+        if r.name == "training.mlflow_store.runs" and r.levelno == logging.WARNING
     ]
 
 
@@ -368,7 +369,7 @@ def test_load_back_gives_identical_files(
         assert sha256(local / name) == sha256(original / name)
     # MLflow's metadata: a pyfunc served by our own loader module, nothing pickled.
     mlmodel = yaml.safe_load((local / "MLmodel").read_text())
-    assert mlmodel["flavors"]["python_function"]["loader_module"] == "deploy.mlflow_pyfunc"
+    assert mlmodel["flavors"]["python_function"]["loader_module"] == "registry.mlflow_pyfunc"
     assert mlmodel["run_id"] == registered["runs"][index]
     assert not [p for p in local.iterdir() if p.suffix in {".pkl", ".pickle", ".pt", ".bin"}]
     # The model loader reads the download as it reads the original.
@@ -415,7 +416,7 @@ def test_tampered_files_are_refused(
 @pytest.mark.parametrize(
     ("name", "old", "new"),
     [
-        ("MLmodel", "loader_module: deploy.mlflow_pyfunc", "loader_module: os"),
+        ("MLmodel", "loader_module: registry.mlflow_pyfunc", "loader_module: os"),
         ("requirements.txt", "mlflow==", "evil-mlflow=="),
         ("checksums.json", "{", "{ "),
     ],

@@ -104,7 +104,7 @@ def test_a_served_flow_uses_the_store_of_its_workdir(served: dict) -> None:
     """The promote-model deployment, run from the API as from the UI's Run button, gates
     the demo's candidate in WORK/mlflow.db (where `megalith ui`, `serve` and `registry`
     look), not in a ./mlflow.db of the served process."""
-    from registry.models import get_alias_version
+    from training.mlflow_store.registered import get_alias_version
 
     api, root = served["api"], served["root"]
     deployment = served["deployments"]["promote-model"]

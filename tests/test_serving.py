@@ -4,7 +4,7 @@ Two tiny models (random weights with peaked next-token distributions, so greedy 
 has no near-ties; the session's shard-set tokenizer) are registered as versions 1 and 2
 of one model in a real SQLite MLflow store. The server runs under uvicorn in a thread on
 a random port and loads ``models:/...@champion`` from that store; clients are httpx.
-Expected texts come from ``evaluation.generate.generate`` run on one prompt at a time.
+Expected texts come from ``training.inference.decode.generate`` run on one prompt at a time.
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ from mlflow import MlflowClient
 from test_evaluation import tiny_model
 
 from deploy.engine import BatchingEngine, EngineClosed, Finished, PendingRequest
-from deploy.loading import load_served_model
 from deploy.server import Deployment, ServeConfig, create_app
-from evaluation.generate import SamplingConfig, continuation_text, generate, generate_ids
 from pipelines.cli import build_parser
 from preprocessing.chat import generation_prompt
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from registry.models import register_model, set_alias
-from registry.tracking import ensure_tracking_store
 from tests.servers import free_port, running_process
+from training.inference.decode import SamplingConfig, continuation_text, generate, generate_ids
+from training.inference.loading import load_served_model
+from training.mlflow_store.runs import ensure_tracking_store
 from training.models.gpt import GPTModel
 from training.models.package import save_model_package, sha256_file
 
@@ -95,7 +95,7 @@ def store(packages: dict[int, Path], tmp_path_factory: pytest.TempPathFactory) -
 
 
 def alone(model: GPTModel, tokenizer: Tokenizer, prompt: str, **sampling: Any) -> dict[str, Any]:
-    """The reference: ``prompt`` generated on its own by evaluation.generate."""
+    """The reference: ``prompt`` generated on its own by training.inference.decode."""
     result = generate(model, tokenizer, [prompt], SamplingConfig(**sampling))
     g = result.generations[0]
     return {"text": g.text, "completion_tokens": g.new_tokens, "finish_reason": g.finish_reason}

@@ -308,8 +308,8 @@ def _argmax_by_full_forwards(model: T5Model, prompt: list[int], steps: int) -> l
 def test_greedy_generation_equals_argmax_of_full_forwards(position):
     """Encode once, decode with the KV cache, a batch of right-padded prompts: the same
     ids as a full forward per step for each prompt alone."""
-    from evaluation.generate import SamplingConfig
-    from evaluation.generate_t5 import generate_seq2seq_ids
+    from training.inference.decode import SamplingConfig
+    from training.inference.decode_t5 import generate_seq2seq_ids
 
     model = build(tiny_t5(position_embedding=position)).eval()
     prompts = [ids(1, 11, 20)[0].tolist(), ids(1, 6, 21)[0].tolist()]
@@ -330,9 +330,9 @@ def test_greedy_generation_equals_argmax_of_full_forwards(position):
 def test_generate_seq2seq_texts(tokenizer_file, tmp_path):
     """The text-level API: prompt + EOS into the encoder, EOD ends a row, seeded sampling
     gives a prompt the same output whatever batch it is in."""
-    from evaluation.generate import SamplingConfig
-    from evaluation.generate_t5 import generate_seq2seq
     from preprocessing.tokenizer import load_tokenizer
+    from training.inference.decode import SamplingConfig
+    from training.inference.decode_t5 import generate_seq2seq
 
     model, _ = packaged_t5(tokenizer_file, tmp_path / "pkg")
     tokenizer = load_tokenizer(str(tokenizer_file))

@@ -212,11 +212,11 @@ def test_end_to_end_flow_trains_evaluates_and_registers_a_t5(
     with sentinels → shards → train → eval (span perplexity, tasks, seq2seq generation) →
     register; the registered model loads back as a T5."""
     from megalith.config import load_config
-    from pipelines.commands import sample_corpus
     from pipelines.flows import end_to_end
+    from pipelines.recipes import sample_corpus
     from preprocessing.tokenizer import load_tokenizer, sentinel_ids
-    from registry.models import load_registered_model
-    from registry.tracking import ensure_tracking_store
+    from training.mlflow_store.registered import load_registered_model
+    from training.mlflow_store.runs import ensure_tracking_store
     from training.models.package import load_model_package
 
     root = tmp_path_factory.mktemp("t5-e2e")
@@ -289,11 +289,11 @@ def test_a_t5_package_is_served_like_seq2seq_generation(reference: Path) -> None
     from test_serving import Collector, running
 
     from deploy.engine import BatchingEngine, Finished, PendingRequest
-    from deploy.loading import load_served_model
-    from deploy.mlflow_pyfunc import MegalithPyfunc
     from deploy.server import ServeConfig
-    from evaluation.generate import SamplingConfig
-    from evaluation.generate_t5 import generate_seq2seq
+    from registry.mlflow_pyfunc import MegalithPyfunc
+    from training.inference.decode import SamplingConfig
+    from training.inference.decode_t5 import generate_seq2seq
+    from training.inference.loading import load_served_model
 
     served = load_served_model(str(reference / "model"))
     tokenizer = served.tokenizer

@@ -34,9 +34,8 @@ from parallel_helpers import tiny_settings
 from torch import nn
 
 from megalith.config import ModelConfig, load_config
-from training.models import GPTModel, TorchBackend, resolve_backend
+from training.models import GPTModel, TorchBackend, model_from_tensors, resolve_backend
 from training.models import backend as backend_module
-from training.models.gpt import model_from_tensors
 from training.models.package import load_model_package, save_model_package
 from training.models.te_backend import (
     TELinear,
@@ -205,11 +204,9 @@ def test_weights_loaded_later_reach_the_engines(tmp_path) -> None:
 
 
 def test_auto_picks_te_when_it_imports(monkeypatch) -> None:
-    monkeypatch.setattr(backend_module, "BACKENDS", {"torch": TorchBackend})
     monkeypatch.setattr(backend_module, "transformer_engine_available", lambda: True)
     assert isinstance(resolve_backend("auto"), TransformerEngineBackend)
     assert isinstance(resolve_backend("te"), TransformerEngineBackend)
-    monkeypatch.setattr(backend_module, "BACKENDS", {"torch": TorchBackend})
     monkeypatch.setattr(backend_module, "transformer_engine_available", lambda: False)
     assert isinstance(resolve_backend("auto"), TorchBackend)
 

@@ -361,7 +361,7 @@ def test_the_scheme_is_the_verifiers_not_the_files(kind: str, tmp_path: Path, mo
 def test_require_signature_env_reaches_every_package_loader(tmp_path: Path, monkeypatch) -> None:
     """MEGALITH_REQUIRE_SIGNATURE: evaluation, serving and export load packages through
     load_model_package; the CLI export refuses too."""
-    from deploy.loading import load_served_model
+    from training.inference.loading import load_served_model
     from training.interop.export import export_hf
 
     pkg = package(tmp_path)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megalith.config import load_config
-from pipelines.commands import DEMO_RECIPE, FINETUNE_RECIPE, sample_corpus
+from pipelines.recipes import DEMO_RECIPE, FINETUNE_RECIPE, sample_corpus
 from tests.test_pipelines import TINY_DEMO
 
 pytestmark = pytest.mark.slow
@@ -67,7 +67,7 @@ def journey(prefect_api, mlflow_server: str, tmp_path_factory: pytest.TempPathFa
 
 
 def test_finetune_registers_a_gated_candidate(journey: dict, mlflow_server: str) -> None:
-    from registry.models import get_alias_version, model_version_tags
+    from training.mlflow_store.registered import get_alias_version, model_version_tags
 
     tuned = journey["tuned"]
     assert not tuned["skipped"] and tuned["files"] == 1

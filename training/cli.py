@@ -184,7 +184,7 @@ def _train_or_launch(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None and not under_torchrun():
         return _launch(args, config)
     # Only now the heavy imports (torch, ~seconds): a bad config fails at once.
-    from registry.tracking import lineage_tags, open_run_logger
+    from training.mlflow_store.runs import lineage_tags, open_run_logger
     from training.runtime.distributed import distributed
     from training.trainer import train
 

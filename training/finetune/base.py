@@ -195,8 +195,8 @@ def _package(
 def _registered(
     uri: str, tracking_uri: str | None, workdir: str | Path | None, require_signature: bool
 ) -> BaseWeights:
-    from registry.models import load_registered_model, resolve_model_version
-    from registry.tracking import resolve_tracking_uri
+    from training.mlflow_store.registered import load_registered_model, resolve_model_version
+    from training.mlflow_store.runs import resolve_tracking_uri
 
     tracking_uri = tracking_uri or resolve_tracking_uri(None, Path.cwd())
     name, version = resolve_model_version(uri, tracking_uri=tracking_uri)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from training.finetune.adapter import load_adapter, merge_adapter
 from training.finetune.base import BaseModelError, load_base
-from training.models.gpt import model_from_tensors
+from training.models import model_from_tensors
 from training.models.package import save_model_package
 
 

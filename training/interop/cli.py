@@ -114,7 +114,7 @@ def _export_hf(args: argparse.Namespace) -> int:
     if not args.package.startswith("models:/"):
         out = export_hf(args.package, args.output, overwrite=args.overwrite)
     else:
-        from registry.models import load_registered_model
+        from training.mlflow_store.registered import load_registered_model
 
         with tempfile.TemporaryDirectory(prefix="megalith-export-") as tmp:
             package = load_registered_model(args.package, tmp)

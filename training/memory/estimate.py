@@ -79,6 +79,8 @@ import torch
 
 from megalith.config import MegalithConfig, ModelConfig
 from megalith.errors import MegalithError
+from training.memory.activations import compute_dtype, saved_bytes_per_token
+from training.memory.t5 import loss_tokens, stage_activations
 from training.models.moe import is_expert_param
 from training.parallel.data_parallel import partition
 from training.parallel.groups import ParallelLayoutError, ParallelSizes, validate_layout
@@ -160,12 +162,6 @@ class MemoryReport:
 
 
 # --------------------------------------------------------------------------- layout
-
-
-def compute_dtype(config: MegalithConfig) -> str:
-    """The precision planned for: ``auto`` is bf16, what it means on a GPU."""
-    dtype = config.mixed_precision.dtype
-    return "bf16" if dtype == "auto" else dtype
 
 
 def resolve_layout(config: MegalithConfig, world_size: int | None) -> ParallelSizes:
@@ -276,34 +272,6 @@ def static_memory(config: MegalithConfig, sizes: ParallelSizes, stage: int = 0) 
 # --------------------------------------------------------------------------- activations
 
 
-def saved_bytes_per_token(config: MegalithConfig, sizes: ParallelSizes, recompute: str) -> float:
-    """Bytes one transformer layer keeps for backward per token of a micro-batch on this rank
-    (16-bit compute; see the module docstring for each term)."""
-    model = config.model
-    h, f, a = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
-    if model.num_experts:
-        f = model.moe_top_k * model.moe_ffn_hidden_size  # a token meets top_k experts
-    kv = h * model.num_query_groups / a  # K (or V) width under GQA
-    e = 4 if compute_dtype(config) == "fp32" else 2
-    r = 4  # the fp32 residual stream
-    mask = h if model.dropout > 0 else 0
-    tp = sizes.tp
-    sp = tp if config.parallel.sequence_parallel else 1
-    gated = model.activation in ("swiglu", "geglu")
-    lse = 4 * a  # SDPA's fp32 log-sum-exp per head (divided by TP with the heads below)
-    if recompute == "full":
-        return r * h / sp
-    if recompute == "selective":  # outputs of matmuls and SDPA, and the block input
-        inside = e * (h + 2 * kv) + e * h + lse + e * (2 if gated else 1) * f
-        outside = r * h + e * h + e * h  # block input, proj and fc2 outputs
-        return inside / tp + outside / sp
-    rope = e * (h + kv) if model.position_embedding == "rope" else 0
-    attention_in = e * (h + kv) + e * kv + rope + e * h + lse  # Q,K; V; RoPE inputs; SDPA out
-    mlp_in = e * (3 * f if gated else f) + e * f  # activation saves; fc2 input
-    outside = 2 * r * h + 2 * e * h + 2 * mask  # norm inputs, qkv and fc1 inputs, masks
-    return (attention_in + mlp_in) / tp + outside / sp
-
-
 def in_flight_micro_batches(config: MegalithConfig, sizes: ParallelSizes, mbs: int) -> float:
     """Micro-batches whose activations the first pipeline stage holds at its peak, in
     units of its own layers (Megatron: ``p`` under 1F1B, ``p·(1 + (p-1)/(p·v))`` interleaved)."""
@@ -328,8 +296,6 @@ def loss_buffer_bytes(config: MegalithConfig, sizes: ParallelSizes, mbs: int) ->
     plus the fp32 gradient of the output weight it accumulates."""
     tokens = mbs * config.data.seq_length // sizes.cp
     if config.model.family == "t5":
-        from training.memory.t5 import loss_tokens
-
         tokens = loss_tokens(config, mbs)
     chunk = config.model.loss_chunk_tokens
     if chunk and sizes.tp == 1:
@@ -376,8 +342,6 @@ def _stage_report(
 ) -> MemoryReport:
     in_flight = in_flight_micro_batches(config, sizes, mbs) if stage == 0 else 1.0
     if config.model.family == "t5":
-        from training.memory.t5 import stage_activations
-
         activations, per_layer = stage_activations(config, sizes, stage, mbs, recompute, in_flight)
     else:
         tokens = mbs * config.data.seq_length / sizes.cp

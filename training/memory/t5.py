@@ -4,7 +4,7 @@ A T5 sample is ``S`` encoder and ``T`` decoder tokens (``data.span_corruption``,
 512 and 114). Per micro-batch of ``b`` samples a rank holds, for its layers (the
 encoder's then the decoder's, split as :mod:`training.parallel.pipeline_t5` does):
 
-- each encoder layer: GPT's block tensors (:func:`training.memory.estimate.saved_bytes_per_token`,
+- each encoder layer: GPT's block tensors (:func:`training.memory.activations.saved_bytes_per_token`,
   gated for geglu) for ``b·S`` tokens;
 - each decoder layer: the same for ``b·T`` tokens, plus its cross-attention's: per
   decoder token the query norm's input (fp32 residual), the query projection's input, Q,
@@ -27,6 +27,7 @@ Like GPT's rows these are estimates of an eager step, to check on a GPU.
 from __future__ import annotations
 
 from megalith.config import MegalithConfig
+from training.memory.activations import compute_dtype, saved_bytes_per_token
 from training.objectives.t5 import sample_lengths
 from training.parallel.groups import ParallelSizes
 from training.parallel.pipeline_layout import layer_counts, pipelined_layers, stage_layers
@@ -85,8 +86,6 @@ def stage_activations(
 ) -> tuple[int, int]:
     """``(activation bytes, the larger layer's bytes per micro-batch)`` of pipeline rank
     ``stage``; ``in_flight`` micro-batches of everything a micro-batch leaves."""
-    from training.memory.estimate import compute_dtype, saved_bytes_per_token
-
     source, target = sample_lengths(config.data)
     element = 4 if compute_dtype(config) == "fp32" else 2
     encoders, decoders = stage_layer_kinds(config, sizes, stage)

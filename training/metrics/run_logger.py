@@ -1,6 +1,6 @@
 """The small interface the trainer reports through.
 
-Training knows nothing of MLflow: it calls a ``RunLogger``. ``registry.tracking``
+Training knows nothing of MLflow: it calls a ``RunLogger``. ``training.mlflow_store.runs``
 provides the MLflow implementation; ``MetricsFile`` writes ``metrics.jsonl``.
 """
 

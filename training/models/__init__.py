@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from megalith.config import ModelConfig
 from megalith.errors import MegalithError
-from training.models.backend import BackendError, LayerBackend, TorchBackend, resolve_backend
+from training.models.backend import (
+    BACKENDS,
+    BackendError,
+    LayerBackend,
+    TorchBackend,
+    resolve_backend,
+)
 from training.models.gpt import GPTModel, KVCache
 from training.models.t5 import T5Model
+from training.models.te_backend import TransformerEngineBackend
+
+BACKENDS["te"] = TransformerEngineBackend  # imports transformer_engine only when used
 
 # The model class of each model.family. The rest of a family (data, loss, pipeline split,
 # ...) is its spec in training.families, which sits above the modules that build a model
@@ -33,7 +43,27 @@ def build_model(config: ModelConfig, backend: LayerBackend | None = None) -> nn.
     return model_class(config)(config, backend)
 
 
+def model_from_tensors(
+    config: ModelConfig, params: dict[str, Tensor], buffers: dict[str, Tensor]
+) -> nn.Module:
+    """A plain single-device model of ``config.family`` on CPU holding ``params`` and
+    ``buffers`` (whole tensors, single-process names): what the parallel layouts gather
+    for checkpoints and the model package. Built on the meta device, so nothing is
+    initialised twice."""
+    with torch.device("meta"):
+        model = build_model(config)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(params[name])
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+    return model
+
+
 __all__ = [
+    "model_from_tensors",
     "MODEL_CLASSES",
     "BackendError",
     "GPTModel",

@@ -237,7 +237,8 @@ class TorchBackend(LayerBackend):
         )
 
 
-# Backends beside "torch" register a factory here (the Transformer Engine one as "te").
+# Backends beside "torch" register a factory here (the Transformer Engine one as "te", from
+# training.models; it is used only where transformer_engine imports, see resolve_backend).
 BACKENDS: dict[str, Callable[[], LayerBackend]] = {"torch": TorchBackend}
 
 
@@ -251,18 +252,8 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def _register_transformer_engine() -> None:
-    """Add the "te" backend (training.models.te_backend) where transformer_engine imports."""
-    if "te" not in BACKENDS and transformer_engine_available():
-        from training.models.te_backend import TransformerEngineBackend
-
-        BACKENDS["te"] = TransformerEngineBackend
-
-
 def resolve_backend(name: str) -> LayerBackend:
     """``"torch"``, ``"te"``, or ``"auto"``: Transformer Engine when usable, else torch."""
-    if name in ("auto", "te"):
-        _register_transformer_engine()
     if name == "auto":
         use_te = "te" in BACKENDS and transformer_engine_available()
         return BACKENDS["te" if use_te else "torch"]()

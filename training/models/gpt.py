@@ -456,25 +456,4 @@ class GPTModel(nn.Module):
             )
 
 
-def model_from_tensors(
-    config: ModelConfig, params: dict[str, Tensor], buffers: dict[str, Tensor]
-) -> nn.Module:
-    """A plain single-device model of ``config.family`` on CPU holding ``params`` and
-    ``buffers`` (whole tensors, single-process names): what the parallel layouts gather
-    for checkpoints and the model package. Built on the meta device, so nothing is
-    initialised twice."""
-    from training.models import build_model  # the package imports this module
-
-    with torch.device("meta"):
-        model = build_model(config)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(params[name])
-        for name, buffer in model.named_buffers():
-            buffer.copy_(buffers[name])
-    return model
-
-
-__all__ = ["GPTModel", "KVCache", "TransformerBlock", "model_from_tensors"]
+__all__ = ["GPTModel", "KVCache", "TransformerBlock"]

@@ -35,8 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from megalith.config import ModelConfig
-from training.models import GPTModel
-from training.models.gpt import model_from_tensors
+from training.models import GPTModel, model_from_tensors
 from training.models.moe import is_expert_param, moe_layers
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp

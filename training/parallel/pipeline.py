@@ -106,9 +106,8 @@ from training.checkpoint.format import (
     restore_rng_state,
     verify_checkpoint_state,
 )
-from training.models import GPTModel, T5Model, build_model
+from training.models import GPTModel, T5Model, build_model, model_from_tensors
 from training.models.flops import param_groups
-from training.models.gpt import model_from_tensors
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
 from training.parallel.groups import ParallelState

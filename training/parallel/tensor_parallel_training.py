@@ -25,8 +25,7 @@ from torch import nn
 
 from megalith.config import ModelConfig
 from training import models
-from training.models import GPTModel, resolve_backend
-from training.models.gpt import model_from_tensors
+from training.models import GPTModel, model_from_tensors, resolve_backend
 from training.models.tp_backend import TensorParallelBackend
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp

@@ -7,7 +7,7 @@ are padded on the right with the pad id and masked. The decoder starts from the 
 and values from a KV cache (:meth:`T5Model.new_kv_cache`), so each step costs one
 token's decoder forward; the cross-attention reads the encoder output computed once.
 
-Sampling reuses :mod:`evaluation.generate` (greedy, temperature, top-k, top-p, one
+Sampling reuses :mod:`training.inference.decode` (greedy, temperature, top-k, top-p, one
 ``torch.Generator`` per prompt seeded with ``seed + its index``): results are the same
 objects (:class:`GenerationResult`), and a prompt's output does not depend on its batch.
 """
@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from evaluation.generate import (
+from preprocessing.tokenizer import Tokenizer
+from training.inference.decode import (
     BatchRows,
     Generation,
     GenerationResult,
@@ -28,8 +29,7 @@ from evaluation.generate import (
     _apply_stop,
     _mask_vocab,
 )
-from evaluation.runtime import autocast, model_device
-from preprocessing.tokenizer import Tokenizer
+from training.inference.runtime import autocast, model_device
 from training.models.t5 import T5Model
 
 
@@ -93,7 +93,7 @@ def generate_seq2seq_ids(
     ``sampling`` is one config for every row or one per row. The final EOD is left out
     of the ids, and ends the row when its ``stop_at_eod``; a token of its ``stop_ids``
     ends it too (finish reason ``stop``), also left out. ``on_token(row, id)`` and
-    ``stop(row)`` work as in :func:`evaluation.generate.generate_ids`.
+    ``stop(row)`` work as in :func:`training.inference.decode.generate_ids`.
     """
     if not prompts or not all(prompts):
         raise ValueError("every prompt needs at least one token")

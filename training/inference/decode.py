@@ -27,9 +27,17 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from evaluation.runtime import autocast, model_device
 from preprocessing.tokenizer import Tokenizer
+from training.inference.runtime import autocast, model_device
 from training.models.gpt import GPTModel
+
+# Sampling limits a request may ask for (serving, the MLflow pyfunc).
+MAX_SEED = 2**63 - 1
+# Dividing the logits by a temperature below this, or keeping a nucleus below MIN_TOP_P
+# (0 in float32), turns every probability into NaN: the whole batch would fail.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 100.0
+MIN_TOP_P = 1e-6
 
 
 @dataclass(frozen=True)

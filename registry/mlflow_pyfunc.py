@@ -23,11 +23,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from deploy.loading import ServedModel, load_served_model
-from deploy.schema import MAX_SEED, MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P
-from evaluation.generate import SamplingConfig, generate
-from evaluation.generate_t5 import generate_seq2seq
 from megalith.errors import MegalithError
+from training.inference.decode import (
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    SamplingConfig,
+    generate,
+)
+from training.inference.decode_t5 import generate_seq2seq
+from training.inference.loading import ServedModel, load_served_model
 
 PARAM_DEFAULTS: dict[str, int | float] = {
     "max_tokens": 64,
@@ -75,7 +81,7 @@ class MegalithPyfunc:
 
 def _load_pyfunc(path: str, model_config: Mapping[str, Any] | None = None) -> MegalithPyfunc:
     """MLflow's entry point: ``path`` is the downloaded ``model/`` directory."""
-    from registry.models import MLFLOW_FILES, check_mlmodel, verify_package
+    from training.mlflow_store.registered import MLFLOW_FILES, check_mlmodel, verify_package
 
     package = Path(path)
     verify_package(package, allowed_extra=MLFLOW_FILES | MLFLOW_LOAD_FILES)

@@ -1,4 +1,4 @@
-"""Where and in what precision evaluation runs."""
+"""Where and in what precision inference (evaluation, serving) runs."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Generation from a trained model, shared by evaluation and serving: the decode loops (decode for GPT, decode_t5 for encoder-decoders) and loading a model package or registered version for inference (loading)."""
