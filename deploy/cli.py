@@ -63,6 +63,8 @@ COUNT = number_type(int, 1)
 SECONDS = number_type(float, 0, above=True)
 
 
+# Handlers import the heavy stage modules (torch, mlflow, prefect) when they run, so that
+# `megalith --help` and a bad flag answer at once.
 def register(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "serve",

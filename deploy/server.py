@@ -61,6 +61,8 @@ from deploy.schema import (
 )
 from megalith.errors import MegalithError
 from training.inference.loading import ServedModel, load_served_model, source_version
+from training.inference.runtime import AUTOCAST_DTYPES, resolve_precision
+from training.runtime.device import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +93,6 @@ class Deployment:
     """The engine serving the current model, and the swap to a new one."""
 
     def __init__(self, config: ServeConfig) -> None:
-        from training.inference.runtime import AUTOCAST_DTYPES, resolve_precision
-        from training.runtime.device import resolve_device
-
         self.config = config
         self.device = resolve_device(config.device)
         self.autocast_dtype = AUTOCAST_DTYPES[resolve_precision(config.precision, self.device)]

@@ -15,6 +15,8 @@ CONFIG_SUFFIXES = (".yaml", ".yml")
 MAX_PROMPT_FILE_BYTES = 64 << 20
 
 
+# Handlers import the heavy stage modules (torch, mlflow, prefect) when they run, so that
+# `megalith --help` and a bad flag answer at once.
 def register(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "eval",

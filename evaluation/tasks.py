@@ -31,6 +31,8 @@ import torch
 
 from evaluation import EvaluationError
 from evaluation.seq2seq import span_logliks
+from megalith.storage import atomic_write_bytes
+from preprocessing.corpus_generator import multiple_choice_items
 from preprocessing.tokenizer import Tokenizer
 from training.inference.runtime import autocast, model_device
 from training.models.gpt import GPTModel
@@ -328,8 +330,6 @@ def evaluate_task(
 
 def sample_task_lines(seed: int = 0, per_kind: int = 20) -> list[str]:
     """The sample corpus's fact questions as task-file lines (deterministic)."""
-    from preprocessing.corpus_generator import multiple_choice_items
-
     lines = []
     for raw in multiple_choice_items(seed=seed, per_kind=per_kind):
         item = {
@@ -344,8 +344,6 @@ def sample_task_lines(seed: int = 0, per_kind: int = 20) -> list[str]:
 
 def write_sample_task(path: str | Path = SAMPLE_TASK) -> int:
     """Regenerate the shipped sample task file; returns the number of items."""
-    from megalith.storage import atomic_write_bytes
-
     lines = sample_task_lines()
     atomic_write_bytes(str(path), ("\n".join(lines) + "\n").encode("utf-8"))
     return len(lines)

@@ -6,12 +6,13 @@ from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from training.mlflow_store.runs import resolve_tracking_uri
+
 
 def mlflow_run_link(run_id: str | None) -> str:
     """Where to look at a run: the server's page, or how to open the local UI."""
     if not run_id:
         return "MLflow tracking was off for this run."
-    from training.mlflow_store.runs import resolve_tracking_uri
 
     uri = resolve_tracking_uri(None)
     if uri.startswith("http"):

@@ -29,6 +29,8 @@ MLFLOW_PORT = 5000
 QUIET_PREFECT_SERVER = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
 
+# Handlers import the heavy stage modules (torch, mlflow, prefect) when they run, so that
+# `megalith --help` and a bad flag answer at once.
 def register(subcommands: argparse._SubParsersAction) -> None:
     demo = subcommands.add_parser(
         "demo",

@@ -41,6 +41,8 @@ from pipelines.artifacts import (
 )
 from pipelines.tasks import evaluate_task, gate_task, pretrain_task, register_task
 from pipelines.tokenize import manifest_markdown, write_shards_task
+from training.mlflow_store.registered import get_alias_version, load_registered_model
+from training.models.package import read_package_model_config
 
 STATE_FILE = "finetune-state.json"
 CHAT_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -118,8 +120,6 @@ def mark_processed(state_path: str, files: list[dict[str, Any]], summary: dict[s
 @task(name="resolve-base", cache_policy=NO_CACHE)
 def resolve_base(name: str, alias: str, dest: str) -> dict[str, Any]:
     """Pin ``models:/name@alias`` to its version and download it, verified."""
-    from training.mlflow_store.registered import get_alias_version, load_registered_model
-    from training.models.package import read_package_model_config
 
     version = get_alias_version(name, alias)
     if version is None:

@@ -21,7 +21,11 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
-from megalith.config import MegalithConfig, dump_config
+from megalith.config import MegalithConfig, MetricRule, dump_config
+from megalith.storage import sha256_of_file
+from registry.models import register_model
+from registry.promotion import gate
+from training.mlflow_store.runs import log_evaluation
 from training.runtime.launch import PARENT_PID_ENV
 from training.runtime.run_lock import hold_run_folder
 
@@ -118,8 +122,6 @@ def pretrain_task(
 
 def package_id(package_dir: str) -> str:
     """A model package's content id: the sha256 of its checksums.json."""
-    from megalith.storage import sha256_of_file
-
     return sha256_of_file(str(Path(package_dir) / "checksums.json"))
 
 
@@ -138,6 +140,7 @@ def evaluate_task(
     --lm-eval-tasks`` takes) and sample generations; returns the headline metrics.
 
     ``package_id`` keys the cache to the model's content, not just its path."""
+    # torch comes with evaluation: the flow process imports it only when a model is evaluated.
     from evaluation.report import evaluate_model, headline_metrics
     from training.inference.decode import SamplingConfig
 
@@ -154,8 +157,6 @@ def evaluate_task(
     )
     metrics = headline_metrics(report)
     if run_id:
-        from training.mlflow_store.runs import log_evaluation
-
         log_evaluation(run_id, metrics, report_path)
     get_run_logger().info("evaluation: %s", json.dumps(metrics))
     return {"report": report_path, "metrics": metrics, "generations": _generations(report)}
@@ -178,8 +179,6 @@ def register_task(
     package_id: str = "",
 ) -> dict[str, Any]:
     """Register the package as a new version of ``name`` with alias ``candidate``."""
-    from registry.models import register_model
-
     version = register_model(model_package, name, run_id, metrics, alias="candidate")
     get_run_logger().info("registered %s version %s as @candidate", name, version)
     return {
@@ -200,8 +199,6 @@ def gate_task(
     """Gate ``version`` (default @candidate) against @champion; promote it if it passes.
     Not cached: the champion it compares with changes. ``champion_metrics``: the champion
     evaluated on the candidate's data (default: its own eval tags)."""
-    from megalith.config import MetricRule
-    from registry.promotion import gate
 
     decision = gate(
         name,

@@ -13,6 +13,7 @@ from megalith.config import DataConfig, MegalithConfig, TokenizerConfig
 from megalith.errors import MegalithError
 from preprocessing.prepare import PrepareReport, prepare_dataset
 from preprocessing.stage import ensure_tokenizer
+from preprocessing.tokenizer import load_tokenizer
 
 # No Prefect cache on these two tasks: the stage is its own cache, and it looks at the data.
 # ensure_tokenizer reuses a model whose record matches the inputs and settings, and
@@ -51,8 +52,6 @@ def train_tokenizer_task(data: DataConfig, tokenizer: TokenizerConfig) -> str:
 )
 def write_shards_task(data: DataConfig, tokenizer: TokenizerConfig, model_path: str) -> dict:
     """Tokenize into shards; returns a small JSON summary (never tensors: Prefect pickles results)."""
-    from preprocessing.tokenizer import load_tokenizer
-
     loaded = load_tokenizer(model_path, tokenizer.pad_vocab_multiple, data.storage_options)
     report = prepare_dataset(data, loaded, tokenizer, show_progress=False)
     logger = get_run_logger()

@@ -11,6 +11,8 @@ from megalith.config import MegalithConfig, load_config
 from megalith.errors import MegalithError
 
 
+# Handlers import the heavy stage modules (torch, mlflow, prefect) when they run, so that
+# `megalith --help` and a bad flag answer at once.
 def register(subcommands: argparse._SubParsersAction) -> None:
     group = subcommands.add_parser(
         "data",

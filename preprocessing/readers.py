@@ -30,6 +30,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from megalith.errors import MegalithError
 from megalith.storage import filesystem
+from preprocessing.chat import ChatRecordError, canonical_text, conversation_from_record
 from preprocessing.manifest import RejectedRecords
 
 REJECT_REASONS: tuple[str, ...] = (
@@ -461,8 +462,6 @@ def _json_text(line: bytes, key: str) -> str:
 
 def _chat_text(line: bytes) -> str:
     """A chat record's canonical text; its problems become rejects naming the key."""
-    from preprocessing.chat import ChatRecordError, canonical_text, conversation_from_record
-
     text = _decode(line)
     try:
         return canonical_text(conversation_from_record(_parse_json(text)))

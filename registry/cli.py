@@ -12,6 +12,8 @@ from megalith.errors import MegalithError
 from training.mlflow_store.runs import DEMO_WORKDIR, existing_store_uri
 
 
+# Handlers import the heavy stage modules (torch, mlflow, prefect) when they run, so that
+# `megalith --help` and a bad flag answer at once.
 def register(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "registry",

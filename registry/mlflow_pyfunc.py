@@ -34,6 +34,7 @@ from training.inference.decode import (
 )
 from training.inference.decode_t5 import generate_seq2seq
 from training.inference.loading import ServedModel, load_served_model
+from training.mlflow_store.registered import MLFLOW_FILES, check_mlmodel, verify_package
 
 PARAM_DEFAULTS: dict[str, int | float] = {
     "max_tokens": 64,
@@ -81,8 +82,6 @@ class MegalithPyfunc:
 
 def _load_pyfunc(path: str, model_config: Mapping[str, Any] | None = None) -> MegalithPyfunc:
     """MLflow's entry point: ``path`` is the downloaded ``model/`` directory."""
-    from training.mlflow_store.registered import MLFLOW_FILES, check_mlmodel, verify_package
-
     package = Path(path)
     verify_package(package, allowed_extra=MLFLOW_FILES | MLFLOW_LOAD_FILES)
     check_mlmodel(package / "MLmodel")

@@ -184,6 +184,7 @@ def write_mlmodel(directory: Path, run_id: str | None = None) -> Path:
 
     model = Model(artifact_path=MODEL_ARTIFACT_PATH, run_id=run_id)
     add_to_model(model, loader_module=LOADER_MODULE, python_env="python_env.yaml")
+    # The pyfunc module loads models (torch): imported only when an MLmodel is written.
     from registry.mlflow_pyfunc import params_signature
 
     model.signature = params_signature()  # so MLflow passes max_tokens etc. to predict

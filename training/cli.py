@@ -28,6 +28,8 @@ from training.runtime.launch import (
 from training.runtime.run_lock import hold_run_folder
 
 
+# Handlers import the heavy stage modules (torch, mlflow, prefect) when they run, so that
+# `megalith --help` and a bad flag answer at once.
 def register(subcommands: argparse._SubParsersAction) -> None:
     train = subcommands.add_parser(
         "train",

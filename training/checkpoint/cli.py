@@ -40,6 +40,8 @@ class UnlistedFileError(MegalithError):
     """A checkpoint or package folder holding files its manifest does not list."""
 
 
+# Handlers import the heavy stage modules (torch, mlflow, prefect) when they run, so that
+# `megalith --help` and a bad flag answer at once.
 def register(subcommands: argparse._SubParsersAction) -> None:
     ckpt = subcommands.add_parser(
         "ckpt",

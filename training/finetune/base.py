@@ -43,8 +43,13 @@ from megalith.config import (
     format_validation_error,
 )
 from megalith.errors import MegalithError
+from megalith.storage import sha256_of_file
 from training.checkpoint.sharded import latest_sharded_checkpoint, read_model_weights
 from training.finetune.lora import is_adapter_param, merge_tensors
+from training.interop.hf import import_hf
+from training.mlflow_store.registered import load_registered_model, resolve_model_version
+from training.mlflow_store.runs import resolve_tracking_uri
+from training.models.package import PACKAGE_FORMAT, load_model_package, model_tensors
 from training.models.weights_check import checked_meta_model
 
 # Model keys that change how the model runs, not what its weights are: a recipe may set
@@ -157,8 +162,6 @@ def _has_steps(path: Path) -> bool:
 
 def _is_package(config_json: Path) -> bool:
     """Only to pick the reader: bounded, a regular file (the package reader hashes it)."""
-    from training.models.package import PACKAGE_FORMAT
-
     try:
         meta = safe_read.read_json(config_json, max_bytes=1 << 20, allow_symlink=False)
     except safe_read.UnsafeFileError as exc:
@@ -174,9 +177,6 @@ def _package(
     keep_tokenizer: bool = True,
     require_signature: bool = False,
 ) -> BaseWeights:
-    from megalith.storage import sha256_of_file
-    from training.models.package import load_model_package, model_tensors
-
     # every file's sha256 checked, the signature when required or present
     model, config, tokenizer = load_model_package(path, require_signature=require_signature)
     tensors = model_tensors(model)
@@ -195,9 +195,6 @@ def _package(
 def _registered(
     uri: str, tracking_uri: str | None, workdir: str | Path | None, require_signature: bool
 ) -> BaseWeights:
-    from training.mlflow_store.registered import load_registered_model, resolve_model_version
-    from training.mlflow_store.runs import resolve_tracking_uri
-
     tracking_uri = tracking_uri or resolve_tracking_uri(None, Path.cwd())
     name, version = resolve_model_version(uri, tracking_uri=tracking_uri)
     details = {"name": name, "version": str(version)}
@@ -215,8 +212,6 @@ def _registered(
 
 
 def _hf(uri: str, path: Path, workdir: str | Path | None) -> BaseWeights:
-    from training.interop.hf import import_hf
-
     with _workdir(workdir) as root:
         package = import_hf(path, root / "base-from-hf", overwrite=True)
         return _package(uri, package, "hf", keep_tokenizer=workdir is not None)

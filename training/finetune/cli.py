@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 
 
+# Handlers import the heavy stage modules (torch, mlflow, prefect) when they run, so that
+# `megalith --help` and a bad flag answer at once.
 def register(subcommands: argparse._SubParsersAction) -> None:
     group = subcommands.add_parser(
         "finetune",

@@ -50,6 +50,7 @@ from training.finetune.lora import (
     merged,
     trainable_summary,
 )
+from training.mlflow_store.runs import resolve_tracking_uri
 from training.models import model_from_tensors
 from training.parallel import expert_parallel_training as ep
 from training.parallel import tensor_parallel_training as tp
@@ -158,7 +159,6 @@ def _tracking_uri(config: MegalithConfig) -> str | None:
     """The registry for ``models:/`` bases: the run's own tracking store."""
     if not (config.finetune.base or "").startswith("models:/"):
         return None
-    from training.mlflow_store.runs import resolve_tracking_uri
 
     return resolve_tracking_uri(config.logging.tracking_uri, Path.cwd())
 

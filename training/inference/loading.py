@@ -27,6 +27,7 @@ from megalith.errors import MegalithError
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from training.inference.decode import continuation_text, prompt_ids
 from training.inference.decode_t5 import encoder_ids
+from training.mlflow_store.registered import load_registered_model, resolve_model_version
 from training.models.gpt import GPTModel
 from training.models.package import CHECKSUMS_FILE, load_model_package, sha256_file
 from training.models.t5 import T5Model
@@ -87,7 +88,6 @@ def source_version(source: str, *, tracking_uri: str | None = None) -> int | Non
     """The registry version ``source`` points at now (None for a local package)."""
     if not is_registry_uri(source):
         return None
-    from training.mlflow_store.registered import resolve_model_version
 
     return resolve_model_version(source, tracking_uri=tracking_uri)[1]
 
@@ -110,8 +110,6 @@ def load_served_model(
 def _load_registered(
     source: str, tracking_uri: str | None, device: torch.device | str
 ) -> ServedModel:
-    from training.mlflow_store.registered import load_registered_model, resolve_model_version
-
     name, version = resolve_model_version(source, tracking_uri=tracking_uri)
     alias = source.split("@", 1)[1].rstrip("/") if "@" in source else None
     download = Path(tempfile.mkdtemp(prefix="megalith-serve-"))

@@ -6,6 +6,8 @@ import argparse
 import tempfile
 
 
+# Handlers import the heavy stage modules (torch, mlflow, prefect) when they run, so that
+# `megalith --help` and a bad flag answer at once.
 def register(subcommands: argparse._SubParsersAction) -> None:
     export = subcommands.add_parser(
         "export",

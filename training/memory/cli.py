@@ -9,6 +9,8 @@ from dataclasses import asdict
 from megalith.config import load_config
 
 
+# Handlers import the heavy stage modules (torch, mlflow, prefect) when they run, so that
+# `megalith --help` and a bad flag answer at once.
 def register(subcommands: argparse._SubParsersAction) -> None:
     memory = subcommands.add_parser(
         "memory",

@@ -81,7 +81,9 @@ from megalith.config import MegalithConfig, ModelConfig
 from megalith.errors import MegalithError
 from training.memory.activations import compute_dtype, saved_bytes_per_token
 from training.memory.t5 import loss_tokens, stage_activations
+from training.models import build_model
 from training.models.moe import is_expert_param
+from training.objectives.t5 import sample_lengths
 from training.parallel.data_parallel import partition
 from training.parallel.groups import ParallelLayoutError, ParallelSizes, validate_layout
 from training.parallel.pipeline_layout import (
@@ -191,8 +193,6 @@ def resolve_layout(config: MegalithConfig, world_size: int | None) -> ParallelSi
 def meta_model(config: ModelConfig) -> torch.nn.Module:
     """The single-process model of ``config.family`` on the meta device (shapes only;
     torch layers)."""
-    from training.models import build_model
-
     model_config = config.model_copy(update={"backend": "torch"})
     with torch.device("meta"):
         return build_model(model_config)
@@ -461,8 +461,6 @@ def format_report(report: MemoryReport, sizes: ParallelSizes, config: MegalithCo
 def _lengths(config: MegalithConfig) -> str:
     """The tokens of a sample: ``seq_length``, or T5's ``S enc + T dec``."""
     if config.model.family == "t5":
-        from training.objectives.t5 import sample_lengths
-
         source, target = sample_lengths(config.data)
         return f"{source} enc + {target} dec"
     return str(config.data.seq_length)

@@ -32,6 +32,7 @@ from megalith.config import ModelConfig
 from megalith.errors import MegalithError
 from training.models import layers
 from training.models.layers import NormSpec
+from training.models.moe import MoELayer
 
 
 class BackendError(MegalithError):
@@ -124,7 +125,6 @@ class LayerBackend(ABC):
                 "model.num_experts with parallel.tensor > 1: MoE layers are not tensor-parallel "
                 "yet; use parallel.expert (and data parallelism) instead"
             )
-        from training.models.moe import MoELayer
 
         return MoELayer(config, self.norm(config.hidden_size, norm))
 

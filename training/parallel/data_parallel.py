@@ -37,6 +37,7 @@ from megalith.errors import MegalithError
 from training.checkpoint.format import optimizer_group_indices
 from training.models import build_model
 from training.models.flops import param_groups
+from training.optim.adamw import build_optimizer as build_adamw
 from training.parallel.groups import ParallelState
 
 DATA_PARALLEL_MODES = ("ddp", "distributed_optimizer", "fsdp")
@@ -195,8 +196,6 @@ def build_optimizer(
 ) -> tuple[Any, list[str]]:
     """AdamW (sharded over data-parallel ranks in ``distributed_optimizer`` mode) and the
     parameter names in its state order (for checkpoints)."""
-    from training.optim.adamw import build_optimizer as build_adamw
-
     check_mode(parallel)
     if parallel.data_parallel_mode != "distributed_optimizer" or data_parallel_size(state) == 1:
         return build_adamw(model, config, device)

@@ -118,6 +118,7 @@ from training.parallel.pipeline_layout import (
     stage_layers,
     virtual_stages_of,
 )
+from training.parallel.tensor_parallel.layers import tensor_parallel_partition
 from training.precision.mixed import Precision
 
 if TYPE_CHECKING:  # the family registry imports this module for GPT's stages
@@ -424,8 +425,6 @@ class PipelineParallel:
         """Clip by the norm over every stage and TP shard (a parameter held by several
         stages, the tied embedding or T5's relative-bias tables, counted on its owner
         only); returns the norm before clipping."""
-        from training.parallel.tensor_parallel.layers import tensor_parallel_partition
-
         split_names = set(tensor_parallel_partition(self.model)) if self.state.sizes.tp > 1 else ()
         totals = torch.zeros(2, dtype=torch.float32, device=self.device)  # split, replicated
         for name, param in self.model.named_parameters():

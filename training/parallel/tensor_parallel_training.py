@@ -30,6 +30,7 @@ from training.models.tp_backend import TensorParallelBackend
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel.groups import ParallelState
+from training.parallel.tensor_parallel.layers import squared_grad_norm
 from training.parallel.tensor_parallel.sharding import (
     check_tensor_parallel,
     partition_spec,
@@ -120,7 +121,6 @@ def clip_grad_norm(model: nn.Module, max_norm: float, state: ParallelState) -> t
         return dp.clip_grad_norm(list(model.parameters()), max_norm, state)
     if state.sizes.pp > 1:
         raise NotImplementedError("grad-norm over pipeline stages is not integrated yet")
-    from training.parallel.tensor_parallel.layers import squared_grad_norm
 
     norm = squared_grad_norm(model, state.tp_group).sqrt()
     if max_norm > 0:
