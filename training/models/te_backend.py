@@ -24,7 +24,8 @@ bias), so it runs as our norm then ``te.Linear``; attention over a KV cache (que
 fewer than keys) and fp32 inputs use SDPA; ``torch.compile`` graph-breaks around the
 TE calls (TE marks them dynamo-disabled); activation checkpointing with fp8 is refused
 by :mod:`training.precision.fp8` (the recomputed forward would run outside ``fp8_autocast``);
-tensor parallelism uses the tensor-parallel backend, not this one.
+under tensor parallelism the model gets TE's own tensor-parallel modules instead
+(:mod:`training.parallel.te_tensor_parallel`).
 
 Verified with a real Transformer Engine (2.20.2, torch 2.11, one H100, 2026-11-25): the
 ``gpu`` tests of tests/test_te_backend.py compare it with the torch backend (forward,
@@ -83,11 +84,20 @@ def te_parameter_names(model: nn.Module) -> dict[str, str]:
     return mapping
 
 
-class _Engine:
-    """The lazily built TE module of one of our modules, fed our parameters each call."""
+Feed = Callable[[str, Tensor], Tensor]
 
-    def __init__(self, build: Callable[[], nn.Module], names: dict[str, str]):
-        self.build, self.names, self.module = build, names, None
+
+class Engine:
+    """The lazily built TE module of one of our modules, fed our parameters each call.
+
+    ``feed(name, parameter)``, where given, is what the engine gets instead of the
+    parameter itself (tensor parallelism passes replicated parameters through a
+    gradient all-reduce under sequence parallelism)."""
+
+    def __init__(
+        self, build: Callable[[], nn.Module], names: dict[str, str], feed: Feed | None = None
+    ):
+        self.build, self.names, self.feed, self.module = build, names, feed, None
 
     # Opaque to torch.compile: TE's modules are dynamo-disabled anyway, and the aliasing
     # below is bookkeeping, not graph.
@@ -98,7 +108,8 @@ class _Engine:
         for ours, theirs in self.names.items():
             param = _attribute(owner, ours)
             if param is not None:
-                self.module._parameters[theirs] = param  # alias: TE reads and grads ours
+                fed = param if self.feed is None else self.feed(ours, param)
+                self.module._parameters[theirs] = fed  # alias: TE reads and grads ours
         self.module.train(owner.training)
         return self.module(*inputs)
 
@@ -110,20 +121,26 @@ def _attribute(module: nn.Module, name: str) -> Tensor | None:
     return module
 
 
-def _engine_device(x: Tensor, devices: tuple[str, ...]) -> bool:
+def engine_device(x: Tensor, devices: tuple[str, ...]) -> bool:
+    """Whether the engines run for ``x`` (CUDA); elsewhere the torch functions do."""
     return x.device.type in devices
+
+
+def attach_engine(module: nn.Module, engine: Engine, devices: tuple[str, ...]) -> None:
+    """Give ``module`` its engine, outside the module tree (so outside ``state_dict``)."""
+    module.__dict__["_engine"] = engine
+    module.__dict__["_devices"] = devices
 
 
 class TENormLinear(layers.NormLinear):
     """``linear(norm(x))`` with the torch backend's names; ``te.LayerNormLinear`` on CUDA."""
 
-    def __init__(self, norm: nn.Module, linear: nn.Linear, engine: _Engine, devices):
+    def __init__(self, norm: nn.Module, linear: nn.Linear, engine: Engine, devices):
         super().__init__(norm, linear)
-        self.__dict__["_engine"] = engine  # not a submodule: outside state_dict
-        self.__dict__["_devices"] = devices
+        attach_engine(self, engine, devices)
 
     def forward(self, x: Tensor) -> Tensor:
-        if _engine_device(x, self._devices):
+        if engine_device(x, self._devices):
             return self._engine(self, x)
         return super().forward(x)
 
@@ -131,13 +148,12 @@ class TENormLinear(layers.NormLinear):
 class TELinear(layers.Linear):
     """``nn.Linear`` with our init and names; ``te.Linear`` on CUDA."""
 
-    def attach(self, engine: _Engine, devices: tuple[str, ...]) -> TELinear:
-        self.__dict__["_engine"] = engine
-        self.__dict__["_devices"] = devices
+    def attach(self, engine: Engine, devices: tuple[str, ...]) -> TELinear:
+        attach_engine(self, engine, devices)
         return self
 
     def forward(self, x: Tensor) -> Tensor:
-        if _engine_device(x, self._devices):
+        if engine_device(x, self._devices):
             return self._engine(self, x)
         return F.linear(x, self.weight, self.bias)
 
@@ -149,15 +165,77 @@ class TEAttention(layers.SDPAttention):
 
     def __init__(self, num_heads, num_groups, head_dim, *, dropout, engine, devices):
         super().__init__(num_heads, num_groups, head_dim, dropout=dropout)
-        self.__dict__["_engine"] = engine
-        self.__dict__["_devices"] = devices
+        attach_engine(self, engine, devices)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         usable = q.dtype in (torch.bfloat16, torch.float16) and q.size(1) == k.size(1)
-        if usable and attn_mask is None and _engine_device(q, self._devices):
+        if usable and attn_mask is None and engine_device(q, self._devices):
             out = self._engine(self, q.contiguous(), k.contiguous(), v.contiguous())
             return out.reshape(q.size(0), q.size(1), self.num_heads * self.head_dim)
         return super().forward(q, k, v, attn_mask)
+
+
+def layer_norm_linear_engine(
+    te: TEProvider,
+    in_features: int,
+    out_features: int,
+    norm: NormSpec,
+    *,
+    bias: bool,
+    dtype: torch.dtype,
+    feed: Feed | None = None,
+    **parallel: Any,
+) -> Engine:
+    """A ``te.LayerNormLinear`` engine; ``parallel``: TE's tensor-parallel arguments
+    (``parallel_mode``, ``tp_group``, ``tp_size``, ``sequence_parallel``), sizes global."""
+    return Engine(
+        lambda: te().LayerNormLinear(
+            in_features,
+            out_features,
+            eps=norm.eps,
+            bias=bias,
+            normalization="RMSNorm" if norm.kind == "rmsnorm" else "LayerNorm",
+            params_dtype=dtype,
+            device="meta",  # parameters are ours; nothing to allocate
+            **parallel,
+        ),
+        TE_PARAMETER_NAMES["norm_linear"],
+        feed,
+    )
+
+
+def linear_engine(
+    te: TEProvider,
+    in_features: int,
+    out_features: int,
+    *,
+    bias: bool,
+    feed: Feed | None = None,
+    **parallel: Any,
+) -> Engine:
+    """A ``te.Linear`` engine (``parallel`` as in :func:`layer_norm_linear_engine`)."""
+    return Engine(
+        lambda: te().Linear(in_features, out_features, bias=bias, device="meta", **parallel),
+        TE_PARAMETER_NAMES["linear"],
+        feed,
+    )
+
+
+def attention_engine(
+    te: TEProvider, num_heads: int, num_groups: int, head_dim: int, dropout: float
+) -> Engine:
+    """A causal ``te.DotProductAttention`` engine over ``bshd`` tensors of these heads."""
+    return Engine(
+        lambda: te().DotProductAttention(
+            num_heads,
+            head_dim,
+            num_gqa_groups=num_groups,
+            attention_dropout=dropout,
+            qkv_format="bshd",
+            attn_mask_type="causal",
+        ),
+        {},
+    )
 
 
 class TransformerEngineBackend(TorchBackend):
@@ -165,6 +243,8 @@ class TransformerEngineBackend(TorchBackend):
 
     ``te`` provides the ``transformer_engine.pytorch`` namespace (imported on first use);
     ``devices`` are where the TE engines run (CUDA; tests pass a stand-in and ``cpu``).
+    Under tensor parallelism the model is built with
+    :class:`~training.parallel.te_tensor_parallel.TETensorParallelBackend` instead.
     """
 
     name = "te"
@@ -189,22 +269,10 @@ class TransformerEngineBackend(TorchBackend):
             linear = self.row_linear(in_features, out_features, bias=bias, init_std=init_std)
             return layers.NormLinear(norm_module, linear)
         linear = layers.Linear(in_features, out_features, bias=bias, init_std=init_std)
-        engine = _Engine(
-            lambda: self.te().LayerNormLinear(
-                in_features,
-                out_features,
-                eps=norm.eps,
-                bias=bias,
-                normalization="RMSNorm" if norm.kind == "rmsnorm" else "LayerNorm",
-                params_dtype=linear.weight.dtype,
-                device="meta",  # parameters are ours; nothing to allocate
-            ),
-            TE_PARAMETER_NAMES["norm_linear"],
+        engine = layer_norm_linear_engine(
+            self.te, in_features, out_features, norm, bias=bias, dtype=linear.weight.dtype
         )
         return TENormLinear(norm_module, linear, engine, self.devices)
-
-    def _linear(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
-        return self.te().Linear(in_features, out_features, bias=bias, device="meta")
 
     def column_linear(
         self,
@@ -221,25 +289,14 @@ class TransformerEngineBackend(TorchBackend):
         self, in_features: int, out_features: int, *, bias: bool, init_std: float
     ) -> nn.Module:
         module = TELinear(in_features, out_features, bias=bias, init_std=init_std)
-        engine = _Engine(
-            lambda: self._linear(in_features, out_features, bias), TE_PARAMETER_NAMES["linear"]
+        return module.attach(
+            linear_engine(self.te, in_features, out_features, bias=bias), self.devices
         )
-        return module.attach(engine, self.devices)
 
     def core_attention(
         self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
     ) -> nn.Module:
-        engine = _Engine(
-            lambda: self.te().DotProductAttention(
-                num_heads,
-                head_dim,
-                num_gqa_groups=num_groups,
-                attention_dropout=dropout,
-                qkv_format="bshd",
-                attn_mask_type="causal",
-            ),
-            {},
-        )
+        engine = attention_engine(self.te, num_heads, num_groups, head_dim, dropout)
         return TEAttention(
             num_heads, num_groups, head_dim, dropout=dropout, engine=engine, devices=self.devices
         )
@@ -247,9 +304,15 @@ class TransformerEngineBackend(TorchBackend):
 
 __all__ = [
     "TE_PARAMETER_NAMES",
+    "Engine",
     "TEAttention",
     "TELinear",
     "TENormLinear",
     "TransformerEngineBackend",
+    "attach_engine",
+    "attention_engine",
+    "engine_device",
+    "layer_norm_linear_engine",
+    "linear_engine",
     "te_parameter_names",
 ]

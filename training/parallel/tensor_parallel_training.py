@@ -2,7 +2,9 @@
 
 - :func:`build_model`: the single-device model is built from the seed on every rank
   (so the initial weights equal one device's), then each TP rank keeps its shard in a
-  model built with :class:`TensorParallelBackend`.
+  model built with the tensor-parallel backend of ``model.backend``
+  (:func:`~training.parallel.te_tensor_parallel.tensor_parallel_backend`: TE's own
+  tensor-parallel modules for ``te``).
 - :func:`full_model`: the model package holds whole tensors in the single-process
   format; TP shards are gathered to rank 0 (checkpoints are sharded:
   :mod:`training.checkpoint.sharded`).
@@ -26,10 +28,10 @@ from torch import nn
 from megalith.config import ModelConfig
 from training import models
 from training.models import GPTModel, model_from_tensors, resolve_backend
-from training.models.tp_backend import TensorParallelBackend
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel.groups import ParallelState
+from training.parallel.te_tensor_parallel import tensor_parallel_backend
 from training.parallel.tensor_parallel.layers import squared_grad_norm
 from training.parallel.tensor_parallel.sharding import (
     check_tensor_parallel,
@@ -46,12 +48,14 @@ def build_model(
     """This rank's model (of ``config.family``): the whole one without TP, else its TP
     shard of it (with context-parallel attention under CP)."""
     # Consumes the RNG exactly as one device does (CP attention has no parameters).
-    full = models.build_model(config, cp.wrap_backend(resolve_backend(config.backend), state))
+    kernels = resolve_backend(config.backend)
+    full = models.build_model(config, cp.wrap_backend(kernels, state))
     if state.sizes.tp == 1:
         return full.to(device)
     check_tensor_parallel(config, state.sizes.tp)
     # Built on meta so that the shard's own init draws nothing from the RNG.
-    backend = cp.wrap_backend(TensorParallelBackend(state.tp_group, sequence_parallel), state)
+    tp_backend = tensor_parallel_backend(kernels, state.tp_group, sequence_parallel)
+    backend = cp.wrap_backend(tp_backend, state)
     with torch.device("meta"):
         model = models.build_model(config, backend)
     model.to_empty(device=device)

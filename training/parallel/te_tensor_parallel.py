@@ -1,0 +1,253 @@
+"""Tensor (and sequence) parallelism with the Transformer Engine backend: TE's own
+tensor-parallel modules.
+
+``GPTModel(config, TETensorParallelBackend(tp_group, sequence_parallel))`` builds one TP
+shard of the model, as :class:`~training.models.tp_backend.TensorParallelBackend` does,
+with the same parameters, names, shapes and init (so sharded checkpoints, shard specs and
+``shard_full_state_dict`` are the same), but the linears run TE's tensor-parallel modules
+on CUDA:
+
+- the fused QKV and fc1 (with their input norm): ``te.LayerNormLinear(parallel_mode=
+  "column")``, the output projection and fc2: ``te.Linear(parallel_mode="row")``, each
+  given the TP group and ``sequence_parallel``: TE does the all-gather of the normalised
+  sequence shards (in fp8 under an fp8 recipe), the reduce-scatter or all-reduce of the
+  outputs, and their conjugates in backward;
+- attention: ``te.DotProductAttention`` over this rank's heads;
+- embedding, output head and loss, the final norm and the sequence split stay the
+  tensor-parallel backend's (vocab-parallel; TE has none).
+
+Layout. TE puts the sequence first (``[T, B, H]``) and gathers / scatters along its
+first dimension; our activations are ``[B, T, H]``. With sequence parallelism the
+column-parallel output (TE's ``[tp·B, T/tp, F]``, rank-major) is reordered to
+``[B, T, F]`` and the row-parallel input is ordered rank-major before TE's
+reduce-scatter, one copy each, as our own sequence-parallel layers copy to gather along
+the sequence.
+
+Gradients of replicated parameters applied to sequence shards (norm weights and biases,
+row-parallel biases) are partial on each rank under SP; TE leaves their reduction to
+the framework (Megatron-core all-reduces parameters marked ``sequence_parallel``), so
+the engines get them through :func:`copy_to_tensor_parallel_region`, which all-reduces
+their gradient in backward as the tensor-parallel backend's own norms do.
+
+Off CUDA (the meta device, CPU tools) the modules run the tensor-parallel backend's
+layers with the same weights.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from training.models import layers
+from training.models.backend import LayerBackend
+from training.models.layers import NormSpec
+from training.models.te_backend import (
+    TEAttention,
+    TENormLinear,
+    TEProvider,
+    attach_engine,
+    attention_engine,
+    engine_device,
+    import_transformer_engine,
+    layer_norm_linear_engine,
+    linear_engine,
+)
+from training.models.tp_backend import TensorParallelBackend
+from training.parallel.random import RankForked
+from training.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from training.parallel.tensor_parallel.mappings import copy_to_tensor_parallel_region
+
+
+def sequence_from_te(y: Tensor, tp: int) -> Tensor:
+    """TE's gathered output ``[tp·B, T/tp, F]`` (rank ``r``'s tokens of every sample in
+    block ``r``) as ``[B, T, F]``."""
+    rows, shard, features = y.shape
+    return y.view(tp, rows // tp, shard, features).transpose(0, 1).reshape(-1, tp * shard, features)
+
+
+def sequence_to_te(x: Tensor, tp: int) -> Tensor:
+    """``[B, T, F]`` as ``[tp·B, T/tp, F]``: TE's reduce-scatter along its first dimension
+    then leaves rank ``r`` the sequence shard ``r`` of every sample, ``[B, T/tp, F]``."""
+    batch, length, features = x.shape
+    return (
+        x.view(batch, tp, length // tp, features)
+        .transpose(0, 1)
+        .reshape(-1, length // tp, features)
+    )
+
+
+class TEColumnParallelLinear(ColumnParallelLinear):
+    """:class:`ColumnParallelLinear` run by ``te.Linear(parallel_mode="column")``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not engine_device(x, self._devices) or self.gather_output:
+            return super().forward(x)
+        y = self._engine(self, x)
+        return sequence_from_te(y, self.group.size()) if self.sequence_parallel else y
+
+
+class TERowParallelLinear(RowParallelLinear):
+    """:class:`RowParallelLinear` run by ``te.Linear(parallel_mode="row")``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not engine_device(x, self._devices):
+            return super().forward(x)
+        if self.sequence_parallel:
+            x = sequence_to_te(x, self.group.size())
+        return self._engine(self, x)
+
+
+class TEParallelNormLinear(TENormLinear):
+    """``linear(norm(x))`` with a column-parallel linear, run by ``te.LayerNormLinear``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = super().forward(x)
+        if self.linear.sequence_parallel and engine_device(x, self._devices):
+            return sequence_from_te(y, self.linear.group.size())
+        return y
+
+
+class TETensorParallelBackend(TensorParallelBackend):
+    """TE's tensor-parallel linears and attention over ``group``; the rest as
+    :class:`TensorParallelBackend` (see the module doc)."""
+
+    name = "te"
+
+    def __init__(
+        self,
+        group: ProcessGroup,
+        sequence_parallel: bool = False,
+        te: TEProvider = import_transformer_engine,
+        devices: tuple[str, ...] = ("cuda",),
+    ):
+        super().__init__(group, sequence_parallel)
+        self.te, self.devices = te, devices
+
+    def _parallel(self, mode: str) -> dict:
+        """TE's tensor-parallel constructor arguments."""
+        return dict(
+            parallel_mode=mode,
+            tp_group=self.group,
+            tp_size=self.tensor_parallel_size,
+            sequence_parallel=self.sequence_parallel,
+        )
+
+    def _reduced(self, *names: str):
+        """The engines' feed: ``names`` through a gradient all-reduce under SP."""
+        if not self.sequence_parallel:
+            return None
+        group = self.group
+
+        def feed(name: str, param: Tensor) -> Tensor:
+            return copy_to_tensor_parallel_region(param, group) if name in names else param
+
+        return feed
+
+    def norm_linear(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        norm: NormSpec,
+        bias: bool,
+        init_std: float,
+        output_chunks: int = 1,
+    ) -> nn.Module:
+        norm_module = self.norm(in_features, norm)
+        if norm.kind == "layernorm" and not norm.bias:  # TE's LayerNorm always has a bias
+            linear = self.column_linear(
+                in_features, out_features, bias=bias, init_std=init_std, output_chunks=output_chunks
+            )
+            return layers.NormLinear(norm_module, linear)
+        linear = super().column_linear(
+            in_features, out_features, bias=bias, init_std=init_std, output_chunks=output_chunks
+        )
+        engine = layer_norm_linear_engine(
+            self.te,
+            in_features,
+            out_features,
+            norm,
+            bias=bias,
+            dtype=linear.weight.dtype,
+            feed=self._reduced("norm.weight", "norm.bias"),
+            **self._parallel("column"),
+        )
+        return TEParallelNormLinear(norm_module, linear, engine, self.devices)
+
+    def column_linear(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        init_std: float,
+        output_chunks: int = 1,
+    ) -> nn.Module:
+        module = TEColumnParallelLinear(
+            in_features,
+            out_features,
+            group=self.group,
+            bias=bias,
+            init_std=init_std,
+            output_chunks=output_chunks,
+            sequence_parallel=self.sequence_parallel,
+        )
+        engine = linear_engine(
+            self.te, in_features, out_features, bias=bias, **self._parallel("column")
+        )
+        attach_engine(module, engine, self.devices)
+        return module
+
+    def row_linear(
+        self, in_features: int, out_features: int, *, bias: bool, init_std: float
+    ) -> nn.Module:
+        module = TERowParallelLinear(
+            in_features,
+            out_features,
+            group=self.group,
+            bias=bias,
+            init_std=init_std,
+            sequence_parallel=self.sequence_parallel,
+        )
+        engine = linear_engine(
+            self.te,
+            in_features,
+            out_features,
+            bias=bias,
+            feed=self._reduced("bias"),
+            **self._parallel("row"),
+        )
+        attach_engine(module, engine, self.devices)
+        return module
+
+    def core_attention(
+        self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
+    ) -> nn.Module:
+        engine = attention_engine(self.te, num_heads, num_groups, head_dim, dropout)
+        attention = TEAttention(
+            num_heads, num_groups, head_dim, dropout=dropout, engine=engine, devices=self.devices
+        )
+        return RankForked(attention, self.group, random=dropout > 0.0)
+
+
+def tensor_parallel_backend(
+    kernels: LayerBackend, group: ProcessGroup, sequence_parallel: bool
+) -> TensorParallelBackend:
+    """The TP backend of the kernel backend ``kernels`` (``model.backend`` resolved):
+    TE's tensor-parallel modules for ``te``, our Megatron-style layers for ``torch``."""
+    if kernels.name == "te":
+        return TETensorParallelBackend(
+            group, sequence_parallel, te=kernels.te, devices=kernels.devices
+        )
+    return TensorParallelBackend(group, sequence_parallel)
+
+
+__all__ = [
+    "TEColumnParallelLinear",
+    "TEParallelNormLinear",
+    "TERowParallelLinear",
+    "TETensorParallelBackend",
+    "sequence_from_te",
+    "sequence_to_te",
+    "tensor_parallel_backend",
+]
