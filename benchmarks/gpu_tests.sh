@@ -8,7 +8,7 @@ set -uo pipefail
 export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 log=${OUT:-.}/pytest-gpu.log
 files=("$@")
-[ ${#files[@]} -gt 0 ] || files=(tests/test_te_backend.py tests/test_fp8.py tests/test_gpu.py)
+[ ${#files[@]} -gt 0 ] || files=(tests/test_te_backend.py tests/test_te_tensor_parallel.py tests/test_fp8.py tests/test_gpu.py)
 {
   date -u +"date %Y-%m-%d %H:%M UTC"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

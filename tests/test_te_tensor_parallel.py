@@ -38,11 +38,14 @@ from parallel_helpers import init_gloo, mismatch
 from test_te_backend import _DotProductAttention
 from torch import nn
 
-from megalith.config import ModelConfig
+from megalith.config import ModelConfig, load_config
+from megalith.errors import MegalithError
 from training.models import GPTModel, TorchBackend
 from training.models import backend as backend_module
 from training.models.te_backend import TransformerEngineBackend
 from training.models.tp_backend import TensorParallelBackend
+from training.parallel.groups import ParallelSizes
+from training.parallel.support import check_trainer_support
 from training.parallel.te_tensor_parallel import (
     TETensorParallelBackend,
     sequence_from_te,
@@ -252,6 +255,24 @@ def test_te_kernels_get_te_tensor_parallel_modules(monkeypatch) -> None:
     assert type(plain) is TensorParallelBackend
 
 
+def test_fp8_with_tensor_parallelism_is_refused_only_without_te() -> None:
+    """TE's tensor-parallel modules run its fp8 recipes; torchao's float8 has no path
+    through our tensor-parallel linears, so that pairing is still refused at launch."""
+
+    def fp8(backend: str):
+        values = [
+            "mixed_precision.fp8=true",
+            "model.num_query_groups=2",
+            f"model.backend={backend}",
+        ]
+        return load_config(None, values)
+
+    check_trainer_support(fp8("te"), ParallelSizes(tp=2))
+    for backend in ("torch", "auto"):
+        with pytest.raises(MegalithError, match=f"parallel.tensor=2 and model.backend={backend}"):
+            check_trainer_support(fp8(backend), ParallelSizes(tp=2))
+
+
 # --- The real Transformer Engine on one GPU (gpu) -----------------------------------------
 
 needs_te = pytest.mark.skipif(
@@ -374,6 +395,7 @@ def _te_case(precision: str, sp: bool, group: dist.ProcessGroup) -> dict:
     linears = [m for m in built if isinstance(m, (te.Linear, te.LayerNormLinear))]
     report["tp_engines"] = sum(m.tp_size == WORLD for m in linears)
     report["fp8_engines"] = sum(bool(m.fp8) for m in linears)
+    report["sp_engines"] = sum(bool(m.sequence_parallel) for m in linears)
     report["linears"] = len(linears)
     return report
 
@@ -422,6 +444,7 @@ def test_real_te_tensor_parallel_matches_te_at_tp1(te_results, precision: str, s
         assert entry["linears"] == 4 * gpu_config().num_layers
         assert entry["tp_engines"] == entry["linears"]  # every linear is TE's TP module
         assert entry["fp8_engines"] == (0 if precision == "bf16" else entry["linears"])
+        assert entry["sp_engines"] == (entry["linears"] if sp else 0)
         loss_gap = abs(entry["loss tp2"] - entry["loss tp1"])
         loss_error = abs(entry["loss tp1"] - entry["loss fp32"])
         worst = {k: max(g[k] for g in entry["grads"].values()) for k in next(iter(entry["grads"].values()))}  # fmt: skip
