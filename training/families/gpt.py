@@ -10,8 +10,9 @@ from torch import Tensor, nn
 
 from megalith.config import DataConfig, ModelConfig
 from training.data import build_gpt_datasets
-from training.families.spec import Batch, HFExport, ModelFamily, PipelineSplit
+from training.families.spec import Batch, HFExport, MemoryModel, ModelFamily, PipelineSplit
 from training.interop import hf
+from training.memory import gpt as memory
 from training.models.flops import flops_per_token
 from training.models.gpt import GPTModel
 from training.parallel import context_parallel as cp
@@ -69,6 +70,11 @@ FAMILY = ModelFamily(
         activation_shapes=pipeline.activation_shapes,
         owner=lambda name, counts, pp, model: owner_of_parameter(name, counts, pp),
         on_every_stage=lambda name: False,  # the tied embedding's copy is summed apart
+    ),
+    memory=MemoryModel(
+        stage_activations=memory.stage_activations,
+        loss_tokens=memory.loss_tokens,
+        sample_shape=memory.sample_shape,
     ),
     hf_export=hf_export,
 )

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from megalith.config import DataConfig, ModelConfig
-from training.parallel.groups import ParallelState
+from megalith.config import DataConfig, MegalithConfig, ModelConfig
+from training.parallel.groups import ParallelSizes, ParallelState
 
 Batch = dict[str, Tensor]
 Splits = tuple[Dataset | None, Dataset | None, Dataset | None]
@@ -52,6 +52,22 @@ class PipelineSplit:
 
 
 @dataclass(frozen=True)
+class MemoryModel:
+    """How :mod:`training.memory.estimate` counts the family's activations; the static
+    rows come from the real model and the pipeline split."""
+
+    # (config, sizes, pipeline rank, micro-batch, recompute mode, micro-batches in flight)
+    #   -> (activation bytes, the largest layer's bytes per micro-batch)
+    stage_activations: Callable[
+        [MegalithConfig, ParallelSizes, int, int, str, float], tuple[float, float]
+    ]
+    # (config, sizes, micro-batch) -> tokens the output head scores on this rank
+    loss_tokens: Callable[[MegalithConfig, ParallelSizes, int], int]
+    # data -> a sample's tokens as the report shows them
+    sample_shape: Callable[[DataConfig], str]
+
+
+@dataclass(frozen=True)
 class HFExport:
     """A package as a Hugging Face model: what :func:`training.interop.export.export_hf` writes."""
 
@@ -79,5 +95,6 @@ class ModelFamily:
     # (model, data) -> (tokens a sample counts for throughput, training FLOPs per token)
     tokens_and_flops: Callable[[ModelConfig, DataConfig], tuple[int, float]]
     pipeline: PipelineSplit
+    memory: MemoryModel
     # (model config, whole single-process tensors, tokenizer.model, dtype name) -> HF files
     hf_export: Callable[[ModelConfig, dict[str, Tensor], Path, str], HFExport]

@@ -14,8 +14,9 @@ from torch import Tensor, nn
 
 from megalith.config import DataConfig, ModelConfig
 from training.data.t5_dataset import build_t5_datasets, span_corruption_lengths
-from training.families.spec import Batch, HFExport, ModelFamily, PipelineSplit
+from training.families.spec import Batch, HFExport, MemoryModel, ModelFamily, PipelineSplit
 from training.interop import hf_t5
+from training.memory import t5 as memory
 from training.models.t5 import T5Model
 from training.objectives import t5
 from training.parallel import pipeline_t5
@@ -68,6 +69,11 @@ FAMILY = ModelFamily(
         ),
         # Every stage holds both relative-bias tables (pipeline_t5's docstring).
         on_every_stage=lambda name: ".relative_bias." in name,
+    ),
+    memory=MemoryModel(
+        stage_activations=memory.stage_activations,
+        loss_tokens=memory.loss_tokens,
+        sample_shape=memory.sample_shape,
     ),
     hf_export=hf_export,
 )

@@ -79,17 +79,14 @@ import torch
 
 from megalith.config import MegalithConfig, ModelConfig
 from megalith.errors import MegalithError
-from training.memory.activations import compute_dtype, saved_bytes_per_token
-from training.memory.t5 import loss_tokens, stage_activations
+from training.families import model_family
+from training.memory.activations import compute_dtype
 from training.models import build_model
 from training.models.moe import is_expert_param
-from training.objectives.t5 import sample_lengths
 from training.parallel.data_parallel import partition
 from training.parallel.groups import ParallelLayoutError, ParallelSizes, validate_layout
 from training.parallel.pipeline_layout import (
     layer_counts,
-    owner_of_parameter,
-    owner_of_t5_parameter,
     pipelined_layers,
 )
 from training.parallel.tensor_parallel.sharding import check_tensor_parallel, partition_spec
@@ -215,16 +212,11 @@ def _stage_params(config: MegalithConfig, sizes: ParallelSizes, stage: int):
         pipelined_layers(config.model), sizes.pp, sizes.vpp, config.parallel.pipeline_layers
     )
     tied = config.model.tie_embeddings and sizes.pp > 1
-    t5 = config.model.family == "t5"
+    split = model_family(config).pipeline
     for name, param in model.named_parameters():
-        if sizes.pp == 1:
-            owner = 0
-        elif t5:
-            owner = owner_of_t5_parameter(name, counts, sizes.pp, config.model.num_layers)
-        else:
-            owner = owner_of_parameter(name, counts, sizes.pp)
+        owner = 0 if sizes.pp == 1 else split.owner(name, counts, sizes.pp, config.model)
         copy = (tied and name == "embedding.word.weight" and stage == sizes.pp - 1) or (
-            t5 and ".relative_bias." in name  # every T5 stage holds both tables
+            split.on_every_stage(name)  # e.g. every T5 stage holds both relative-bias tables
         )
         if owner == stage or copy:
             yield name, param.shape
@@ -283,20 +275,11 @@ def in_flight_micro_batches(config: MegalithConfig, sizes: ParallelSizes, mbs: i
     return sizes.pp * (1 + (sizes.pp - 1) / (sizes.pp * sizes.vpp))
 
 
-def _stage_layers(config: MegalithConfig, sizes: ParallelSizes, stage: int) -> int:
-    counts = layer_counts(
-        config.model.num_layers, sizes.pp, sizes.vpp, config.parallel.pipeline_layers
-    )
-    return sum(counts[stage + chunk * sizes.pp] for chunk in range(sizes.vpp))
-
-
 def loss_buffer_bytes(config: MegalithConfig, sizes: ParallelSizes, mbs: int) -> int:
     """Vocab-parallel logits, their fp32 copy and the fp32 log-softmax, one micro-batch;
     with ``model.loss_chunk_tokens`` (plain head) one chunk's logits (16-bit and fp32)
     plus the fp32 gradient of the output weight it accumulates."""
-    tokens = mbs * config.data.seq_length // sizes.cp
-    if config.model.family == "t5":
-        tokens = loss_tokens(config, mbs)
+    tokens = model_family(config).memory.loss_tokens(config, sizes, mbs)
     chunk = config.model.loss_chunk_tokens
     if chunk and sizes.tp == 1:
         per_logit = 4 if compute_dtype(config) == "fp32" else 2 + 4
@@ -341,15 +324,9 @@ def _stage_report(
     static: StaticMemory,
 ) -> MemoryReport:
     in_flight = in_flight_micro_batches(config, sizes, mbs) if stage == 0 else 1.0
-    if config.model.family == "t5":
-        activations, per_layer = stage_activations(config, sizes, stage, mbs, recompute, in_flight)
-    else:
-        tokens = mbs * config.data.seq_length / sizes.cp
-        per_layer = saved_bytes_per_token(config, sizes, recompute) * tokens
-        layers = _stage_layers(config, sizes, stage)
-        activations = per_layer * layers * in_flight
-        if recompute != "none":  # one layer rebuilt in full during its backward
-            activations += saved_bytes_per_token(config, sizes, "none") * tokens
+    activations, per_layer = model_family(config).memory.stage_activations(
+        config, sizes, stage, mbs, recompute, in_flight
+    )
     loss = loss_buffer_bytes(config, sizes, mbs) if stage == sizes.pp - 1 else 0
     return MemoryReport(
         stage=stage,
@@ -444,7 +421,8 @@ def format_report(report: MemoryReport, sizes: ParallelSizes, config: MegalithCo
     head = (
         f"{sizes.describe()}; {config.parallel.data_parallel_mode}, "
         f"{compute_dtype(config)}, recompute {report.recompute}, "
-        f"micro-batch {report.micro_batch_size} x seq {_lengths(config)}; "
+        f"micro-batch {report.micro_batch_size} x seq "
+        f"{model_family(config).memory.sample_shape(config.data)}; "
         f"pipeline stage {report.stage}"
     )
     lines = [head, f"  {'per GPU':<28}{'GiB':>10}"]
@@ -456,14 +434,6 @@ def format_report(report: MemoryReport, sizes: ParallelSizes, config: MegalithCo
         f"x{report.in_flight:g} in flight)"
     )
     return "\n".join(lines)
-
-
-def _lengths(config: MegalithConfig) -> str:
-    """The tokens of a sample: ``seq_length``, or T5's ``S enc + T dec``."""
-    if config.model.family == "t5":
-        source, target = sample_lengths(config.data)
-        return f"{source} enc + {target} dec"
-    return str(config.data.seq_length)
 
 
 def format_plan(result: Plan) -> str:

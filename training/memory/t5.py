@@ -26,7 +26,7 @@ Like GPT's rows these are estimates of an eager step, to check on a GPU.
 
 from __future__ import annotations
 
-from megalith.config import MegalithConfig
+from megalith.config import DataConfig, MegalithConfig
 from training.memory.activations import compute_dtype, saved_bytes_per_token
 from training.objectives.t5 import sample_lengths
 from training.parallel.groups import ParallelSizes
@@ -111,6 +111,12 @@ def stage_activations(
     return int(activations), int(largest)
 
 
-def loss_tokens(config: MegalithConfig, mbs: int) -> int:
+def loss_tokens(config: MegalithConfig, sizes: ParallelSizes, mbs: int) -> int:
     """Tokens the output head scores per micro-batch: the decoder's."""
     return mbs * sample_lengths(config.data)[1]
+
+
+def sample_shape(data: DataConfig) -> str:
+    """A sample's tokens: ``S enc + T dec``."""
+    source, target = sample_lengths(data)
+    return f"{source} enc + {target} dec"
