@@ -41,8 +41,10 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -106,20 +108,17 @@ def load_shape(
 
 
 def flops_per_token(config) -> float:
-    from training.models.flops import flops_per_token as count
-    from training.trainer import resolve_model_config
-
-    if config.model.family == "t5":
-        return tokens_and_flops(config)[1]
-    return count(resolve_model_config(config), config.data.seq_length, include_output_head=True)
+    return tokens_and_flops(config)[1]
 
 
 def tokens_and_flops(config) -> tuple[int, float]:
-    """A T5 sample's tokens (encoder + decoder) and the FLOPs per such token."""
-    from training.objectives import t5
+    """A sample's tokens (T5: encoder + decoder) and the FLOPs per such token, as the
+    trainer counts them (the model family's spec)."""
+    from training.families import model_family
     from training.trainer import resolve_model_config
 
-    return t5.tokens_and_flops(resolve_model_config(config), config.data)
+    model = resolve_model_config(config)
+    return model_family(model).tokens_and_flops(model, config.data)
 
 
 def _synchronize() -> None:
@@ -202,22 +201,28 @@ def run_ours(args, compile_model: bool) -> dict:
 
 
 def hf_model(config):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
     from training.trainer import resolve_model_config
 
     m = resolve_model_config(config)
-    if m.family == "t5":
-        import torch
-        from transformers import T5Config, T5ForConditionalGeneration
+    return HF_REFERENCE[m.family].build(m)
 
-        from training.interop.hf_t5 import hf_t5_config
 
-        ids = {"pad": 0, "eos": 1, "decoder_start": 0}
-        model = T5ForConditionalGeneration(T5Config(**hf_t5_config(m, "float32", ids)))
-        # transformers 5 ties the head to the embedding at init; T5 v1.1 (and ours) does not.
-        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
-        return model
+def _hf_t5(m):
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from training.interop.hf_t5 import hf_t5_config
+
+    ids = {"pad": 0, "eos": 1, "decoder_start": 0}
+    model = T5ForConditionalGeneration(T5Config(**hf_t5_config(m, "float32", ids)))
+    # transformers 5 ties the head to the embedding at init; T5 v1.1 (and ours) does not.
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    return model
+
+
+def _hf_decoder(m):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
     if m.style == "llama":
         hf = LlamaConfig(
             vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
@@ -235,6 +240,28 @@ def hf_model(config):
     return GPT2LMHeadModel(hf)
 
 
+def _t5_lengths(data):
+    from training.objectives.t5 import sample_lengths
+
+    return sample_lengths(data)  # encoder S tokens in, decoder T tokens scored
+
+
+class HFReference(NamedTuple):
+    """The Hugging Face model a family is timed against: its builder, the (input, label)
+    lengths of a sample and whether the labels are the inputs (HF shifts them)."""
+
+    build: Callable
+    lengths: Callable
+    labels_are_inputs: bool
+
+
+# By model.family (the names training.families registers).
+HF_REFERENCE = {
+    "gpt": HFReference(_hf_decoder, lambda data: (data.seq_length, data.seq_length), True),
+    "t5": HFReference(_hf_t5, _t5_lengths, False),
+}
+
+
 def run_hf(args, compile_model: bool) -> dict:
     import torch
 
@@ -244,12 +271,9 @@ def run_hf(args, compile_model: bool) -> dict:
     model = hf_model(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
     forward = torch.compile(model) if compile_model else model
-    mbs, seq = config.training.micro_batch_size, config.data.seq_length
-    decoder = seq  # GPT: labels are the inputs
-    if config.model.family == "t5":  # T5: encoder S tokens in, decoder T tokens scored
-        from training.objectives.t5 import sample_lengths
-
-        seq, decoder = sample_lengths(config.data)
+    mbs = config.training.micro_batch_size
+    reference = HF_REFERENCE[config.model.family]
+    seq, decoder = reference.lengths(config.data)
     batches = [
         (
             torch.randint(0, 2048, (mbs, seq), device=device),
@@ -262,7 +286,7 @@ def run_hf(args, compile_model: bool) -> dict:
     def step():
         tokens, labels = batches[counter[0] % len(batches)]
         counter[0] += 1
-        if config.model.family != "t5":
+        if reference.labels_are_inputs:
             labels = tokens
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = forward(input_ids=tokens, labels=labels).loss
@@ -276,7 +300,7 @@ def run_hf(args, compile_model: bool) -> dict:
     if args.profile:
         profile_steps(step, Path(args.out), args.variant)
     losses = [loss.item() for loss in losses]
-    tokens = args.steps * mbs * (seq + decoder if config.model.family == "t5" else seq)
+    tokens = args.steps * mbs * tokens_and_flops(config)[0]
     return _result(config, tokens, seconds, losses, _peak_memory())
 
 
