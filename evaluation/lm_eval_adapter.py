@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -136,7 +136,7 @@ class MegalithLM(LM):
         max_gen_toks: int | str,
     ) -> None:
         self.model, self.tokenizer, self.autocast_dtype = model, tokenizer, autocast_dtype
-        self.t5 = model.config.family == "t5"
+        self.family = LM_EVAL_FAMILIES[model.config.family]
         self.max_positions = model.config.max_position_embeddings
         self.batch_size = _positive_int(batch_size, "batch_size", DEFAULT_BATCH_SIZE)
         self.max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks", DEFAULT_MAX_GEN_TOKS)
@@ -199,12 +199,7 @@ class MegalithLM(LM):
         for first in range(0, len(order), self.batch_size):
             batch = order[first : first + self.batch_size]
             chosen = [sequences[r] for r in batch]
-            if self.t5:
-                values = span_scores(self.model, self.tokenizer, chosen, self.autocast_dtype)
-            else:
-                values = sequence_scores(
-                    self.model, chosen, self.autocast_dtype, self.tokenizer.vocab_size
-                )
+            values = self.family.scores(self.model, self.tokenizer, chosen, self.autocast_dtype)
             scores.update(zip(batch, values, strict=True))
         return [scores[r] for r in range(len(sequences))]
 
@@ -227,10 +222,7 @@ class MegalithLM(LM):
             top_p=gen_kwargs.get("top_p"),
             seed=int(gen_kwargs.get("seed", 1234)),
         )
-        if self.t5:
-            encoder, _ = span_prompt(self.tokenizer, self.tokenizer.encode(context))
-            return _Row(encoder, sampling, until)
-        return _Row(prompt_ids(self.tokenizer, context), sampling, until)
+        return _Row(self.family.prompt(self.tokenizer, context), sampling, until)
 
     def _generate(self, rows: Sequence[_Row]) -> list[str]:
         prompts = [row.prompt for row in rows]
@@ -251,12 +243,7 @@ class MegalithLM(LM):
             "stop": stop,
         }
         samplings = [row.sampling for row in rows]
-        if self.t5:
-            generate_seq2seq_ids(
-                self.model, prompts, samplings, pad_id=self.tokenizer.pad_id, **common
-            )
-        else:
-            generate_ids(self.model, prompts, samplings, **common)
+        self.family.generate(self.model, self.tokenizer, prompts, samplings, common)
         texts = []
         for row, (prompt, _, until) in enumerate(rows):
             text = self._text(prompt, new[row])
@@ -265,10 +252,7 @@ class MegalithLM(LM):
         return texts
 
     def _text(self, prompt: list[int], new: list[int]) -> str:
-        if self.t5:  # the decoder names the span it fills with sentinels: leave them out
-            sentinels = set(sentinel_ids(self.tokenizer))
-            return self.tokenizer.decode([t for t in new if t not in sentinels])
-        return continuation_text(self.tokenizer, prompt, new)
+        return self.family.text(self.tokenizer, prompt, new)
 
 
 def _cut(text: str, until: Sequence[str]) -> str | None:
@@ -342,6 +326,55 @@ def _label_scores(
     greedy = torch.ones(len(labels), dtype=torch.bool, device=logits.device)
     greedy[rows[chosen[:, :vocab_size].argmax(dim=-1) != targets]] = False
     return list(zip(sums.tolist(), greedy.tolist(), strict=True))
+
+
+# --- per model.family ------------------------------------------------------------
+
+
+def _span_prompt(tokenizer: Tokenizer, context: str) -> list[int]:
+    return span_prompt(tokenizer, tokenizer.encode(context))[0]
+
+
+def _span_text(tokenizer: Tokenizer, prompt: list[int], new: list[int]) -> str:
+    """The decoder names the span it fills with sentinels: leave them out."""
+    sentinels = set(sentinel_ids(tokenizer))
+    return tokenizer.decode([t for t in new if t not in sentinels])
+
+
+def _generate_continuations(model, tokenizer, prompts, samplings, common) -> None:
+    generate_ids(model, prompts, samplings, **common)
+
+
+def _generate_spans(model, tokenizer, prompts, samplings, common) -> None:
+    generate_seq2seq_ids(model, prompts, samplings, pad_id=tokenizer.pad_id, **common)
+
+
+class LMEvalFamily(NamedTuple):
+    """What lm-eval's requests do per model family: score ``(tokens, n)`` sequences, a
+    generation's prompt tokens, the generation run (tokens reach ``common["on_token"]``)
+    and the text of its new tokens."""
+
+    scores: Callable[..., list[tuple[float, bool]]]
+    prompt: Callable[[Tokenizer, str], list[int]]
+    generate: Callable[..., None]
+    text: Callable[[Tokenizer, list[int], list[int]], str]
+
+
+# By the model.family names training.families registers: GPT continues the context, T5
+# fills the span after it.
+LM_EVAL_FAMILIES: dict[str, LMEvalFamily] = {
+    "gpt": LMEvalFamily(
+        scores=lambda model, tokenizer, sequences, dtype: sequence_scores(
+            model, sequences, dtype, tokenizer.vocab_size
+        ),
+        prompt=prompt_ids,
+        generate=_generate_continuations,
+        text=continuation_text,
+    ),
+    "t5": LMEvalFamily(
+        scores=span_scores, prompt=_span_prompt, generate=_generate_spans, text=_span_text
+    ),
+}
 
 
 # --- running tasks --------------------------------------------------------------------

@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -32,14 +33,15 @@ from evaluation import EvaluationError
 from megalith.config import DataConfig
 from megalith.storage import sha256_of_file
 from preprocessing.manifest import manifest_url
-from training.data import build_gpt_datasets, open_shard_set
+from training.data import open_shard_set
 from training.data.gpt_dataset import (
     SPLIT_NAMES,
     GPTDataset,
     plan_epochs,
     split_document_ranges,
 )
-from training.data.t5_dataset import T5_KEYS, build_t5_datasets, span_corruption_lengths
+from training.data.t5_dataset import T5_KEYS
+from training.families import model_family
 from training.inference.runtime import autocast, model_device
 from training.models.package import TrainingData
 from training.objectives.sft import micro_batch_loss
@@ -84,17 +86,16 @@ def evaluate_perplexity(
         raise ValueError(f"split must be 'valid' or 'test', got {split!r}")
     if max_samples < 1 or batch_size < 1:
         raise ValueError("max_samples and batch_size must be at least 1")
-    t5 = model.config.family == "t5"
+    family = model_family(model.config)
+    scorer = SCORERS[family.name]
     _check_length(model, data)
-    window = span_corruption_lengths(data).raw if t5 else data.seq_length
+    window = family.sample_window(data)
     samples = min(max_samples, split_capacity(data, split, tokenizer_id, window))
     counts = [samples if name == split else 0 for name in SPLIT_NAMES]
-    build = build_t5_datasets if t5 else build_gpt_datasets
-    dataset = build(data, tuple(counts))[SPLIT_NAMES.index(split)]
+    dataset = family.build_datasets(data, tuple(counts))[SPLIT_NAMES.index(split)]
     if dataset is None:
         raise EvaluationError(f"the {split} split of {_sources(data)} holds no tokens")
 
-    chat = not t5 and data.format == "chat"
     per_document = DocumentScores() if isinstance(dataset, GPTDataset) else None
     start = time.perf_counter()
     total_loss, total_tokens = 0.0, 0
@@ -102,15 +103,9 @@ def evaluate_perplexity(
         indices = range(first, min(first + batch_size, samples))
         items = [dataset[i] for i in indices]
         batch = {key: torch.stack([item[key] for item in items]) for key in items[0]}
-        if t5:
-            loss_sum, count = span_loss_sum(model, batch, autocast_dtype)
-        elif chat:
-            loss_sum, count = assistant_loss_sum(model, batch, autocast_dtype)
-        else:
-            losses = token_losses(model, batch["tokens"], autocast_dtype)
-            loss_sum, count = losses.sum().item(), losses.numel()
-            if per_document is not None:
-                per_document.add(dataset, indices, losses)
+        loss_sum, count, losses = scorer.loss_sum(model, batch, data, autocast_dtype)
+        if per_document is not None and losses is not None:
+            per_document.add(dataset, indices, losses)
         total_loss += loss_sum
         total_tokens += count
     loss = total_loss / total_tokens
@@ -121,7 +116,7 @@ def evaluate_perplexity(
         loss=loss,
         perplexity=math.exp(loss) if loss < MAX_LOG_PERPLEXITY else math.inf,
         seconds=time.perf_counter() - start,
-        scored="span targets" if t5 else "assistant tokens" if chat else "every next token",
+        scored=scorer.scored(data),
         documents=per_document.results(dataset.shard_set.root) if per_document else (),
     )
 
@@ -257,17 +252,13 @@ def _shared_shard_sets(data: DataConfig, trained_on: TrainingData) -> list[tuple
 def _check_length(model: nn.Module, data: DataConfig) -> None:
     """The samples fit the model's positions (T5 with relative positions has no limit)."""
     config = model.config
-    if config.family == "t5":
-        if config.position_embedding != "rope":
-            return
-        lengths = span_corruption_lengths(data)
-        length, key = max(lengths.encoder, lengths.decoder), "the T5 sample length"
-    else:
-        length, key = data.seq_length, "data.seq_length"
+    if config.position_embedding == "relative":  # buckets: any length
+        return
+    length, what = model_family(config).context_length(data)
     max_positions = config.max_position_embeddings
     if length > max_positions:
         raise EvaluationError(
-            f"{key} {length} exceeds the model's max_position_embeddings "
+            f"{what} exceeds the model's max_position_embeddings "
             f"{max_positions}; set data.seq_length <= {max_positions}"
         )
 
@@ -283,6 +274,48 @@ def span_loss_sum(
         losses = model(encoder, decoder, labels, encoder_mask=mask, loss_reduction="none")
     scored = labels != -100
     return losses.double()[scored].sum().item(), int(scored.sum())
+
+
+def _next_token_loss_sum(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    data: DataConfig,
+    autocast_dtype: torch.dtype | None,
+) -> tuple[float, int, torch.Tensor | None]:
+    if data.format == "chat":  # assistant tokens of packed conversations
+        return (*assistant_loss_sum(model, batch, autocast_dtype), None)
+    losses = token_losses(model, batch["tokens"], autocast_dtype)
+    return losses.sum().item(), losses.numel(), losses
+
+
+def _span_loss_sum(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    data: DataConfig,
+    autocast_dtype: torch.dtype | None,
+) -> tuple[float, int, torch.Tensor | None]:
+    return (*span_loss_sum(model, batch, autocast_dtype), None)
+
+
+class Scorer(NamedTuple):
+    """How perplexity scores a model family's batch: ``(loss sum, tokens, per-token losses
+    or None)``, and what the tokens scored are."""
+
+    loss_sum: Callable[
+        [nn.Module, dict[str, torch.Tensor], DataConfig, torch.dtype | None],
+        tuple[float, int, torch.Tensor | None],
+    ]
+    scored: Callable[[DataConfig], str]
+
+
+# By the model.family names training.families registers.
+SCORERS: dict[str, Scorer] = {
+    "gpt": Scorer(
+        _next_token_loss_sum,
+        lambda data: "assistant tokens" if data.format == "chat" else "every next token",
+    ),
+    "t5": Scorer(_span_loss_sum, lambda data: "span targets"),
+}
 
 
 def split_capacity(

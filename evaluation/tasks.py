@@ -22,12 +22,13 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from evaluation import EvaluationError
 from evaluation.seq2seq import span_logliks
@@ -200,10 +201,7 @@ def score_choices(
     for first in range(0, len(order), batch_size):
         batch = order[first : first + batch_size]
         chosen = [sequences[r] for r in batch]
-        if model.config.family == "t5":  # the choice as the span after the context
-            values = span_logliks(model, tokenizer, chosen, autocast_dtype)
-        else:
-            values = sequence_logliks(model, chosen, autocast_dtype)
+        values = CHOICE_LOGLIKS[model.config.family](model, tokenizer, chosen, autocast_dtype)
         logliks.update(zip(batch, values, strict=True))
 
     scores: list[list[ChoiceScore]] = [[] for _ in items]
@@ -241,6 +239,19 @@ def sequence_logliks(
     with autocast(device, autocast_dtype):
         losses = model(inputs.to(device), labels.to(device), loss_reduction="none")
     return (-losses.double().sum(dim=1)).tolist()
+
+
+# Each choice's log-likelihood by model.family (the names training.families registers):
+# GPT reads it as the continuation of the context, T5 as the span after it.
+CHOICE_LOGLIKS: dict[
+    str,
+    Callable[
+        [nn.Module, Tokenizer, Sequence[tuple[list[int], int]], torch.dtype | None], list[float]
+    ],
+] = {
+    "gpt": lambda model, tokenizer, sequences, dtype: sequence_logliks(model, sequences, dtype),
+    "t5": span_logliks,
+}
 
 
 def padded_rows(sequences: Sequence[tuple[list[int], int]]) -> tuple[torch.Tensor, torch.Tensor]:

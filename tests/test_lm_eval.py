@@ -34,6 +34,7 @@ from lm_eval.api.instance import Instance
 from evaluation import EvaluationError
 from evaluation import cli as eval_cli
 from evaluation.lm_eval_adapter import (
+    LM_EVAL_FAMILIES,
     TASKS_DIR,
     MegalithLM,
     check_tasks,
@@ -362,7 +363,7 @@ def test_generate_until_is_megalith_greedy_generation_cut_at_until(root: Path) -
 
 def test_t5_package_scores_and_generates_as_megalith_eval_does(root: Path) -> None:
     lm = MegalithLM(package=str(root / "t5"), device="cpu", batch_size="8")
-    assert lm.t5
+    assert lm.family is LM_EVAL_FAMILIES["t5"]
     result = run_tasks(lm, ["sample_facts"], limit=24)
     items = load_task(SAMPLE_TASK)[:24]
     ours = score_choices(lm.model, lm.tokenizer, items)

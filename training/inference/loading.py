@@ -17,9 +17,10 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -55,6 +56,26 @@ class ModelInfo:
         return asdict(self)
 
 
+class Prompting(NamedTuple):
+    """How a model family reads a prompt and answers: ``seq2seq`` (the prompt is an
+    encoder's input, the answer new text) or a continuation of the prompt."""
+
+    seq2seq: bool
+    prompt_ids: Callable[[Tokenizer, str], list[int]]
+    text: Callable[[Tokenizer, list[int], list[int]], str]
+
+
+# By the model.family names training.families registers.
+PROMPTING: dict[str, Prompting] = {
+    "gpt": Prompting(seq2seq=False, prompt_ids=prompt_ids, text=continuation_text),
+    "t5": Prompting(
+        seq2seq=True,
+        prompt_ids=encoder_ids,
+        text=lambda tokenizer, prompt, new: tokenizer.decode(new),
+    ),
+}
+
+
 @dataclass(frozen=True)
 class ServedModel:
     model: GPTModel | T5Model
@@ -65,19 +86,15 @@ class ServedModel:
     def seq2seq(self) -> bool:
         """A T5: the prompt is the encoder's input and the answer a new text, not a
         continuation of the prompt."""
-        return self.model.config.family == "t5"
+        return PROMPTING[self.model.config.family].seq2seq
 
     def prompt_ids(self, text: str) -> list[int]:
         """A plain prompt's tokens as this kind of model was trained to read them."""
-        if self.seq2seq:
-            return encoder_ids(self.tokenizer, text)
-        return prompt_ids(self.tokenizer, text)
+        return PROMPTING[self.model.config.family].prompt_ids(self.tokenizer, text)
 
     def text(self, prompt_ids: list[int], new_ids: list[int]) -> str:
         """The answer's text: a T5's decoded output, or what a GPT's tokens add to the prompt."""
-        if self.seq2seq:
-            return self.tokenizer.decode(new_ids)
-        return continuation_text(self.tokenizer, prompt_ids, new_ids)
+        return PROMPTING[self.model.config.family].text(self.tokenizer, prompt_ids, new_ids)
 
 
 def is_registry_uri(source: str) -> bool:
@@ -133,7 +150,7 @@ def _load_package(
     model, config, tokenizer_path = load_model_package(package, device)
     # Read the bytes now: a registry download is deleted once loaded.
     tokenizer = load_tokenizer(str(tokenizer_path))
-    if config.family == "t5" and tokenizer.pad_id is None:
+    if PROMPTING[config.family].seq2seq and tokenizer.pad_id is None:
         raise ModelSourceError(
             f"{source}: a T5 package whose tokenizer has no <|pad|> token (the decoder's start)"
         )
