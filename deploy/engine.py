@@ -1,8 +1,8 @@
 """The batching engine: one worker thread owns a model and decodes concurrent requests together.
 
 Requests queue up; the worker takes the first, waits up to ``batch_window_s`` for more
-(never more than ``max_batch_size``), and decodes that batch to the end with
-``training.inference.decode.generate_ids``: one KV cache for the batch, prompts of different
+(never more than ``max_batch_size``), and decodes that batch to the end with its model
+family's ``generate_batch`` (``training.inference.decode.generate_ids`` for a GPT): one KV cache for the batch, prompts of different
 lengths without padding, each request with its own sampling settings, seed, token
 budget and EOD stop. A request's tokens reach it as they are sampled (``on_token``), so
 streaming works from inside a batch. Since every row of a batch stays at the same
@@ -38,8 +38,7 @@ from typing import Any
 import torch
 
 from megalith.errors import MegalithError
-from training.inference.decode import SamplingConfig, generate_ids
-from training.inference.decode_t5 import generate_seq2seq_ids
+from training.inference.decode import SamplingConfig
 from training.inference.loading import ServedModel
 
 log = logging.getLogger(__name__)
@@ -199,21 +198,16 @@ class BatchingEngine:
         """``(new ids, finish reason, prompt tokens)`` per request, for a GPT or a T5."""
         tokenizer = self.served.tokenizer
         prompts = [r.prompt_ids for r in live]
-        common: dict[str, Any] = {
-            "eod_id": tokenizer.eod_id,
-            "vocab_size": tokenizer.vocab_size,
-            "seeds": [r.sampling.seed for r in live],
-            "autocast_dtype": self.autocast_dtype,
-            "on_token": lambda row, token: _notify(live[row].on_token, token),
-            "stop": lambda row: live[row].stop_reason(),
-        }
-        samplings = [r.sampling for r in live]
-        if not self.served.seq2seq:
-            return generate_ids(self.served.model, prompts, samplings, **common)
-        results = generate_seq2seq_ids(
-            self.served.model, prompts, samplings, pad_id=tokenizer.pad_id, **common
+        return self.served.generator.generate_batch(
+            self.served.model,
+            tokenizer,
+            prompts,
+            [r.sampling for r in live],
+            seeds=[r.sampling.seed for r in live],
+            autocast_dtype=self.autocast_dtype,
+            on_token=lambda row, token: _notify(live[row].on_token, token),
+            stop=lambda row: live[row].stop_reason(),
         )
-        return [(ids, reason, len(p)) for (ids, reason), p in zip(results, prompts, strict=True)]
 
 
 def _notify(callback: Callable[[Any], None], value: Any) -> None:

@@ -48,8 +48,8 @@ from evaluation.seq2seq import span_prompt, span_rows
 from evaluation.tasks import IGNORE_INDEX, TASKS_DIR, choice_tokens, padded_rows
 from megalith import safe_read
 from preprocessing.tokenizer import Tokenizer, load_tokenizer, sentinel_ids
-from training.inference.decode import SamplingConfig, continuation_text, generate_ids, prompt_ids
-from training.inference.decode_t5 import generate_seq2seq_ids
+from training.families import model_family
+from training.inference.decode import SamplingConfig, continuation_text, prompt_ids
 from training.inference.runtime import AUTOCAST_DTYPES, autocast, model_device, resolve_precision
 from training.models.package import load_model_package
 from training.runtime.device import resolve_device
@@ -137,6 +137,7 @@ class MegalithLM(LM):
     ) -> None:
         self.model, self.tokenizer, self.autocast_dtype = model, tokenizer, autocast_dtype
         self.family = LM_EVAL_FAMILIES[model.config.family]
+        self.generator = model_family(model.config).generator
         self.max_positions = model.config.max_position_embeddings
         self.batch_size = _positive_int(batch_size, "batch_size", DEFAULT_BATCH_SIZE)
         self.max_gen_toks = _positive_int(max_gen_toks, "max_gen_toks", DEFAULT_MAX_GEN_TOKS)
@@ -235,15 +236,15 @@ class MegalithLM(LM):
             text = self._text(prompts[row], new[row])
             return None if _cut(text, rows[row].until) is None else "stop"
 
-        common = {
-            "eod_id": self.tokenizer.eod_id,
-            "vocab_size": self.tokenizer.vocab_size,
-            "autocast_dtype": self.autocast_dtype,
-            "on_token": on_token,
-            "stop": stop,
-        }
-        samplings = [row.sampling for row in rows]
-        self.family.generate(self.model, self.tokenizer, prompts, samplings, common)
+        self.generator.generate_batch(
+            self.model,
+            self.tokenizer,
+            prompts,
+            [row.sampling for row in rows],
+            autocast_dtype=self.autocast_dtype,
+            on_token=on_token,
+            stop=stop,
+        )
         texts = []
         for row, (prompt, _, until) in enumerate(rows):
             text = self._text(prompt, new[row])
@@ -341,22 +342,13 @@ def _span_text(tokenizer: Tokenizer, prompt: list[int], new: list[int]) -> str:
     return tokenizer.decode([t for t in new if t not in sentinels])
 
 
-def _generate_continuations(model, tokenizer, prompts, samplings, common) -> None:
-    generate_ids(model, prompts, samplings, **common)
-
-
-def _generate_spans(model, tokenizer, prompts, samplings, common) -> None:
-    generate_seq2seq_ids(model, prompts, samplings, pad_id=tokenizer.pad_id, **common)
-
-
 class LMEvalFamily(NamedTuple):
-    """What lm-eval's requests do per model family: score ``(tokens, n)`` sequences, a
-    generation's prompt tokens, the generation run (tokens reach ``common["on_token"]``)
-    and the text of its new tokens."""
+    """What lm-eval's requests do per model family (the generation itself is the family's
+    generator): score ``(tokens, n)`` sequences, a generation's prompt tokens and the text
+    of its new tokens."""
 
     scores: Callable[..., list[tuple[float, bool]]]
     prompt: Callable[[Tokenizer, str], list[int]]
-    generate: Callable[..., None]
     text: Callable[[Tokenizer, list[int], list[int]], str]
 
 
@@ -368,12 +360,9 @@ LM_EVAL_FAMILIES: dict[str, LMEvalFamily] = {
             model, sequences, dtype, tokenizer.vocab_size
         ),
         prompt=prompt_ids,
-        generate=_generate_continuations,
         text=continuation_text,
     ),
-    "t5": LMEvalFamily(
-        scores=span_scores, prompt=_span_prompt, generate=_generate_spans, text=_span_text
-    ),
+    "t5": LMEvalFamily(scores=span_scores, prompt=_span_prompt, text=_span_text),
 }
 
 

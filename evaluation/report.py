@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -40,8 +40,8 @@ from megalith import __version__
 from megalith.config import DataConfig
 from megalith.storage import atomic_write_bytes
 from preprocessing.tokenizer import load_tokenizer
-from training.inference.decode import GenerationResult, SamplingConfig, generate
-from training.inference.decode_t5 import generate_seq2seq
+from training.families import model_family
+from training.inference.decode import SamplingConfig
 from training.inference.runtime import AUTOCAST_DTYPES, resolve_precision
 from training.models.package import load_model_package, read_training_data
 from training.runtime.device import resolve_device
@@ -51,12 +51,9 @@ REPORT_VERSION = 1
 DEFAULT_PROMPTS = ("Once upon a time,", "The capital of")
 # T5 fills a sentinel: the decoder answers "<extra_id_0> the span <extra_id_1> ...".
 T5_DEFAULT_PROMPTS = tuple(f"{prompt}<extra_id_0>" for prompt in DEFAULT_PROMPTS)
-# The default prompts and the generation run by model.family (the names training.families
-# registers): GPT continues a prompt, T5 fills its span.
-GENERATION: dict[str, tuple[tuple[str, ...], Callable[..., GenerationResult]]] = {
-    "gpt": (DEFAULT_PROMPTS, generate),
-    "t5": (T5_DEFAULT_PROMPTS, generate_seq2seq),
-}
+# The default prompts by model.family (the names training.families registers): GPT
+# continues a prompt, T5 fills its span.
+FAMILY_PROMPTS: dict[str, tuple[str, ...]] = {"gpt": DEFAULT_PROMPTS, "t5": T5_DEFAULT_PROMPTS}
 
 
 def evaluate_model(
@@ -138,10 +135,9 @@ def evaluate_model(
             model, tokenizer, autocast_dtype=autocast_dtype, batch_size=batch_size
         )
         report["lm_eval"] = lm_eval_adapter.run_tasks(lm, lm_eval_checked, limit=lm_eval_limit)
-    default_prompts, run = GENERATION[config.family]
-    prompts = list(default_prompts if prompts is None else prompts)
+    prompts = list(FAMILY_PROMPTS[config.family] if prompts is None else prompts)
     if prompts and sampling.max_new_tokens > 0:
-        result = run(
+        result = model_family(config).generator.generate(
             model,
             tokenizer,
             prompts,

@@ -30,9 +30,7 @@ from training.inference.decode import (
     MIN_TEMPERATURE,
     MIN_TOP_P,
     SamplingConfig,
-    generate,
 )
-from training.inference.decode_t5 import generate_seq2seq
 from training.inference.loading import ServedModel, load_served_model
 from training.mlflow_store.registered import MLFLOW_FILES, check_mlmodel, verify_package
 
@@ -73,7 +71,7 @@ class MegalithPyfunc:
     def predict(self, model_input: Any, params: Mapping[str, Any] | None = None) -> list[str]:
         prompts = prompts_of(model_input)
         sampling = sampling_of(params or {}, self.served.info.max_positions)
-        run = generate_seq2seq if self.served.seq2seq else generate
+        run = self.served.generator.generate
         result = run(
             self.served.model, self.served.tokenizer, prompts, sampling, batch_size=BATCH_SIZE
         )

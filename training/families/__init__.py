@@ -11,7 +11,7 @@ from __future__ import annotations
 from megalith.config import MegalithConfig, ModelConfig
 from megalith.errors import MegalithError
 from training.families import gpt, t5
-from training.families.spec import HFExport, ModelFamily, PipelineSplit
+from training.families.spec import Generator, HFExport, MemoryModel, ModelFamily, PipelineSplit
 
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (gpt.FAMILY, t5.FAMILY)}
 
@@ -29,4 +29,12 @@ def model_family(config: MegalithConfig | ModelConfig | str) -> ModelFamily:
         ) from None
 
 
-__all__ = ["FAMILIES", "HFExport", "ModelFamily", "PipelineSplit", "model_family"]
+__all__ = [
+    "FAMILIES",
+    "Generator",
+    "HFExport",
+    "MemoryModel",
+    "ModelFamily",
+    "PipelineSplit",
+    "model_family",
+]

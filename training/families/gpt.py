@@ -10,7 +10,15 @@ from torch import Tensor, nn
 
 from megalith.config import DataConfig, ModelConfig
 from training.data import build_gpt_datasets
-from training.families.spec import Batch, HFExport, MemoryModel, ModelFamily, PipelineSplit
+from training.families.spec import (
+    Batch,
+    Generator,
+    HFExport,
+    MemoryModel,
+    ModelFamily,
+    PipelineSplit,
+)
+from training.inference import decode
 from training.interop import hf
 from training.memory import gpt as memory
 from training.models.flops import flops_per_token
@@ -75,6 +83,13 @@ FAMILY = ModelFamily(
         stage_activations=memory.stage_activations,
         loss_tokens=memory.loss_tokens,
         sample_shape=memory.sample_shape,
+    ),
+    generator=Generator(
+        seq2seq=False,
+        prompt_ids=decode.prompt_ids,
+        answer_text=decode.continuation_text,
+        generate=decode.generate,
+        generate_batch=decode.generate_batch,
     ),
     hf_export=hf_export,
 )

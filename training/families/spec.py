@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from megalith.config import DataConfig, MegalithConfig, ModelConfig
+from preprocessing.tokenizer import Tokenizer
+from training.inference.decode import GenerationResult
 from training.parallel.groups import ParallelSizes, ParallelState
 
 Batch = dict[str, Tensor]
@@ -49,6 +51,23 @@ class PipelineSplit:
     owner: Callable[[str, list[int], int, ModelConfig], int]
     # parameter name -> whether every stage holds a copy (gradients summed over the pipeline)
     on_every_stage: Callable[[str], bool]
+
+
+@dataclass(frozen=True)
+class Generator:
+    """How the family's model writes text (:mod:`training.inference`), for evaluation and
+    serving alike."""
+
+    seq2seq: bool  # the prompt is an encoder's input and the answer new text
+    # (tokenizer, text) -> a plain prompt's tokens as the family was trained to read them
+    prompt_ids: Callable[[Tokenizer, str], list[int]]
+    # (tokenizer, prompt ids, new ids) -> the answer's text
+    answer_text: Callable[[Tokenizer, list[int], list[int]], str]
+    # (model, tokenizer, texts, sampling, *, batch_size, autocast_dtype) -> every answer
+    generate: Callable[..., GenerationResult]
+    # (model, tokenizer, prompt ids, samplings, **seeds/autocast_dtype/on_token/stop)
+    #   -> (new ids, finish reason, prompt tokens) per prompt: one batch
+    generate_batch: Callable[..., list[tuple[list[int], str, int]]]
 
 
 @dataclass(frozen=True)
@@ -96,5 +115,6 @@ class ModelFamily:
     tokens_and_flops: Callable[[ModelConfig, DataConfig], tuple[int, float]]
     pipeline: PipelineSplit
     memory: MemoryModel
+    generator: Generator
     # (model config, whole single-process tensors, tokenizer.model, dtype name) -> HF files
     hf_export: Callable[[ModelConfig, dict[str, Tensor], Path, str], HFExport]

@@ -14,7 +14,15 @@ from torch import Tensor, nn
 
 from megalith.config import DataConfig, ModelConfig
 from training.data.t5_dataset import build_t5_datasets, span_corruption_lengths
-from training.families.spec import Batch, HFExport, MemoryModel, ModelFamily, PipelineSplit
+from training.families.spec import (
+    Batch,
+    Generator,
+    HFExport,
+    MemoryModel,
+    ModelFamily,
+    PipelineSplit,
+)
+from training.inference import decode_t5
 from training.interop import hf_t5
 from training.memory import t5 as memory
 from training.models.t5 import T5Model
@@ -74,6 +82,13 @@ FAMILY = ModelFamily(
         stage_activations=memory.stage_activations,
         loss_tokens=memory.loss_tokens,
         sample_shape=memory.sample_shape,
+    ),
+    generator=Generator(
+        seq2seq=True,
+        prompt_ids=decode_t5.encoder_ids,
+        answer_text=decode_t5.answer_text,
+        generate=decode_t5.generate_seq2seq,
+        generate_batch=decode_t5.generate_seq2seq_batch,
     ),
     hf_export=hf_export,
 )

@@ -310,6 +310,22 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
     return logits
 
 
+def generate_batch(
+    model: GPTModel,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig | Sequence[SamplingConfig],
+    **options: Any,
+) -> list[tuple[list[int], str, int]]:
+    """:func:`generate_ids` with the tokenizer's EOD and vocabulary: ``(new ids, finish
+    reason, prompt tokens used)`` per prompt; ``options``: seeds, autocast_dtype,
+    on_token, stop."""
+    return generate_ids(
+        model, prompts, sampling, eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size,
+        **options,
+    )  # fmt: skip
+
+
 def continuation_text(
     tokenizer: Tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int]
 ) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -72,6 +73,28 @@ def generate_seq2seq(
 def encoder_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """A T5 prompt's encoder input: its tokens, then EOS, as span-corruption samples end."""
     return [*tokenizer.encode(text), tokenizer.eod_id]
+
+
+def answer_text(tokenizer: Tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> str:
+    """A T5's answer: the decoder's tokens alone (the prompt was the encoder's input)."""
+    return tokenizer.decode(list(new_ids))
+
+
+def generate_seq2seq_batch(
+    model: T5Model,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig | Sequence[SamplingConfig],
+    **options: Any,
+) -> list[tuple[list[int], str, int]]:
+    """:func:`generate_seq2seq_ids` with the tokenizer's pad (decoder start), EOD and
+    vocabulary, as :func:`~training.inference.decode.generate_batch` answers: ``(new ids,
+    finish reason, prompt tokens)`` per prompt."""
+    results = generate_seq2seq_ids(
+        model, prompts, sampling, pad_id=tokenizer.pad_id, eod_id=tokenizer.eod_id,
+        vocab_size=tokenizer.vocab_size, **options,
+    )  # fmt: skip
+    return [(ids, reason, len(p)) for (ids, reason), p in zip(results, prompts, strict=True)]
 
 
 @torch.no_grad()

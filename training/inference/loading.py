@@ -17,17 +17,15 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from megalith.errors import MegalithError
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
-from training.inference.decode import continuation_text, prompt_ids
-from training.inference.decode_t5 import encoder_ids
+from training.families import Generator, model_family
 from training.mlflow_store.registered import load_registered_model, resolve_model_version
 from training.models.gpt import GPTModel
 from training.models.package import CHECKSUMS_FILE, load_model_package, sha256_file
@@ -56,26 +54,6 @@ class ModelInfo:
         return asdict(self)
 
 
-class Prompting(NamedTuple):
-    """How a model family reads a prompt and answers: ``seq2seq`` (the prompt is an
-    encoder's input, the answer new text) or a continuation of the prompt."""
-
-    seq2seq: bool
-    prompt_ids: Callable[[Tokenizer, str], list[int]]
-    text: Callable[[Tokenizer, list[int], list[int]], str]
-
-
-# By the model.family names training.families registers.
-PROMPTING: dict[str, Prompting] = {
-    "gpt": Prompting(seq2seq=False, prompt_ids=prompt_ids, text=continuation_text),
-    "t5": Prompting(
-        seq2seq=True,
-        prompt_ids=encoder_ids,
-        text=lambda tokenizer, prompt, new: tokenizer.decode(new),
-    ),
-}
-
-
 @dataclass(frozen=True)
 class ServedModel:
     model: GPTModel | T5Model
@@ -83,18 +61,23 @@ class ServedModel:
     info: ModelInfo
 
     @property
+    def generator(self) -> Generator:
+        """The decode loops and prompt conventions of the model's family."""
+        return model_family(self.model.config).generator
+
+    @property
     def seq2seq(self) -> bool:
         """A T5: the prompt is the encoder's input and the answer a new text, not a
         continuation of the prompt."""
-        return PROMPTING[self.model.config.family].seq2seq
+        return self.generator.seq2seq
 
     def prompt_ids(self, text: str) -> list[int]:
         """A plain prompt's tokens as this kind of model was trained to read them."""
-        return PROMPTING[self.model.config.family].prompt_ids(self.tokenizer, text)
+        return self.generator.prompt_ids(self.tokenizer, text)
 
     def text(self, prompt_ids: list[int], new_ids: list[int]) -> str:
         """The answer's text: a T5's decoded output, or what a GPT's tokens add to the prompt."""
-        return PROMPTING[self.model.config.family].text(self.tokenizer, prompt_ids, new_ids)
+        return self.generator.answer_text(self.tokenizer, prompt_ids, new_ids)
 
 
 def is_registry_uri(source: str) -> bool:
@@ -150,7 +133,7 @@ def _load_package(
     model, config, tokenizer_path = load_model_package(package, device)
     # Read the bytes now: a registry download is deleted once loaded.
     tokenizer = load_tokenizer(str(tokenizer_path))
-    if PROMPTING[config.family].seq2seq and tokenizer.pad_id is None:
+    if model_family(config).generator.seq2seq and tokenizer.pad_id is None:
         raise ModelSourceError(
             f"{source}: a T5 package whose tokenizer has no <|pad|> token (the decoder's start)"
         )
