@@ -365,7 +365,7 @@ def test_a_failed_save_to_an_object_store_leaves_no_objects(
         tensors={"w": {"shape": [16], "dtype": "float32", "shards": []}},
     )  # fmt: skip
     checkpointer = Checkpointer(storage_options=s3_endpoint)
-    checkpointer.save(lambda: snapshot, background=True)
+    checkpointer.save(snapshot, background=True)
     with pytest.raises(CheckpointError, match="writing a checkpoint failed: .*rank-00001.json"):
         checkpointer.wait()
     store = s3fs.S3FileSystem(**s3_endpoint)

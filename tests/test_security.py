@@ -28,7 +28,7 @@ from preprocessing.tokenizer import train_tokenizer
 from training.checkpoint.async_save import Checkpointer
 from training.checkpoint.cli import verify
 from training.checkpoint.format import load_checkpoint, save_checkpoint
-from training.checkpoint.sharded import HostBuffers, load_sharded_checkpoint, take_snapshot
+from training.checkpoint.sharded import SaveRequest, load_sharded_checkpoint
 from training.checkpoint.signing import KEY_ENV
 from training.interop.export import export_hf
 from training.interop.hf import import_hf
@@ -80,9 +80,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     optimizer.step()
     v1 = save_checkpoint(base / "ckpts", 1, model, optimizer, names, STATE, sign=False)
     v2 = Checkpointer().save(
-        lambda: take_snapshot(
+        SaveRequest(
             str(base / "v2"), 1, model, optimizer, names, STATE, single_process_state(), "ddp",
-            HostBuffers(), sign=False,
+            sign=False,
         ),
         background=False,
     )  # fmt: skip

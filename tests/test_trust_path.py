@@ -33,12 +33,11 @@ from training.checkpoint.async_save import Checkpointer
 from training.checkpoint.cli import inspect, verify
 from training.checkpoint.format import latest_checkpoint, load_checkpoint, save_checkpoint
 from training.checkpoint.sharded import (
-    HostBuffers,
+    SaveRequest,
     latest_sharded_checkpoint,
     load_sharded_checkpoint,
     read_global_tensors,
     read_model_weights,
-    take_snapshot,
 )
 from training.checkpoint.signing import (
     ED25519_PRIVATE_ENV,
@@ -92,11 +91,11 @@ def save(kind: str, root: Path, step: int, model: GPTModel, sign: bool = False) 
         return save_checkpoint(
             root, step, model, optimizer, names, state_of(model), keep_last=10, sign=sign
         )
-    snapshot = lambda: take_snapshot(  # noqa: E731
+    request = SaveRequest(
         str(root), step, model, optimizer, names, state_of(model), single_process_state(),
-        "ddp", HostBuffers(), keep_last=10, sign=sign,
+        "ddp", keep_last=10, sign=sign,
     )  # fmt: skip
-    return Path(Checkpointer().save(snapshot, background=False))
+    return Path(Checkpointer().save(request, background=False))
 
 
 def load(kind: str, path: Path, require_signature: bool = False) -> dict:

@@ -51,12 +51,12 @@ from megalith.storage import atomic_write_bytes, atomic_write_json
 from training.checkpoint.async_save import Checkpointer, checkpoint_group
 from training.checkpoint.format import load_checkpoint
 from training.checkpoint.sharded import (
+    SaveRequest,
     as_location,
     is_sharded,
     latest_sharded_checkpoint,
     load_sharded_checkpoint,
     read_index,
-    take_snapshot,
 )
 from training.data.shard_set import open_shard_set
 from training.families import model_family
@@ -391,24 +391,21 @@ class Trainer:
             "model_config": self.model_config.model_dump(mode="json"),
             "layout": self.parallel.layout(),
         }
-        url = self.checkpointer.save(
-            lambda: take_snapshot(
-                self.checkpoint_dir,
-                self.step,
-                self.model,
-                self.optimizer,
-                self.param_names,
-                state,
-                self.parallel,
-                self.config.parallel.data_parallel_mode,
-                self.checkpointer.buffers,
-                self.precision.scaler,
-                self.config.checkpoint.keep_last,
-                owner_stage=self.pipeline.owner_stage if self.pipeline is not None else None,
-                sign=self.config.checkpoint.sign,
-            ),
-            background,
+        request = SaveRequest(
+            root=self.checkpoint_dir,
+            step=self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            param_names=self.param_names,
+            state=state,
+            parallel=self.parallel,
+            data_parallel_mode=self.config.parallel.data_parallel_mode,
+            scaler=self.precision.scaler,
+            keep_last=self.config.checkpoint.keep_last,
+            owner_stage=self.pipeline.owner_stage if self.pipeline is not None else None,
+            sign=self.config.checkpoint.sign,
         )
+        url = self.checkpointer.save(request, background)
         self.checkpoint = as_location(url)
         return self.checkpoint
 

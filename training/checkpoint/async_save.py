@@ -21,7 +21,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,12 +32,14 @@ from megalith.storage import is_local
 from training.checkpoint.format import CheckpointError
 from training.checkpoint.sharded import (
     HostBuffers,
+    SaveRequest,
     Snapshot,
     checkpoint_url,
     commit,
     discard_staging,
     remove_tree,
     staging_url,
+    take_snapshot,
     write_rank_files,
 )
 
@@ -76,11 +77,12 @@ class Checkpointer:
     _thread: threading.Thread | None = None
     _error: BaseException | None = None
 
-    def save(self, snapshot_fn: Callable[[], Snapshot], background: bool) -> str:
-        """Wait for the previous save, take the snapshot, write it (now or in the
-        background). Returns the URL the checkpoint will have."""
+    def save(self, what: SaveRequest | Snapshot, background: bool) -> str:
+        """Wait for the previous save (its host buffers are reused), snapshot a training
+        state (or take a snapshot made elsewhere, e.g. a conversion), write it now or in
+        the background. Returns the URL the checkpoint will have."""
         self.wait()
-        snapshot = snapshot_fn()
+        snapshot = take_snapshot(what, self.buffers) if isinstance(what, SaveRequest) else what
         self.timings["checkpoint_blocked_s"] = snapshot.blocked_s
         if background:
             self._thread = threading.Thread(

@@ -82,7 +82,7 @@ def consolidate(
         keep_last=2**31,
         sign=should_sign(sign),
     )
-    return Checkpointer().save(lambda: snapshot, background=False)
+    return Checkpointer().save(snapshot, background=False)
 
 
 def _check_out_root(source: Path, out_root: Path) -> None:

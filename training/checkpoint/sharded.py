@@ -399,23 +399,32 @@ def _refuse_persistent_buffers(model: nn.Module) -> None:
         )
 
 
-def take_snapshot(
-    root: str,
-    step: int,
-    model: nn.Module,
-    optimizer: Any,
-    param_names: list[str],
-    state: dict[str, Any],
-    parallel: ParallelState,
-    data_parallel_mode: str,
-    buffers: HostBuffers,
-    scaler: torch.amp.GradScaler | None = None,
-    keep_last: int = 3,
-    owner_stage: Callable[[str], int] | None = None,
-    sign: bool | None = None,
-) -> Snapshot:
+@dataclass
+class SaveRequest:
+    """What one save of a training state needs: :meth:`Checkpointer.save
+    <training.checkpoint.async_save.Checkpointer.save>` snapshots it with
+    :func:`take_snapshot`, then writes and commits the snapshot."""
+
+    root: str
+    step: int
+    model: nn.Module
+    optimizer: Any
+    param_names: list[str]
+    state: dict[str, Any]  # consumed samples, config, layout: state.json beside step and RNG
+    parallel: ParallelState
+    data_parallel_mode: str
+    scaler: torch.amp.GradScaler | None = None
+    keep_last: int = 3
+    owner_stage: Callable[[str], int] | None = None  # pipeline: the stage owning a parameter
+    sign: bool | None = None
+
+
+def take_snapshot(request: SaveRequest, buffers: HostBuffers) -> Snapshot:
     """Copy this rank's boxes to host memory (the only part a training loop waits for)."""
     started = time.perf_counter()
+    root, step, model, optimizer = request.root, request.step, request.model, request.optimizer
+    param_names, state, parallel = request.param_names, request.state, request.parallel
+    scaler, owner_stage = request.scaler, request.owner_stage
     _refuse_persistent_buffers(model)
     reshard_fsdp(model)
     params = model_specs(model, parallel, owner_stage)
@@ -466,10 +475,10 @@ def take_snapshot(
         files=files,
         tensors=tensors,
         state=record,
-        layout=index_layout(parallel, data_parallel_mode),
-        keep_last=keep_last,
+        layout=index_layout(parallel, request.data_parallel_mode),
+        keep_last=request.keep_last,
         blocked_s=time.perf_counter() - started,
-        sign=_signing_ready(sign),
+        sign=_signing_ready(request.sign),
     )
 
 
