@@ -1,7 +1,7 @@
 """Model families: one :class:`~training.families.spec.ModelFamily` per ``model.family``.
 
-A family supplies its model class, datasets, loss, throughput count, pipeline split and
-HF export; the stages look them up here (:func:`model_family`) instead of branching on
+A family supplies its model class, datasets, loss, throughput count, pipeline split,
+memory model, HF export and generator; the stages look them up here (:func:`model_family`) instead of branching on
 the family's name. To add one, write ``training/families/<name>.py`` with its ``FAMILY``
 and list it below (docs/architecture.md, "Model families").
 """

@@ -59,7 +59,7 @@ def hf_export(
         config=hf.hf_config(config, dtype, special_ids),
         tokenizer_config=tok_config,
         special_ids=special_ids,
-        template=f"{tok_config['bos_token']} $A",  # every document follows BOS
+        template=f"{tok_config['bos_token']} $A",
     )
 
 

@@ -31,8 +31,8 @@ class PipelineSplit:
     """How :class:`training.parallel.pipeline.PipelineParallel` cuts the family's model.
 
     The layers split are every stack's, in order
-    (:func:`~training.parallel.pipeline_layout.pipelined_layers`); parameter names stay the single-process ones, so checkpoints and the package do not
-    depend on the layout."""
+    (:func:`~training.parallel.pipeline_layout.pipelined_layers`); parameter names stay
+    the single-process ones, so checkpoints and the package do not depend on the layout."""
 
     # (whole model, state, layers per virtual stage) -> (stage model, each chunk's layers)
     build_stage: Callable[[nn.Module, ParallelState, list[int]], tuple[nn.Module, list[list[int]]]]
