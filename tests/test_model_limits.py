@@ -349,6 +349,25 @@ def test_registry_refuses_an_mlmodel_of_the_wrong_shape(tmp_path: Path, text: st
 
 
 @pytest.mark.parametrize(
+    ("loader", "accepted"),
+    [("registry.mlflow_pyfunc", True), ("deploy.mlflow_pyfunc", True), ("os", False)],
+)
+def test_registry_accepts_only_megaliths_loader_modules(
+    tmp_path: Path, loader: str, accepted: bool
+) -> None:
+    """Versions registered before the pyfunc wrapper moved to registry/ name
+    deploy.mlflow_pyfunc and still load; any other loader module is refused."""
+    (tmp_path / "MLmodel").write_text(
+        f"flavors:\n  python_function:\n    loader_module: {loader}\n"
+    )
+    if accepted:
+        check_mlmodel(tmp_path / "MLmodel")
+    else:
+        with pytest.raises(RegistryError, match="loader 'os'"):
+            check_mlmodel(tmp_path / "MLmodel")
+
+
+@pytest.mark.parametrize(
     "data", [b'{"files": ["a"]}', b"[" * 100_000, b"\xff\xfe", b'{"files": {"a": 1}}']
 )
 def test_registry_refuses_malformed_checksums(package: Path, data: bytes) -> None:

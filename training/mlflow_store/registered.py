@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 CHECKSUMS_FILE = "checksums.json"
 LOADER_MODULE = "registry.mlflow_pyfunc"
+# Versions registered before the wrapper moved to the registry name this module; megalith
+# loads them from their files as before (mlflow models serve needs re-registering them).
+FORMER_LOADER_MODULES = frozenset({"deploy.mlflow_pyfunc"})
 # Files MLflow needs beside the package; not covered by checksums.json but by the tag below.
 MLFLOW_FILES = frozenset({"MLmodel", "python_env.yaml", "requirements.txt"})
 CHECKSUMS_TAG = "megalith.package.checksums_sha256"
@@ -157,7 +160,7 @@ def check_mlmodel(path: Path) -> None:
     unsafe = set(pyfunc) & {"code", "model_code_path", "cloudpickle_version", "python_model"}
     if (
         set(flavors) != {"python_function"}
-        or pyfunc.get("loader_module") != LOADER_MODULE
+        or pyfunc.get("loader_module") not in {LOADER_MODULE, *FORMER_LOADER_MODULES}
         or unsafe
     ):
         raise RegistryError(
