@@ -72,9 +72,8 @@ from training.optim.schedule import learning_rate
 from training.parallel import data_parallel as dp
 from training.parallel import expert_parallel_training as ep
 from training.parallel.groups import ParallelState, build_parallel_state, validate_layout
-from training.parallel.pipeline import PipelineParallel
+from training.parallel.parallelize import parallelize
 from training.parallel.support import check_trainer_support
-from training.precision.fp8 import prepare_fp8
 from training.precision.mixed import Precision, resolve_precision
 from training.runtime.distributed import env_from_torchrun, local_device
 
@@ -226,34 +225,20 @@ class Trainer:
             self.finetune.model_config if self.finetune else resolve_model_config(config)
         )
         self.family = model_family(self.model_config)
-        self.pipeline: PipelineParallel | None = None
-        if self.parallel.sizes.pp > 1:  # this rank's stages; gradients averaged after the schedule
-            self.pipeline = PipelineParallel(
-                config,
-                self.model_config,
-                self.parallel,
-                self.device,
-                self.precision,
-                self.family.pipeline,
-            )
-            self.model = self.dp_model = self.pipeline.model
-        else:
-            self.model = ep.build_model(
-                self.model_config, self.parallel, config.parallel.sequence_parallel, self.device
-            )
-            if self.finetune is not None:  # base weights, adapters: before DDP and the optimizer
-                self.finetune.prepare(self.model, self.parallel)
-            # Before DDP/FSDP and compile wrap it: fp8 swaps linears (same parameters).
-            prepare_fp8(self.model, config.mixed_precision, self.precision)
-            ep.exclude_experts_from_ddp(self.model, self.parallel)
-            # DDP broadcasts rank 0's weights at construction; every rank is seeded alike anyway.
-            # FSDP shards self.model in place, so the optimizer comes after.
-            self.dp_model = dp.wrap_model(self.model, self.parallel, config.parallel, self.device)
+        # This rank's model, sharded and wrapped in one documented order (parallelize).
+        built = parallelize(
+            config,
+            self.model_config,
+            self.parallel,
+            self.device,
+            self.precision,
+            self.family,
+            self.finetune,
+        )
+        self.model, self.dp_model = built.model, built.dp_model
+        self.forward_model, self.pipeline = built.forward_model, built.pipeline
         self.optimizer, self.param_names = dp.build_optimizer(
             self.model, config.optimizer, self.device, self.parallel, config.parallel
-        )
-        self.forward_model = (
-            torch.compile(self.dp_model) if config.training.compile else self.dp_model
         )
         self.clips_in_step = self._can_clip_in_step()
         # On a GPU, fit reads step k's metrics after launching step k + 1 (step_metrics);

@@ -1,8 +1,9 @@
 """Tensor (and sequence) parallelism in the trainer: build, clip, gather, shard.
 
-- :func:`build_model`: the single-device model is built from the seed on every rank
-  (so the initial weights equal one device's), then each TP rank keeps its shard in a
-  model built with the tensor-parallel backend of ``model.backend``
+- :func:`build_model`: each TP rank builds its shard on the meta device with the
+  tensor-parallel backend of ``model.backend`` and materializes it one parameter at a
+  time from a replay of the single-device init (:mod:`training.parallel.meta_init`), so
+  the initial weights equal one device's and no rank holds the whole model
   (:func:`~training.parallel.te_tensor_parallel.tensor_parallel_backend`: TE's own
   tensor-parallel modules for ``te``).
 - :func:`full_model`: the model package holds whole tensors in the single-process
@@ -31,6 +32,7 @@ from training.models import GPTModel, model_from_tensors, resolve_backend
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel.groups import ParallelState
+from training.parallel.meta_init import materialize_shard
 from training.parallel.te_tensor_parallel import tensor_parallel_backend
 from training.parallel.tensor_parallel.layers import squared_grad_norm
 from training.parallel.tensor_parallel.sharding import (
@@ -47,26 +49,40 @@ def build_model(
 ) -> GPTModel | models.T5Model:
     """This rank's model (of ``config.family``): the whole one without TP, else its TP
     shard of it (with context-parallel attention under CP)."""
-    # Consumes the RNG exactly as one device does (CP attention has no parameters).
     kernels = resolve_backend(config.backend)
-    full = models.build_model(config, cp.wrap_backend(kernels, state))
-    if state.sizes.tp == 1:
-        return full.to(device)
+    if state.sizes.tp == 1:  # this rank's model is the whole model
+        return models.build_model(config, cp.wrap_backend(kernels, state)).to(device)
     check_tensor_parallel(config, state.sizes.tp)
-    # Built on meta so that the shard's own init draws nothing from the RNG.
     tp_backend = tensor_parallel_backend(kernels, state.tp_group, sequence_parallel)
-    backend = cp.wrap_backend(tp_backend, state)
     with torch.device("meta"):
-        model = models.build_model(config, backend)
+        model = models.build_model(config, cp.wrap_backend(tp_backend, state))
     model.to_empty(device=device)
     model.tie_weights()
-    shard = shard_full_state_dict(full.state_dict(), config, state.tp_rank, state.sizes.tp)
-    model.load_state_dict(shard)
+    if kernels.name == "te":  # TE modules initialise on their device, not from a meta replay
+        _load_shard_of_whole(model, config, state, kernels)
+        return model
+    # The weights (and the RNG state after) equal one device's: the single-device init
+    # is replayed one parameter at a time, each rank keeping its shard (meta_init).
+    materialize_shard(
+        lambda: models.build_model(config, cp.wrap_backend(kernels, state)),
+        model,
+        lambda name, whole: shard_loaded(name, whole, config, state),
+    )
+    return model
+
+
+def _load_shard_of_whole(
+    model: nn.Module, config: ModelConfig, state: ParallelState, kernels
+) -> None:
+    """This rank's shard cut out of a whole single-device model built from the seed."""
+    full = models.build_model(config, cp.wrap_backend(kernels, state))
+    model.load_state_dict(
+        shard_full_state_dict(full.state_dict(), config, state.tp_rank, state.sizes.tp)
+    )
     full_buffers = dict(full.named_buffers())
-    with torch.no_grad():  # non-persistent buffers (RoPE tables) are not in the state dict
+    with torch.no_grad():  # non-persistent buffers are not in the state dict
         for name, buffer in model.named_buffers():
             buffer.copy_(full_buffers[name])
-    return model
 
 
 def shard_loaded(

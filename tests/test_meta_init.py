@@ -1,0 +1,100 @@
+"""Meta-device init (training.parallel.meta_init): a rank's shard is materialized one
+parameter at a time and holds exactly the single-process model's weights, and the RNG
+ends where one process building the whole model leaves it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from parallel_helpers import init_gloo
+
+from megalith.config import MegalithConfig, ModelConfig
+from training import models
+from training.parallel import tensor_parallel_training as tp
+from training.parallel.groups import build_parallel_state
+from training.parallel.meta_init import materialize_shard
+from training.parallel.tensor_parallel.sharding import shard_full_state_dict
+
+WORLD = 2
+
+
+def tiny(family: str = "gpt", style: str = "llama", **overrides) -> ModelConfig:
+    values = {
+        "family": family,
+        "style": style,
+        "num_layers": 2,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_query_groups": 2 if style == "llama" and family == "gpt" else None,
+        "vocab_size": 64,
+        "max_position_embeddings": 32,
+    }
+    return ModelConfig(**{**values, **overrides})
+
+
+CONFIGS = {
+    "llama": tiny(),
+    "gpt2": tiny(style="gpt2"),
+    "llama untied": tiny(tie_embeddings=False),
+    "moe": tiny(num_experts=4),
+    "t5": tiny("t5", num_decoder_layers=2),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_replayed_init_equals_the_seeded_model_one_parameter_at_a_time(name):
+    config = CONFIGS[name]
+    torch.manual_seed(3)
+    reference = models.build_model(config)
+    expected_rng = torch.get_rng_state()
+
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = models.build_model(config)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    stats = materialize_shard(lambda: models.build_model(config), model, lambda n, t: t)
+
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    want = reference.state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, want[key]), key
+    # Never more than one whole parameter at once: the model is never whole.
+    assert stats.peak_bytes <= stats.largest_parameter_bytes < stats.model_bytes
+
+
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    init_gloo(rank, world, out_dir)
+    base = MegalithConfig()
+    config = base.model_copy(
+        update={"parallel": base.parallel.model_copy(update={"tensor": world})}
+    )
+    state = build_parallel_state(config)
+    errors = []
+    for name, model_config in CONFIGS.items():
+        if model_config.num_experts:
+            continue  # MoE layers are not tensor-parallel (training.parallel.support)
+        torch.manual_seed(5)
+        shard = tp.build_model(model_config, state, True, torch.device("cpu"))
+        rng = torch.get_rng_state()
+        torch.manual_seed(5)
+        whole = models.build_model(model_config).state_dict()
+        if not torch.equal(rng, torch.get_rng_state()):
+            errors.append(f"{name}: RNG state differs from one process's")
+        want = shard_full_state_dict(whole, model_config, state.tp_rank, world)
+        for key, value in shard.state_dict().items():
+            if not torch.equal(value, want[key]):
+                errors.append(f"{name}: {key} differs from the single-process shard")
+    dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(errors))
+
+
+def test_tensor_parallel_shards_equal_the_single_process_model_shards(tmp_path):
+    mp.spawn(_worker, args=(WORLD, str(tmp_path)), nprocs=WORLD, join=True)
+    errors = [e for r in range(WORLD) for e in json.loads((tmp_path / f"rank{r}.json").read_text())]
+    assert not errors, "\n".join(errors)

@@ -1,0 +1,84 @@
+"""One step from a config to this rank's model, ready to train: :func:`parallelize`.
+
+The trainer calls it once. It applies, in this order:
+
+1. **Pipeline split** (``parallel.pipeline`` > 1): this rank's stages
+   (:class:`~training.parallel.pipeline.PipelineParallel`, which builds them through
+   step 2 and keeps this rank's layers).
+2. **Tensor / sequence / context / expert parallelism**: the model is built on the meta
+   device with the sharding backend (tensor-parallel linears and vocabulary, context-
+   parallel attention around the kernel backend) and materialized shard by shard from a
+   replay of the single-device init (:mod:`training.parallel.meta_init`), so its weights
+   equal one process's and no rank holds the whole model; EP ranks keep their experts
+   (:mod:`training.parallel.expert_parallel_training`).
+3. **Fine-tuning**: base weights loaded into the shards, LoRA adapters added.
+4. **fp8**: linears swapped for torchao's float8 ones, or the TE recipe armed
+   (:mod:`training.precision.fp8`); after the sharding because it converts the layers
+   the sharding chose, before data parallelism because DDP/FSDP capture the parameters.
+5. **Activation checkpointing** is not a wrapping step: the blocks apply it themselves
+   (``model.activation_checkpointing``, :mod:`training.models.gpt`), so it wraps the
+   fp8 layers as they are.
+6. **Data parallelism**: DDP over data × context, or FSDP2 sharding in place (the
+   optimizer is built after, on the parameters FSDP leaves).
+7. **compile** last, around the DDP/FSDP module: dynamo's DDP optimizer then splits the
+   graph at the gradient buckets so that communication still overlaps the backward.
+
+The kernel backend (``model.backend``: torch | te) chooses the layers' kernels only;
+:func:`~training.models.resolve_backend` resolves it and the sharding backends wrap it
+(:func:`~training.parallel.te_tensor_parallel.tensor_parallel_backend` picks TE's own
+tensor-parallel modules for ``te``). What cannot be combined yet is refused before any
+process starts, in :mod:`training.parallel.support`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megalith.config import MegalithConfig, ModelConfig
+from training.families.spec import ModelFamily
+from training.finetune.session import FineTune
+from training.parallel import data_parallel as dp
+from training.parallel import expert_parallel_training as ep
+from training.parallel.groups import ParallelState
+from training.parallel.pipeline import PipelineParallel
+from training.precision.fp8 import prepare_fp8
+from training.precision.mixed import Precision
+
+
+@dataclass
+class ParallelModel:
+    """This rank's model as the trainer uses it."""
+
+    model: nn.Module  # the parameters, state dict and optimizer target (unwrapped)
+    dp_model: nn.Module  # DDP/FSDP around ``model`` (or ``model``)
+    forward_model: nn.Module  # what a step calls: ``dp_model``, compiled when asked
+    pipeline: PipelineParallel | None  # this rank's stages and their schedule
+
+
+def parallelize(
+    config: MegalithConfig,
+    model_config: ModelConfig,
+    state: ParallelState,
+    device: torch.device,
+    precision: Precision,
+    family: ModelFamily,
+    finetune: FineTune | None = None,
+) -> ParallelModel:
+    """This rank's model of ``model_config``, sharded and wrapped in the order the module
+    docstring gives."""
+    if state.sizes.pp > 1:  # gradients are averaged after the schedule, not by DDP
+        pipeline = PipelineParallel(config, model_config, state, device, precision, family.pipeline)
+        # The stage chunks share the stage model's blocks: converting it converts them.
+        prepare_fp8(pipeline.model, config.mixed_precision, precision)
+        return ParallelModel(pipeline.model, pipeline.model, pipeline.model, pipeline)
+    model = ep.build_model(model_config, state, config.parallel.sequence_parallel, device)
+    if finetune is not None:  # base weights and adapters: before DDP and the optimizer
+        finetune.prepare(model, state)
+    prepare_fp8(model, config.mixed_precision, precision)  # same parameters, new linears
+    ep.exclude_experts_from_ddp(model, state)
+    dp_model = dp.wrap_model(model, state, config.parallel, device)
+    forward_model = torch.compile(dp_model) if config.training.compile else dp_model
+    return ParallelModel(model, dp_model, forward_model, None)
