@@ -5,7 +5,8 @@ The model is tests/parallel_helpers.py's tiny one (hidden 32, every block linear
 multiple of 16 wide). Tolerance: over the first steps the fp8 loss stays within
 ``LOSS_TOLERANCE`` of the bf16 run's, step by step (measured: max 4e-4 over 30 steps,
 tensorwise and rowwise). Checkpoints, the model package, exact resume, compile with
-selective checkpointing, DDP and FSDP2 (torchrun, gloo) are checked in fp8 too.
+selective checkpointing, DDP, FSDP2 and pipeline stages (torchrun, gloo) are checked in
+fp8 too.
 """
 
 from __future__ import annotations
@@ -145,8 +146,7 @@ def test_config_errors_name_the_keys(
     fp8 = load_config(None, ["mixed_precision.fp8=true", "model.num_query_groups=2"])
     with pytest.raises(MegalithError, match=r"mixed_precision.fp8 with parallel.tensor=2"):
         check_trainer_support(fp8, ParallelSizes(tp=2))
-    with pytest.raises(MegalithError, match=r"mixed_precision.fp8 with parallel.pipeline=2"):
-        check_trainer_support(fp8, ParallelSizes(pp=2))
+    check_trainer_support(fp8, ParallelSizes(pp=2))  # float8 pipeline stages do train
     odd = load_config(None, ["mixed_precision.fp8=true", "training.micro_batch_size=1",
                              "training.global_batch_size=1", "data.seq_length=1000"])  # fmt: skip
     with pytest.raises(MegalithError, match=r"1000 tokens per micro-batch.*multiple of 16"):
@@ -234,9 +234,12 @@ def test_benchmark_variants_resolve_to_valid_configs(shards: Path) -> None:
     assert not convergence.compare([1.0], [1.2], tolerance=0.05)["passed"]
 
 
-def test_data_parallel_and_fsdp_train_in_fp8_like_one_process(shards: Path, tmp_path: Path) -> None:
-    """DDP and FSDP2 over 2 gloo processes (real torchrun) with the float8 linears converted
-    before wrapping: the same curve as one process in fp8, and exact resumes."""
+def test_data_parallel_fsdp_and_pipeline_train_in_fp8_like_one_process(
+    shards: Path, tmp_path: Path
+) -> None:
+    """DDP, FSDP2 and two pipeline stages over 2 gloo processes (real torchrun) with the
+    float8 linears converted before wrapping (the stages after the split): the same curve
+    as one process in fp8, and exact resumes."""
     from parallel_helpers import (
         assert_metrics_match,
         assert_resume_exact,
@@ -250,12 +253,13 @@ def test_data_parallel_and_fsdp_train_in_fp8_like_one_process(shards: Path, tmp_
     cases = {
         "ddp": trainer_settings(shards, fp8),
         "fsdp": trainer_settings(shards, {**fp8, "parallel.data_parallel_mode": "fsdp"}),
+        "pp2": trainer_settings(shards, {**fp8, "parallel.pipeline": 2}),
     }
     (tmp_path / "runs").mkdir()
     runs = run_trainer_worker(tmp_path / "runs", cases, 2, "fp8 data parallel")
     reference = fit_one_process(trainer_settings(shards, fp8), tmp_path / "one")
     for case in cases:
-        # Measured: DDP equal to the bit, FSDP within 1e-6 (the default tolerances).
+        # Measured: DDP equal to the bit, FSDP and PP within 1e-6 (the default tolerances).
         assert_metrics_match(metrics(runs / case), metrics(reference), f"fp8 {case}")
         assert_resume_exact(runs / case, runs / f"{case}-resumed", f"fp8 {case}")
 

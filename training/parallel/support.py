@@ -197,9 +197,4 @@ def fp8_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
             "(Transformer Engine's tensor-parallel modules run its fp8 recipes), or "
             "parallel.tensor=1, or mixed_precision.fp8=false"
         )
-    if sizes.pp > 1:
-        problems.append(
-            f"mixed_precision.fp8 with parallel.pipeline={sizes.pp}: float8 pipeline stages "
-            "are not integrated; use data parallelism or FSDP, or mixed_precision.fp8=false"
-        )
     return problems
