@@ -51,8 +51,11 @@ class _InitRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if name in ("empty", "empty_strided"):
-            return out
+        on_meta = str(kwargs.get("device")) == "meta" or any(
+            isinstance(a, Tensor) and a.is_meta for a in (*args, *kwargs.values())
+        )
+        if name in ("empty", "empty_strided") or not on_meta:
+            return out  # allocation, or work on real tensors (not the model's init)
         if not name.endswith("_") or any(
             isinstance(a, Tensor) for a in (*args[1:], *kwargs.values())
         ):
