@@ -39,7 +39,6 @@ from test_te_backend import _DotProductAttention
 from torch import nn
 
 from megalith.config import ModelConfig, load_config
-from megalith.errors import MegalithError
 from training.models import GPTModel, TorchBackend
 from training.models import backend as backend_module
 from training.models.te_backend import TransformerEngineBackend
@@ -255,9 +254,10 @@ def test_te_kernels_get_te_tensor_parallel_modules(monkeypatch) -> None:
     assert type(plain) is TensorParallelBackend
 
 
-def test_fp8_with_tensor_parallelism_is_refused_only_without_te() -> None:
-    """TE's tensor-parallel modules run its fp8 recipes; torchao's float8 has no path
-    through our tensor-parallel linears, so that pairing is still refused at launch."""
+def test_fp8_with_tensor_parallelism_is_accepted_with_either_backend() -> None:
+    """TE's tensor-parallel modules run its fp8 recipes, and torchao's float8 matmul runs
+    through our tensor-parallel linears (tests/test_fp8.py trains it), so neither pairing
+    is refused at launch any more."""
 
     def fp8(backend: str):
         values = [
@@ -267,10 +267,8 @@ def test_fp8_with_tensor_parallelism_is_refused_only_without_te() -> None:
         ]
         return load_config(None, values)
 
-    check_trainer_support(fp8("te"), ParallelSizes(tp=2))
-    for backend in ("torch", "auto"):
-        with pytest.raises(MegalithError, match=f"parallel.tensor=2 and model.backend={backend}"):
-            check_trainer_support(fp8(backend), ParallelSizes(tp=2))
+    for backend in ("te", "torch", "auto"):
+        check_trainer_support(fp8(backend), ParallelSizes(tp=2))  # raises if refused
 
 
 # --- The real Transformer Engine on one GPU (gpu) -----------------------------------------

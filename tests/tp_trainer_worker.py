@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megalith.config import load_config
 from training.parallel.groups import validate_layout
+from training.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from training.runtime.distributed import distributed
 from training.trainer import Trainer
 
@@ -36,6 +37,13 @@ def run_case(spec: dict, name: str, settings: dict, state) -> object:
         state = None  # another layout: its own process groups
     trainer = Trainer(config, out, parallel_state=state)
     trainer.fit(show_progress=False)
+    if trainer.is_main:  # which tensor-parallel linears ran a float8 matmul
+        linears = {
+            name: module.matmul is not None
+            for name, module in trainer.model.named_modules()
+            if isinstance(module, ColumnParallelLinear | RowParallelLinear)
+        }
+        (out / "tensor_parallel_float8.json").write_text(json.dumps(linears))
 
     resumed_out = Path(spec["out"]) / f"{name}-resumed"
     first = f"step-{spec['resume_step']:08d}"

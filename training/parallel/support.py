@@ -189,12 +189,4 @@ def fp8_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
             "the float8 weight-gradient GEMMs reduce over the tokens, which must be a multiple "
             "of 16"
         )
-    if sizes.tp > 1 and config.model.backend != "te":  # TE's own TP modules run its recipes
-        problems.append(
-            f"mixed_precision.fp8 with parallel.tensor={sizes.tp} and model.backend="
-            f"{config.model.backend}: torchao's float8 has no path through the tensor-parallel "
-            "linears (ColumnParallelLinear, RowParallelLinear) yet; set model.backend=te "
-            "(Transformer Engine's tensor-parallel modules run its fp8 recipes), or "
-            "parallel.tensor=1, or mixed_precision.fp8=false"
-        )
     return problems

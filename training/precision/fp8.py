@@ -7,7 +7,9 @@ Two routes, picked by the model's layer backend (``model.backend``):
   A ``Float8Linear`` keeps its weight as the *same* plain bf16/fp32 ``Parameter`` and
   casts the matmul inputs (activation, weight, output gradient) to float8 with dynamic
   scales in every forward and backward, so parameter names, the optimizer, sharded
-  checkpoints, the model package and exports are exactly as without fp8. It composes
+  checkpoints, the model package and exports are exactly as without fp8. The
+  tensor-parallel linears (``ColumnParallelLinear``, ``RowParallelLinear``) keep their
+  shard and collectives and get a :class:`Float8Matmul` instead (scales per shard). It composes
   with ``torch.compile`` (which fuses the casts), activation checkpointing (selective
   checkpointing keeps ``_scaled_mm`` outputs, :data:`training.models.gpt.SELECTIVE_SAVED_OPS`),
   DDP and FSDP2 (the conversion runs before either wraps the model).
@@ -54,6 +56,7 @@ from torch import nn
 
 from megalith.config import MixedPrecisionConfig
 from megalith.errors import MegalithError
+from training.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from training.precision.mixed import Precision
 
 logger = logging.getLogger(__name__)
@@ -103,12 +106,49 @@ def torchao_config(recipe: str):
     return _torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
 
 
+class Float8Matmul:
+    """``x @ weight.T`` through torchao's float8 casts and scaled matmuls (what
+    ``Float8Linear.forward`` runs), for the tensor-parallel linears, which keep their own
+    weight shard and collectives. Scales are taken per shard: each rank scales its part
+    of the weight (and, in a row-parallel linear, of the input) by that part's own amax,
+    as torchao's tensor-parallel float8 does for local tensors; the partial products are
+    then reduced in bf16, so TP changes only the rounding, not the reduction."""
+
+    def __init__(self, config) -> None:
+        float8 = _torchao_float8()
+        # torchao builds its matmul settings in Float8Linear: take them from a shell.
+        shell = float8.float8_linear.Float8Linear.from_float(
+            nn.Linear(FP8_DIM_MULTIPLE, FP8_DIM_MULTIPLE, bias=False, device="meta"), config=config
+        )
+        self.config, self.mm_config = shell.config, shell.linear_mm_config
+        self.apply = float8.float8_linear.matmul_with_hp_or_float8_args.apply
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type):  # as F.linear under autocast
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return self.apply(x, weight.t(), self.mm_config, self.config)
+
+
+def _arm_tensor_parallel_linears(model: nn.Module, config) -> list[str]:
+    """Give the eligible tensor-parallel linears a float8 matmul; returns their names."""
+    armed = []
+    for fqn, module in model.named_modules():
+        if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            continue
+        out_features, in_features = module.weight.shape  # this rank's shard
+        if in_features % FP8_DIM_MULTIPLE == 0 and out_features % FP8_DIM_MULTIPLE == 0:
+            module.matmul = Float8Matmul(config)
+            armed.append(fqn)
+    return armed
+
+
 def convert_linears(model: nn.Module, recipe: str) -> list[str]:
     """Swap the eligible ``nn.Linear`` modules of ``model`` for torchao ``Float8Linear``
-    in place; returns the converted modules' names. Parameters stay the same objects."""
+    in place, and give the eligible tensor-parallel linears a float8 matmul; returns the
+    converted modules' names. Parameters stay the same objects."""
     float8 = _torchao_float8()
     config = torchao_config(recipe)
-    converted: list[str] = []
+    converted: list[str] = _arm_tensor_parallel_linears(model, config)
 
     def keep(module: nn.Module, fqn: str) -> bool:
         if fp8_eligible(module, fqn):

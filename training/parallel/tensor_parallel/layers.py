@@ -18,6 +18,7 @@ rank holds the full gradient and the trainer has nothing to add.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -32,6 +33,7 @@ from training.parallel.tensor_parallel.mappings import (
     SEQUENCE_DIM,
     all_gather,
     copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     reduce_scatter,
@@ -40,6 +42,10 @@ from training.parallel.tensor_parallel.mappings import (
 )
 
 IGNORE_INDEX = -100
+
+# ``matmul(x, weight) -> x @ weight.T`` in another number format: set on a linear by
+# training.precision.fp8 (torchao's float8 casts and scaled matmuls); None is F.linear.
+Matmul = Callable[[Tensor, Tensor], Tensor]
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -115,6 +121,7 @@ class ColumnParallelLinear(nn.Module):
         local = output_chunks * _divide(chunk, tp, f"output features per chunk of {out_features}")
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.bias = nn.Parameter(torch.empty(local)) if bias else None
+        self.matmul: Matmul | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -123,7 +130,16 @@ class ColumnParallelLinear(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.sequence_parallel:
+        if self.matmul is not None:
+            # The plain autograd path: under SP the gathered input is kept for the
+            # weight gradient (the float8 matmul saves its own float8 copies).
+            if self.sequence_parallel:
+                x = gather_from_sequence_parallel_region(x, self.group)
+            else:
+                x = copy_to_tensor_parallel_region(x, self.group)
+            y = self.matmul(x, self.weight)
+            y = y if self.bias is None else y + self.bias.to(y.dtype)
+        elif self.sequence_parallel:
             y = _SequenceParallelLinear.apply(*_autocast(x, self.weight, self.bias), self.group)
         else:
             y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
@@ -160,6 +176,7 @@ class RowParallelLinear(nn.Module):
         local = _divide(in_features, dist.get_world_size(group), "input features")
         self.weight = nn.Parameter(torch.empty(out_features, local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.matmul: Matmul | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -168,7 +185,7 @@ class RowParallelLinear(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.matmul is None else self.matmul(x, self.weight)
         if not self.sequence_parallel:
             y = reduce_from_tensor_parallel_region(y, self.group)
             return y if self.bias is None else y + self.bias
