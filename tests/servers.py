@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,14 +88,25 @@ def prefect_server(
 
 
 def prefect_post(api: str, path: str, body: dict | None = None) -> list | dict:
-    """POST a JSON body to the Prefect API (e.g. ``/flow_runs/filter``); its JSON answer."""
+    """POST a JSON body to the Prefect API (e.g. ``/flow_runs/filter``); its JSON answer.
+
+    A 503 is retried for up to 30 s: the Prefect server answers it while its SQLite
+    database is busy (seen once in CI on a loaded 2-core machine), as its own client
+    retries it."""
     request = urllib.request.Request(
         f"{api}{path}",
         data=json.dumps(body or {}).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            if error.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
 
 
 def wait_for_deployments(api: str, server: subprocess.Popen, count: int) -> list[dict]:
