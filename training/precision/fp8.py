@@ -131,13 +131,13 @@ class Float8Matmul:
 
 def _arm_tensor_parallel_linears(model: nn.Module, config) -> list[str]:
     """Give the eligible tensor-parallel linears a float8 matmul; returns their names."""
-    armed = []
+    armed, matmul = [], Float8Matmul(config)  # stateless: one for every linear
     for fqn, module in model.named_modules():
         if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
             continue
         out_features, in_features = module.weight.shape  # this rank's shard
         if in_features % FP8_DIM_MULTIPLE == 0 and out_features % FP8_DIM_MULTIPLE == 0:
-            module.matmul = Float8Matmul(config)
+            module.matmul = matmul
             armed.append(fqn)
     return armed
 
