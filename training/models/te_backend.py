@@ -98,11 +98,15 @@ class Engine:
         self, build: Callable[[], nn.Module], names: dict[str, str], feed: Feed | None = None
     ):
         self.build, self.names, self.feed, self.module = build, names, feed, None
+        # Opaque to torch.compile: TE's modules are dynamo-disabled anyway, and the
+        # aliasing in _run is bookkeeping, not graph. Disabled here rather than by a
+        # decorator, which would import dynamo (1.6 s) in every process importing models.
+        self._run_opaque = torch.compiler.disable(self._run)
 
-    # Opaque to torch.compile: TE's modules are dynamo-disabled anyway, and the aliasing
-    # below is bookkeeping, not graph.
-    @torch.compiler.disable
     def __call__(self, owner: nn.Module, *inputs: Tensor) -> Tensor:
+        return self._run_opaque(owner, *inputs)
+
+    def _run(self, owner: nn.Module, *inputs: Tensor) -> Tensor:
         if self.module is None:
             self.module = self.build()
         for ours, theirs in self.names.items():

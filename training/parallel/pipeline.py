@@ -91,12 +91,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
 
 from megalith.config import MegalithConfig, ModelConfig
 from training.checkpoint.format import (
@@ -239,26 +233,6 @@ class _Busy:
         return self.seconds
 
 
-class TimedStage(PipelineStage):
-    """A PipelineStage that adds its forward and backward time to a :class:`_Busy`."""
-
-    def __init__(self, *args, busy: _Busy, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.busy = busy
-
-    def forward_one_chunk(self, *args, **kwargs):
-        with self.busy.span():
-            return super().forward_one_chunk(*args, **kwargs)
-
-    def backward_one_chunk(self, *args, **kwargs):
-        with self.busy.span():
-            return super().backward_one_chunk(*args, **kwargs)
-
-    def backward_weight_one_chunk(self, *args, **kwargs):
-        with self.busy.span():
-            return super().backward_weight_one_chunk(*args, **kwargs)
-
-
 # --- the runner --------------------------------------------------------------------------
 
 
@@ -304,22 +278,14 @@ class PipelineParallel:
     # ---------------------------------------------------------------- schedule
 
     def _schedule(self):
-        stages = [
-            TimedStage(
-                chunk, stage, self.num_virtual, self.device, group=self.state.pp_group,
-                busy=self.busy,
-            )
-            for stage, chunk in zip(self.virtual_stages, self.chunks, strict=True)
-        ]  # fmt: skip
-        # scale_grads=False: the loss is already divided by the micro-batch count.
-        schedule = self.config.parallel.pipeline_schedule
-        if schedule == "zero-bubble":
-            return ScheduleInterleavedZeroBubble(
-                stages, self.micro_batches, self._loss, scale_grads=False
-            )
-        if self.state.sizes.vpp == 1:
-            return Schedule1F1B(stages[0], self.micro_batches, self._loss, scale_grads=False)
-        return ScheduleInterleaved1F1B(stages, self.micro_batches, self._loss, scale_grads=False)
+        # Imported here: torch.distributed.pipelining imports dynamo (about 1.6 s of CPU),
+        # which only pipeline-parallel processes need.
+        from training.parallel.pipeline_schedule import build_schedule
+
+        return build_schedule(
+            self.chunks, self.virtual_stages, self.num_virtual, self.device, self.state,
+            self.busy, self.micro_batches, self._loss, self.config.parallel.pipeline_schedule,
+        )  # fmt: skip
 
     def _loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
         with self.busy.span(), self.precision.autocast():
