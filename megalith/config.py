@@ -317,6 +317,25 @@ FAMILY_RULES: dict[str, FamilyRules] = {
 }
 
 
+class RopeScaling(StrictModel):
+    """Llama 3's RoPE frequency scaling (Hugging Face ``rope_type: llama3``, Megatron-LM's
+    ``--use-rope-scaling``): wavelengths longer than ``original_max_position_embeddings /
+    low_freq_factor`` are stretched by ``factor``, those shorter than ``... /
+    high_freq_factor`` kept, the ones between interpolated."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = Field(default=8.0, gt=0)
+    low_freq_factor: float = Field(default=1.0, gt=0)
+    high_freq_factor: float = Field(default=4.0, gt=0)
+    original_max_position_embeddings: int = Field(default=8192, ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError("rope_scaling.high_freq_factor must exceed low_freq_factor")
+        return self
+
+
 class ModelConfig(StrictModel):
     """A transformer. ``style`` fills every architectural choice left unset; with
     ``family: t5`` (an encoder-decoder, training/models/t5.py) T5 v1.1's choices do."""
@@ -361,6 +380,11 @@ class ModelConfig(StrictModel):
     activation: Literal["swiglu", "gelu", "geglu"] | None = Field(
         default=None, description="geglu: gated GELU (tanh), T5 v1.1's; family t5 only."
     )
+    gelu_approximation: Literal["tanh", "none"] = Field(
+        default="tanh",
+        description="activation gelu: tanh (GPT-2's; Megatron-Core's fused bias-GELU) or none "
+        "(exact erf GELU: Megatron-Core without bias-GELU fusion or bias, HF 'gelu').",
+    )
     position_embedding: Literal["rope", "learned", "relative"] | None = Field(
         default=None, description="relative: T5's bucketed attention biases; family t5 only."
     )
@@ -376,6 +400,9 @@ class ModelConfig(StrictModel):
     bias: bool | None = None
     tie_embeddings: bool | None = None
     rope_base: float = Field(default=10000.0, gt=0)
+    rope_scaling: RopeScaling | None = Field(
+        default=None, description="Llama 3 RoPE frequency scaling; None: plain RoPE."
+    )
     norm_eps: float = Field(default=1e-5, gt=0)
     init_std: float = Field(default=0.02, gt=0)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -459,6 +486,12 @@ class ModelConfig(StrictModel):
                 f"num_attention_heads {self.num_attention_heads} is not divisible by "
                 f"num_query_groups {groups}"
             )
+        if self.gelu_approximation != "tanh" and self.activation != "gelu":
+            raise ValueError("model.gelu_approximation applies to activation gelu only")
+        if self.gelu_approximation != "tanh" and self.num_experts:
+            raise ValueError("model.gelu_approximation none is not implemented for MoE experts")
+        if self.rope_scaling is not None and self.position_embedding != "rope":
+            raise ValueError("model.rope_scaling needs position_embedding rope")
         if self.position_embedding == "rope" and self.head_dim % 2:
             raise ValueError(
                 f"head_dim {self.head_dim} (hidden_size / num_attention_heads) must be even "

@@ -179,24 +179,30 @@ def test_import_of_export_round_trips_exactly(exported: dict, case: str, tmp_pat
     assert tokenizer.read_bytes() == (hf_dir / "tokenizer.model").read_bytes()
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "llama3_rope", "gpt2_erf"])
 def test_import_of_a_transformers_model_matches_its_logits(
     kind: str, tokenizer_file: Path, tmp_path: Path
 ) -> None:
     """A model made and saved by transformers itself (sharded, with an index) imports with
     the same logits."""
     torch.manual_seed(0)
-    if kind == "llama":
+    # llama3_rope: Llama 3.x's rope_scaling, with a short original context so that it
+    # changes the frequencies of a 32-position model; gpt2_erf: exact GELU ("gelu").
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+    if kind.startswith("llama"):
         hf_config = transformers.LlamaConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
             rms_norm_eps=1e-6, rope_theta=500.0,
+            rope_scaling={**scaling, "rope_theta": 500.0} if kind == "llama3_rope" else None,
         )  # fmt: skip
         hf_model = transformers.LlamaForCausalLM(hf_config)
     else:
         hf_config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, n_inner=40
-        )
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, n_inner=40,
+            activation_function="gelu" if kind == "gpt2_erf" else "gelu_new",
+        )  # fmt: skip
         hf_model = transformers.GPT2LMHeadModel(hf_config)
     hf_dir = tmp_path / "hf"
     hf_model.save_pretrained(hf_dir, max_shard_size="50KB")
@@ -206,10 +212,18 @@ def test_import_of_a_transformers_model_matches_its_logits(
     with torch.no_grad():
         theirs = hf_model.eval()(x).logits
     model, config, _ = load_model_package(import_hf(hf_dir, tmp_path / "pkg"))
-    assert config.ffn_hidden_size == 40 and config.style == kind
-    if kind == "llama":
+    assert config.ffn_hidden_size == 40 and config.style == kind.split("_")[0].removesuffix("3")
+    if kind.startswith("llama"):
         assert (config.rope_base, config.norm_eps, config.num_query_groups) == (500.0, 1e-6, 2)
+    assert (config.rope_scaling is not None) == (kind == "llama3_rope")
+    assert config.gelu_approximation == ("none" if kind == "gpt2_erf" else "tanh")
     assert (model(x) - theirs).abs().max().item() < ATOL
+    if kind in ("llama3_rope", "gpt2_erf"):  # and back: transformers reads the same model
+        again = transformers.AutoModelForCausalLM.from_pretrained(
+            export_hf(tmp_path / "pkg", tmp_path / "again"), dtype=torch.float32
+        )
+        with torch.no_grad():
+            assert (again.eval()(x).logits - theirs).abs().max().item() < ATOL
 
 
 def test_tokenizer_loads_in_transformers(exported: dict, tokenizer_file: Path) -> None:
@@ -404,8 +418,8 @@ def test_import_names_missing_and_misshapen_tensors(exported: dict, tmp_path: Pa
     config_path.write_text(json.dumps({**config, "intermediate_size": 64}))
     with pytest.raises(HFInteropError, match=r"model\.layers\.0\.mlp\.\w+_proj\.weight has shape"):
         import_hf(hf_dir, tmp_path / "pkg")
-    config_path.write_text(json.dumps({**config, "rope_scaling": {"rope_type": "llama3"}}))
-    with pytest.raises(HFInteropError, match="RoPE scaling"):
+    config_path.write_text(json.dumps({**config, "rope_scaling": {"rope_type": "yarn"}}))
+    with pytest.raises(HFInteropError, match="RoPE scaling rope_type 'yarn' is not supported"):
         import_hf(hf_dir, tmp_path / "pkg")
 
 

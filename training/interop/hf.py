@@ -48,7 +48,7 @@ from sentencepiece import sentencepiece_model_pb2
 from torch import Tensor
 
 from megalith import safe_read
-from megalith.config import ModelConfig, format_validation_error
+from megalith.config import ModelConfig, RopeScaling, format_validation_error
 from megalith.errors import MegalithError
 from preprocessing.tokenizer import TokenizerError, load_tokenizer
 from training.checkpoint.safe_tensors import UnsafeTensorFileError, check_safetensors
@@ -151,7 +151,7 @@ def hf_config(config: ModelConfig, dtype: str, special_ids: dict[str, int]) -> d
             "n_inner": config.ffn_hidden_size,
             "n_positions": config.max_position_embeddings,
             "n_ctx": config.max_position_embeddings,
-            "activation_function": "gelu_new",
+            "activation_function": "gelu" if config.gelu_approximation == "none" else "gelu_new",
             "layer_norm_epsilon": config.norm_eps,
             **dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), config.dropout),
             "scale_attn_weights": True,
@@ -172,8 +172,8 @@ def hf_config(config: ModelConfig, dtype: str, special_ids: dict[str, int]) -> d
         "max_position_embeddings": config.max_position_embeddings,
         "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_base,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_base},
-        "rope_scaling": None,
+        "rope_parameters": {"rope_theta": config.rope_base, **hf_rope_scaling(config)},
+        "rope_scaling": hf_rope_scaling(config) if config.rope_scaling else None,
         "attention_bias": config.bias,
         "mlp_bias": config.bias,
         "attention_dropout": config.dropout,
@@ -181,9 +181,33 @@ def hf_config(config: ModelConfig, dtype: str, special_ids: dict[str, int]) -> d
     }
 
 
+def hf_rope_scaling(config: ModelConfig) -> dict[str, Any]:
+    """HF's ``rope_scaling`` for our config (rope_type default without scaling)."""
+    if config.rope_scaling is None:
+        return {"rope_type": "default"}
+    return config.rope_scaling.model_dump()
+
+
+def rope_scaling_from_hf(rope: dict[str, Any], source: str) -> RopeScaling | None:
+    """Our RopeScaling for the ``rope_scaling`` or ``rope_parameters`` entry that scales (None: none)."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if not rope or kind == "default":
+        return None
+    if kind != "llama3":
+        raise HFInteropError(
+            f"{source}: RoPE scaling rope_type {safe_read.brief(kind)} is not supported "
+            "(only 'default' and 'llama3')"
+        )
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    try:
+        return RopeScaling(**{k: rope[k] for k in keys if k in rope})
+    except ValidationError as exc:
+        raise HFInteropError(format_validation_error(exc, f"{source}: rope_scaling")) from None
+
+
 def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """Our :class:`ModelConfig` for an HF Llama or GPT-2 ``config.json``; refuses what we
-    cannot compute exactly (other model types, activations, RoPE scaling, ...)."""
+    cannot compute exactly (other model types, activations, RoPE scaling other than llama3)."""
 
     def get(key: str, default: Any = ...) -> Any:
         if key not in hf and default is ...:
@@ -209,18 +233,16 @@ def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Mod
         need("head_dim", (None, hidden // heads), None)
         need("mlp_bias", (get("attention_bias", False),), False)
         rope: dict[str, Any] = {}
+        scaled: dict[str, Any] = {}  # the entry that names a rope_type other than default
         for key in ("rope_scaling", "rope_parameters"):
             value = get(key, None) or {}
             if not isinstance(value, dict):
                 raise HFInteropError(
                     f"{source}: {key} must be an object, got {safe_read.brief(value)}"
                 )
-            if value.get("rope_type", value.get("type", "default")) != "default":
-                raise HFInteropError(
-                    f"{source}: RoPE scaling {key}={value} is not supported "
-                    "(only rope_type 'default')"
-                )
             rope.update(value)
+            if value.get("rope_type", value.get("type", "default")) != "default":
+                scaled = value
         values = {
             "style": "llama",
             "num_layers": get("num_hidden_layers"),
@@ -231,12 +253,13 @@ def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Mod
             "max_position_embeddings": get("max_position_embeddings"),
             "norm_eps": get("rms_norm_eps", 1e-6),
             "rope_base": rope.get("rope_theta", get("rope_theta", 10000.0)),
+            "rope_scaling": rope_scaling_from_hf(scaled, source),
             "bias": get("attention_bias", False),
             "tie_embeddings": get("tie_word_embeddings", False),
             "dropout": get("attention_dropout", 0.0),
         }
     elif kind == "gpt2":
-        need("activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
+        need("activation_function", ("gelu_new", "gelu_pytorch_tanh", "gelu"), "gelu_new")
         need("scale_attn_weights", (True,), True)
         need("scale_attn_by_inverse_layer_idx", (False,), False)
         need("add_cross_attention", (False,), False)
@@ -251,6 +274,7 @@ def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Mod
             "norm_eps": get("layer_norm_epsilon", 1e-5),
             "tie_embeddings": get("tie_word_embeddings", True),
             "dropout": get("resid_pdrop", 0.1),
+            "gelu_approximation": "none" if get("activation_function", "") == "gelu" else "tanh",
         }
     else:
         raise HFInteropError(

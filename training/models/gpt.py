@@ -60,6 +60,7 @@ from training.models.layers import (
     apply_rope,
     geglu,
     gelu,
+    gelu_erf,
     scaled_init_std,
     swiglu,
 )
@@ -172,6 +173,8 @@ class MLP(nn.Module):
             output_chunks=chunks,
         )
         self.activation = {"swiglu": swiglu, "geglu": geglu, "gelu": gelu}[config.activation]
+        if config.activation == "gelu" and config.gelu_approximation == "none":
+            self.activation = gelu_erf
         self.fc2 = backend.row_linear(
             config.ffn_hidden_size,
             config.hidden_size,
@@ -286,7 +289,10 @@ class GPTModel(nn.Module):
         self.rope = None
         if config.position_embedding == "rope":
             self.rope = RotaryEmbedding(
-                config.head_dim, config.max_position_embeddings, config.rope_base
+                config.head_dim,
+                config.max_position_embeddings,
+                config.rope_base,
+                config.rope_scaling,
             )
         self.layers = nn.ModuleList(
             TransformerBlock(config, self.backend, i) for i in range(config.num_layers)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalith.config import RopeScaling
 from training.models.fused_cross_entropy import linear_cross_entropy
 
 IGNORE_INDEX = -100
@@ -218,6 +219,21 @@ def _causal_mask(queries: int, keys: int, device: torch.device) -> tuple[Tensor 
     return mask, False
 
 
+def llama3_scaled(inv_freq: Tensor, scaling: RopeScaling) -> Tensor:
+    """Llama 3's frequency scaling (Hugging Face ``_compute_llama3_parameters``, Megatron-Core
+    ``RotaryEmbedding._apply_scaling``)."""
+    old = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE tables in the rotate-half (GPT-NeoX / Hugging Face Llama / Megatron) convention.
 
@@ -231,18 +247,24 @@ class RotaryEmbedding(nn.Module):
 
     MIN_TABLE = 4096
 
-    def __init__(self, head_dim: int, max_positions: int, base: float):
+    def __init__(
+        self, head_dim: int, max_positions: int, base: float, scaling: RopeScaling | None = None
+    ):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
         self.head_dim = head_dim
         self.max_positions = max_positions
         self.base = base
+        self.scaling = scaling
         self._table: tuple[Tensor, Tensor] | None = None
 
     def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
-        inv_freq = (1.0 / self.base**exponents).to(device=positions.device, dtype=torch.float32)
+        inv_freq = 1.0 / self.base**exponents
+        if self.scaling is not None:
+            inv_freq = llama3_scaled(inv_freq, self.scaling)
+        inv_freq = inv_freq.to(device=positions.device, dtype=torch.float32)
         angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos(), angles.sin()
@@ -297,6 +319,11 @@ def geglu(x: Tensor) -> Tensor:
 def gelu(x: Tensor) -> Tensor:
     """GPT-2's GELU (tanh approximation; Hugging Face ``gelu_new``)."""
     return F.gelu(x, approximate="tanh")
+
+
+def gelu_erf(x: Tensor) -> Tensor:
+    """The exact (erf) GELU: Megatron-Core's without bias-GELU fusion, Hugging Face's ``gelu``."""
+    return F.gelu(x)
 
 
 def scaled_init_std(init_std: float, num_layers: int) -> float:

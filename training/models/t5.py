@@ -247,7 +247,10 @@ class T5Model(nn.Module):
         self.rope = None
         if config.position_embedding == "rope":
             self.rope = RotaryEmbedding(
-                config.head_dim, config.max_position_embeddings, config.rope_base
+                config.head_dim,
+                config.max_position_embeddings,
+                config.rope_base,
+                config.rope_scaling,
             )
         encoder_blocks = [
             TransformerBlock(config, self.backend, i) for i in range(config.num_layers)
