@@ -1,293 +1,205 @@
-"""`megalith import megatron`: a real megatron-core GPTModel, saved as Megatron-LM saves a
-legacy checkpoint, imports into a package whose logits match megatron-core's forward.
+"""`megalith import megatron` on checkpoints written by Megatron-LM's own save path.
 
-megatron-core runs on CPU here with a one-process gloo group for its parallel state;
-its local (non-Transformer-Engine) layer spec; two CUDA-only calls in its forward
-(``torch.cuda.current_device`` for the RoPE table, the RNG tracker's fork around
-attention dropout, which is 0) are bypassed in the test process only. TP=2 rank files
-are the TP=1 model's tensors split as megatron-core shards them (:func:`tp_shards`),
-and the import must reproduce the TP=1 model's logits.
+tests/data/megatron/ holds tiny GPT checkpoints that Megatron-LM (tag core_v0.16.1) wrote
+with ``save_checkpoint`` under torchrun, in the legacy ``torch`` format and in ``torch_dist``,
+for TP=1, TP=2, PP=2, TP2xPP2 and an uneven pipeline split, Llama-style (RMSNorm, SwiGLU,
+RoPE, GQA, untied), with ``--use-rope-scaling``, and GPT-style with megatron-core's default
+fused (tanh) GELU and with exact GELU (``--no-bias-gelu-fusion``); beside each, the logits
+megatron-core computes for fixed tokens after loading the torch_dist copy at TP=1.
+tests/data/megatron/make_fixtures.py made them (its docstring has the command). The
+import must reproduce those logits.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import random
+import shutil
+import signal
+import types
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from bad_checkpoints import WritesMarker
+from safetensors.torch import load_file
 
 from pipelines.cli import main
-from training.interop.megatron import MegatronImportError, import_megatron
+from training.interop.megatron import (
+    MegatronImportError,
+    import_megatron,
+    load_torch_file,
+    model_config_from_args,
+)
 from training.models.package import load_model_package
 
-mcore = pytest.importorskip("megatron.core")
-
-REPO = Path(__file__).resolve().parents[1]
-VOCAB, SEQ, LAYERS = 448, 16, 2
+DATA = Path(__file__).parent / "data/megatron"
 # fp32 on CPU: megatron-core's unfused attention/softmax vs our SDPA differ by rounding only.
 ATOL = 1e-4
+CASES = [
+    ("llama", "tp1_pp1"),
+    ("llama", "tp2_pp1"),
+    ("llama", "tp1_pp2"),
+    ("llama", "tp2_pp2"),
+    ("llama_uneven_pp", "tp1_pp2"),
+    ("llama_rope_scaling", "tp1_pp1"),
+    ("gpt_gelu_tanh", "tp1_pp1"),
+    ("gpt_gelu_tanh", "tp2_pp1"),
+    ("gpt_gelu_erf", "tp1_pp1"),
+]
 
 
-@pytest.fixture(scope="module")
-def megatron(tmp_path_factory: pytest.TempPathFactory):
-    """megatron-core's parallel state on a one-process gloo group (TP=1)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import random as mrandom
-
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    patches = pytest.MonkeyPatch()
-    patches.setattr(torch.cuda, "current_device", lambda: "cpu")
-    patches.setattr(
-        mrandom.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext()
-    )
-    yield parallel_state
-    patches.undo()
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
-def build_mcore() -> torch.nn.Module:
-    """A Llama-style megatron-core GPT (RMSNorm, SwiGLU, RoPE, GQA, untied), seed 0 on CPU."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=LAYERS,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=48,
-        use_cpu_initialization=True,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        layernorm_epsilon=1e-5,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-    )
-    torch.manual_seed(0)
-    model = GPTModel(
-        config,
-        get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        position_embedding_type="rope",
-        share_embeddings_and_output_weights=False,
-    )
-    with torch.no_grad():  # norms away from 1, so their mapping is tested
-        for name, param in model.named_parameters():
-            if "layernorm" in name:
-                param.add_(0.1 * torch.randn_like(param))
-    return model.eval()
-
-
-def tp_shards(model: torch.nn.Module, tp: int) -> list[dict]:
-    """The state dicts a TP=``tp`` Megatron run holds for ``model``: vocab-parallel embedding
-    and output, column-parallel QKV (whole KV groups) and fc1 (each rank its own slice of
-    gate and of up, stored [gate_r; up_r]: megatron-core's fc1 stride 2), row-parallel
-    proj and fc2 (along the input dim), norms replicated."""
-    return tp_shards_of(model.state_dict(), tp)
-
-
-def tp_shards_of(state: dict, tp: int) -> list[dict]:
-    shards: list[dict] = [{} for _ in range(tp)]
-    for name, value in state.items():
-        if value is None or name.endswith("_extra_state"):
-            parts = [value] * tp
-        elif name.endswith("linear_fc1.weight"):
-            gate, up = value.chunk(2)
-            parts = [torch.cat(pair) for pair in zip(gate.chunk(tp), up.chunk(tp), strict=True)]
-        elif name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight")):
-            parts = value.chunk(tp, dim=0)
-        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-            parts = value.chunk(tp, dim=1)
-        else:
-            parts = [value] * tp
-        for rank, part in enumerate(parts):
-            shards[rank][name] = part.clone() if isinstance(part, torch.Tensor) else part
-    return shards
-
-
-def pp_stages(state: dict, pp: int) -> list[dict]:
-    """Per pipeline stage: its layers renumbered from 0 (megatron-core's local numbering),
-    the embedding on the first stage, the final norm and output layer on the last."""
-    per_stage = LAYERS // pp
-    stages: list[dict] = [{} for _ in range(pp)]
-    for name, value in state.items():
-        if name.startswith("decoder.layers."):
-            index, rest = name.removeprefix("decoder.layers.").split(".", 1)
-            stage, local = divmod(int(index), per_stage)
-            stages[stage][f"decoder.layers.{local}.{rest}"] = value
-        else:
-            stages[0 if name.startswith("embedding.") else pp - 1][name] = value
-    return stages
-
-
-def megatron_args(tp_size: int) -> argparse.Namespace:
-    """``args`` as Megatron-LM's argument parser leaves them (the fields the import reads,
-    plus a few of the others, including one of Megatron's enums)."""
-    from megatron.core.transformer.enums import AttnBackend
-
-    return argparse.Namespace(
-        num_layers=LAYERS,
-        hidden_size=32,
-        num_attention_heads=4,
-        group_query_attention=True,
-        num_query_groups=2,
-        kv_channels=8,
-        ffn_hidden_size=48,
-        padded_vocab_size=VOCAB,
-        max_position_embeddings=SEQ,
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding_type="rope",
-        rotary_base=10000,
-        rotary_percent=1.0,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        untie_embeddings_and_output_weights=True,
-        norm_epsilon=1e-5,
-        init_method_std=0.02,
-        hidden_dropout=0.0,
-        params_dtype=torch.float32,
-        tensor_model_parallel_size=tp_size,
-        pipeline_model_parallel_size=1,
-        attention_backend=AttnBackend.auto,
-        tokenizer_model="/data/tokenizer.model",
-        save="/ckpt",
-    )
-
-
-def save_legacy(
-    root: Path, models: list[dict], iteration: int = 100, stages: list[list[dict]] | None = None
-) -> Path:
-    """What Megatron-LM's save_checkpoint writes with --ckpt-format torch: ``models`` per TP
-    rank (mp_rank_XX), or ``stages[pp][tp]`` (mp_rank_XX_YYY)."""
-    (root / "latest_checkpointed_iteration.txt").parent.mkdir(parents=True, exist_ok=True)
-    ranks = {f"mp_rank_{t:02d}": m for t, m in enumerate(models)}
-    for p, row in enumerate(stages or []):
-        ranks.update({f"mp_rank_{t:02d}_{p:03d}": m for t, m in enumerate(row)})
-    for rank_dir, model_state in ranks.items():
-        directory = root / f"iter_{iteration:07d}" / rank_dir
-        directory.mkdir(parents=True)
-        state = {
-            "args": megatron_args(len(models) or len(stages[0])),
-            "checkpoint_version": 3.0,
-            "iteration": iteration,
-            "model": model_state,
-            "optimizer": {"state": {}, "param_groups": [{"lr": 1e-4, "params": [0]}]},
-            "opt_param_scheduler": {"num_steps": iteration},
-            "rng_state": [
-                {
-                    "random_rng_state": random.getstate(),
-                    "np_rng_state": np.random.get_state(),
-                    "torch_rng_state": torch.get_rng_state(),
-                    "rng_tracker_states": {},
-                }
-            ],
-            "num_floating_point_operations_so_far": 0,
-        }
-        torch.save(state, directory / "model_optim_rng.pt")
-    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-    return root
-
-
-def mcore_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    length = tokens.size(1)
-    positions = torch.arange(length).expand_as(tokens)
-    mask = torch.triu(torch.ones(1, 1, length, length), diagonal=1).bool()
+def logit_diff(package: Path, case: Path) -> float:
+    """max |our logits - megatron-core's| on the case's reference tokens."""
+    reference = load_file(str(case / "reference.safetensors"))
+    model, _, _ = load_model_package(package)
     with torch.no_grad():
-        return model(tokens, positions, attention_mask=mask)
+        ours = model(reference["tokens"])
+    return (ours - reference["logits"]).abs().max().item()
 
 
-def tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-
-
-@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 2)])
-def test_import_matches_megatron_core_logits(
-    megatron, tokenizer_file: Path, tmp_path: Path, tp: int, pp: int
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize(("name", "layout"), CASES)
+def test_import_matches_megatron_logits(
+    tokenizer_file: Path, tmp_path: Path, name: str, layout: str, fmt: str
 ) -> None:
-    reference = build_mcore()
-    if pp == 1:
-        ckpt = save_legacy(tmp_path / "ckpt", tp_shards(reference, tp))
-    else:
-        stages = [tp_shards_of(s, tp) for s in pp_stages(reference.state_dict(), pp)]
-        ckpt = save_legacy(tmp_path / "ckpt", [], stages=stages)
+    case = DATA / name / layout
     out = tmp_path / "pkg"
-    assert (
-        main(["import", "megatron", str(ckpt), str(out), "--tokenizer", str(tokenizer_file)]) == 0
-    )
-    model, config, _ = load_model_package(out)
-    assert (config.num_query_groups, config.tie_embeddings, config.style) == (2, False, "llama")
-    x = tokens()
-    ours, theirs = model(x), mcore_logits(reference, x)
-    diff = (ours - theirs).abs().max().item()
-    print(f"TP={tp} PP={pp}: max |logit difference| vs megatron-core {diff:.2e}")
-    assert diff < ATOL, f"TP={tp} PP={pp}: logits differ from megatron-core's by {diff}"
+    argv = ["import", "megatron", str(case / fmt), str(out), "--tokenizer", str(tokenizer_file)]
+    assert main(argv) == 0
+    diff = logit_diff(out, case)
+    print(f"{name} {layout} {fmt}: max |logit difference| vs megatron-core {diff:.2e}")
+    assert diff < ATOL, f"{name} {layout} {fmt}: logits differ from Megatron's by {diff}"
 
 
-def test_import_refuses_a_pickle_naming_code_and_never_runs_it(
-    megatron, tokenizer_file: Path, tmp_path: Path
+def real_args(fmt: str = "torch") -> argparse.Namespace:
+    if fmt == "torch":
+        path = DATA / "llama/tp1_pp1/torch/iter_0000010/mp_rank_00/model_optim_rng.pt"
+        return load_torch_file(path)["args"]
+    path = DATA / "gpt_gelu_tanh/tp1_pp1/torch_dist/iter_0000010/common.pt"
+    return load_torch_file(path, model=False)["args"]
+
+
+def test_real_args_carry_the_types_megatron_writes() -> None:
+    """The fixtures' args hold what current Megatron-LM puts there, admitted as themselves."""
+    for fmt in ("torch", "torch_dist"):
+        args = real_args(fmt)
+        assert isinstance(args.exit_signal, signal.Signals)
+        assert args.exit_signal == signal.SIGTERM
+
+
+def test_gelu_follows_megatron_core_and_the_override_wins(
+    tokenizer_file: Path, tmp_path: Path
 ) -> None:
-    from bad_checkpoints import WritesMarker
+    erf = DATA / "gpt_gelu_erf/tp1_pp1"
+    wrong = import_megatron(erf / "torch", tmp_path / "tanh", tokenizer=tokenizer_file, gelu="tanh")
+    assert logit_diff(wrong, erf) > ATOL  # the override is applied: tanh is not what ran
+    assert load_model_package(wrong)[1].gelu_approximation == "tanh"
+    args = vars(real_args("torch_dist")).copy()
+    del args["bias_gelu_fusion"]  # as a converted checkpoint's args may be
+    source = Path("common.pt")
+    with pytest.raises(MegatronImportError, match="--gelu tanh.*--gelu erf"):
+        model_config_from_args(argparse.Namespace(**args), source)
+    config = model_config_from_args(argparse.Namespace(**args), source, gelu="erf")
+    assert config.gelu_approximation == "none"
 
-    ckpt = save_legacy(tmp_path / "ckpt", [build_mcore().state_dict()])
+
+def test_rope_scaling_is_applied(tokenizer_file: Path, tmp_path: Path) -> None:
+    case = DATA / "llama_rope_scaling/tp1_pp1"
+    out = import_megatron(case / "torch", tmp_path / "pkg", tokenizer=tokenizer_file)
+    model, config, _ = load_model_package(out)
+    assert config.rope_scaling is not None and config.rope_scaling.factor == 8.0
+    model.rope.scaling = None  # unscaled frequencies: not the model Megatron ran
+    reference = load_file(str(case / "reference.safetensors"))
+    with torch.no_grad():
+        assert (model(reference["tokens"]) - reference["logits"]).abs().max() > ATOL
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "flag"),
+    [
+        ("no_rope_freq", 4, "--no-rope-freq"),
+        ("rope_scaling_factor", 32.0, "--rope-scaling-factor"),
+        ("virtual_pipeline_model_parallel_size", 2, "--virtual-pipeline-model-parallel-size"),
+        ("qk_layernorm", True, "--qk-layernorm"),
+    ],
+)
+def test_unsupported_args_are_refused_by_megatron_flag_names(
+    key: str, value: object, flag: str
+) -> None:
+    args = vars(real_args()).copy()
+    args[key] = value
+    if key == "rope_scaling_factor":
+        args["use_rope_scaling"] = True
+    with pytest.raises(MegatronImportError, match=flag):
+        model_config_from_args(argparse.Namespace(**args), Path("model_optim_rng.pt"))
+
+
+# --------------------------------------------------------------------------- hostile files
+
+
+def copy_case(tmp_path: Path, fmt: str) -> Path:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(DATA / "llama/tp1_pp1" / fmt, ckpt)
+    return ckpt
+
+
+def calls(module: str, name: str, argument: str) -> bytes:
+    """A pickle (protocol 0, by hand) whose loading calls ``module.name(argument)``."""
+    return f"c{module}\n{name}\n(V{argument}\ntR.".encode()
+
+
+def test_a_simple_namespace_carrying_code_is_refused_and_never_runs(
+    tokenizer_file: Path, tmp_path: Path
+) -> None:
+    ckpt = copy_case(tmp_path, "torch")
+    path = ckpt / "iter_0000010/mp_rank_00/model_optim_rng.pt"
     marker = tmp_path / "pwned"
-    path = ckpt / "iter_0000100/mp_rank_00/model_optim_rng.pt"
-    state = {"args": megatron_args(1), "model": {"x": WritesMarker(marker)}}
-    torch.save(state, path)
-    with pytest.raises(MegatronImportError, match=r"outside the allow-list.*pathlib"):
+    args = argparse.Namespace(  # the admitted types, and a namespace carrying a call
+        exit_signal=signal.SIGTERM,
+        save=Path("/ckpt"),
+        extra=types.SimpleNamespace(hook=WritesMarker(marker)),
+    )
+    torch.save({"args": args, "model": {}}, path)
+    with pytest.raises(
+        MegatronImportError,
+        match=r"outside the allow-list[^.]*\['builtins\.getattr', 'pathlib\.Path'\]",
+    ):
         import_megatron(ckpt, tmp_path / "pkg", tokenizer=tokenizer_file)
     assert not marker.exists()
     assert not (tmp_path / "pkg").exists()
 
 
-def test_torch_dist_checkpoints_are_refused_with_the_reason(
+def test_torch_dist_common_pt_naming_code_is_refused(tokenizer_file: Path, tmp_path: Path) -> None:
+    ckpt = copy_case(tmp_path, "torch_dist")
+    marker = tmp_path / "pwned"
+    torch.save({"args": WritesMarker(marker)}, ckpt / "iter_0000010/common.pt")
+    with pytest.raises(MegatronImportError, match=r"common\.pt.*outside the allow-list"):
+        import_megatron(ckpt, tmp_path / "pkg", tokenizer=tokenizer_file)
+    assert not marker.exists()
+
+
+def test_dcp_metadata_naming_code_is_refused_and_never_runs(
     tokenizer_file: Path, tmp_path: Path
 ) -> None:
-    iteration = tmp_path / "ckpt" / "iter_0000100"
-    iteration.mkdir(parents=True)
-    (iteration / ".metadata").write_bytes(b"\x80\x04N.")
-    (iteration / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
-    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("100")
-    with pytest.raises(MegatronImportError, match=r"torch_dist .*\.metadata.*sandbox"):
-        import_megatron(tmp_path / "ckpt", tmp_path / "pkg", tokenizer=tokenizer_file)
+    ckpt = copy_case(tmp_path, "torch_dist")
+    marker = tmp_path / "pwned"
+    metadata = ckpt / "iter_0000010/.metadata"
+    metadata.write_bytes(calls("os", "system", f"touch {marker}"))
+    with pytest.raises(MegatronImportError, match=r"\.metadata.*os\.system is not allowed"):
+        import_megatron(ckpt, tmp_path / "pkg", tokenizer=tokenizer_file)
+    assert not marker.exists()
+    # a torch dtype is a value the metadata may hold; torch functions are not
+    metadata.write_bytes(calls("torch", "load", str(metadata)))
+    with pytest.raises(MegatronImportError, match=r"torch\.load is not allowed"):
+        import_megatron(ckpt, tmp_path / "pkg", tokenizer=tokenizer_file)
 
 
-class _CallsNumpySave:
-    """Unpickling this calls ``numpy.save(marker, 1)`` -- unless numpy.* names are bound to
-    the inert placeholder, as the import does."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (np.save, (str(self.marker), 1))
-
-
-def test_allow_listed_names_are_inert_placeholders(
-    megatron, tokenizer_file: Path, tmp_path: Path
-) -> None:
-    ckpt = save_legacy(tmp_path / "ckpt", [build_mcore().state_dict()])
-    path = ckpt / "iter_0000100/mp_rank_00/model_optim_rng.pt"
-    marker = tmp_path / "pwned.npy"
-    state = {"args": megatron_args(1), "model": build_mcore().state_dict()}
-    torch.save({**state, "rng_state": [_CallsNumpySave(marker)]}, path)
-    assert "numpy.save" in torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-    import_megatron(ckpt, tmp_path / "pkg", tokenizer=tokenizer_file)
-    assert not marker.exists(), "numpy.save ran while unpickling"
-    load_model_package(tmp_path / "pkg")
+def test_dcp_storage_outside_the_directory_is_refused(tokenizer_file: Path, tmp_path: Path) -> None:
+    ckpt = copy_case(tmp_path, "torch_dist")
+    metadata = ckpt / "iter_0000010/.metadata"
+    data = metadata.read_bytes()
+    assert b"__0_0.distcp" in data
+    metadata.write_bytes(data.replace(b"__0_0.distcp", b"../__0_0.dcp"))  # same length
+    (ckpt / "__0_0.dcp").write_bytes(b"")
+    with pytest.raises(MegatronImportError, match=r"not a file in this directory"):
+        import_megatron(ckpt, tmp_path / "pkg", tokenizer=tokenizer_file)

@@ -43,7 +43,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
     imp = subcommands.add_parser(
         "import",
-        help="convert another format into a model package (hf)",
+        help="convert another format into a model package (hf, megatron)",
         description="Convert another ecosystem's model into a Megalith model package.",
     )
     imp.set_defaults(group_parser=imp)
@@ -56,8 +56,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "model package at OUT_PACKAGE, to fine-tune or evaluate with Megalith. PyTorch .bin "
         "(pickle) weights are refused unless --allow-torch-bin, and then read only with "
         "torch.load(weights_only=True). The tokenizer must be SentencePiece: HF_DIR/"
-        "tokenizer.model or --tokenizer. RoPE scaling (Llama 3 style) and untied q/k/v "
-        "head_dim are refused.",
+        "tokenizer.model or --tokenizer. Llama 3 RoPE scaling (rope_type llama3) is kept; other "
+        "RoPE scaling types and untied q/k/v head_dim are refused.",
         epilog="example: megalith import hf ./TinyLlama-hf models/tinyllama",
     )
     import_hf.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face model directory")
@@ -84,16 +84,18 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 def _register_import_megatron(formats: argparse._SubParsersAction) -> None:
     megatron = formats.add_parser(
         "megatron",
-        help="read a Megatron-LM GPT checkpoint (legacy torch format) into a model package",
-        description="Convert a Megatron-LM checkpoint written with --ckpt-format torch "
-        "(CKPT_DIR/latest_checkpointed_iteration.txt and iter_N/mp_rank_XX[_YYY]/"
-        "model_optim_rng.pt, any TP and PP size) into a model package. The .pt files are read "
-        "only through torch.load(weights_only=True) with an allow-list (argparse.Namespace; "
-        "megatron.*, numpy.* and _io.BytesIO as inert placeholders); a file naming any other "
-        "global is refused with the list. Only the model tensors and the architecture in args "
-        "are used. torch_dist (distributed checkpoint) directories are refused: their "
-        ".metadata is a pickle that cannot be read safely; convert them to the torch format in "
-        "a sandbox first (see docs/security.md).",
+        help="read a Megatron-LM GPT checkpoint (torch_dist or torch format) into a model package",
+        description="Convert a Megatron-LM GPT checkpoint (megatron-core model) into a model "
+        "package: --ckpt-format torch_dist (iter_N/.metadata, *.distcp, common.pt) or torch "
+        "(iter_N/mp_rank_XX[_YYY]/model_optim_rng.pt), any TP and PP size, uneven pipeline "
+        "splits included. No pickle is unpickled freely: .pt files go through "
+        "torch.load(weights_only=True) with an allow-list (argparse.Namespace, "
+        "types.SimpleNamespace, signal.Signals, pathlib.PosixPath; megatron.*, numpy.* and "
+        "_io.BytesIO as inert placeholders), DCP's .metadata through an unpickler that admits "
+        "only DCP's metadata dataclasses and torch dtypes/sizes; a file naming anything else is "
+        "refused with the list. Only the model tensors and the architecture in args are used; "
+        "what Megalith cannot compute exactly (--no-rope-freq, MoE, virtual pipeline stages, "
+        "...) is refused by Megatron-LM's flag name.",
         epilog="example: megalith import megatron ./gpt-ckpt models/gpt --tokenizer tok.model",
     )
     megatron.add_argument("ckpt_dir", metavar="CKPT_DIR", help="Megatron-LM --save directory")
@@ -105,6 +107,12 @@ def _register_import_megatron(formats: argparse._SubParsersAction) -> None:
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         help="dtype of the package (default: that of the checkpoint's embedding)",
+    )
+    megatron.add_argument(
+        "--gelu",
+        choices=["tanh", "erf"],
+        help="GELU of a GPT-style (non-SwiGLU) model, where args cannot tell (default: "
+        "megatron-core's rule: tanh when --bias-gelu-fusion was on with biases, erf otherwise)",
     )
     megatron.add_argument("--overwrite", action="store_true", help="replace OUT_PACKAGE")
     megatron.set_defaults(handler=_import_megatron)
@@ -148,6 +156,7 @@ def _import_megatron(args: argparse.Namespace) -> int:
         args.output,
         tokenizer=args.tokenizer,
         dtype=args.dtype,
+        gelu=args.gelu,
         overwrite=args.overwrite,
     )
     print(f"wrote {out}")
