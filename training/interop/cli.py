@@ -11,11 +11,12 @@ import tempfile
 def register(subcommands: argparse._SubParsersAction) -> None:
     export = subcommands.add_parser(
         "export",
-        help="convert a model package to another format (hf)",
+        help="convert a model package to another format (hf, megatron)",
         description="Convert a Megalith model package to another ecosystem's format.",
     )
     export.set_defaults(group_parser=export)
-    export_hf = export.add_subparsers(dest="export_command", metavar="FORMAT").add_parser(
+    export_formats = export.add_subparsers(dest="export_command", metavar="FORMAT")
+    export_hf = export_formats.add_parser(
         "hf",
         help="write a Hugging Face model directory (LlamaForCausalLM or GPT2LMHeadModel)",
         description="Convert MODEL_PACKAGE (the model/ directory `megalith train` writes) into "
@@ -40,6 +41,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty"
     )
     export_hf.set_defaults(handler=_export_hf)
+    _register_export_megatron(export_formats)
 
     imp = subcommands.add_parser(
         "import",
@@ -79,6 +81,45 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     import_hf.add_argument("--overwrite", action="store_true", help="replace OUT_PACKAGE")
     import_hf.set_defaults(handler=_import_hf)
     _register_import_megatron(import_formats)
+
+
+def _register_export_megatron(formats: argparse._SubParsersAction) -> None:
+    megatron = formats.add_parser(
+        "megatron",
+        help="write a Megatron-LM GPT checkpoint (torch_dist or torch format)",
+        description="Convert MODEL_PACKAGE into a Megatron-LM checkpoint directory OUT_DIR "
+        "(latest_checkpointed_iteration.txt 'release' and release/): --ckpt-format torch_dist "
+        "(default; Megatron reshards it to any TP/PP size on load) or torch (mp_rank_00, "
+        "TP=1 and PP=1 only). Tensor names follow megatron-core's GPTModel for "
+        "--transformer-impl transformer_engine (default, Megatron-LM's) or local; common.pt "
+        "or the .pt file holds args with the architecture's flags, so Megatron-LM can load "
+        "it with --use-checkpoint-args (add --no-load-optim --no-load-rng, or --finetune). "
+        "T5 and MoE models are refused.",
+        epilog="example: megalith export megatron runs/tiny/model ckpt-megatron && "
+        "torchrun pretrain_gpt.py --load ckpt-megatron --use-checkpoint-args --finetune ...",
+    )
+    megatron.add_argument("package", metavar="MODEL_PACKAGE", help="model package directory")
+    megatron.add_argument("output", metavar="OUT_DIR", help="Megatron-LM checkpoint to write")
+    megatron.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist")
+    megatron.add_argument(
+        "--transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine"
+    )
+    megatron.add_argument("--overwrite", action="store_true", help="replace OUT_DIR")
+    megatron.set_defaults(handler=_export_megatron)
+
+
+def _export_megatron(args: argparse.Namespace) -> int:
+    from training.interop.megatron_export import export_megatron
+
+    out = export_megatron(
+        args.package,
+        args.output,
+        ckpt_format=args.ckpt_format,
+        transformer_impl=args.transformer_impl,
+        overwrite=args.overwrite,
+    )
+    print(f"wrote {out}")
+    return 0
 
 
 def _register_import_megatron(formats: argparse._SubParsersAction) -> None:

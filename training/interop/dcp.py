@@ -4,7 +4,7 @@ code the files name.
 DCP's own reader unpickles ``.metadata`` with plain ``pickle.load``, so a crafted file runs
 whatever it names. Here ``.metadata`` goes through :class:`MetadataUnpickler`, which resolves
 only DCP's metadata dataclasses (and the planner dataclasses DCP stores beside them), their
-enums, ``torch.Size`` and torch's dtypes, layouts and memory formats; any other global is an
+enums, ``torch.Size``, ``pathlib.PosixPath`` and torch's dtypes, layouts and memory formats; any other global is an
 error before anything is constructed. Each tensor chunk is then a ``torch.save`` payload at
 the byte range the metadata names inside a ``.distcp`` file, read with
 ``torch.load(weights_only=True)``.
@@ -13,6 +13,7 @@ the byte range the metadata names inside a ``.distcp`` file, read with
 from __future__ import annotations
 
 import io
+import pathlib
 import pickle
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,9 @@ _ALLOWED: dict[str, dict[str, Any]] = {
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo": filesystem._StorageInfo},
     "torch.serialization": {"_get_layout": _layout},
     "torch": {"Size": torch.Size},
+    # StorageMeta.checkpoint_id, as DCP's own FileSystemWriter records it: a path value
+    "pathlib": {"PosixPath": pathlib.PosixPath},
+    "pathlib._local": {"PosixPath": pathlib.PosixPath},
 }
 
 

@@ -343,7 +343,7 @@ def rope_scaling_from_args(a: dict[str, Any], source: Path) -> RopeScaling | Non
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 # Megatron-core name (within a layer) -> ours (within a layer), for both layer specs.
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "attention.qkv.norm.weight",
     "self_attention.linear_qkv.layer_norm_bias": "attention.qkv.norm.bias",
     "input_layernorm.weight": "attention.qkv.norm.weight",
@@ -361,7 +361,7 @@ _LAYER_NAMES = {
     "mlp.linear_fc2.weight": "mlp.fc2.weight",
     "mlp.linear_fc2.bias": "mlp.fc2.bias",
 }
-_GLOBAL_NAMES = {
+GLOBAL_NAMES = {
     "embedding.word_embeddings.weight": "embedding.word.weight",
     "embedding.position_embeddings.weight": "embedding.position.weight",
     "decoder.final_layernorm.weight": "final_norm.weight",
@@ -378,9 +378,9 @@ def our_name(name: str, layer_offset: int) -> str | None:
     if name.endswith("._extra_state") or name.endswith("rotary_pos_emb.inv_freq"):
         return None
     match = _LAYER.fullmatch(name)
-    if match and match[2] in _LAYER_NAMES:
-        return f"layers.{int(match[1]) + layer_offset}.{_LAYER_NAMES[match[2]]}"
-    return _GLOBAL_NAMES.get(name, "")
+    if match and match[2] in LAYER_NAMES:
+        return f"layers.{int(match[1]) + layer_offset}.{LAYER_NAMES[match[2]]}"
+    return GLOBAL_NAMES.get(name, "")
 
 
 def merge_tp(name: str, shards: list[Tensor], gated: bool) -> Tensor:
