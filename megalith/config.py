@@ -403,6 +403,11 @@ class ModelConfig(StrictModel):
     rope_scaling: RopeScaling | None = Field(
         default=None, description="Llama 3 RoPE frequency scaling; None: plain RoPE."
     )
+    nope_layers: list[int] = Field(
+        default_factory=list,
+        description="position_embedding rope: the layers (0-based) whose attention applies no "
+        "RoPE (NoPE; Megatron-LM's --no-rope-freq).",
+    )
     norm_eps: float = Field(default=1e-5, gt=0)
     init_std: float = Field(default=0.02, gt=0)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
@@ -492,6 +497,10 @@ class ModelConfig(StrictModel):
             raise ValueError("model.gelu_approximation none is not implemented for MoE experts")
         if self.rope_scaling is not None and self.position_embedding != "rope":
             raise ValueError("model.rope_scaling needs position_embedding rope")
+        if self.nope_layers and self.position_embedding != "rope":
+            raise ValueError("model.nope_layers needs position_embedding rope")
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise ValueError(f"model.nope_layers {self.nope_layers}: outside 0..num_layers-1")
         if self.position_embedding == "rope" and self.head_dim % 2:
             raise ValueError(
                 f"head_dim {self.head_dim} (hidden_size / num_attention_heads) must be even "

@@ -73,6 +73,7 @@ def mcore_model(args) -> torch.nn.Module:
         attention_dropout=0.0,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        no_rope_freq=args.no_rope_freq,
     )
     return GPTModel(
         config,
@@ -94,7 +95,7 @@ def mcore_diff(model: torch.nn.Module, case: Path) -> float:
     return (logits - reference["logits"]).abs().max().item()
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt_gelu_tanh", "gpt_gelu_erf"])
+@pytest.mark.parametrize("name", ["llama", "llama_nope", "gpt_gelu_tanh", "gpt_gelu_erf"])
 def test_export_loads_in_megatron_core_with_megatrons_logits(
     parallel_state, tokenizer_file: Path, tmp_path: Path, name: str
 ) -> None:

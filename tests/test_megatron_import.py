@@ -3,7 +3,7 @@
 tests/data/megatron/ holds tiny GPT checkpoints that Megatron-LM (tag core_v0.16.1) wrote
 with ``save_checkpoint`` under torchrun, in the legacy ``torch`` format and in ``torch_dist``,
 for TP=1, TP=2, PP=2, TP2xPP2 and an uneven pipeline split, Llama-style (RMSNorm, SwiGLU,
-RoPE, GQA, untied), with ``--use-rope-scaling``, and GPT-style with megatron-core's default
+RoPE, GQA, untied), with ``--use-rope-scaling``, with ``--no-rope-freq 2`` (NoPE layers), and GPT-style with megatron-core's default
 fused (tanh) GELU and with exact GELU (``--no-bias-gelu-fusion``); beside each, the logits
 megatron-core computes for fixed tokens after loading the torch_dist copy at TP=1.
 tests/data/megatron/make_fixtures.py made them (its docstring has the command). The
@@ -42,6 +42,7 @@ CASES = [
     ("llama", "tp2_pp2"),
     ("llama_uneven_pp", "tp1_pp2"),
     ("llama_rope_scaling", "tp1_pp1"),
+    ("llama_nope", "tp1_pp1"),
     ("gpt_gelu_tanh", "tp1_pp1"),
     ("gpt_gelu_tanh", "tp2_pp1"),
     ("gpt_gelu_erf", "tp1_pp1"),
@@ -114,10 +115,21 @@ def test_rope_scaling_is_applied(tokenizer_file: Path, tmp_path: Path) -> None:
         assert (model(reference["tokens"]) - reference["logits"]).abs().max() > ATOL
 
 
+def test_nope_layers_skip_rope(tokenizer_file: Path, tmp_path: Path) -> None:
+    case = DATA / "llama_nope/tp1_pp1"
+    out = import_megatron(case / "torch_dist", tmp_path / "pkg", tokenizer=tokenizer_file)
+    model, config, _ = load_model_package(out)
+    assert config.nope_layers == [1]  # --no-rope-freq 2 over 2 layers
+    model.layers[1].attention.uses_rope = True  # RoPE everywhere: not the model Megatron ran
+    reference = load_file(str(case / "reference.safetensors"))
+    with torch.no_grad():
+        assert (model(reference["tokens"]) - reference["logits"]).abs().max() > ATOL
+
+
 @pytest.mark.parametrize(
     ("key", "value", "flag"),
     [
-        ("no_rope_freq", 4, "--no-rope-freq"),
+        ("no_rope_freq", 3, "--no-rope-freq"),  # 3 does not divide the 2 layers
         ("rope_scaling_factor", 32.0, "--rope-scaling-factor"),
         ("virtual_pipeline_model_parallel_size", 2, "--virtual-pipeline-model-parallel-size"),
         ("qk_layernorm", True, "--qk-layernorm"),

@@ -135,7 +135,7 @@ def _register_import_megatron(formats: argparse._SubParsersAction) -> None:
         "_io.BytesIO as inert placeholders), DCP's .metadata through an unpickler that admits "
         "only DCP's metadata dataclasses and torch dtypes/sizes; a file naming anything else is "
         "refused with the list. Only the model tensors and the architecture in args are used; "
-        "what Megalith cannot compute exactly (--no-rope-freq, MoE, virtual pipeline stages, "
+        "what Megalith cannot compute exactly (MoE, virtual pipeline stages, QK layernorm, "
         "...) is refused by Megatron-LM's flag name.",
         epilog="example: megalith import megatron ./gpt-ckpt models/gpt --tokenizer tok.model",
     )

@@ -111,6 +111,10 @@ def hf_model_type(config: ModelConfig) -> str:
     """``"llama"`` or ``"gpt2"``: the HF architecture that computes exactly what ``config`` does."""
     if config.num_experts:
         raise HFInteropError("mixture-of-experts models cannot be exported to Llama or GPT-2")
+    if config.nope_layers:
+        raise HFInteropError(
+            f"model.nope_layers {config.nope_layers}: Llama applies RoPE in every layer"
+        )
     kinds = {
         "llama": {"normalization": "rmsnorm", "activation": "swiglu", "position_embedding": "rope"},
         "gpt2": {

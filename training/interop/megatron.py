@@ -261,7 +261,6 @@ def model_config_from_args(
         ("kv_channels", hidden // heads, hidden // heads),
         ("virtual_pipeline_model_parallel_size", None, None),
         ("num_layers_per_virtual_pipeline_stage", None, None),
-        ("no_rope_freq", None, None),  # NoPE layers
         ("mtp_num_layers", None, None),
         ("multi_latent_attention", False, False),
         ("heterogeneous_layers_config_path", None, None),
@@ -293,6 +292,7 @@ def model_config_from_args(
         "tie_embeddings": not get("untie_embeddings_and_output_weights", False),
         "rope_base": float(get("rotary_base", 10000)),
         "rope_scaling": rope_scaling_from_args(a, source) if position == "rope" else None,
+        "nope_layers": nope_layers_from_args(a, source),
         "norm_eps": get("norm_epsilon", 1e-5),
         "init_std": get("init_method_std", 0.02),
         "dropout": get("hidden_dropout", 0.0),
@@ -322,6 +322,25 @@ def gelu_from_args(a: dict[str, Any], source: Path, override: GeluChoice | None)
         )
     fused = a["bias_gelu_fusion"] and a.get("add_bias_linear", True)
     return "tanh" if fused else "erf"
+
+
+def nope_layers_from_args(a: dict[str, Any], source: Path) -> list[int]:
+    """``--no-rope-freq``: N (every N-th layer, the last of each N, skips RoPE) or megatron-
+    core's per-layer 0/1 list, as our 0-based layer indices."""
+    value, layers = a.get("no_rope_freq"), a.get("num_layers")
+    if value is None:
+        return []
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        pattern = ([0] * (value - 1) + [1]) * (layers // value)
+    elif isinstance(value, list) and all(v in (0, 1) for v in value):
+        pattern = value
+    else:
+        raise MegatronImportError(f"{source}: --no-rope-freq {value!r} is not understood")
+    if len(pattern) != layers:
+        raise MegatronImportError(
+            f"{source}: --no-rope-freq {value!r} does not cover the {layers} layers"
+        )
+    return [i for i, skip in enumerate(pattern) if skip]
 
 
 def rope_scaling_from_args(a: dict[str, Any], source: Path) -> RopeScaling | None:

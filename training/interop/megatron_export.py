@@ -121,6 +121,9 @@ def megatron_args(config: ModelConfig, impl: Impl, dtype: torch.dtype) -> argpar
         rotary_base=config.rope_base,
         rotary_percent=1.0,
         use_rope_scaling=scaling is not None,
+        no_rope_freq=[int(i in config.nope_layers) for i in range(config.num_layers)]
+        if config.nope_layers
+        else None,
         rope_scaling_factor=scaling.factor if scaling else 8.0,
         add_bias_linear=config.bias,
         add_qkv_bias=config.bias,

@@ -112,6 +112,7 @@ class Attention(nn.Module):
         super().__init__()
         tp = backend.tensor_parallel_size
         self.layer_index = layer_index
+        self.uses_rope = layer_index not in config.nope_layers
         self.num_heads = config.num_attention_heads // tp
         self.num_groups = config.num_query_groups // tp
         self.head_dim = config.head_dim
@@ -149,7 +150,7 @@ class Attention(nn.Module):
         qkv = qkv.view(batch, length, self.num_groups, per_group + 2, self.head_dim)
         q, k, v = qkv.split([per_group, 1, 1], dim=3)
         k, v = k.squeeze(3), v.squeeze(3)
-        if rope is not None:
+        if rope is not None and self.uses_rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q = q.reshape(batch, length, self.num_heads, self.head_dim)
         if kv_cache is not None:

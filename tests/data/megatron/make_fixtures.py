@@ -1,12 +1,13 @@
 """Write the Megatron-LM checkpoints under tests/data/megatron/ with Megatron-LM's own code.
 
-Megatron-LM tag ``core_v0.16.1`` (``git archive core_v0.16.1 megatron/training megatron/legacy megatron/rl
-gpt_builders.py model_provider.py``), with the pip ``megatron-core==0.16.1`` of the test extra
-as its ``megatron.core`` (the same tag). Regenerate with::
+Megatron-LM tag ``core_v0.16.1`` (the newest tags in the mirror go to core_v0.19.0; 0.16.1 is
+the version of the pip ``megatron-core`` in the test extra, used as ``megatron.core``: the
+tag's own core), its training package and GPT builder taken from the tag. Regenerate with::
 
-    git --git-dir=MEGATRON_LM.git archive core_v0.16.1 megatron/training megatron/legacy megatron/rl \\
-        gpt_builders.py | tar -x -C /tmp/mlm
-    MEGATRON_LM=/tmp/mlm python tests/data/megatron/make_fixtures.py tests/data/megatron
+    mkdir -p /tmp/mlm && git --git-dir=MEGATRON_LM.git archive core_v0.16.1 megatron/training \\
+        megatron/legacy megatron/rl megatron/post_training gpt_builders.py model_provider.py \\
+        | tar -x -C /tmp/mlm
+    MEGATRON_LM=/tmp/mlm python tests/data/megatron/make_fixtures.py tests/data/megatron [NAME...]
 
 Megatron-LM's training loop needs CUDA, so this drives its checkpointing functions directly,
 on CPU, under ``torchrun --nproc-per-node TP*PP`` with gloo, as ``pretrain`` would: ``args``
@@ -110,6 +111,7 @@ FIXTURES = {
         LLAMA + ["--use-rope-scaling", "--rope-scaling-factor", "8", "--rotary-base", "500000"],
         [(1, 1, [])],
     ),
+    "llama_nope": (LLAMA + ["--no-rope-freq", "2"], [(1, 1, [])]),  # layer 1 without RoPE
     "gpt_gelu_tanh": ([], [(1, 1, []), (2, 1, [])]),  # bias-GELU fusion on (default): tanh
     "gpt_gelu_erf": (["--no-bias-gelu-fusion"], [(1, 1, [])]),
 }
@@ -240,9 +242,11 @@ def reference(out: Path, argv: list[str]) -> None:
     save_file({"tokens": x, "logits": logits.contiguous()}, str(out / "reference.safetensors"))
 
 
-def main(root: Path) -> None:
+def main(root: Path, names: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": os.environ["MEGATRON_LM"]}
     for name, (model_args, layouts) in FIXTURES.items():
+        if names and name not in names:
+            continue
         for tp, pp, layout_args in layouts:
             out = root / name / layout_name(tp, pp)
             argv = [*TINY, *model_args, *layout_args]
@@ -274,4 +278,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "reference":
         reference(Path(sys.argv[2]), sys.argv[3:])
     else:
-        main(Path(sys.argv[1]))
+        main(Path(sys.argv[1]), sys.argv[2:])
