@@ -215,3 +215,47 @@ def test_dcp_storage_outside_the_directory_is_refused(tokenizer_file: Path, tmp_
     (ckpt / "__0_0.dcp").write_bytes(b"")
     with pytest.raises(MegatronImportError, match=r"not a file in this directory"):
         import_megatron(ckpt, tmp_path / "pkg", tokenizer=tokenizer_file)
+
+
+def write_dcp_metadata(directory: Path, meta) -> None:
+    """Write ``meta`` as ``.metadata`` through DCP's own FileSystemWriter (no pickle here)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    results = [WriteResult(k, v.length, v) for k, v in meta.storage_data.items()]
+    writer = FileSystemWriter(str(directory))
+    writer.set_up_storage_writer(is_coordinator=True)
+    writer.finish(meta, [results])
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ("size", r"exceeds the \.distcp files"),  # would allocate 400 GB
+        ("offset", r"falls outside"),
+    ],
+)
+def test_dcp_metadata_that_lies_about_shapes_is_refused(
+    tokenizer_file: Path, tmp_path: Path, change: str, error: str
+) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    from training.interop.dcp import read_metadata
+
+    ckpt = copy_case(tmp_path, "torch_dist")
+    directory = ckpt / "iter_0000010"
+    meta = read_metadata(directory)
+    key = "embedding.word_embeddings.weight"
+    item = meta.state_dict_metadata[key]
+    if change == "size":
+        item.size = torch.Size([10**10, 32])
+    else:
+        (chunk,) = item.chunks
+        moved = torch.Size([5, 0])
+        item.chunks = [ChunkStorageMetadata(moved, chunk.sizes)]
+        meta.storage_data[MetadataIndex(key, moved)] = meta.storage_data[
+            MetadataIndex(key, chunk.offsets)
+        ]
+    write_dcp_metadata(directory, meta)
+    with pytest.raises(MegatronImportError, match=error):
+        import_megatron(ckpt, tmp_path / "pkg", tokenizer=tokenizer_file)

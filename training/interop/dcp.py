@@ -122,25 +122,43 @@ def read_tensors(directory: Path, keys: set[str] | None = None) -> dict[str, Ten
     """Every tensor (or those in ``keys``) of the DCP checkpoint in ``directory``, whole:
     its chunks placed at their offsets."""
     meta = read_metadata(directory)
+    # No tensor is allocated larger than the data files could fill (a crafted size).
+    budget = sum(f.stat().st_size for f in directory.glob("*.distcp") if f.is_file())
     out: dict[str, Tensor] = {}
     for key, item in meta.state_dict_metadata.items():
         if not isinstance(item, metadata.TensorStorageMetadata) or (keys and key not in keys):
             continue
-        whole = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        dtype = item.properties.dtype
+        numel = torch.Size(item.size).numel()
+        if numel * dtype.itemsize > budget:
+            raise DcpError(
+                f"{directory}: {key} of size {list(item.size)} exceeds the .distcp files"
+            )
+        whole = torch.empty(tuple(item.size), dtype=dtype)
         covered = 0
         for chunk in item.chunks:
             index = metadata.MetadataIndex(key, chunk.offsets)
             if index not in meta.storage_data:
                 raise DcpError(f"{directory}: no storage for {key} at {list(chunk.offsets)}")
             tensor = _chunk(directory, meta.storage_data[index], key)
-            if tuple(tensor.shape) != tuple(chunk.sizes):
+            if tuple(tensor.shape) != tuple(chunk.sizes) or tensor.dtype != dtype:
                 raise DcpError(f"{directory}: {key} chunk is {list(tensor.shape)}, not {chunk}")
-            view = whole
-            for dim, (start, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
-                view = view.narrow(dim, start, size)
-            view.copy_(tensor)
+            _place(whole, tensor, chunk.offsets, f"{directory}: {key}")
             covered += tensor.numel()
         if covered != whole.numel():
             raise DcpError(f"{directory}: chunks of {key} cover {covered} of {whole.numel()}")
         out[key] = whole
     return out
+
+
+def _place(whole: Tensor, chunk: Tensor, offsets: Any, what: str) -> None:
+    """Copy ``chunk`` into ``whole`` at ``offsets``, refusing a chunk that does not fit."""
+    if len(offsets) != whole.dim() or any(
+        start < 0 or start + size > limit
+        for start, size, limit in zip(offsets, chunk.shape, whole.shape, strict=True)
+    ):
+        raise DcpError(f"{what}: chunk at {list(offsets)} falls outside {list(whole.shape)}")
+    view = whole
+    for dim, (start, size) in enumerate(zip(offsets, chunk.shape, strict=True)):
+        view = view.narrow(dim, start, size)
+    view.copy_(chunk)
