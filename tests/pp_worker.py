@@ -11,6 +11,7 @@
   end; each rank writes OUT/NAME/reads-rank{r}.json: the files and bytes it read on
   resume, the bytes it holds, and where its checkpoint boxes (``shard_specs``) differ
   from what the older ``shard_loaded`` load paths cut out of a whole tensor.
+  ``resume_from`` may name, per resume case, a fit case of the same job to resume from.
 - ``fit_cases``: ``Trainer.fit`` only (no resume), with the same boxes check.
 
     torchrun --nproc-per-node 2 tests/pp_worker.py SPEC.json
@@ -63,10 +64,9 @@ def check_boxes(trainer: Trainer) -> list[str]:
         whole = torch.arange(math.prod(box_spec.shape), dtype=torch.float32)
         whole = whole.reshape(box_spec.shape)
         got = assemble(box_spec, whole, param)
-        if isinstance(param, DTensor):
-            want = _like(param, whole).to_local().cpu()
-        else:
-            want = ep.shard_loaded(name, whole, trainer.model_config, trainer.parallel)
+        want = ep.shard_loaded(name, whole, trainer.model_config, trainer.parallel)
+        if isinstance(param, DTensor):  # FSDP rows of the TP/EP shard
+            want = _like(param, want).to_local().cpu()
         if got.shape != want.shape or not torch.equal(got, want):
             problems.append(f"rank {dist.get_rank()}: {name} boxes {box_spec.pieces}")
     return problems
@@ -103,8 +103,10 @@ def fit(spec: dict, name: str, settings: dict) -> None:
 def resume(spec: dict, name: str, settings: dict) -> None:
     out = Path(spec["out"]) / name
     step = f"step-{spec['resume_step']:08d}"
+    source = spec.get("resume_from", {}).get(name)  # a fit case of this job
+    root = Path(spec["out"]) / source / "checkpoints" if source else Path(spec["checkpoint_root"])
     if dist.get_rank() == 0:
-        shutil.copytree(Path(spec["checkpoint_root"]) / step, out / "checkpoints" / step)
+        shutil.copytree(root / step, out / "checkpoints" / step)
     dist.barrier()
     config = config_of(spec, settings)
     config.checkpoint.directory = str(out / "checkpoints")

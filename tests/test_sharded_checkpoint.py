@@ -3,11 +3,14 @@ async save under SIGKILL, S3, and v1 checkpoints.
 
 - Resharding: an 8-process run (TP=2 × PP=2 × DP=2, sequence parallel, distributed
   optimizer) saves at steps 2 and 4; its step-2 checkpoint resumes in one process, at
-  TP=4 (4 processes), at DP=4 with the distributed optimizer and at DP=4 with FSDP, and
-  every continuation matches the uninterrupted single-process run (losses within 1e-5,
+  TP=4 (4 processes), at DP=4 with the distributed optimizer, at DP=4 with FSDP and at
+  TP=2 x FSDP DP=2 (2-D), and every continuation matches the uninterrupted
+  single-process run (losses within 1e-5,
   grad norms within 1e-4 relative, as the parity tests). In every layout run, each
   rank's boxes cut out of a whole tensor equal what the older ``shard_loaded`` load
   paths give.
+- 2-D: a TP=2 x FSDP DP=2 run (sequence parallel) matches one process; its checkpoint
+  (FSDP rows of TP slices) resumes at TP=2, at FSDP DP=4 and in one process.
 - Partial reads: on resume each rank reads exactly the bytes it holds (parameters and
   AdamW state), and the TP=4 ranks of the first half never open the TP=2 rank-1 files.
 - Async save: a run killed (SIGKILL) while its second save is being written (a test-only
@@ -71,12 +74,24 @@ SAVED = {
     "parallel.sequence_parallel": "true",
     "parallel.data_parallel_mode": "distributed_optimizer",
 }
+TWO_D = {
+    "parallel.tensor": 2,
+    "parallel.sequence_parallel": "true",
+    "parallel.data_parallel_mode": "fsdp",
+}
 RESUMED = {
     "tp4": {"parallel.tensor": 4},
     "dp4-distributed-optimizer": {"parallel.data_parallel_mode": "distributed_optimizer"},
     # 2 eval micro-batches for 4 FSDP ranks: the two ranks without one run an uncounted
     # forward, or the others would wait for them in FSDP's all-gathers.
     "dp4-fsdp": {"parallel.data_parallel_mode": "fsdp"},
+    "tp2-fsdp": TWO_D,
+}
+# A 2-D run (FSDP rows of each TP shard) in the same job, and its step-2 checkpoint
+# resumed at TP only and at FSDP only.
+FROM_TWO_D = {
+    "2d-to-tp2": {"parallel.tensor": 2},
+    "2d-to-dp4-fsdp": {"parallel.data_parallel_mode": "fsdp"},
 }
 # Expert parallelism (EP=2 carved out of DP=4): run alongside the resumes above.
 EXPERTS = {
@@ -113,15 +128,20 @@ def saved(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def resharded(shards: Path, saved: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The step-2 checkpoint of the 8-process run resumed by 4 processes in 3 layouts,
-    and an expert-parallel run (EP=2 x DP=4) in the same job."""
-    cases = {name: settings(shards, extra) for name, extra in RESUMED.items()}
+    """The step-2 checkpoint of the 8-process run resumed by 4 processes in 4 layouts,
+    and in the same job an expert-parallel run (EP=2 x DP=4) and a 2-D run (TP=2 x FSDP
+    DP=2, sequence parallel) whose step-2 checkpoint resumes at TP=2 and at FSDP DP=4."""
+    cases = {name: settings(shards, extra) for name, extra in {**RESUMED, **FROM_TWO_D}.items()}
     out = tmp_path_factory.mktemp("sharded-4")
     return worker(
         out,
         4,
-        fit_cases={"ep2": settings(shards, {**EXPERTS, "parallel.expert": 2})},
+        fit_cases={
+            "ep2": settings(shards, {**EXPERTS, "parallel.expert": 2}),
+            "2d": settings(shards, TWO_D),
+        },
         resume_cases=cases,
+        resume_from=dict.fromkeys(FROM_TWO_D, "2d"),
         checkpoint_root=str(saved / "checkpoints"),
     )
 
@@ -210,6 +230,32 @@ def test_one_process_resumes_an_expert_parallel_checkpoint(
     stacked = [n for n in experts["tensors"] if ".experts." in n and "/" not in n]
     assert stacked and all(len(experts["tensors"][n]["shards"]) == 2 for n in stacked), name
     assert_one_process_resume(run, settings(shards, EXPERTS), tmp_path, f"{name} -> 1")
+
+
+def test_a_two_d_checkpoint_resumes_in_other_layouts(
+    resharded: Path, shards: Path, reference: Path, tmp_path: Path
+) -> None:
+    """TP=2 x FSDP DP=2 (sequence parallel) matches one process step by step; its
+    checkpoint holds 2-D boxes (FSDP rows of TP slices) and resumes at TP=2 (DDP), at
+    FSDP DP=4 and in one process as the uninterrupted single-process run continues."""
+    run, name = resharded / "2d", f"TP=2 x FSDP DP=2, SP ({BACKEND}, 4 processes)"
+    assert_metrics_match(metrics(run), metrics(reference), name)
+    for rank in range(4):
+        problems = json.loads((run / f"boxes-rank{rank}.json").read_text())
+        assert problems == [], f"{name}: boxes differ from shard_loaded: {problems}"
+    index = verify_sharded_checkpoint(run / "checkpoints" / f"step-{RESUME_STEP:08d}")
+    # The fused SwiGLU fc1 [gate; up] of 128 rows: TP rank t holds rows [32t, 32t + 32)
+    # of each chunk, FSDP rank d the d-th half of the shard: the gate part or the up part.
+    fc1 = index["tensors"]["layers.0.mlp.fc1.linear.weight"]["shards"]
+    assert sorted(tuple(s["box"][0]) for s in fc1) == [(0, 32), (32, 64), (64, 96), (96, 128)]
+    want = [r for r in metrics(reference) if r["step"] > RESUME_STEP]
+    for case in FROM_TWO_D:
+        resumed = f"{name} resumed at {case}"
+        assert_metrics_match(metrics(resharded / case), want, resumed, losses=("loss", "val_loss"))
+        for record in reads(resharded / case, 4):
+            assert record["box_problems"] == [], f"{resumed}: {record['box_problems']}"
+            assert record["bytes"] == record["held_bytes"], f"{resumed}: {record}"
+    assert_one_process_resume(run, settings(shards), tmp_path, f"{name} -> 1")
 
 
 # --- async save, killed ---------------------------------------------------------------------

@@ -6,7 +6,8 @@ config, seed and data: losses, validation losses and grad norms step by step, th
 whole (gathered) weights and AdamW moments in the final checkpoint, and the logits
 of the model package loaded in one process. Resuming the TP=2 checkpoint of step 2
 at TP=2 is exact; resuming it in one process matches within the tolerance. A slow
-test runs TP=2 × DP=2 (4 processes) in both data-parallel modes the same way.
+test runs TP=2 × DP=2 (4 processes) in every data-parallel mode (FSDP × TP: 2-D)
+the same way.
 On GPUs: MEGALITH_TEST_DEVICE=cuda (NCCL); the 2-process tests passed on 2x H200
 (torch 2.11) with the same tolerances.
 
@@ -30,17 +31,12 @@ from parallel_helpers import (
     assert_package_logits_match,
     assert_resume_exact,
     assert_whole_checkpoint,
-    config_of,
     fit_one_process,
     last_checkpoint_state,
     metrics,
     run_trainer_worker,
     trainer_settings,
 )
-
-from megalith.errors import MegalithError
-from training.parallel.groups import ParallelSizes
-from training.parallel.support import check_trainer_support
 
 WORLD = 2
 CASES = {
@@ -104,22 +100,14 @@ def test_model_package_loads_in_one_process(
     assert_package_logits_match(parallel_runs / case, reference, layout(case))
 
 
-def test_fsdp_with_tensor_parallelism_is_refused(shards: Path) -> None:
-    config = config_of(
-        {**trainer_settings(shards), "parallel.tensor": 2, "parallel.data_parallel_mode": "fsdp"}
-    )
-    sizes = ParallelSizes(tp=2, dp=2)
-    with pytest.raises(MegalithError, match="fsdp with parallel.tensor=2"):
-        check_trainer_support(config, sizes)
-
-
 @pytest.mark.slow
 def test_tensor_times_data_parallel_matches_one_process(
     shards: Path, reference: Path, tmp_path: Path
 ) -> None:
-    """TP=2 × DP=2 (4 processes) in both data-parallel modes: losses, grad norms, whole
-    checkpoint tensors, and an exact resume."""
-    modes = ("ddp", "distributed_optimizer")
+    """TP=2 × DP=2 (4 processes) in every data-parallel mode, FSDP (2-D: FSDP rows of
+    each TP shard) included: losses, grad norms, whole checkpoint tensors, an exact
+    resume, and the model package gathered to one process."""
+    modes = ("ddp", "distributed_optimizer", "fsdp")
     cases = {
         mode: trainer_settings(shards, {"parallel.tensor": 2, "parallel.data_parallel_mode": mode})
         for mode in modes
@@ -130,6 +118,7 @@ def test_tensor_times_data_parallel_matches_one_process(
         assert_metrics_match(metrics(runs / mode), metrics(reference), name, losses=("loss",))
         assert_resume_exact(runs / mode, runs / f"{mode}-resumed", name)
         assert_whole_checkpoint(runs / mode, reference, name)
+    assert_package_logits_match(runs / "fsdp", reference, "TP=2 x FSDP DP=2")
 
 
 def test_sequence_parallel_dropout_with_activation_checkpointing(

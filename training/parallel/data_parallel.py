@@ -13,7 +13,9 @@ ZeroRedundancyOptimizer consolidates by pickling; this one only moves tensors.)
 ``fsdp``: FSDP2 (``fully_shard`` per transformer block, then the root): parameters,
 gradients and optimizer state sharded (ZeRO-3), all-gathered for each block's forward
 and backward, gradients reduce-scattered. Each rank saves its rows of every tensor in a
-sharded checkpoint; the model package gathers the full weights to rank 0.
+sharded checkpoint; the model package gathers the full weights to rank 0. With tensor
+parallelism (2-D) the model FSDP shards is the rank's TP shard: see
+:mod:`training.parallel.tensor_parallel_training` for the grad norm and the gather.
 """
 
 from __future__ import annotations
@@ -147,7 +149,8 @@ def shard_model(model: nn.Module, state: ParallelState) -> nn.Module:
     return model
 
 
-def _is_sharded(model: nn.Module) -> bool:
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP sharded ``model``'s parameters (DTensors)."""
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
@@ -158,7 +161,7 @@ def full_model(model: nn.Module, is_main: bool) -> Iterator[nn.Module | None]:
     Unsharded models are yielded as they are. For FSDP this is collective: every rank
     gathers each parameter, and rank 0 gets a CPU copy of the model (None elsewhere).
     """
-    if not _is_sharded(model):
+    if not is_sharded(model):
         yield model
         return
     full = {n: _gather(p, is_main) for n, p in model.named_parameters()}

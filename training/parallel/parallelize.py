@@ -19,7 +19,8 @@ The trainer calls it once. It applies, in this order:
    (``model.activation_checkpointing``, :mod:`training.models.gpt`), so it wraps the
    fp8 layers as they are.
 6. **Data parallelism**: DDP over data × context, or FSDP2 sharding in place (the
-   optimizer is built after, on the parameters FSDP leaves).
+   optimizer is built after, on the parameters FSDP leaves); with TP, FSDP shards each
+   rank's TP-local parameters (2-D).
 7. **compile** last, around the DDP/FSDP module: dynamo's DDP optimizer then splits the
    graph at the gradient buckets so that communication still overlaps the backward.
 

@@ -10,7 +10,10 @@ writer knows what to save and a reader, in another layout, what to fetch:
   fc1) a rank's shard is one block per chunk, so it is several boxes.
 - EP: expert weights are stacked on dim 0; EP rank ``e`` of ``ep`` holds a contiguous
   ``1/ep`` of them.
-- FSDP2: a DTensor's local ``Shard(0)`` rows, at the offset the DTensor reports.
+- FSDP2: a DTensor's local ``Shard(0)`` rows, at the offset the DTensor reports. Under
+  TP (2-D) FSDP splits each rank's TP shard: a rank holds the FSDP rows of its TP
+  pieces (a piece cut where the rows end, so an ``output_chunks`` shard may give one
+  box of each chunk or only one).
 - PP (with virtual stages): stage models keep the global names; a rank holds the layers
   of its stages. The tied embedding copy on the last stage is saved by the first only.
 - DP, CP and the replicated (non-split) tensors: every replica holds the whole box;
@@ -108,17 +111,9 @@ def model_specs(
 def _parameter_pieces(
     name: str, param: torch.Tensor, tp_split: tuple[int, int] | None, state: ParallelState
 ) -> tuple[tuple[int, ...], tuple[Piece, ...]]:
-    if isinstance(param, DTensor):  # FSDP2: this rank's rows
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        local_shape, offset = compute_local_shape_and_global_offset(
-            param.shape, param.device_mesh, param.placements
-        )
-        if math.prod(local_shape) == 0:
-            return tuple(param.shape), ()
-        box = tuple((o, o + n) for o, n in zip(offset, local_shape, strict=True))
-        return tuple(param.shape), (Piece(box, tuple(slice(0, n) for n in local_shape)),)
-    shape = list(param.shape)
+    """The global shape of ``name`` and this rank's pieces of it: the TP/EP pieces of the
+    rank's model-parallel shard, cut to its FSDP rows when FSDP shards that shard."""
+    shape = list(param.shape)  # a DTensor's shape: the whole TP/EP shard FSDP splits
     pieces = [whole_piece(shape)]
     sizes = state.sizes
     if tp_split is not None and sizes.tp > 1 and param.dim() > 0:
@@ -129,7 +124,34 @@ def _parameter_pieces(
         offset = state.ep_rank * shape[0]
         pieces = [_shift(piece, 0, offset) for piece in pieces]
         shape[0] *= sizes.ep
+    if isinstance(param, DTensor):
+        pieces = _fsdp_rows(pieces, param)
     return tuple(shape), tuple(pieces)
+
+
+def _fsdp_rows(pieces: list[Piece], param: DTensor) -> list[Piece]:
+    """The parts of ``pieces`` (boxes of the shard FSDP splits, by their place in it) that
+    lie in this rank's FSDP2 ``Shard(0)`` rows, placed in the rows' local tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    if math.prod(local_shape) == 0:
+        return []
+    if param.dim() == 0:
+        return pieces
+    first, last = offset[0], offset[0] + local_shape[0]
+    rows = []
+    for piece in pieces:
+        start, stop = piece.local[0].start, piece.local[0].stop
+        low, high = max(start, first), min(stop, last)
+        if low >= high:
+            continue
+        box = ((piece.box[0][0] + low - start, piece.box[0][0] + high - start), *piece.box[1:])
+        local = (slice(low - first, high - first), *piece.local[1:])
+        rows.append(Piece(box, local))
+    return rows
 
 
 def whole_piece(shape: list[int] | tuple[int, ...]) -> Piece:

@@ -19,11 +19,6 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
     """Raise, naming every setting the trainer cannot run yet."""
     problems = expert_problems(config, sizes)
     mode = config.parallel.data_parallel_mode
-    if mode == "fsdp" and sizes.tp > 1:
-        problems.append(
-            f"parallel.data_parallel_mode=fsdp with parallel.tensor={sizes.tp}: FSDP over "
-            "tensor-parallel shards is not integrated yet; use ddp or distributed_optimizer"
-        )
     if mode == "fsdp" and config.mixed_precision.dtype == "fp16":
         problems.append(
             "parallel.data_parallel_mode=fsdp with mixed_precision.dtype=fp16: the loss scaler "

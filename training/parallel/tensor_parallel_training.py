@@ -12,8 +12,10 @@
 - :func:`shard_loaded`: the inverse for loading, so a checkpoint written at any TP size
   loads at any other.
 
-Data parallelism (ddp, distributed_optimizer) runs over the data × context group as
-without TP; FSDP with TP is refused by :mod:`training.parallel.support`.
+Data parallelism runs over the data × context group as without TP. FSDP (2-D) shards
+each rank's TP-local parameters over that group (``fully_shard`` on its 1-D mesh), so a
+rank holds FSDP rows of its TP shard: :func:`clip_grad_norm` sums over both groups and
+:func:`full_model` gathers the FSDP rows before the TP shards.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megalith.config import ModelConfig
 from training import models
@@ -33,6 +36,7 @@ from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel.groups import ParallelState
 from training.parallel.meta_init import materialize_shard
+from training.parallel.shard_specs import local_tensor
 from training.parallel.te_tensor_parallel import tensor_parallel_backend
 from training.parallel.tensor_parallel.layers import squared_grad_norm
 from training.parallel.tensor_parallel.sharding import (
@@ -115,16 +119,22 @@ def _on_first_tp_group(state: ParallelState) -> bool:
 def full_model(model: nn.Module, state: ParallelState, is_main: bool) -> Iterator[Any]:
     """The whole model on rank 0 (None elsewhere); without TP, ``dp.full_model``.
 
-    Collective over the first TP group."""
+    Collective over the first TP group; under FSDP over every rank, which first gathers
+    its TP shard's rows over the data × context group."""
     if state.sizes.tp == 1:
         with dp.full_model(model, is_main) as whole:
             yield whole
         return
-    if not _on_first_tp_group(state):
+    first = _on_first_tp_group(state)
+    if not first and not dp.is_sharded(model):
         yield None
         return
     config = model.config
-    params = {n: gather_whole(n, p, config, state) for n, p in model.named_parameters()}
+    params = {}
+    for name, param in model.named_parameters():
+        shard = param.full_tensor() if isinstance(param, DTensor) else param
+        if first:
+            params[name] = gather_whole(name, shard, config, state)
     if not is_main:
         yield None
         return
@@ -135,18 +145,24 @@ def clip_grad_norm(model: nn.Module, max_norm: float, state: ParallelState) -> t
     """Clip by the norm of the whole (unsharded) model's gradients; returns it unclipped.
 
     Split parameters count their shard on every TP rank, replicated ones once. The
-    gradients are already averaged over data parallelism, so only TP reduces here.
+    gradients are already averaged over data parallelism, so only TP reduces here; under
+    FSDP (2-D) each rank holds rows of its shard's gradients, so the data × context ranks
+    sum their parts too. Sequence-parallel norm gradients were all-reduced over TP in
+    backward, before FSDP's reduce-scatter, so they are whole on every TP rank.
     """
     if state.sizes.tp == 1:
         return dp.clip_grad_norm(list(model.parameters()), max_norm, state)
     if state.sizes.pp > 1:
         raise NotImplementedError("grad-norm over pipeline stages is not integrated yet")
 
-    norm = squared_grad_norm(model, state.tp_group).sqrt()
+    squared = squared_grad_norm(model, state.tp_group)
+    if dp.is_sharded(model):
+        dist.all_reduce(squared, group=state.dp_cp_group)
+    norm = squared.sqrt()
     if max_norm > 0:
         # torch.nn.utils.clip_grad_norm_'s rule, so TP=1 and TP>1 clip alike.
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for param in model.parameters():
             if param.grad is not None:
-                param.grad.mul_(scale)
+                local_tensor(param.grad).mul_(scale)
     return norm

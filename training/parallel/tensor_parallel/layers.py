@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
 from training.models.layers import NormSpec
 from training.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -375,15 +376,19 @@ def squared_grad_norm(model: nn.Module, group: ProcessGroup) -> Tensor:
     """Sum of squared gradients of the whole (unsharded) model, the same on every TP rank.
 
     Split parameters contribute their shard on each rank (summed over the group);
-    replicated ones count once. Add the other model-parallel dimensions (pipeline
-    stages) before the square root for gradient clipping.
+    replicated ones count once. Under FSDP (2-D) the gradients are DTensors and this
+    rank's rows count: the result is then this rank's part, to be summed over the
+    data-parallel group. Add the other model-parallel dimensions (pipeline stages) before
+    the square root for gradient clipping.
     """
     split_names = set(tensor_parallel_partition(model))
     device = next(model.parameters()).device
     split, replicated = [], []
     for name, param in model.named_parameters():
         if param.grad is not None:
-            (split if name in split_names else replicated).append(param.grad)
+            grad = param.grad
+            grad = grad.to_local() if isinstance(grad, DTensor) else grad
+            (split if name in split_names else replicated).append(grad)
     split_total = _sum_of_squares(split, device)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(split_total, group=group)
