@@ -38,6 +38,14 @@ BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
 STEPS = 4
 RESUME_STEP = 2
 LOSS_ATOL = 1e-5
+# Per-shard float8 scales round differently from one process's whole-tensor scales.
+# Measured (tiny run, 2 gloo processes): max |Δloss| to one process in fp8 5.9e-4 (TP2)
+# and 6.9e-4 (TP2+SP), grad norms within 0.65% / 0.76% (TP2 x FSDP DP2 + SP, 4
+# processes: 6.9e-4, 0.76%); the same runs are 9.4e-4 / 1.1e-3 and 1.1% / 1.2% from
+# bf16, so that the float8 check on the linears (tests/test_fp8.py, test_trainer_parallel),
+# not the tolerance, is what proves fp8 ran.
+TP_FP8_LOSS_ATOL = 1e-3
+TP_FP8_GRAD_RTOL = 1.2e-2
 
 
 def tiny_shard_set(

@@ -234,20 +234,13 @@ def test_benchmark_variants_resolve_to_valid_configs(shards: Path) -> None:
     assert not convergence.compare([1.0], [1.2], tolerance=0.05)["passed"]
 
 
-# Per-shard float8 scales round differently from one process's whole-tensor scales.
-# Measured (tiny run, 2 gloo processes): max |Δloss| to one process in fp8 5.9e-4 (TP2)
-# and 6.9e-4 (TP2+SP), grad norms within 0.65% / 0.76%; the same runs are 9.4e-4 /
-# 1.1e-3 and 1.1% / 1.2% from bf16, so that the float8 check on the linears (below),
-# not the tolerance, is what proves fp8 ran.
-TP_FP8_LOSS_ATOL = 1e-3
-TP_FP8_GRAD_RTOL = 1.2e-2
-
-
 def test_every_parallelism_trains_in_fp8_like_one_process(shards: Path, tmp_path: Path) -> None:
     """DDP, FSDP2, two pipeline stages and TP=2 (with and without sequence parallelism)
     over 2 gloo processes (real torchrun, one job) with float8 linears: the curve of one
     process in fp8, every tensor-parallel linear in float8, and exact resumes."""
     from parallel_helpers import (
+        TP_FP8_GRAD_RTOL,
+        TP_FP8_LOSS_ATOL,
         assert_metrics_match,
         assert_resume_exact,
         fit_one_process,

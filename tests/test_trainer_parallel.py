@@ -19,6 +19,8 @@ logits within rtol 1e-4 / atol 1e-5.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,8 @@ import pytest
 from parallel_helpers import (
     BACKEND,
     STEPS,
+    TP_FP8_GRAD_RTOL,
+    TP_FP8_LOSS_ATOL,
     assert_metrics_match,
     assert_one_process_resume,
     assert_package_logits_match,
@@ -39,6 +43,13 @@ from parallel_helpers import (
 )
 
 WORLD = 2
+TWO_D_SP = {
+    "parallel.tensor": 2,
+    "parallel.data_parallel_mode": "fsdp",
+    "parallel.sequence_parallel": "true",
+}
+FP8 = {"mixed_precision.dtype": "bf16", "mixed_precision.fp8": "true"}
+FP8_ON_CPU = importlib.util.find_spec("torchao") is not None  # the fp8 extra
 CASES = {
     "tp2": {"parallel.tensor": 2},
     "tp2-sp": {"parallel.tensor": 2, "parallel.sequence_parallel": "true"},
@@ -112,6 +123,8 @@ def test_tensor_times_data_parallel_matches_one_process(
         mode: trainer_settings(shards, {"parallel.tensor": 2, "parallel.data_parallel_mode": mode})
         for mode in modes
     }
+    if FP8_ON_CPU:  # torchao's float8 tensor-parallel linears over 2-D, sequence parallel
+        cases["fsdp-sp-fp8"] = trainer_settings(shards, {**FP8, **TWO_D_SP})
     runs = run_worker(tmp_path, cases, 4)
     for mode in modes:
         name = f"TP=2 x DP=2 {mode} ({BACKEND}, 4 processes)"
@@ -119,6 +132,15 @@ def test_tensor_times_data_parallel_matches_one_process(
         assert_resume_exact(runs / mode, runs / f"{mode}-resumed", name)
         assert_whole_checkpoint(runs / mode, reference, name)
     assert_package_logits_match(runs / "fsdp", reference, "TP=2 x FSDP DP=2")
+    if FP8_ON_CPU:
+        run, name = runs / "fsdp-sp-fp8", f"fp8 TP=2 x FSDP DP=2, SP ({BACKEND}, 4 processes)"
+        linears = json.loads((run / "tensor_parallel_float8.json").read_text())
+        assert linears and all(linears.values()), f"{name}: not every TP linear in float8"
+        want = metrics(fit_one_process(trainer_settings(shards, FP8), tmp_path / "fp8-one"))
+        assert_metrics_match(
+            metrics(run), want, name, loss_atol=TP_FP8_LOSS_ATOL, grad_rtol=TP_FP8_GRAD_RTOL
+        )
+        assert_resume_exact(run, runs / "fsdp-sp-fp8-resumed", name)
 
 
 def test_sequence_parallel_dropout_with_activation_checkpointing(
