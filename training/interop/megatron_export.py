@@ -38,6 +38,7 @@ from training.interop.megatron import (
     TRACKER_FILE,
     MegatronImportError,
 )
+from training.models import GPTModel, model_class
 from training.models.package import load_model_package
 
 Impl = Literal["local", "transformer_engine"]
@@ -85,7 +86,7 @@ def _layer_name(ours: str, impl: Impl) -> str:
 
 def check_exportable(config: ModelConfig) -> None:
     """Refuse what megatron-core's GPTModel does not compute as our model does."""
-    if config.family != "gpt":
+    if model_class(config) is not GPTModel:  # the names below are GPTModel's
         raise MegatronExportError(f"model.family {config.family}: only gpt models export")
     if config.num_experts:
         raise MegatronExportError("MoE models are not exported to Megatron (yet)")
