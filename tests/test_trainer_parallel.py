@@ -35,12 +35,17 @@ from parallel_helpers import (
     assert_package_logits_match,
     assert_resume_exact,
     assert_whole_checkpoint,
+    config_of,
     fit_one_process,
     last_checkpoint_state,
     metrics,
     run_trainer_worker,
     trainer_settings,
 )
+
+from megalith.errors import MegalithError
+from training.parallel.groups import ParallelSizes
+from training.parallel.support import check_trainer_support
 
 WORLD = 2
 TWO_D_SP = {
@@ -109,6 +114,17 @@ def test_model_package_loads_in_one_process(
     case: str, parallel_runs: Path, reference: Path
 ) -> None:
     assert_package_logits_match(parallel_runs / case, reference, layout(case))
+
+
+def test_fsdp_with_tensor_parallelism_is_refused_only_over_transformer_engine(
+    shards: Path,
+) -> None:
+    two_d = {**trainer_settings(shards), **TWO_D_SP}
+    check_trainer_support(config_of({**two_d, "model.backend": "torch"}), ParallelSizes(tp=2, dp=2))
+    with pytest.raises(MegalithError, match="fsdp with parallel.tensor=2 and the Transformer"):
+        check_trainer_support(
+            config_of({**two_d, "model.backend": "te"}), ParallelSizes(tp=2, dp=2)
+        )
 
 
 @pytest.mark.slow

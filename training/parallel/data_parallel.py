@@ -41,6 +41,7 @@ from training.models import build_model
 from training.models.flops import param_groups
 from training.optim.adamw import build_optimizer as build_adamw
 from training.parallel.groups import ParallelState
+from training.parallel.support import fsdp_te_problems
 
 DATA_PARALLEL_MODES = ("ddp", "distributed_optimizer", "fsdp")
 
@@ -142,11 +143,19 @@ def shard_model(model: nn.Module, state: ParallelState) -> nn.Module:
     """FSDP2 over data × context: one unit per transformer block (a T5's encoder blocks,
     then its decoder blocks), the rest in the root (embedding, final norms, relative-bias
     tables and a tied output head share the root's all-gather)."""
+    problems = fsdp_te_problems("fsdp", state.sizes) if _kernels(model) == "te" else []
+    if problems:  # model.backend=auto chose Transformer Engine
+        raise MegalithError(problems[0])
     mesh = state.dp_cp_mesh
     for block in model.transformer_blocks():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def _kernels(model: nn.Module) -> str:
+    """The kernel backend under the sharding backends' names (``te+context_parallel``)."""
+    return model.backend.name.split("+")[0]
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -19,6 +19,8 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
     """Raise, naming every setting the trainer cannot run yet."""
     problems = expert_problems(config, sizes)
     mode = config.parallel.data_parallel_mode
+    if config.model.backend == "te":
+        problems += fsdp_te_problems(mode, sizes)
     if mode == "fsdp" and config.mixed_precision.dtype == "fp16":
         problems.append(
             "parallel.data_parallel_mode=fsdp with mixed_precision.dtype=fp16: the loss scaler "
@@ -31,6 +33,19 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
     problems += family_problems(config, sizes)
     if problems:
         raise MegalithError("; ".join(problems))
+
+
+def fsdp_te_problems(mode: str, sizes: ParallelSizes) -> list[str]:
+    """FSDP × TP (2-D) runs with the torch kernels; over Transformer Engine's own
+    tensor-parallel modules it is not verified (the check needs CUDA and 4 GPUs).
+    Also checked when ``model.backend=auto`` resolves to TE (``data_parallel.shard_model``)."""
+    if mode != "fsdp" or sizes.tp == 1 or sizes.dp * sizes.cp == 1:
+        return []
+    return [
+        f"parallel.data_parallel_mode=fsdp with parallel.tensor={sizes.tp} and the Transformer "
+        "Engine backend: FSDP over TE's tensor-parallel modules is not verified yet; set "
+        "model.backend=torch (FSDP x TP runs with it) or use ddp or distributed_optimizer"
+    ]
 
 
 def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
