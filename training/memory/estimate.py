@@ -79,9 +79,9 @@ import torch
 
 from megalith.config import MegalithConfig, ModelConfig
 from megalith.errors import MegalithError
+from training import models
 from training.families import model_family
 from training.memory.activations import compute_dtype
-from training.models import build_model
 from training.models.moe import is_expert_param
 from training.parallel.data_parallel import partition
 from training.parallel.groups import ParallelLayoutError, ParallelSizes, validate_layout
@@ -190,9 +190,7 @@ def resolve_layout(config: MegalithConfig, world_size: int | None) -> ParallelSi
 def meta_model(config: ModelConfig) -> torch.nn.Module:
     """The single-process model of ``config.family`` on the meta device (shapes only;
     torch layers)."""
-    model_config = config.model_copy(update={"backend": "torch"})
-    with torch.device("meta"):
-        return build_model(model_config)
+    return models.meta_model(config.model_copy(update={"backend": "torch"}))
 
 
 def local_numel(name: str, shape: torch.Size, config: ModelConfig, sizes: ParallelSizes) -> int:

@@ -15,6 +15,7 @@ from training.models.backend import (
     resolve_backend,
 )
 from training.models.gpt import GPTModel, KVCache
+from training.models.meta import shapes_only
 from training.models.t5 import T5Model
 from training.models.te_backend import TransformerEngineBackend
 
@@ -43,6 +44,13 @@ def build_model(config: ModelConfig, backend: LayerBackend | None = None) -> nn.
     return model_class(config)(config, backend)
 
 
+def meta_model(config: ModelConfig, backend: LayerBackend | None = None) -> nn.Module:
+    """The model of ``config`` on the meta device: names, shapes and dtypes, nothing run
+    to initialise it (:mod:`training.models.meta`)."""
+    with shapes_only():
+        return build_model(config, backend)
+
+
 def model_from_tensors(
     config: ModelConfig, params: dict[str, Tensor], buffers: dict[str, Tensor]
 ) -> nn.Module:
@@ -50,8 +58,7 @@ def model_from_tensors(
     ``buffers`` (whole tensors, single-process names): what the parallel layouts gather
     for checkpoints and the model package. Built on the meta device, so nothing is
     initialised twice."""
-    with torch.device("meta"):
-        model = build_model(config)
+    model = meta_model(config)
     model.to_empty(device="cpu")
     model.tie_weights()
     with torch.no_grad():

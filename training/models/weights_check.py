@@ -13,12 +13,11 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-import torch
 from torch import nn
 
 from megalith.config import ModelConfig
 from megalith.errors import MegalithError
-from training.models import build_model, model_class
+from training.models import meta_model, model_class
 
 _BLOCK = re.compile(r"^(?P<stack>(?:[\w.]+\.)?layers)\.(?P<index>\d+)\.")
 
@@ -51,8 +50,7 @@ def checked_meta_model(config: ModelConfig, shapes: dict[str, list[int]], source
         raise WeightsMismatchError(
             f"{source}: the config does not describe these weights: {problem}"
         )
-    with torch.device("meta"):
-        model = build_model(config)
+    model = meta_model(config)
     expected = {
         name: list(tensor.shape)
         for name, tensor in model.state_dict().items()

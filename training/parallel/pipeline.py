@@ -100,7 +100,7 @@ from training.checkpoint.format import (
     restore_rng_state,
     verify_checkpoint_state,
 )
-from training.models import GPTModel, T5Model, build_model, model_from_tensors
+from training.models import GPTModel, T5Model, meta_model, model_from_tensors
 from training.models.flops import param_groups
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
@@ -542,8 +542,7 @@ class PipelineParallel:
 
 
 def _meta_model(config: ModelConfig) -> GPTModel | T5Model:
-    with torch.device("meta"):
-        return build_model(config)
+    return meta_model(config)
 
 
 def whole_param_names(config: ModelConfig) -> list[str]:
