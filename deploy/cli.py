@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from megalith.errors import MegalithError
 from registry.cli import add_store_arguments, mlflow_errors_in_one_line
+from training.mlflow_store.registered import is_registry_uri
 from training.mlflow_store.runs import existing_store_uri
 
 DEFAULT_PORT = 8000
@@ -127,11 +128,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
 @mlflow_errors_in_one_line
 def _serve(args: argparse.Namespace) -> int:
-    from training.inference.loading import MODELS_SCHEME
-
     require_free_port(args.host, args.port, "--port")
     tracking_uri = args.tracking_uri
-    if args.model.startswith(MODELS_SCHEME):
+    if is_registry_uri(args.model):
         tracking_uri = existing_store_uri(tracking_uri, args.workdir)
 
     import uvicorn

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 from collections.abc import Callable
 
 from megalith.config import MegalithConfig, load_config
@@ -86,11 +87,14 @@ def mlflow_errors_in_one_line(
 
     @functools.wraps(handler)
     def run(args: argparse.Namespace) -> int:
-        from mlflow.exceptions import MlflowException
-
         try:
             return handler(args)
-        except MlflowException as exc:
+        except Exception as exc:
+            # Not imported (1.6 s) to be caught: a command that never imported MLflow
+            # cannot have raised its exception.
+            mlflow_exceptions = sys.modules.get("mlflow.exceptions")
+            if mlflow_exceptions is None or not isinstance(exc, mlflow_exceptions.MlflowException):
+                raise
             first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise MegalithError(f"MLflow: {first_line[:300]}") from None
 

@@ -26,12 +26,15 @@ import torch
 from megalith.errors import MegalithError
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from training.families import Generator, model_family
-from training.mlflow_store.registered import load_registered_model, resolve_model_version
+from training.mlflow_store.registered import (
+    MODELS_SCHEME,
+    is_registry_uri,
+    load_registered_model,
+    resolve_model_version,
+)
 from training.models.gpt import GPTModel
 from training.models.package import CHECKSUMS_FILE, load_model_package, sha256_file
 from training.models.t5 import T5Model
-
-MODELS_SCHEME = "models:/"
 
 
 class ModelSourceError(MegalithError):
@@ -78,10 +81,6 @@ class ServedModel:
     def text(self, prompt_ids: list[int], new_ids: list[int]) -> str:
         """The answer's text: a T5's decoded output, or what a GPT's tokens add to the prompt."""
         return self.generator.answer_text(self.tokenizer, prompt_ids, new_ids)
-
-
-def is_registry_uri(source: str) -> bool:
-    return source.startswith(MODELS_SCHEME)
 
 
 def source_version(source: str, *, tracking_uri: str | None = None) -> int | None:

@@ -20,6 +20,7 @@ from training.mlflow_store.runs import ensure_tracking_store
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
+MODELS_SCHEME = "models:/"  # a registered model: models:/NAME/VERSION or models:/NAME@ALIAS
 CHECKSUMS_FILE = "checksums.json"
 LOADER_MODULE = "registry.mlflow_pyfunc"
 # Versions registered before the wrapper moved to the registry name this module; megalith
@@ -31,6 +32,10 @@ CHECKSUMS_TAG = "megalith.package.checksums_sha256"
 MLFLOW_FILES_TAG = "megalith.package.mlflow_files_sha256"  # JSON {file name: sha256}
 _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))/?$")
 MAX_JSON_BYTES = 1 << 20  # a package's config.json and checksums.json are a few KB
+
+
+def is_registry_uri(source: str) -> bool:
+    return source.startswith(MODELS_SCHEME)
 
 
 class RegistryError(MegalithError):
