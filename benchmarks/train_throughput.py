@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -158,7 +159,71 @@ def profile_steps(step, out: Path, variant: str, steps: int = 3) -> None:
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=70, max_name_column_width=100)
     name = variant.replace("/", "_").replace("@", "_at_")
-    (out / f"profile-{name}.txt").write_text(f"{steps} steps of {variant}\n{table}\n")
+    summary = kernel_summary(prof.events(), steps) if torch.cuda.is_available() else ""
+    print(f"profile {variant}\n{summary}", flush=True)
+    (out / f"profile-{name}.txt").write_text(f"{steps} steps of {variant}\n{summary}\n{table}\n")
+
+
+# Kernel name patterns, first match wins (cuDNN's attention kernels also carry "sm90").
+KERNEL_CATEGORIES = (
+    ("attention", r"sdpa|fmha|flash|attention|cudnn"),
+    (
+        "fp8 amax/scale/cast",
+        r"triton.*(abs|clamp|float8|amax)",
+    ),  # Inductor's, named after _scaled_mm
+    ("matmul", r"nvjet|gemm|cutlass|xmma|scaled_mm|f8f8|sm90_"),
+    ("grad norm", r"lpnorm|norm_kernel"),
+    ("optimizer (fused AdamW)", r"adam|multi_tensor"),
+    ("loss (log-softmax/CE)", r"log_softmax|nll|logsumexp|cross_entropy"),
+    ("RMSNorm (Inductor)", r"rsqrt"),
+    ("SwiGLU (Inductor)", r"sigmoid|silu"),
+    ("RoPE (Inductor)", r"neg|\bcat\b|_cat_|cos|sin"),
+    ("other Inductor kernels", r"triton"),
+    ("aten copies/casts/fills", r"memcpy|memset|copy|fill|elementwise|vectorized|cast"),
+    ("embedding/index", r"embedding|index|scatter|gather"),
+)
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    for category, pattern in KERNEL_CATEGORIES:
+        if re.search(pattern, lowered):
+            return category
+    return "other"
+
+
+def kernel_summary(events, steps: int) -> str:
+    """GPU kernel time per step by category, the idle time between kernels, the top kernels."""
+    kernels = [  # "Optimizer.step#AdamW.step" and such are annotations over kernels, not kernels
+        e for e in events if str(e.device_type).endswith("CUDA") and "#" not in e.name
+    ]
+    if not kernels:
+        return "no CUDA kernels recorded"
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, spans[0][0]
+    for start, stop in spans:  # union of intervals: overlapping kernels count once
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    wall = (spans[-1][1] - spans[0][0]) / 1000 / steps
+    by_category: dict[str, float] = {}
+    by_kernel: dict[str, float] = {}
+    for e in kernels:
+        ms = (e.time_range.end - e.time_range.start) / 1000 / steps
+        by_category[kernel_category(e.name)] = by_category.get(kernel_category(e.name), 0) + ms
+        by_kernel[e.name] = by_kernel.get(e.name, 0) + ms
+    total = sum(by_category.values())
+    lines = [
+        f"GPU span {wall:.1f} ms/step, kernels busy {busy / 1000 / steps:.1f}, "
+        f"idle {wall - busy / 1000 / steps:.1f} ms/step",
+        "| part | ms/step | share of kernel time |",
+        "|---|---|---|",
+    ]
+    for category, ms in sorted(by_category.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {category} | {ms:.2f} | {100 * ms / total:.1f}% |")
+    lines += ["", "| kernel | category | ms/step |", "|---|---|---|"]
+    for kernel, ms in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:45]:
+        lines.append(f"| {kernel[:110]} | {kernel_category(kernel)} | {ms:.2f} |")
+    return "\n".join(lines)
 
 
 def run_matmul() -> dict:
