@@ -171,6 +171,11 @@ class DataConfig(StrictModel):
     on_bad_record: Literal["fail", "skip"] = "fail"
     max_bad_examples: int = Field(default=20, ge=0)
     append_eod: bool = True
+    eod: Literal["token", "eos"] = Field(
+        default="token",
+        description="The end-of-document id appended: our <|eod|> piece ('token'), or the "
+        "tokenizer's </s> ('eos', as Megatron-LM's tools/preprocess_data.py does).",
+    )
     batch_documents: int = Field(
         default=512, ge=1, le=1 << 20, description="Documents per worker batch."
     )

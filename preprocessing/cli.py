@@ -60,6 +60,12 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     prepare.add_argument("--workers", type=int, help="tokenizer processes (default: all cores)")
     prepare.add_argument("--shards", type=int, help="number of output shards (default 1)")
     prepare.add_argument("--no-eod", action="store_true", help="do not append EOD to documents")
+    prepare.add_argument(
+        "--eod",
+        choices=["token", "eos"],
+        help="EOD id: our <|eod|> piece (default) or the tokenizer's </s> "
+        "(what Megatron-LM's tools/preprocess_data.py appends)",
+    )
     prepare.set_defaults(handler=_prepare)
 
     inspect = commands.add_parser(
@@ -134,6 +140,8 @@ def config_from_args(args: argparse.Namespace) -> MegalithConfig:
             values["data.output"] = args.output
         if args.no_eod:
             values["data.append_eod"] = False
+        if args.eod is not None:
+            values["data.eod"] = args.eod
     return load_config(args.config, args.set, values)
 
 

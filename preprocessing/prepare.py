@@ -63,7 +63,7 @@ from preprocessing.manifest import (
     write_manifest,
 )
 from preprocessing.readers import RejectLog
-from preprocessing.tokenizer import Tokenizer
+from preprocessing.tokenizer import Tokenizer, with_eod
 
 STATE_DIR = ".prepare"
 SCAN_VERSION = 1
@@ -194,6 +194,7 @@ def make_plan(
             "tokenizer": tokenizer.id,
             "shards": data.shards,
             "append_eod": data.append_eod,
+            "eod_id": tokenizer.eod_id,
             "dtype": dtype.name,
             "format": data.format,
         }
@@ -462,6 +463,7 @@ def prepare_dataset(
     """Tokenize ``data.inputs`` into ``data.shards`` shards under ``data.output``."""
     if not data.output:
         raise ConfigError("data.output is not set: say where the shards go (--output DIR_OR_URL)")
+    tokenizer = with_eod(tokenizer, data.eod)
     corpus = Corpus.open(data)
     store = ShardStore(data.output, data.storage_options)
     try:

@@ -18,7 +18,7 @@ import io
 import random
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import sentencepiece as spm
@@ -89,6 +89,16 @@ class Tokenizer:
 
     def id_to_piece(self, token_id: int) -> str:
         return self._processor.id_to_piece(int(token_id))
+
+
+def with_eod(tokenizer: Tokenizer, eod: str) -> Tokenizer:
+    """The tokenizer with EOD = its own ``</s>`` when ``eod`` is ``"eos"``, else unchanged."""
+    if eod == "token":
+        return tokenizer
+    eos_id = tokenizer._processor.eos_id()
+    if eos_id < 0:
+        raise TokenizerError(f"{tokenizer.model_path}: data.eod is 'eos' but it has no eos id")
+    return replace(tokenizer, eod_id=eos_id)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:

@@ -145,6 +145,19 @@ def test_round_trip_without_eod(
         assert np.array_equal(b, np.append(a, tokenizer.eod_id))
 
 
+def test_eod_eos_appends_the_tokenizers_eos_like_megatron(
+    small_set: Path, tokenizer: Tokenizer, small_corpus: Path, tmp_path: Path
+) -> None:
+    # Same tokenizer, `eod: eos`: every shard is rewritten with </s> where <|eod|> was.
+    shutil.copytree(small_set, tmp_path, dirs_exist_ok=True)
+    report = prepare(tokenizer, [small_corpus], tmp_path, eod="eos")
+    eos_id = tokenizer._processor.eos_id()
+    assert eos_id != tokenizer.eod_id and len(report.written) == 3
+    assert report.manifest.tokenizer.eod_id == eos_id
+    for a, b in zip(documents_of(small_set), documents_of(tmp_path), strict=True):
+        assert a[-1] == tokenizer.eod_id and np.array_equal(b, np.append(a[:-1], eos_id))
+
+
 def test_megatron_core_reads_prepared_shards(full_set, tokenizer: Tokenizer) -> None:
     megatron_indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
     root, report = full_set
