@@ -18,6 +18,7 @@ from training import models
 from training.parallel import tensor_parallel_training as tp
 from training.parallel.groups import build_parallel_state
 from training.parallel.meta_init import materialize_shard
+from training.parallel.parallelize import build_fsdp_on_meta
 from training.parallel.tensor_parallel.sharding import shard_full_state_dict
 
 WORLD = 2
@@ -90,11 +91,39 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         for key, value in shard.state_dict().items():
             if not torch.equal(value, want[key]):
                 errors.append(f"{name}: {key} differs from the single-process shard")
+    errors += _fsdp_errors(rank, world)
     dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(errors))
 
 
-def test_tensor_parallel_shards_equal_the_single_process_model_shards(tmp_path):
+def _fsdp_errors(rank: int, world: int) -> list[str]:
+    """FSDP dp=``world``, built on meta: each rank's local rows equal the rows of the
+    seeded one-process model, the RNG ends where one process leaves it, and no more than
+    one whole parameter (less than the model) existed at once."""
+    base = MegalithConfig()
+    config = base.model_copy(
+        update={"parallel": base.parallel.model_copy(update={"data_parallel_mode": "fsdp"})}
+    )
+    state = build_parallel_state(config)
+    errors = []
+    for name, model_config in CONFIGS.items():
+        torch.manual_seed(5)
+        model, stats = build_fsdp_on_meta(model_config, state, torch.device("cpu"))
+        rng = torch.get_rng_state()
+        torch.manual_seed(5)
+        whole = dict(models.build_model(model_config).named_parameters())
+        if not torch.equal(rng, torch.get_rng_state()):
+            errors.append(f"fsdp {name}: RNG state differs from one process's")
+        for key, param in model.named_parameters():
+            rows = whole[key].detach().chunk(world)[rank] if param.dim() else whole[key]
+            if not torch.equal(param.to_local(), rows):
+                errors.append(f"fsdp {name}: {key} rows differ from the single-process rows")
+        if not stats.peak_bytes <= stats.largest_parameter_bytes < stats.model_bytes:
+            errors.append(f"fsdp {name}: held {stats} while building")
+    return errors
+
+
+def test_tensor_parallel_and_fsdp_shards_equal_the_single_process_model_shards(tmp_path):
     mp.spawn(_worker, args=(WORLD, str(tmp_path)), nprocs=WORLD, join=True)
     errors = [e for r in range(WORLD) for e in json.loads((tmp_path / f"rank{r}.json").read_text())]
     assert not errors, "\n".join(errors)

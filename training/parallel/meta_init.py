@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -104,8 +105,11 @@ def materialize_shard(
             live_bytes -= tensor.nbytes
             name = names.get(key)  # None: a tensor construction replaced (still drew RNG)
             if name is not None:
+                target = local[name]
+                if isinstance(target, DTensor):  # FSDP: this rank's rows
+                    target = target.to_local()
                 with torch.no_grad():
-                    local[name].copy_(cut(name, tensor))
+                    target.copy_(cut(name, tensor))
     return MaterializeStats(
         peak_bytes=peak,
         largest_parameter_bytes=max(p.nbytes for p in whole.parameters()),

@@ -20,7 +20,11 @@ The trainer calls it once. It applies, in this order:
    fp8 layers as they are.
 6. **Data parallelism**: DDP over data × context, or FSDP2 sharding in place (the
    optimizer is built after, on the parameters FSDP leaves); with TP, FSDP shards each
-   rank's TP-local parameters (2-D).
+   rank's TP-local parameters (2-D). FSDP alone (no TP, EP, fine-tuning or fp8, torch
+   kernels) builds on the meta device, shards, then materializes only this rank's rows
+   of each parameter from the replayed single-device init (:func:`build_fsdp_on_meta`),
+   so no rank holds the whole model; the other FSDP layouts still build the whole (TP
+   shard of the) model first.
 7. **compile** last, around the DDP/FSDP module: dynamo's DDP optimizer then splits the
    graph at the gradient buckets so that communication still overlaps the backward.
 
@@ -39,12 +43,17 @@ import torch
 from torch import nn
 
 from megalith.config import MegalithConfig, ModelConfig
+from training import models
 from training.families.spec import ModelFamily
 from training.finetune.session import FineTune
+from training.models import resolve_backend
+from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import expert_parallel_training as ep
 from training.parallel.groups import ParallelState
+from training.parallel.meta_init import MaterializeStats, materialize_shard
 from training.parallel.pipeline import PipelineParallel
+from training.parallel.shard_specs import assemble, model_specs
 from training.precision.fp8 import prepare_fp8
 from training.precision.mixed import Precision
 
@@ -75,6 +84,10 @@ def parallelize(
         # The stage chunks share the stage model's blocks: converting it converts them.
         prepare_fp8(pipeline.model, config.mixed_precision, precision)
         return ParallelModel(pipeline.model, pipeline.model, pipeline.model, pipeline)
+    if _fsdp_builds_on_meta(config, model_config, state, finetune):
+        model, _ = build_fsdp_on_meta(model_config, state, device)
+        forward_model = torch.compile(model) if config.training.compile else model
+        return ParallelModel(model, model, forward_model, None)
     model = ep.build_model(model_config, state, config.parallel.sequence_parallel, device)
     if finetune is not None:  # base weights and adapters: before DDP and the optimizer
         finetune.prepare(model, state)
@@ -83,3 +96,43 @@ def parallelize(
     dp_model = dp.wrap_model(model, state, config.parallel, device)
     forward_model = torch.compile(dp_model) if config.training.compile else dp_model
     return ParallelModel(model, dp_model, forward_model, None)
+
+
+def _fsdp_builds_on_meta(
+    config: MegalithConfig,
+    model_config: ModelConfig,
+    state: ParallelState,
+    finetune: FineTune | None,
+) -> bool:
+    """Whether this rank's FSDP model is built on meta (the layouts whose materialization
+    is wired and tested so far; TE modules initialise on their device, not from a replay)."""
+    return (
+        config.parallel.data_parallel_mode == "fsdp"
+        and dp.data_parallel_size(state) > 1
+        and state.sizes.tp == 1
+        and state.sizes.ep == 1
+        and finetune is None
+        and not config.mixed_precision.fp8
+        and resolve_backend(model_config.backend).name != "te"
+    )
+
+
+def build_fsdp_on_meta(
+    model_config: ModelConfig, state: ParallelState, device: torch.device
+) -> tuple[nn.Module, MaterializeStats]:
+    """The model built on meta, sharded by FSDP2, then each parameter's local rows
+    materialized from a replay of the single-device init: the weights and the RNG state
+    after equal one process's, and at most one whole parameter exists at a time."""
+    backend = cp.wrap_backend(resolve_backend(model_config.backend), state)
+    with torch.device("meta"):
+        model = models.build_model(model_config, backend)
+    dp.shard_model(model, state)
+    model.to_empty(device=device)
+    specs = model_specs(model, state)
+    params = dict(model.named_parameters())
+    stats = materialize_shard(
+        lambda: models.build_model(model_config, backend),
+        model,
+        lambda name, whole: assemble(specs[name], whole, params[name]),
+    )
+    return model, stats
