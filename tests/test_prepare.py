@@ -31,6 +31,7 @@ from preprocessing.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 
 CORPUS = Path(corpus_generator.__file__).parent / "sample_corpus" / "stories.jsonl"
 SMALL_DOCUMENTS = 400
+MEGATRON_MADE = Path(__file__).parent / "data" / "megatron_preprocess"
 
 
 # ---------------------------------------------------------------- helpers
@@ -156,6 +157,17 @@ def test_eod_eos_appends_the_tokenizers_eos_like_megatron(
     assert report.manifest.tokenizer.eod_id == eos_id
     for a, b in zip(documents_of(small_set), documents_of(tmp_path), strict=True):
         assert a[-1] == tokenizer.eod_id and np.array_equal(b, np.append(a[:-1], eos_id))
+
+
+def test_eod_eos_shards_are_byte_identical_to_megatrons_preprocess_data(tmp_path: Path) -> None:
+    # megatron_text_document.* were written by Megatron-LM's own tools/preprocess_data.py
+    # (--append-eod, GPTSentencePieceTokenizer) from the same corpus and model: make_shards.py.
+    tokenizer = load_tokenizer(str(MEGATRON_MADE / "tokenizer.model"), 64)
+    report = prepare(tokenizer, [MEGATRON_MADE / "corpus.jsonl"], tmp_path, shards=1, eod="eos")
+    (ours,) = report.manifest.shards
+    for suffix in (".bin", ".idx"):
+        theirs = (MEGATRON_MADE / f"megatron_text_document{suffix}").read_bytes()
+        assert (tmp_path / f"{ours.name}{suffix}").read_bytes() == theirs, suffix
 
 
 def test_megatron_core_reads_prepared_shards(full_set, tokenizer: Tokenizer) -> None:
