@@ -122,6 +122,23 @@ class DatasetSource(StrictModel):
 
     path: str
     weight: float = Field(default=1.0, gt=0.0)
+    tokenizer: str | None = Field(
+        default=None,
+        description="Only for a Megatron-LM preprocess_data.py output (path: PREFIX of "
+        "PREFIX.bin/.idx, no manifest.json): the SentencePiece model it was made with.",
+    )
+    eod: Literal["token", "eos"] | None = Field(
+        default=None,
+        description="With tokenizer: the EOD it appended (eos: </s>, GPTSentencePieceTokenizer).",
+    )
+
+    @property
+    def record_file(self) -> str:
+        """The file whose sha256 identifies this data in a run's lineage: the manifest of a
+        prepared shard set, the index of a Megatron-LM prefix (which has no manifest)."""
+        if self.tokenizer is not None:
+            return f"{self.path}.idx"
+        return self.path.rstrip("/") + "/manifest.json"
 
 
 class SpanCorruptionConfig(StrictModel):

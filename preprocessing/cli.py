@@ -52,7 +52,13 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="tokenize a corpus into Megatron .bin/.idx shards",
         description="Tokenize documents in parallel into N shards of roughly equal tokens plus "
         "manifest.json. Resumable: a rerun skips shards that are complete and verified. "
-        "Without --tokenizer, a tokenizer is trained first into OUTPUT/tokenizer.model.",
+        "Without --tokenizer, a tokenizer is trained first into OUTPUT/tokenizer.model. "
+        "Megatron-LM users: with --eod eos and --shards 1, OUTPUT/shard-00000.bin/.idx are "
+        "byte-identical to tools/preprocess_data.py --append-eod --tokenizer-type "
+        "GPTSentencePieceTokenizer with the same model on the same jsonl (documents in input "
+        "order; uint16 below 65,500 ids, else int32: Megatron counts the unpadded vocabulary, "
+        "Megalith the padded one; the same .idx header, version 1). Shards that tool made "
+        "need no preparing: see `megalith data verify --tokenizer`.",
     )
     _add_input_arguments(prepare)
     prepare.add_argument("--output", metavar="DIR_OR_URL", help="shard directory or s3:// prefix")
@@ -86,6 +92,17 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         description="Re-hash every shard file and check its index; exits 1 on any mismatch.",
     )
     verify.add_argument("path", metavar="PATH", help="shard directory or URL")
+    verify.add_argument(
+        "--tokenizer",
+        metavar="MODEL",
+        help="for shards made by Megatron-LM's preprocess_data.py (PATH.bin/.idx, no "
+        "manifest): the SentencePiece model they were made with",
+    )
+    verify.add_argument(
+        "--eod",
+        choices=["token", "eos"],
+        help="with --tokenizer: the EOD it appended (eos: </s>, GPTSentencePieceTokenizer)",
+    )
     verify.set_defaults(handler=_verify)
 
 
@@ -226,11 +243,12 @@ def _find_tokenizer(manifest, root: str) -> str:
 def _verify(args: argparse.Namespace) -> int:
     from preprocessing.verify import verify_shard_set
 
-    problems = verify_shard_set(args.path)
+    problems = verify_shard_set(args.path, tokenizer=args.tokenizer, eod=args.eod)
     if problems:
         for problem in problems:
             print(f"FAIL {problem}", file=sys.stderr)
         print(f"{args.path}: {len(problems)} problem(s)", file=sys.stderr)
         return 1
-    print(f"{args.path}: every file matches its manifest")
+    fits = "its index and every token id fit the tokenizer"
+    print(f"{args.path}: {fits if args.tokenizer else 'every file matches its manifest'}")
     return 0

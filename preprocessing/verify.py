@@ -8,17 +8,25 @@ from typing import Any
 
 import numpy as np
 
+from megalith.errors import MegalithError
 from megalith.storage import filesystem, is_local, join, sha256_of_file
 from preprocessing.indexed_dataset import IndexedDatasetError, IndexedDatasetReader
-from preprocessing.manifest import MASK_SUFFIX, Manifest, ShardInfo, read_manifest
+from preprocessing.manifest import MASK_SUFFIX, Manifest, ShardInfo
+from preprocessing.megatron_shards import read_shard_set_manifest
 from preprocessing.tokenizer import Tokenizer
 
 
-def verify_shard_set(root: str, storage_options: dict[str, Any] | None = None) -> list[str]:
-    """Re-hash every file the manifest names; return a list of problems (empty when sound)."""
+def verify_shard_set(
+    root: str,
+    storage_options: dict[str, Any] | None = None,
+    tokenizer: str | None = None,
+    eod: str | None = None,
+) -> list[str]:
+    """Re-hash every file the manifest names; return a list of problems (empty when sound).
+    With ``tokenizer`` and ``eod``, ``root`` is a Megatron-LM ``PREFIX`` (no manifest)."""
     try:
-        manifest = read_manifest(root, storage_options)
-    except (FileNotFoundError, ValueError) as exc:
+        root, manifest = read_shard_set_manifest(root, storage_options, tokenizer, eod)
+    except (FileNotFoundError, ValueError, MegalithError) as exc:
         return [str(exc)]
     problems = []
     for shard in manifest.shards:

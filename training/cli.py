@@ -197,7 +197,7 @@ def _train_or_launch(args: argparse.Namespace) -> int:
     ):
         tags = {}
         if env.is_main:
-            sources = [source.path for source in config.data.training_sources()]
+            sources = [source.record_file for source in config.data.training_sources()]
             tags = lineage_tags(sources, storage_options=config.data.storage_options)
         run_logger = open_run_logger(
             config.logging,

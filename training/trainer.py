@@ -58,7 +58,7 @@ from training.checkpoint.sharded import (
     load_sharded_checkpoint,
     read_index,
 )
-from training.data.shard_set import open_shard_set
+from training.data.shard_set import open_source
 from training.families import model_family
 from training.finetune.session import FineTune
 from training.metrics.pending import PendingMetrics
@@ -156,9 +156,7 @@ def resolve_model_config(config: MegalithConfig) -> ModelConfig:
     updates: dict[str, Any] = {}
     if model.vocab_size is None:
         first = config.data.training_sources()[0]
-        manifest = open_shard_set(
-            first.path, config.data.storage_options, config.data.cache_dir
-        ).manifest
+        manifest = open_source(first, config.data).manifest
         updates["vocab_size"] = manifest.tokenizer.padded_vocab_size
     length, what = model_family(model).context_length(config.data)
     if model.max_position_embeddings is None:
@@ -701,9 +699,7 @@ class Trainer:
 
     def _tokenizer_path(self) -> str:
         first = self.config.data.training_sources()[0]
-        shard_set = open_shard_set(
-            first.path, self.config.data.storage_options, self.config.data.cache_dir
-        )
+        shard_set = open_source(first, self.config.data)
         return shard_set.manifest.tokenizer.path
 
 

@@ -3,7 +3,7 @@
 from training.data.blending import BlendedDataset
 from training.data.builder import build_gpt_datasets
 from training.data.gpt_dataset import GPTDataset
-from training.data.shard_set import ShardSet, ShardSetError, open_shard_set
+from training.data.shard_set import ShardSet, ShardSetError, open_shard_set, open_source
 
 __all__ = [
     "BlendedDataset",
@@ -12,4 +12,5 @@ __all__ = [
     "ShardSetError",
     "build_gpt_datasets",
     "open_shard_set",
+    "open_source",
 ]

@@ -12,7 +12,7 @@ from megalith.storage import is_local
 from training.data.blending import BlendedDataset, load_blending_indices, samples_per_dataset
 from training.data.gpt_dataset import SPLIT_NAMES, GPTDataset, split_document_ranges
 from training.data.sft_dataset import SFTDataset
-from training.data.shard_set import ShardSet, ShardSetError, default_cache_root, open_shard_set
+from training.data.shard_set import ShardSet, ShardSetError, default_cache_root, open_source
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def build_gpt_datasets(
     and document ids (:class:`~training.data.sft_dataset.SFTDataset`).
     """
     sources = data.training_sources()
-    shard_sets = [open_shard_set(s.path, data.storage_options, data.cache_dir) for s in sources]
+    shard_sets = [open_source(s, data) for s in sources]
     check_same_tokenizer(shard_sets)
     check_data_format(data, shard_sets)
     weights = [s.weight for s in sources]

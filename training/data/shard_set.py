@@ -18,10 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from megalith.config import DataConfig, DatasetSource
 from megalith.errors import MegalithError
 from megalith.storage import filesystem, is_local, join
 from preprocessing.indexed_dataset import IndexedDatasetError, IndexedDatasetReader
-from preprocessing.manifest import MASK_SUFFIX, Manifest, read_manifest
+from preprocessing.manifest import MASK_SUFFIX, Manifest
+from preprocessing.megatron_shards import read_shard_set_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -148,11 +150,14 @@ def open_shard_set(
     root: str,
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | None = None,
+    tokenizer: str | None = None,
+    eod: str | None = None,
 ) -> ShardSet:
-    """Read the manifest, make the shards available locally, check them and open them."""
+    """Read the manifest, make the shards available locally, check them and open them.
+    With ``tokenizer`` and ``eod``, ``root`` is a Megatron-LM ``PREFIX`` (no manifest)."""
     root = root.rstrip("/")
     try:
-        manifest = read_manifest(root, storage_options)
+        root, manifest = read_shard_set_manifest(root, storage_options, tokenizer, eod)
     except (FileNotFoundError, ValueError) as exc:
         raise ShardSetError(str(exc)) from None
     if is_local(root):
@@ -170,6 +175,13 @@ def open_shard_set(
         masks = [_open_mask(local_root, root, shard.name) for shard in manifest.shards]
         _check_counts(root, manifest, masks)
     return ShardSet(root=root, manifest=manifest, readers=readers, mask_readers=masks)
+
+
+def open_source(source: DatasetSource, data: DataConfig) -> ShardSet:
+    """The shard set of one ``data.blend`` entry (or ``data.output``)."""
+    return open_shard_set(
+        source.path, data.storage_options, data.cache_dir, source.tokenizer, source.eod
+    )
 
 
 def _open_shard(local_root: str, root: str, manifest: Manifest, name: str) -> IndexedDatasetReader:

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from megalith.config import MegalithConfig
 from megalith.storage import sha256_of_file
-from training.data.shard_set import open_shard_set
+from training.data.shard_set import open_source
 from training.finetune.adapter import save_adapter
 from training.finetune.base import (
     BaseModelError,
@@ -79,10 +79,10 @@ class FineTune:
         data = self.config.data
         urls = []
         for source in data.training_sources():
-            shard_set = open_shard_set(source.path, data.storage_options, data.cache_dir)
+            shard_set = open_source(source, data)
             tokenizer = shard_set.manifest.tokenizer
             check_data_matches(self.base, tokenizer.id, tokenizer.padded_vocab_size, source.path)
-            urls.append(source.path.rstrip("/") + "/manifest.json")
+            urls.append(source.record_file)
         return urls
 
     # ------------------------------------------------------------------ start

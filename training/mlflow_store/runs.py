@@ -257,16 +257,20 @@ def lineage_tags(
     """Tags that say what a run was made from.
 
     ``manifests`` are dataset roots or ``manifest.json`` URLs (several for a blend,
-    in blend order); the tokenizer id defaults to the first manifest's.
+    in blend order), or the ``.idx`` of a Megatron-LM prefix; the tokenizer id defaults to
+    the first manifest's.
     """
     tags: dict[str, str] = {}
-    urls = [m if m.endswith(".json") else m.rstrip("/") + "/manifest.json" for m in manifests]
+    urls = [
+        m if m.endswith((".json", ".idx")) else m.rstrip("/") + "/manifest.json" for m in manifests
+    ]
     if urls:
         tags["megalith.data.manifests"] = ",".join(urls)
         tags["megalith.data.manifest_sha256"] = ",".join(
             sha256_of_file(url, storage_options) for url in urls
         )
-        tokenizer_id = tokenizer_id or _manifest_tokenizer_id(urls[0], storage_options)
+        if urls[0].endswith(".json"):
+            tokenizer_id = tokenizer_id or _manifest_tokenizer_id(urls[0], storage_options)
     if tokenizer_id:
         tags["megalith.tokenizer.id"] = tokenizer_id
     commit, dirty = git_commit()

@@ -37,7 +37,6 @@ from megalith import __version__, safe_read
 from megalith.config import DataConfig, ModelConfig, format_validation_error
 from megalith.errors import MegalithError, naming_path
 from megalith.storage import sha256_of_file
-from preprocessing.manifest import manifest_url
 from training.checkpoint.safe_tensors import UnsafeTensorFileError, check_safetensors
 from training.checkpoint.signing import (
     SIGNATURE_FILE,
@@ -102,7 +101,7 @@ class TrainingData:
 
     @classmethod
     def of(cls, data: DataConfig) -> TrainingData:
-        urls = tuple(manifest_url(source.path) for source in data.training_sources())
+        urls = tuple(source.record_file for source in data.training_sources())
         digests = tuple(sha256_of_file(url, data.storage_options) for url in urls)
         return cls(urls, digests, tuple(data.split), data.seed)
 
