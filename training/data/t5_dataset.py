@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import Dataset
 
 from megalith.config import ConfigError, DataConfig
-from preprocessing.manifest import read_manifest
+from preprocessing.megatron_shards import read_shard_set_manifest
 from preprocessing.tokenizer import load_tokenizer, require_sentinels
 from training.data.builder import build_gpt_datasets
 from training.data.gpt_dataset import SPLIT_NAMES
@@ -225,9 +225,12 @@ class SpecialIds:
 
 def special_ids(data: DataConfig, spans: int) -> SpecialIds:
     """From the first shard set's tokenizer; errors name the tokenizer or manifest."""
-    root = data.training_sources()[0].path
+    first = data.training_sources()[0]
+    root = first.path
     try:
-        manifest = read_manifest(root, data.storage_options)
+        _, manifest = read_shard_set_manifest(
+            root, data.storage_options, first.tokenizer, first.eod
+        )
     except (FileNotFoundError, ValueError) as exc:
         raise ShardSetError(str(exc)) from None
     info = manifest.tokenizer
