@@ -310,6 +310,9 @@ TORCH_LOAD_ALLOWED = {
     "training/interop/megatron.py",
     "training/interop/dcp.py",
     "tests/bad_checkpoints.py",
+    # registers megatron-core's own allow-list, as a Megatron run has it, to load our export
+    # through megatron-core's dist_checkpointing.load
+    "tests/test_megatron_export.py",
 }
 # Files allowed to import pickle, for a pickle.Unpickler whose find_class admits an
 # allow-list only (DCP's .metadata); pickle.load/loads stay refused everywhere.
