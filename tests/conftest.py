@@ -127,9 +127,13 @@ def one_cpu_thread() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` run only where CUDA is available."""
+    """Files with a test marked ``slow`` first (pytest-xdist hands out whole files in this
+    order, so no worker is left running a long file alone at the end); tests marked
+    ``gpu`` run only where CUDA is available."""
     import torch
 
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: files stay whole
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -504,6 +504,7 @@ def pass_gate(gates: Path, step: int) -> None:
     wait_until(lambda: (gates / f"at-{step}").exists(), f"training to reach step {step}")
 
 
+@pytest.mark.slow
 def test_mlflow_server_down_mid_run_gets_every_metric_when_it_returns(
     outage: tuple[MLflowServer, Path, Path], shards: Path, tmp_path: Path
 ) -> None:

@@ -226,6 +226,7 @@ def tracked_report(root: Path, store: str) -> tuple[dict[str, Any], str]:  # noq
     return json.loads(output.read_text(encoding="utf-8")), logger.run_id
 
 
+@pytest.mark.slow
 def test_adapter_hf_export_and_megalith_eval_agree_per_item(
     root: Path, cli_run: dict[str, Any], hf_export: Path, tracked_report: tuple[dict, str]
 ) -> None:
