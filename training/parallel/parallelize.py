@@ -124,8 +124,7 @@ def build_fsdp_on_meta(
     materialized from a replay of the single-device init: the weights and the RNG state
     after equal one process's, and at most one whole parameter exists at a time."""
     backend = cp.wrap_backend(resolve_backend(model_config.backend), state)
-    with torch.device("meta"):
-        model = models.build_model(model_config, backend)
+    model = models.meta_model(model_config, backend)  # shapes only: the replay initializes
     dp.shard_model(model, state)
     model.to_empty(device=device)
     specs = model_specs(model, state)

@@ -58,8 +58,7 @@ def build_model(
         return models.build_model(config, cp.wrap_backend(kernels, state)).to(device)
     check_tensor_parallel(config, state.sizes.tp)
     tp_backend = tensor_parallel_backend(kernels, state.tp_group, sequence_parallel)
-    with torch.device("meta"):
-        model = models.build_model(config, cp.wrap_backend(tp_backend, state))
+    model = models.meta_model(config, cp.wrap_backend(tp_backend, state))
     model.to_empty(device=device)
     model.tie_weights()
     if kernels.name == "te":  # TE modules initialise on their device, not from a meta replay
