@@ -100,15 +100,6 @@ def dtensor_mlp(reference: MLP, mesh, sequence_parallel: bool) -> nn.Module:
     return parallelize_module(model, mesh, plan)
 
 
-def _grads(model: nn.Module, names: dict[str, str], tp: int, rank: int) -> dict[str, Tensor]:
-    """This rank's gradient of each reference weight, cut as the reference's shard."""
-    out = {}
-    for ours, theirs in names.items():
-        grad = model.get_parameter(ours).grad
-        out[theirs] = grad.to_local() if hasattr(grad, "to_local") else grad
-    return out
-
-
 def _time_step(model: nn.Module, x: Tensor, steps: int, device: torch.device) -> float:
     for _ in range(3):
         model(x).sum().backward()
