@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from megalith.errors import MegalithError
-from training.inference.decode import SamplingConfig
+from training.inference.decode import SampledToken, SamplingConfig
 from training.inference.loading import ServedModel
 
 log = logging.getLogger(__name__)
@@ -65,14 +65,15 @@ class Finished:
 class PendingRequest:
     """One request's place in the engine.
 
-    ``on_token(id)`` and ``on_done(Finished | Exception)`` run on the worker thread:
+    ``on_token(SampledToken)`` (its id, and its log-probabilities when
+    ``sampling.logprobs`` asks) and ``on_done(Finished | Exception)`` run on the worker thread:
     they must be quick (a server hands the values to its event loop); a failure is logged.
     """
 
     prompt_ids: list[int]  # ServedModel.prompt_ids or a chat template; fits the model
     sampling: SamplingConfig
     deadline: float  # time.monotonic() after which the request stops
-    on_token: Callable[[int], None]
+    on_token: Callable[[SampledToken], None]
     on_done: Callable[[Finished | BaseException], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
 

@@ -60,6 +60,7 @@ from deploy.schema import (
     sse,
 )
 from megalith.errors import MegalithError
+from training.inference.decode import SampledToken
 from training.inference.loading import ServedModel, load_served_model, source_version
 from training.inference.runtime import AUTOCAST_DTYPES, resolve_precision
 from training.runtime.device import resolve_device
@@ -180,18 +181,18 @@ class TokenStream:
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[int | Finished | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[SampledToken | Finished | BaseException] = asyncio.Queue()
         self.request: PendingRequest | None = None
         self.done = False
 
-    def on_token(self, token: int) -> None:
+    def on_token(self, token: SampledToken) -> None:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, token)
 
     def on_done(self, result: Finished | BaseException) -> None:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, result)
 
-    async def events(self, timeout_s: float) -> AsyncIterator[int | Finished]:
-        """Token ids, then the ``Finished`` record; ``TimeoutError`` if the engine is stuck."""
+    async def events(self, timeout_s: float) -> AsyncIterator[SampledToken | Finished]:
+        """Tokens, then the ``Finished`` record; ``TimeoutError`` if the engine is stuck."""
         deadline = time.monotonic() + timeout_s + STUCK_GRACE_S
         try:
             while True:
@@ -355,7 +356,7 @@ async def _sse_events(
             if isinstance(item, Finished):
                 yield sse({**response_body(served, prepared, item), "done": True})
             else:
-                yield sse({"text": delta.push(item), "token_id": item})
+                yield sse({"text": delta.push(item.id), "token_id": item.id})
     except asyncio.TimeoutError:
         yield sse({"detail": "generation did not answer in time"}, event="error")
     except Exception as error:

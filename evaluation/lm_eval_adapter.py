@@ -49,7 +49,12 @@ from evaluation.tasks import IGNORE_INDEX, TASKS_DIR, choice_tokens, padded_rows
 from megalith import safe_read
 from preprocessing.tokenizer import Tokenizer, load_tokenizer, sentinel_ids
 from training.families import model_family
-from training.inference.decode import SamplingConfig, continuation_text, prompt_ids
+from training.inference.decode import (
+    SampledToken,
+    SamplingConfig,
+    continuation_text,
+    prompt_ids,
+)
 from training.inference.runtime import AUTOCAST_DTYPES, autocast, model_device, resolve_precision
 from training.models.package import load_model_package
 from training.runtime.device import resolve_device
@@ -229,8 +234,8 @@ class MegalithLM(LM):
         prompts = [row.prompt for row in rows]
         new: list[list[int]] = [[] for _ in rows]
 
-        def on_token(row: int, token: int) -> None:
-            new[row].append(token)
+        def on_token(row: int, token: SampledToken) -> None:
+            new[row].append(token.id)
 
         def stop(row: int) -> str | None:
             text = self._text(prompts[row], new[row])

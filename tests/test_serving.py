@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 import uvicorn
 from mlflow import MlflowClient
 from test_evaluation import tiny_model
@@ -35,7 +36,13 @@ from preprocessing.chat import generation_prompt
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from registry.models import register_model, set_alias
 from tests.servers import free_port, running_process
-from training.inference.decode import SamplingConfig, continuation_text, generate, generate_ids
+from training.inference.decode import (
+    SampledToken,
+    SamplingConfig,
+    continuation_text,
+    generate,
+    generate_ids,
+)
 from training.inference.loading import load_served_model
 from training.mlflow_store.runs import ensure_tracking_store
 from training.models.gpt import GPTModel
@@ -157,8 +164,8 @@ class Collector:
         self.result: Finished | BaseException | None = None
         self.done = threading.Event()
 
-    def on_token(self, token: int) -> None:
-        self.tokens.append(token)
+    def on_token(self, token: SampledToken) -> None:
+        self.tokens.append(token.id)
 
     def on_done(self, result: Finished | BaseException) -> None:
         self.result = result
@@ -198,6 +205,45 @@ def test_one_batch_of_mixed_requests_equals_each_alone(
     assert engine.join(30)
 
 
+def test_tokens_carry_the_log_probabilities_of_a_full_forward(
+    models: dict[int, GPTModel], tokenizer: Tokenizer
+) -> None:
+    """With ``logprobs`` set, each token reports its log-probability and the most likely
+    alternatives under the model's raw distribution: those of one forward pass over the
+    prompt and the tokens generated, whatever the temperature or filtering."""
+    model = models[1]
+    prompts = [[tokenizer.eod_id, *tokenizer.encode(p)] for p in PROMPTS[:3]]
+    configs = [
+        SamplingConfig(8, temperature=0.0, logprobs=3, stop_at_eod=False),
+        SamplingConfig(8, temperature=1.3, top_k=5, seed=3, logprobs=0, stop_at_eod=False),
+        SamplingConfig(8, temperature=0.0, stop_at_eod=False),  # asks for none
+    ]
+    seen: list[list[SampledToken]] = [[] for _ in prompts]
+    results = generate_ids(
+        model, prompts, configs, eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size,
+        on_token=lambda row, token: seen[row].append(token),
+    )  # fmt: skip
+    for row, (prompt, (ids, _, _)) in enumerate(zip(prompts, results, strict=True)):
+        assert [token.id for token in seen[row]] == ids
+        with torch.no_grad():
+            logits = model(torch.tensor([[*prompt, *ids]]))[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits[:, : tokenizer.vocab_size].float(), dim=-1)
+        wanted = configs[row].logprobs
+        for step, token in enumerate(seen[row]):
+            if wanted is None:
+                assert (token.logprob, token.top_logprobs) == (None, ())
+                continue
+            assert token.logprob == pytest.approx(expected[step, token.id].item(), abs=1e-4)
+            assert len(token.top_logprobs) == wanted
+            top = expected[step].topk(wanted)
+            assert [i for i, _ in token.top_logprobs] == top.indices.tolist()
+            assert [v for _, v in token.top_logprobs] == pytest.approx(
+                top.values.tolist(), abs=1e-4
+            )
+        if configs[row].greedy and wanted:
+            assert all(token.top_logprobs[0][0] == token.id for token in seen[row])
+
+
 def test_rows_stop_early_and_a_retired_engine_finishes_its_queue(
     packages: dict[int, Path], tokenizer: Tokenizer
 ) -> None:
@@ -210,7 +256,7 @@ def test_rows_stop_early_and_a_retired_engine_finishes_its_queue(
     late_request.deadline = time.monotonic() - 1  # expired while it waited
 
     def after_three(sink: Collector, stop: Any) -> Any:
-        def on_token(token: int) -> None:
+        def on_token(token: SampledToken) -> None:
             sink.on_token(token)
             if len(sink.tokens) == 3:
                 stop()
@@ -252,10 +298,10 @@ def test_a_stream_left_by_its_client_cancels_its_row(tokenizer: Tokenizer) -> No
     async def leave_after_one_token() -> PendingRequest:
         stream = TokenStream()
         stream.request = pending(tokenizer, PROMPTS[0], SamplingConfig(), Collector())
-        stream.on_token(7)
-        stream.on_token(8)
+        stream.on_token(SampledToken(7))
+        stream.on_token(SampledToken(8))
         events = stream.events(timeout_s=60)
-        assert await anext(events) == 7
+        assert await anext(events) == SampledToken(7)
         await events.aclose()
         return stream.request
 

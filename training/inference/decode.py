@@ -12,9 +12,18 @@ so a prompt's text depends on the seed and the prompt, not on the batch it ran i
 Every prompt starts after the end-of-document token, as every training document does.
 
 ``generate_ids`` also takes one ``SamplingConfig`` per row (its own temperature, top-k,
-top-p, seed, token budget and EOD stop), reports each new token as it is sampled and asks
-a ``stop`` callback whether a row should end early: the serving engine
-(``deploy.engine``) decodes the concurrent requests of one batch through it.
+top-p, seed, token budget and EOD stop), reports each new token as it is sampled
+(a :class:`SampledToken`, with its log-probability and the most likely alternatives when
+the row's ``logprobs`` asks) and asks a ``stop`` callback whether a row should end early:
+the serving engine (``deploy.engine``) decodes the concurrent requests of one batch
+through it.
+
+Log-probabilities are those of the model's own next-token distribution: ``log_softmax``
+of the raw logits over the tokenizer's vocabulary, before temperature, top-k and top-p.
+That is what OpenAI's API reports and vLLM's default (``logprobs_mode="raw_logprobs"``):
+a token's log-probability does not depend on the sampling settings, is defined for greedy
+decoding, and is finite for every alternative (a filtered distribution would give
+``-inf`` to the alternatives top-k or top-p removed).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ MAX_SEED = 2**63 - 1
 MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 100.0
 MIN_TOP_P = 1e-6
+MAX_TOP_LOGPROBS = 20  # most likely alternatives a token may report (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class SamplingConfig:
     seed: int = 1234
     stop_at_eod: bool = True
     stop_ids: tuple[int, ...] = ()  # more tokens that end the text (finish "stop"), left out
+    logprobs: int | None = None  # None: no log-probabilities; N: the token's and N alternatives
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -61,6 +72,8 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +81,17 @@ class SamplingConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """A new token as ``on_token`` reports it. ``logprob`` and ``top_logprobs`` (the most
+    likely ``(id, logprob)`` pairs, most likely first) are filled only for a row whose
+    ``SamplingConfig.logprobs`` is set; see the module docstring for their definition."""
+
+    id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -154,14 +178,14 @@ def generate_ids(
     vocab_size: int | None = None,
     seeds: Sequence[int] | None = None,
     autocast_dtype: torch.dtype | None = None,
-    on_token: Callable[[int, int], None] | None = None,
+    on_token: Callable[[int, SampledToken], None] | None = None,
     stop: Callable[[int], str | None] | None = None,
 ) -> list[tuple[list[int], str, int]]:
     """Token-level generation for one batch: ``(new ids, finish reason, prompt tokens used)``.
 
     ``sampling`` is one config for every row or one per row. Prompts longer than the
     model allows (with their ``max_new_tokens`` after them) lose their oldest tokens.
-    ``vocab_size`` masks the padded vocabulary's unused ids. ``on_token(row, id)`` sees
+    ``vocab_size`` masks the padded vocabulary's unused ids. ``on_token(row, token)`` sees
     every new token as it is sampled (not the final EOD); before each step
     ``stop(row)`` may end an unfinished row with the reason it returns.
     """
@@ -185,10 +209,8 @@ def generate_ids(
         if position >= total or all(finish):
             break
         active = [r for r in range(rows) if not finish[r] and position >= lengths[r]]
-        sampled = batch.sample(_mask_vocab(logits, vocab_size), active)
+        sampled = batch.step(_mask_vocab(logits, vocab_size), active, eod_id, on_token)
         tokens[:, position] = torch.where(in_prompt[:, position], tokens[:, position], sampled)
-        for row, token in zip(active, sampled[active].tolist(), strict=True):
-            batch.take(row, token, eod_id, on_token)
         position += 1
         if position < total and not all(finish):
             with autocast(device, autocast_dtype):
@@ -218,20 +240,39 @@ class BatchRows:
         self.new: list[list[int]] = [[] for _ in range(rows)]
         self.finish = ["length" if c.max_new_tokens == 0 else "" for c in configs]
 
-    def sample(self, logits: Tensor, active: list[int]) -> Tensor:
-        return sample_rows(logits, self.configs, self.generators, active)
+    def step(
+        self,
+        logits: Tensor,
+        active: list[int],
+        eod_id: int,
+        on_token: Callable[[int, SampledToken], None] | None,
+    ) -> Tensor:
+        """Sample the next token of every ``active`` row from ``logits [B, V]`` and record
+        it; returns the ``[B]`` sampled ids (the argmax for inactive rows)."""
+        sampled = sample_rows(logits, self.configs, self.generators, active)
+        scoring = [r for r in active if self.configs[r].logprobs is not None]
+        scored = dict(
+            zip(scoring, scored_tokens(logits, sampled, scoring, self.configs), strict=True)
+        )
+        for row, token in zip(active, sampled[active].tolist(), strict=True):
+            self.take(row, scored.get(row) or SampledToken(token), eod_id, on_token)
+        return sampled
 
     def take(
-        self, row: int, token: int, eod_id: int, on_token: Callable[[int, int], None] | None
+        self,
+        row: int,
+        token: SampledToken,
+        eod_id: int,
+        on_token: Callable[[int, SampledToken], None] | None,
     ) -> None:
         """Record a sampled token: EOD or a stop token ends the row (and is left out)."""
         config = self.configs[row]
-        if config.stop_at_eod and token == eod_id:
+        if config.stop_at_eod and token.id == eod_id:
             self.finish[row] = "eod"
-        elif token in config.stop_ids:
+        elif token.id in config.stop_ids:
             self.finish[row] = "stop"
         else:
-            self.new[row].append(token)
+            self.new[row].append(token.id)
             if on_token is not None:
                 on_token(row, token)
             if len(self.new[row]) == config.max_new_tokens:
@@ -244,6 +285,28 @@ def _apply_stop(stop: Callable[[int], str | None] | None, finish: list[str]) -> 
     for row, reason in enumerate(finish):
         if not reason:
             finish[row] = stop(row) or ""
+
+
+def scored_tokens(
+    logits: Tensor, sampled: Tensor, rows: Sequence[int], configs: Sequence[SamplingConfig]
+) -> list[SampledToken]:
+    """The sampled token of each of ``rows`` with its log-probability under ``logits [B, V]``
+    (raw: before temperature and filtering) and its config's ``logprobs`` alternatives."""
+    if not rows:
+        return []
+    index = torch.tensor(list(rows), device=logits.device)
+    logprobs = torch.log_softmax(logits[index].float(), dim=-1)
+    ids = sampled[index]
+    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+    most = max(configs[r].logprobs or 0 for r in rows)
+    top_values, top_ids = logprobs.topk(most, dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    tokens = []
+    for i, (row, token) in enumerate(zip(rows, ids.tolist(), strict=True)):
+        n = configs[row].logprobs or 0
+        top = tuple(zip(top_ids[i][:n], top_values[i][:n], strict=True))
+        tokens.append(SampledToken(token, chosen[i], top))
+    return tokens
 
 
 def sample_rows(

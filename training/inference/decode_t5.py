@@ -26,6 +26,7 @@ from training.inference.decode import (
     BatchRows,
     Generation,
     GenerationResult,
+    SampledToken,
     SamplingConfig,
     _apply_stop,
     _mask_vocab,
@@ -108,14 +109,14 @@ def generate_seq2seq_ids(
     vocab_size: int | None = None,
     seeds: Sequence[int] | None = None,
     autocast_dtype: torch.dtype | None = None,
-    on_token: Callable[[int, int], None] | None = None,
+    on_token: Callable[[int, SampledToken], None] | None = None,
     stop: Callable[[int], str | None] | None = None,
 ) -> list[tuple[list[int], str]]:
     """``(new ids, finish reason)`` for each encoder prompt of one batch.
 
     ``sampling`` is one config for every row or one per row. The final EOD is left out
     of the ids, and ends the row when its ``stop_at_eod``; a token of its ``stop_ids``
-    ends it too (finish reason ``stop``), also left out. ``on_token(row, id)`` and
+    ends it too (finish reason ``stop``), also left out. ``on_token(row, token)`` and
     ``stop(row)`` work as in :func:`training.inference.decode.generate_ids`.
     """
     if not prompts or not all(prompts):
@@ -138,9 +139,7 @@ def generate_seq2seq_ids(
         with autocast(device, autocast_dtype):
             logits = model.decode(step, encoded, encoder_mask, kv_cache=cache, start_pos=position)
         active = [row for row in range(rows) if not finish[row]]
-        sampled = batch.sample(_mask_vocab(logits[:, -1], vocab_size), active)
-        for row, token in zip(active, sampled[active].tolist(), strict=True):
-            batch.take(row, token, eod_id, on_token)
+        sampled = batch.step(_mask_vocab(logits[:, -1], vocab_size), active, eod_id, on_token)
         step = sampled[:, None]
     return list(zip(batch.new, finish, strict=True))
 
