@@ -41,7 +41,7 @@ Activation checkpointing (``ModelConfig.activation_checkpointing``), per block:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -103,6 +103,13 @@ class KVCache:
         return self.keys[layer, :, :end], self.values[layer, :, :end]
 
 
+class KVStore(Protocol):
+    """What attention needs from a cache: :class:`KVCache`, or a paged cache's view of one
+    step (:mod:`training.inference.paged_cache`), which knows where each row's tokens go."""
+
+    def update(self, layer: int, k: Tensor, v: Tensor, start_pos: int) -> tuple[Tensor, Tensor]: ...
+
+
 def _norm_spec(config: ModelConfig) -> NormSpec:
     return NormSpec(kind=config.normalization, eps=config.norm_eps, bias=config.bias)
 
@@ -140,7 +147,7 @@ class Attention(nn.Module):
         self,
         x: Tensor,
         rope: Rope | None,
-        kv_cache: KVCache | None,
+        kv_cache: KVStore | None,
         start_pos: int,
         attn_mask: Tensor | None = None,
     ) -> Tensor:
@@ -201,7 +208,7 @@ class TransformerBlock(nn.Module):
         self,
         x: Tensor,
         rope: Rope | None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVStore | None = None,
         start_pos: int = 0,
         attn_mask: Tensor | None = None,
     ) -> Tensor:
@@ -398,6 +405,31 @@ class GPTModel(nn.Module):
             return self.output(x).float()
         return self.output.loss(x, labels, reduction=loss_reduction)
 
+    @torch.no_grad()
+    def forward_rows(
+        self, tokens: Tensor, positions: Tensor, kv_cache: KVStore, attn_mask: Tensor, last: Tensor
+    ) -> Tensor:
+        """Inference with every row at its own positions (continuous batching): ``tokens``
+        and their ``positions [B, T]`` -> fp32 logits ``[B, V]`` of token ``last[b]`` of
+        each row ``b``.
+
+        ``kv_cache.update`` stores the new keys/values where they belong (it ignores
+        ``start_pos``) and returns the keys/values the rows attend to, ``[B, S, groups, D]``;
+        ``attn_mask [B, 1, T, S]`` (True: may attend) says which. The training
+        ``forward`` is untouched by this path; one process only (no tensor parallelism).
+        """
+        if self.backend.tensor_parallel_size > 1:
+            raise ValueError("forward_rows runs one process: no tensor-parallel backend")
+        x = self.embedding(tokens, 0, positions)
+        rope = None
+        if self.rope is not None:
+            cos, sin = self.rope(0, int(positions.max()) + 1, tokens.device)
+            rope = (cos[positions], sin[positions])  # the same table as forward's
+        for block in self.layers:
+            x = block(x, rope, kv_cache, 0, attn_mask)
+        x = x[torch.arange(x.size(0), device=x.device), last]
+        return self.output(self.final_norm(x)).float()
+
     def _run_block(
         self,
         block: TransformerBlock,
@@ -463,4 +495,4 @@ class GPTModel(nn.Module):
             )
 
 
-__all__ = ["GPTModel", "KVCache", "TransformerBlock"]
+__all__ = ["GPTModel", "KVCache", "KVStore", "TransformerBlock"]

@@ -1,0 +1,257 @@
+"""Continuous batching over a paged KV cache (deploy.continuous): every request's tokens
+equal what ``training.inference.decode.generate_ids`` gives its prompt alone, however
+requests join, share prefixes, prefill in chunks or wait for blocks.
+
+The model is test_evaluation's tiny GPT (random weights with peaked next-token
+distributions, so greedy decoding has no near-ties) on the session's tokenizer.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_evaluation import tiny_model
+from test_serving import Collector
+from test_t5_model import tiny_t5
+
+from deploy.continuous import ContinuousEngine
+from deploy.engine import EngineBusy, EngineClosed, Finished, PendingRequest
+from preprocessing.tokenizer import Tokenizer, load_tokenizer
+from training.inference.decode import SamplingConfig, generate_ids
+from training.inference.loading import ModelInfo, ServedModel
+from training.models.t5 import T5Model
+
+TEXTS = [
+    "Once upon a time",
+    "The horse says",
+    "Tara has a frog named Pebble and",
+    "In the morning the children walked to the river to look for",
+    "Five",
+    "The capital of Valdoria is",
+    "A cat",
+    "Mia and Leo built a boat out of old boxes, and then they",
+]
+SYSTEM = "You are a helpful assistant who answers in short and simple sentences."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(shards: Path) -> Tokenizer:
+    return load_tokenizer(str(Path(shards) / "tokenizer.model"))
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def served(request: pytest.FixtureRequest, tokenizer: Tokenizer) -> ServedModel:
+    """RoPE with GQA (llama) and learned positions (gpt2)."""
+    model = tiny_model(tokenizer, style=request.param)
+    config = model.config
+    info = ModelInfo(
+        request.param, request.param, None, None, "0" * 64, config.max_position_embeddings, 0.0
+    )
+    return ServedModel(model, tokenizer, info)
+
+
+def ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    return [tokenizer.eod_id, *tokenizer.encode(text)]
+
+
+def alone(served: ServedModel, prompt: list[int], sampling: SamplingConfig) -> Finished:
+    """The reference: ``prompt`` decoded on its own."""
+    tokenizer = served.tokenizer
+    model: Any = served.model
+    new, reason, used = generate_ids(
+        model, [prompt], sampling, eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size
+    )[0]
+    return Finished(new, reason, used)
+
+
+def request(prompt: list[int], sampling: SamplingConfig, sink: Collector) -> PendingRequest:
+    return PendingRequest(prompt, sampling, time.monotonic() + 60, sink.on_token, sink.on_done)
+
+
+def results(sinks: list[Collector]) -> list[Finished | BaseException | None]:
+    for sink in sinks:
+        assert sink.done.wait(60), "a request did not finish"
+    return [sink.result for sink in sinks]
+
+
+def greedy(max_new_tokens: int, **more: Any) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens, temperature=0.0, **more)
+
+
+def stop_after(engine: ContinuousEngine) -> dict[str, Any]:
+    engine.retire()
+    assert engine.join(60)
+    return engine.kv_stats()
+
+
+def test_many_concurrent_requests_equal_each_alone(served: ServedModel) -> None:
+    """Prompts of different lengths and budgets, greedy and sampled rows with their own
+    seeds, more requests than may run at once: they join as others leave."""
+    tokenizer = served.tokenizer
+    prompts = [ids(tokenizer, text) for text in TEXTS]
+    settings = [
+        greedy(4 + 3 * i) if i % 3 else
+        SamplingConfig(12 - i, temperature=1.1, top_k=20, top_p=0.9, seed=7 * i)
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    engine = ContinuousEngine(served, block_size=4, max_running=5, prefill_chunk=16)
+    sinks = [Collector() for _ in prompts]
+    for prompt, sampling, sink in zip(prompts, settings, sinks, strict=True):
+        engine.submit(request(prompt, sampling, sink))
+    engine.start()
+    got = results(sinks)
+    assert got == [alone(served, p, s) for p, s in zip(prompts, settings, strict=True)]
+    assert [sink.tokens for sink in sinks] == [r.token_ids for r in got]  # type: ignore[union-attr]
+    stats = stop_after(engine)
+    assert stats["engine_largest_batch"] == 5 and stats["engine_requests"] == len(prompts)
+    assert (stats["blocks_used"], stats["running"], stats["queued"]) == (0, 0, 0)
+    with pytest.raises(EngineClosed):
+        engine.submit(request(prompts[0], greedy(2), Collector()))
+
+
+def test_requests_joining_mid_decode_and_long_prompts_in_chunks(served: ServedModel) -> None:
+    """Requests submitted while another decodes join it at the next step; a long prompt
+    is read 4 tokens a step while the running row keeps decoding."""
+    tokenizer = served.tokenizer
+    first = ids(tokenizer, TEXTS[0])
+    long_prompt = ids(tokenizer, " ".join(TEXTS[2:5]))
+    assert len(long_prompt) > 24
+    later = [long_prompt, ids(tokenizer, TEXTS[5]), ids(tokenizer, TEXTS[6])]
+    engine = ContinuousEngine(served, block_size=4, prefill_chunk=4)
+    events: list[tuple[int, int]] = []  # (request, token) in the order they were sampled
+    sinks = [Collector() for _ in range(4)]
+
+    def record(index: int) -> Any:
+        def on_token(token: int) -> None:
+            sinks[index].on_token(token)
+            events.append((index, token))
+            if index == 0 and len(sinks[0].tokens) == 2:  # mid-decode: the others arrive
+                for i, prompt in enumerate(later, start=1):
+                    joining = request(prompt, greedy(8, stop_at_eod=False), sinks[i])
+                    joining.on_token = record(i)
+                    engine.submit(joining)
+
+        return on_token
+
+    head = request(first, greedy(30, stop_at_eod=False), sinks[0])
+    head.on_token = record(0)
+    engine.submit(head)
+    engine.start()
+    got = results(sinks)
+    assert got[0] == alone(served, first, greedy(30, stop_at_eod=False))
+    assert got[1:] == [alone(served, p, greedy(8, stop_at_eod=False)) for p in later]
+    # The long prompt took ceil(len / 4) steps; the first request decoded through them.
+    first_of_long = events.index((1, sinks[1].tokens[0]))
+    during = [i for i, _ in events[:first_of_long]].count(0) - 2
+    assert during >= len(long_prompt) // 4 - 1
+    assert stop_after(engine)["blocks_used"] == 0
+
+
+def test_a_shared_system_prompt_is_read_from_the_prefix_cache(served: ServedModel) -> None:
+    tokenizer = served.tokenizer
+    system = ids(tokenizer, SYSTEM)
+    prompts = [system + tokenizer.encode(" " + text) for text in TEXTS[:4]]
+    engine = ContinuousEngine(served, block_size=4, prefill_chunk=8).start()
+    sink = Collector()
+    engine.submit(request(prompts[0], greedy(6), sink))  # alone first: its blocks get cached
+    assert results([sink]) == [alone(served, prompts[0], greedy(6))]
+    stats = engine.kv_stats()
+    assert (stats["prefix_hits"], stats["blocks_used"]) == (0, 0)
+    assert stats["blocks_cached"] == len(prompts[0]) // 4
+    sinks = [Collector() for _ in prompts[1:]]
+    for prompt, each in zip(prompts[1:], sinks, strict=True):
+        engine.submit(request(prompt, greedy(6), each))
+    assert results(sinks) == [alone(served, p, greedy(6)) for p in prompts[1:]]
+    stats = stop_after(engine)
+    shared_blocks = len(system) // 4  # the system prompt's full blocks
+    assert stats["prefix_hits"] >= 3 * shared_blocks * 4
+    assert stats["prefix_queries"] == sum(len(p) for p in prompts)
+    assert stats["blocks_used"] == 0 and stats["blocks_cached"] > 0
+
+
+def test_admission_waits_for_blocks_and_a_full_queue_is_busy(served: ServedModel) -> None:
+    tokenizer = served.tokenizer
+    context = served.info.max_positions
+    # Room for one sequence of the whole context: each request here needs most of it.
+    engine = ContinuousEngine(served, block_size=8, num_blocks=context // 8, max_queue=3)
+    prompts = [ids(tokenizer, text) for text in TEXTS[:3]]
+    sampling = greedy(40, stop_at_eod=False)
+    sinks = [Collector() for _ in prompts]
+    for prompt, sink in zip(prompts, sinks, strict=True):
+        engine.submit(request(prompt, sampling, sink))
+    with pytest.raises(EngineBusy):
+        engine.submit(request(prompts[0], sampling, Collector()))
+    engine.start()
+    assert results(sinks) == [alone(served, p, sampling) for p in prompts]
+    stats = stop_after(engine)
+    assert stats["engine_largest_batch"] == 1  # each waited for the blocks of the one before
+    with pytest.raises(ValueError, match="cannot hold one sequence"):
+        ContinuousEngine(served, block_size=8, num_blocks=context // 8 - 1)
+
+
+def test_cancelled_and_timed_out_requests_free_their_blocks(served: ServedModel) -> None:
+    tokenizer = served.tokenizer
+    sampling = greedy(20, stop_at_eod=False)
+    names = ["timed", "cancelled", "late", "whole", "empty"]
+    sinks = {name: Collector() for name in names}
+    requests = {
+        name: request(ids(tokenizer, text), sampling, sinks[name])
+        for name, text in zip(names, TEXTS, strict=False)
+    }
+    requests["late"].deadline = time.monotonic() - 1  # expired while it waited
+    requests["empty"].prompt_ids = []
+
+    def after_three(name: str, stop: Any) -> Any:
+        def on_token(token: int) -> None:
+            sinks[name].on_token(token)
+            if len(sinks[name].tokens) == 3:
+                stop()
+
+        return on_token
+
+    timed, cancelled = requests["timed"], requests["cancelled"]
+    timed.on_token = after_three("timed", lambda: setattr(timed, "deadline", 0))
+    cancelled.on_token = after_three("cancelled", cancelled.cancelled.set)
+    engine = ContinuousEngine(served, block_size=4)
+    for name in names:
+        engine.submit(requests[name])
+    engine.start()
+    got = dict(zip(names, results(list(sinks.values())), strict=True))
+    assert isinstance(got.pop("empty"), ValueError)
+    outcomes = {name: (r.finish_reason, len(r.token_ids)) for name, r in got.items()}  # type: ignore[union-attr]
+    assert outcomes == {
+        "timed": ("timeout", 3),
+        "cancelled": ("cancelled", 3),
+        "late": ("timeout", 0),
+        "whole": ("length", 20),
+    }
+    stats = stop_after(engine)
+    assert (stats["blocks_used"], stats["blocks_free"]) == (0, engine.pool.num_blocks)
+
+
+def test_a_t5_is_refused(served: ServedModel) -> None:
+    t5 = T5Model(tiny_t5(vocab_size=served.model.config.vocab_size))
+    with pytest.raises(ValueError, match="GPT models"):
+        ContinuousEngine(ServedModel(t5, served.tokenizer, served.info))
+
+
+def test_a_failing_callback_does_not_stop_the_other_rows(served: ServedModel) -> None:
+    prompt = ids(served.tokenizer, TEXTS[1])
+    engine = ContinuousEngine(served, block_size=4)
+    failing, fine = Collector(), Collector()
+    broken = request(prompt, greedy(5), failing)
+
+    def client_gone(token: int) -> None:
+        raise RuntimeError("client gone")
+
+    broken.on_token = client_gone
+    engine.submit(broken)
+    engine.submit(request(prompt, greedy(5), fine))
+    engine.start()
+    expected = alone(served, prompt, greedy(5))
+    assert results([failing, fine]) == [expected, expected]
+    assert fine.tokens == expected.token_ids
+    assert stop_after(engine)["blocks_used"] == 0
