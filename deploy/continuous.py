@@ -48,7 +48,13 @@ from torch import Tensor
 
 from deploy.engine import EngineBusy, EngineClosed, Finished, PendingRequest, _notify
 from training.inference.block_pool import BlockPool, block_hashes
-from training.inference.decode import BatchRows, _fit_prompt, _mask_vocab, sample_rows
+from training.inference.decode import (
+    BatchRows,
+    SampledToken,
+    _fit_prompt,
+    _mask_vocab,
+    sample_tokens,
+)
 from training.inference.loading import ServedModel
 from training.inference.paged_cache import PagedKVCache
 from training.inference.runtime import autocast
@@ -77,7 +83,7 @@ class Sequence:
     published: int  # leading prompt blocks offered to the prefix cache
     next_token: int | None = None  # sampled, to be fed at position ``computed``
 
-    def emit(self, _row: int, token: int) -> None:
+    def emit(self, _row: int, token: SampledToken) -> None:
         _notify(self.request.on_token, token)
 
 
@@ -292,13 +298,13 @@ class ContinuousEngine:
         logits = _mask_vocab(logits, tokenizer.vocab_size)
         configs = [s.rows.configs[0] for s in sequences]
         generators = [s.rows.generators[0] for s in sequences]
-        chosen = sample_rows(logits, configs, generators, range(len(sequences))).tolist()
+        _, chosen = sample_tokens(logits, configs, generators, range(len(sequences)))
         for sequence, token in zip(sequences, chosen, strict=True):
             sequence.rows.take(0, token, tokenizer.eod_id, sequence.emit)
             if sequence.rows.finish[0]:
                 self._finish(sequence, self._result(sequence))
             else:
-                sequence.next_token = token
+                sequence.next_token = token.id
 
     def _publish(self, sequence: Sequence) -> None:
         """Offer the sequence's newly written full prompt blocks to the prefix cache."""

@@ -20,7 +20,7 @@ from test_t5_model import tiny_t5
 from deploy.continuous import ContinuousEngine
 from deploy.engine import EngineBusy, EngineClosed, Finished, PendingRequest
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
-from training.inference.decode import SamplingConfig, generate_ids
+from training.inference.decode import SampledToken, SamplingConfig, generate_ids
 from training.inference.loading import ModelInfo, ServedModel
 from training.models.t5 import T5Model
 
@@ -59,12 +59,33 @@ def ids(tokenizer: Tokenizer, text: str) -> list[int]:
 
 def alone(served: ServedModel, prompt: list[int], sampling: SamplingConfig) -> Finished:
     """The reference: ``prompt`` decoded on its own."""
+    return alone_tokens(served, prompt, sampling)[0]
+
+
+def alone_tokens(
+    served: ServedModel, prompt: list[int], sampling: SamplingConfig
+) -> tuple[Finished, list[SampledToken]]:
+    """The reference, with the tokens its ``on_token`` saw."""
     tokenizer = served.tokenizer
     model: Any = served.model
+    seen: list[SampledToken] = []
     new, reason, used = generate_ids(
-        model, [prompt], sampling, eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size
-    )[0]
-    return Finished(new, reason, used)
+        model, [prompt], sampling, eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size,
+        on_token=lambda _, token: seen.append(token),
+    )[0]  # fmt: skip
+    return Finished(new, reason, used), seen
+
+
+class Tokens(Collector):
+    """A Collector that keeps the whole SampledToken too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sampled: list[SampledToken] = []
+
+    def on_token(self, token: SampledToken) -> None:
+        super().on_token(token)
+        self.sampled.append(token)
 
 
 def request(prompt: list[int], sampling: SamplingConfig, sink: Collector) -> PendingRequest:
@@ -89,22 +110,31 @@ def stop_after(engine: ContinuousEngine) -> dict[str, Any]:
 
 def test_many_concurrent_requests_equal_each_alone(served: ServedModel) -> None:
     """Prompts of different lengths and budgets, greedy and sampled rows with their own
-    seeds, more requests than may run at once: they join as others leave."""
+    seeds, some asking for log-probabilities, more requests than may run at once: they
+    join as others leave. Tokens, finish reasons and log-probabilities are as alone."""
     tokenizer = served.tokenizer
     prompts = [ids(tokenizer, text) for text in TEXTS]
     settings = [
-        greedy(4 + 3 * i) if i % 3 else
-        SamplingConfig(12 - i, temperature=1.1, top_k=20, top_p=0.9, seed=7 * i)
+        greedy(4 + 3 * i, logprobs=i % 4 or None) if i % 3 else
+        SamplingConfig(12 - i, temperature=1.1, top_k=20, top_p=0.9, seed=7 * i, logprobs=2)
         for i in range(len(prompts))
     ]  # fmt: skip
     engine = ContinuousEngine(served, block_size=4, max_running=5, prefill_chunk=16)
-    sinks = [Collector() for _ in prompts]
+    sinks = [Tokens() for _ in prompts]
     for prompt, sampling, sink in zip(prompts, settings, sinks, strict=True):
         engine.submit(request(prompt, sampling, sink))
     engine.start()
-    got = results(sinks)
-    assert got == [alone(served, p, s) for p, s in zip(prompts, settings, strict=True)]
-    assert [sink.tokens for sink in sinks] == [r.token_ids for r in got]  # type: ignore[union-attr]
+    got = results(list(sinks))
+    for prompt, sampling, sink, result in zip(prompts, settings, sinks, got, strict=True):
+        expected, seen = alone_tokens(served, prompt, sampling)
+        assert result == expected
+        assert [t.id for t in sink.sampled] == [t.id for t in seen] == expected.token_ids
+        for token, reference in zip(sink.sampled, seen, strict=True):
+            if reference.logprob is None:
+                assert (token.logprob, token.top_logprobs) == (None, ())
+                continue
+            assert token.logprob == pytest.approx(reference.logprob, abs=1e-4)
+            assert [i for i, _ in token.top_logprobs] == [i for i, _ in reference.top_logprobs]
     stats = stop_after(engine)
     assert stats["engine_largest_batch"] == 5 and stats["engine_requests"] == len(prompts)
     assert (stats["blocks_used"], stats["running"], stats["queued"]) == (0, 0, 0)
@@ -125,9 +155,9 @@ def test_requests_joining_mid_decode_and_long_prompts_in_chunks(served: ServedMo
     sinks = [Collector() for _ in range(4)]
 
     def record(index: int) -> Any:
-        def on_token(token: int) -> None:
+        def on_token(token: SampledToken) -> None:
             sinks[index].on_token(token)
-            events.append((index, token))
+            events.append((index, token.id))
             if index == 0 and len(sinks[0].tokens) == 2:  # mid-decode: the others arrive
                 for i, prompt in enumerate(later, start=1):
                     joining = request(prompt, greedy(8, stop_at_eod=False), sinks[i])
@@ -205,7 +235,7 @@ def test_cancelled_and_timed_out_requests_free_their_blocks(served: ServedModel)
     requests["empty"].prompt_ids = []
 
     def after_three(name: str, stop: Any) -> Any:
-        def on_token(token: int) -> None:
+        def on_token(token: SampledToken) -> None:
             sinks[name].on_token(token)
             if len(sinks[name].tokens) == 3:
                 stop()
@@ -244,7 +274,7 @@ def test_a_failing_callback_does_not_stop_the_other_rows(served: ServedModel) ->
     failing, fine = Collector(), Collector()
     broken = request(prompt, greedy(5), failing)
 
-    def client_gone(token: int) -> None:
+    def client_gone(token: SampledToken) -> None:
         raise RuntimeError("client gone")
 
     broken.on_token = client_gone

@@ -249,13 +249,9 @@ class BatchRows:
     ) -> Tensor:
         """Sample the next token of every ``active`` row from ``logits [B, V]`` and record
         it; returns the ``[B]`` sampled ids (the argmax for inactive rows)."""
-        sampled = sample_rows(logits, self.configs, self.generators, active)
-        scoring = [r for r in active if self.configs[r].logprobs is not None]
-        scored = dict(
-            zip(scoring, scored_tokens(logits, sampled, scoring, self.configs), strict=True)
-        )
-        for row, token in zip(active, sampled[active].tolist(), strict=True):
-            self.take(row, scored.get(row) or SampledToken(token), eod_id, on_token)
+        sampled, tokens = sample_tokens(logits, self.configs, self.generators, active)
+        for row, token in zip(active, tokens, strict=True):
+            self.take(row, token, eod_id, on_token)
         return sampled
 
     def take(
@@ -285,6 +281,21 @@ def _apply_stop(stop: Callable[[int], str | None] | None, finish: list[str]) -> 
     for row, reason in enumerate(finish):
         if not reason:
             finish[row] = stop(row) or ""
+
+
+def sample_tokens(
+    logits: Tensor,
+    configs: Sequence[SamplingConfig],
+    generators: Sequence[torch.Generator],
+    rows: Sequence[int],
+) -> tuple[Tensor, list[SampledToken]]:
+    """:func:`sample_rows`, plus each of ``rows``' token as a :class:`SampledToken` (with
+    log-probabilities where its config asks): ``([B] ids, one token per row of rows)``."""
+    sampled = sample_rows(logits, configs, generators, rows)
+    scoring = [r for r in rows if configs[r].logprobs is not None]
+    scored = dict(zip(scoring, scored_tokens(logits, sampled, scoring, configs), strict=True))
+    ids = sampled[list(rows)].tolist()
+    return sampled, [scored.get(r) or SampledToken(t) for r, t in zip(rows, ids, strict=True)]
 
 
 def scored_tokens(
