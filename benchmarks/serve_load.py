@@ -1,7 +1,7 @@
 """Load test of ``megalith serve`` on 127.0.0.1: N concurrent streaming clients for T seconds.
 
 For each ``--batch-sizes`` value the script starts ``megalith serve`` as its own process
-(``--max-batch-size B``) on a free 127.0.0.1 port, warms it up, then runs ``--clients``
+(``--engine static --max-batch-size B``) on a free 127.0.0.1 port, warms it up, then runs ``--clients``
 asyncio clients that each send one streaming request after another for ``--seconds``.
 Every request asks for ``--max-tokens`` tokens (sampled, temperature 0.8; a request may
 stop earlier at the end-of-document token) after a prompt cut from the sample corpus.
@@ -96,7 +96,7 @@ def run_one(model: str, batch: int, prompts: list[str], args: argparse.Namespace
         port = sock.getsockname()[1]
     command = [
         sys.executable, "-m", "pipelines.cli", "serve", "--model", model,
-        "--port", str(port), "--max-batch-size", str(batch),
+        "--port", str(port), "--engine", "static", "--max-batch-size", str(batch),
         "--batch-window-ms", str(args.batch_window_ms), "--max-tokens", str(args.max_tokens),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}

@@ -77,8 +77,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         '"stream": true), POST /v1/chat (messages through the chat template), GET /health, '
         "GET /v1/model, POST /admin/reload (switch to the "
         "alias's current version without dropping requests; it needs 'Authorization: Bearer "
-        f"TOKEN' when {ADMIN_TOKEN_ENV} is set). Concurrent requests are decoded together in "
-        "batches with a KV cache.",
+        f"TOKEN' when {ADMIN_TOKEN_ENV} is set). A GPT's concurrent requests are decoded with "
+        "continuous batching over a paged KV cache (--engine continuous): they join and leave "
+        "the batch at every step; a T5's (or --engine static) in static batches.",
     )
     parser.add_argument(
         "--model", required=True, metavar="SOURCE", help="models:/NAME@ALIAS, or a package dir"
@@ -102,20 +103,55 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--timeout", type=SECONDS, default=60.0, metavar="S", help="longest a request runs (60 s)"
     )
-    parser.add_argument("--max-batch-size", type=COUNT, default=8, metavar="N", help="(8)")
+    parser.add_argument(
+        "--engine",
+        choices=["continuous", "static"],
+        default="continuous",
+        help="continuous batching over a paged KV cache (GPT; a T5 is always static), or "
+        "static batches decoded to the end (continuous)",
+    )
+    parser.add_argument(
+        "--max-running",
+        type=COUNT,
+        default=64,
+        metavar="N",
+        help="continuous: most sequences decoding at once (64)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=COUNT,
+        default=16,
+        metavar="N",
+        help="continuous: positions per KV-cache block (16)",
+    )
+    parser.add_argument(
+        "--kv-blocks",
+        type=COUNT,
+        metavar="N",
+        help="continuous: KV-cache blocks, the KV memory (default: --max-running sequences "
+        "of the model's whole context); a request waits until its prompt + max_tokens fit",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=COUNT,
+        default=512,
+        metavar="N",
+        help="continuous: most prompt tokens read in one step, between decode steps (512)",
+    )
+    parser.add_argument("--max-batch-size", type=COUNT, default=8, metavar="N", help="static: (8)")
     parser.add_argument(
         "--batch-window-ms",
         type=number_type(float, 0),
         default=5.0,
         metavar="MS",
-        help="how long the first request of a batch waits for others (5 ms)",
+        help="static: how long the first request of a batch waits for others (5 ms)",
     )
     parser.add_argument(
         "--max-queue",
         type=COUNT,
         default=256,
         metavar="N",
-        help="waiting requests before 503 (256)",
+        help="waiting requests before 429 with Retry-After (256)",
     )
     parser.add_argument(
         "--watch",
@@ -135,6 +171,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from deploy.continuous import ContinuousEngine
     from deploy.server import Deployment, ServeConfig, create_app
 
     config = ServeConfig(
@@ -144,8 +181,13 @@ def _serve(args: argparse.Namespace) -> int:
         precision=args.precision,
         max_tokens=args.max_tokens,
         timeout_s=args.timeout,
+        engine=args.engine,
         max_batch_size=args.max_batch_size,
         batch_window_ms=args.batch_window_ms,
+        max_running=args.max_running,
+        block_size=args.block_size,
+        kv_blocks=args.kv_blocks,
+        prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue,
         watch_s=args.watch,
         admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
@@ -160,5 +202,13 @@ def _serve(args: argparse.Namespace) -> int:
     info = deployment.engine.served.info
     what = info.name if info.version is None else f"{info.name} version {info.version}"
     print(f"serving {what} ({info.content_id[:12]}) on http://{args.host}:{args.port}", flush=True)
+    if isinstance(deployment.engine, ContinuousEngine):
+        cache = deployment.engine.cache
+        mib = cache.num_blocks * cache.bytes_per_block / 2**20
+        print(
+            f"continuous batching: {cache.num_blocks} KV blocks of {cache.block_size} "
+            f"positions ({mib:.0f} MiB), up to {args.max_running} sequences at once",
+            flush=True,
+        )
     uvicorn.run(create_app(deployment), host=args.host, port=args.port, log_level="info")
     return 0

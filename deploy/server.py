@@ -14,7 +14,11 @@ Endpoints:
 - ``GET /health``, ``GET /v1/model`` (source, name, version, alias, content id, limits).
 - ``POST /admin/reload``: load what the source names now (the alias's current version)
   beside the model being served, swap, and let requests already submitted finish on the
-  old model (``BatchingEngine.retire``). ``--watch SECONDS`` does the same on a timer.
+  old model (the engine's ``retire``). ``--watch SECONDS`` does the same on a timer.
+
+A GPT is served by continuous batching over a paged KV cache (``deploy.continuous``,
+``ServeConfig.engine = "continuous"``, the default); a T5, or any model with
+``engine = "static"``, by the static batching engine (``deploy.engine``).
 
 Finish reasons: ``eod`` (the model ended the text), ``stop`` (a chat reply's end of
 turn), ``length`` (``max_tokens`` reached),
@@ -24,8 +28,8 @@ the engine gives no answer at all within the limit plus ``STUCK_GRACE_S``.
 Errors: 422 for a bad body (FastAPI's ``detail`` list naming the field: types, ranges, NaN,
 ``Infinity``, invalid or too deeply nested JSON), 415 for a body that is not
 ``application/json``, 413 for a body over ``max_body_bytes`` (refused before it is read
-whole: ``deploy.request_body``) or a prompt that fills the model's context, 503 when
-``--max-queue`` requests already wait, 409 for a reload that cannot load (the alias is
+whole: ``deploy.request_body``) or a prompt that fills the model's context, 429 with
+``Retry-After`` when ``--max-queue`` requests already wait, 409 for a reload that cannot load (the alias is
 gone, a file is altered): the old model stays.
 
 ``/admin/reload`` asks for ``Authorization: Bearer TOKEN`` when the server has an admin
@@ -49,6 +53,7 @@ from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from deploy.continuous import ContinuousEngine
 from deploy.engine import BatchingEngine, EngineBusy, EngineClosed, Finished, PendingRequest
 from deploy.request_body import DEFAULT_MAX_BODY_BYTES, RequestBodyGuard
 from deploy.schema import (
@@ -68,6 +73,7 @@ from training.runtime.device import resolve_device
 log = logging.getLogger(__name__)
 
 STUCK_GRACE_S = 5.0
+RETRY_AFTER_S = 1  # what a 429 (the queue is full) tells a client to wait
 MAX_ERRORS_SHOWN = 10  # a body with 10,000 unknown keys needs no 10,000-line answer
 
 
@@ -81,13 +87,22 @@ class ServeConfig:
     precision: str = "fp32"  # fp32, bf16 or fp16 autocast
     max_tokens: int = 256  # the most tokens one request may ask for
     timeout_s: float = 60.0  # the longest a request may run
-    max_batch_size: int = 8
-    batch_window_ms: float = 5.0
+    engine: str = "continuous"  # continuous (GPT; a T5 is served statically) or static
+    max_batch_size: int = 8  # static
+    batch_window_ms: float = 5.0  # static
+    max_running: int = 64  # continuous: sequences decoding at once
+    block_size: int = 16  # continuous: positions per KV block
+    kv_blocks: int | None = None  # continuous: KV blocks; None: max_running full contexts
+    prefill_chunk: int = 512  # continuous: most prompt tokens read in one step
     max_queue: int = 256
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies answer 413
     watch_s: float | None = None  # reload when the alias moves, checked this often
     # /admin/reload wants "Authorization: Bearer TOKEN" when set (MEGALITH_ADMIN_TOKEN).
     admin_token: str | None = field(default=None, repr=False)
+
+
+Engine = BatchingEngine | ContinuousEngine
+ENGINES = ("continuous", "static")
 
 
 class Deployment:
@@ -106,12 +121,25 @@ class Deployment:
             self.config.model, tracking_uri=self.config.tracking_uri, device=self.device
         )
 
-    def _start(self, served: ServedModel) -> BatchingEngine:
+    def _start(self, served: ServedModel) -> Engine:
+        config = self.config
+        if config.engine not in ENGINES:
+            raise ValueError(f"engine {config.engine!r} is not one of {', '.join(ENGINES)}")
+        if config.engine == "continuous" and not served.seq2seq:
+            return ContinuousEngine(
+                served,
+                block_size=config.block_size,
+                num_blocks=config.kv_blocks,
+                max_running=config.max_running,
+                prefill_chunk=config.prefill_chunk,
+                max_queue=config.max_queue,
+                autocast_dtype=self.autocast_dtype,
+            ).start()
         return BatchingEngine(
             served,
-            max_batch_size=self.config.max_batch_size,
-            batch_window_s=self.config.batch_window_ms / 1000,
-            max_queue=self.config.max_queue,
+            max_batch_size=config.max_batch_size,
+            batch_window_s=config.batch_window_ms / 1000,
+            max_queue=config.max_queue,
             autocast_dtype=self.autocast_dtype,
         ).start()
 
@@ -332,7 +360,11 @@ async def _answer(
     except RequestRejected as rejected:
         return JSONResponse({"detail": rejected.detail}, status_code=rejected.status)
     except EngineBusy as busy:
-        return JSONResponse({"detail": f"server busy: {busy}"}, status_code=503)
+        return JSONResponse(
+            {"detail": f"server busy: {busy}"},
+            status_code=429,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     if body.stream:
         events = _sse_events(stream, served, prepared)
         return StreamingResponse(events, media_type="text/event-stream")

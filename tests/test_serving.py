@@ -29,6 +29,7 @@ import uvicorn
 from mlflow import MlflowClient
 from test_evaluation import tiny_model
 
+from deploy.continuous import ContinuousEngine
 from deploy.engine import BatchingEngine, EngineClosed, Finished, PendingRequest
 from deploy.server import Deployment, ServeConfig, create_app
 from pipelines.cli import build_parser
@@ -634,9 +635,27 @@ def test_serve_command_is_registered() -> None:
         ["serve", "--model", "models:/megalith-demo@candidate", "--max-batch-size", "4"]
     )
     assert args.handler.__module__ == "deploy.cli"
-    assert (args.model, args.max_batch_size, args.host) == (
-        "models:/megalith-demo@candidate", 4, "127.0.0.1"
+    assert (args.model, args.max_batch_size, args.host, args.engine) == (
+        "models:/megalith-demo@candidate", 4, "127.0.0.1", "continuous"
     )  # fmt: skip
+    static = build_parser().parse_args(["serve", "--model", "m", "--engine", "static"])
+    assert static.engine == "static"
+
+
+def test_a_gpt_is_batched_continuously_unless_asked_and_a_full_queue_is_429(
+    packages: dict[int, Path],
+) -> None:
+    """The default engine of a GPT is the continuous one, --engine static the static one;
+    a request finding the queue full is answered 429 with Retry-After."""
+    static = Deployment(ServeConfig(model=str(packages[1]), engine="static"))
+    assert isinstance(static.engine, BatchingEngine)
+    static.close()
+    with running(ServeConfig(model=str(packages[1]), max_queue=0)) as (url, deployment):
+        assert isinstance(deployment.engine, ContinuousEngine)
+        response = httpx.post(f"{url}/v1/generate", json={"prompt": "hi"}, timeout=60)
+        assert response.status_code == 429, response.text
+        assert response.headers["retry-after"] == "1"
+        assert "busy" in response.json()["detail"]
 
 
 # --- `megalith serve` as a user runs it ---------------------------------------------------
