@@ -79,18 +79,24 @@ DEFAULT_SPECIAL_TOKENS = [
 
 
 class TokenizerConfig(StrictModel):
-    """How to train (or where to find) the SentencePiece tokenizer."""
+    """How to train (or where to find) the tokenizer."""
 
     model: str | None = Field(
         default=None,
-        description="An existing SentencePiece .model file; when set, nothing is trained.",
+        description="An existing tokenizer: a SentencePiece .model, a Hugging Face "
+        "tokenizer.json, or a GPT-2 *vocab.json with *merges.txt beside it; when set, nothing "
+        "is trained.",
     )
     output_prefix: str | None = Field(
         default=None,
         description="Where a trained model goes (PREFIX.model, PREFIX.vocab). "
         "Defaults to DATA_OUTPUT/tokenizer.",
     )
-    model_type: Literal["bpe", "unigram"] = "bpe"
+    model_type: Literal["bpe", "unigram", "byte_bpe"] = Field(
+        default="bpe",
+        description="SentencePiece bpe or unigram (PREFIX.model), or byte_bpe: a GPT-2-style "
+        "byte-level BPE trained with Hugging Face tokenizers (PREFIX.json).",
+    )
     vocab_size: int = Field(default=8000, ge=64, le=1_048_576)
     pad_vocab_multiple: int = Field(
         default=128,

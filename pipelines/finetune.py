@@ -42,7 +42,7 @@ from pipelines.artifacts import (
 from pipelines.tasks import evaluate_task, gate_task, pretrain_task, register_task
 from pipelines.tokenize import manifest_markdown, write_shards_task
 from training.mlflow_store.registered import get_alias_version, load_registered_model
-from training.models.package import read_package_model_config
+from training.models.package import package_tokenizer_path, read_package_model_config
 
 STATE_FILE = "finetune-state.json"
 CHAT_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -210,7 +210,7 @@ def _round_config(
         }
     )
     tokenizer = config.tokenizer.model_copy(
-        update={"model": str(Path(base["package"]) / "tokenizer.model")}
+        update={"model": str(package_tokenizer_path(base["package"]))}
     )
     finetune = config.finetune.model_copy(update={"base": base["uri"]})
     model = ModelConfig.model_validate(base["model"])

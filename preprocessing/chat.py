@@ -168,18 +168,6 @@ def conversation_contents(texts: Iterable[str]) -> Iterator[str]:
 # --------------------------------------------------------------------------- template
 
 
-def template_ids(piece_to_id, unk_id: int) -> dict[str, int]:
-    """Ids of the template's tokens; refuses a tokenizer that lacks any of them."""
-    ids = {token: piece_to_id(token) for token in TEMPLATE_TOKENS}
-    missing = [token for token, i in ids.items() if i == unk_id]
-    if missing:
-        raise ChatTemplateError(
-            f"the tokenizer lacks the chat template tokens {missing}: train it with "
-            f"tokenizer.special_tokens including {list(TEMPLATE_TOKENS)} (the default)"
-        )
-    return ids
-
-
 def apply_template(
     messages: list[dict[str, str]], content_ids: list[list[int]], ids: dict[str, int]
 ) -> tuple[list[int], list[int]]:
@@ -194,13 +182,13 @@ def apply_template(
 
 
 def encode_conversations(
-    processor, texts: list[str], dtype: np.dtype
+    tokenizer, texts: list[str], dtype: np.dtype
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Tokenize canonical conversations: flat tokens, per-conversation lengths, flat mask."""
-    ids = template_ids(processor.piece_to_id, processor.unk_id())
+    ids = _tokenizer_template_ids(tokenizer)
     conversations = [json.loads(text) for text in texts]
     contents = [m["content"] for messages in conversations for m in messages]
-    encoded = iter(processor.encode(contents, num_threads=1))
+    encoded = iter(tokenizer.encode_batch(contents, num_threads=1))
     all_tokens, all_masks, lengths = [], [], []
     for messages in conversations:
         tokens, mask = apply_template(messages, list(itertools.islice(encoded, len(messages))), ids)
@@ -231,5 +219,9 @@ def _tokenizer_template_ids(tokenizer) -> dict[str, int]:
     ids = {token: tokenizer.special_ids.get(token, -1) for token in TEMPLATE_TOKENS}
     missing = [token for token, i in ids.items() if i < 0]
     if missing:
-        raise ChatTemplateError(f"{tokenizer.model_path}: lacks the chat template tokens {missing}")
+        raise ChatTemplateError(
+            f"{tokenizer.model_path}: lacks the chat template tokens {missing}: train it with "
+            f"tokenizer.special_tokens including {list(TEMPLATE_TOKENS)} (the default), or add "
+            "them to a tokenizer.json as special tokens"
+        )
     return ids

@@ -25,16 +25,25 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 
     train = commands.add_parser(
         "train-tokenizer",
-        help="train a SentencePiece tokenizer on a corpus",
+        help="train a tokenizer (SentencePiece, or a byte-level BPE) on a corpus",
         description="Train a SentencePiece model (BPE or unigram, byte fallback, special tokens) "
-        "on a seeded sample of the input documents. Writes PREFIX.model and PREFIX.vocab.",
+        "on a seeded sample of the input documents. Writes PREFIX.model and PREFIX.vocab; with "
+        "--model-type byte_bpe a Hugging Face tokenizers byte-level BPE, PREFIX.json.",
     )
     _add_input_arguments(train)
     train.add_argument(
-        "--output", required=True, metavar="MODEL_PREFIX", help="writes MODEL_PREFIX.model"
+        "--output",
+        required=True,
+        metavar="MODEL_PREFIX",
+        help="writes MODEL_PREFIX.model (byte_bpe: MODEL_PREFIX.json)",
     )
     train.add_argument("--vocab-size", type=int, help="number of pieces (default 8000)")
-    train.add_argument("--model-type", choices=["bpe", "unigram"], help="default bpe")
+    train.add_argument(
+        "--model-type",
+        choices=["bpe", "unigram", "byte_bpe"],
+        help="SentencePiece bpe (default) or unigram; byte_bpe: a GPT-2-style byte-level BPE "
+        "trained with Hugging Face tokenizers, written as MODEL_PREFIX.json",
+    )
     train.add_argument(
         "--special-tokens", nargs="+", metavar="TOKEN", help="user-defined symbols, e.g. '<|eod|>'"
     )
@@ -62,7 +71,12 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     )
     _add_input_arguments(prepare)
     prepare.add_argument("--output", metavar="DIR_OR_URL", help="shard directory or s3:// prefix")
-    prepare.add_argument("--tokenizer", metavar="MODEL", help="SentencePiece .model file")
+    prepare.add_argument(
+        "--tokenizer",
+        metavar="FILE",
+        help="SentencePiece .model, Hugging Face tokenizer.json, or GPT-2 *vocab.json "
+        "(with *merges.txt beside it)",
+    )
     prepare.add_argument("--workers", type=int, help="tokenizer processes (default: all cores)")
     prepare.add_argument("--shards", type=int, help="number of output shards (default 1)")
     prepare.add_argument("--no-eod", action="store_true", help="do not append EOD to documents")
@@ -96,7 +110,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "--tokenizer",
         metavar="MODEL",
         help="for shards made by Megatron-LM's preprocess_data.py (PATH.bin/.idx, no "
-        "manifest): the SentencePiece model they were made with",
+        "manifest): the tokenizer they were made with (.model, tokenizer.json, *vocab.json)",
     )
     verify.add_argument(
         "--eod",
@@ -228,11 +242,12 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _find_tokenizer(manifest, root: str) -> str:
-    """The manifest's tokenizer path, or ROOT/tokenizer.model when the shard set was moved."""
+    """The manifest's tokenizer path, or ROOT/tokenizer.model (a Hugging Face tokenizer:
+    ROOT/tokenizer.json) when the shard set was moved."""
     from megalith.storage import filesystem, join
 
     recorded = manifest.tokenizer.path
-    beside = join(root, "tokenizer.model")
+    beside = join(root, "tokenizer.json" if manifest.tokenizer.kind == "hf" else "tokenizer.model")
     for candidate in (recorded, beside):
         fs, path = filesystem(candidate)
         if fs.exists(path):

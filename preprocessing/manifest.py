@@ -38,7 +38,10 @@ class _Record(BaseModel):
 
 
 class TokenizerInfo(_Record):
-    id: str = Field(description="sha256 of the SentencePiece .model file")
+    id: str = Field(description="sha256 of the tokenizer file (.model, tokenizer.json)")
+    kind: Literal["sentencepiece", "hf"] = Field(
+        default="sentencepiece", description="SentencePiece, or Hugging Face tokenizers"
+    )
     path: str
     vocab_size: int = Field(ge=1)
     padded_vocab_size: int = Field(ge=1)

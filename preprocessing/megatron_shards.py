@@ -89,6 +89,7 @@ def megatron_manifest(prefix: str, tokenizer: Tokenizer, eod: str) -> tuple[str,
         megalith_version=__version__,
         tokenizer=TokenizerInfo(
             id=tokenizer.id,
+            kind=tokenizer.kind,
             path=os.path.abspath(tokenizer.model_path),
             vocab_size=tokenizer.vocab_size,
             padded_vocab_size=tokenizer.padded_vocab_size,

@@ -204,22 +204,20 @@ def make_plan(
 
 # --------------------------------------------------------------------------- workers
 
-_worker_processor = None
+_worker_tokenizer: Tokenizer | None = None
 
 
-def _init_worker(model_bytes: bytes) -> None:
-    global _worker_processor
-    import sentencepiece
-
-    _worker_processor = sentencepiece.SentencePieceProcessor(model_proto=model_bytes)
+def _init_worker(tokenizer: Tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer  # unpickled: rebuilt from its bytes in this process
 
 
 def encode_documents(
-    processor, texts: list[str], eod_id: int | None, dtype: np.dtype
+    tokenizer: Tokenizer, texts: list[str], eod_id: int | None, dtype: np.dtype
 ) -> tuple[np.ndarray, np.ndarray]:
     """Tokenize a batch into one flat array plus per-document lengths (EOD included)."""
-    # One thread: each worker process is one core; SentencePiece's default uses them all.
-    ids = processor.encode(texts, num_threads=1)
+    # One thread: each worker process is one core; the libraries' defaults use them all.
+    ids = tokenizer.encode_batch(texts, num_threads=1)
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
     if eod_id is not None:
@@ -239,8 +237,8 @@ def _encode_job(job: tuple[int, list[str], int | None, str, bool]) -> EncodedBat
     """``(shard, tokens, lengths, loss mask)``; the mask only for chat conversations."""
     shard, texts, eod_id, dtype, chat = job
     if chat:
-        return shard, *encode_conversations(_worker_processor, texts, np.dtype(dtype))
-    tokens, lengths = encode_documents(_worker_processor, texts, eod_id, np.dtype(dtype))
+        return shard, *encode_conversations(_worker_tokenizer, texts, np.dtype(dtype))
+    tokens, lengths = encode_documents(_worker_tokenizer, texts, eod_id, np.dtype(dtype))
     return shard, tokens, lengths, None
 
 
@@ -257,12 +255,12 @@ class OrderedPool:
     would wait forever for the lost batch instead.
     """
 
-    def __init__(self, workers: int, model_bytes: bytes):
+    def __init__(self, workers: int, tokenizer: Tokenizer):
         self.pool = ProcessPoolExecutor(
             workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_worker,
-            initargs=(model_bytes,),
+            initargs=(tokenizer,),
         )
         self.pending: deque = deque()
         self.limit = 2 * workers + 2
@@ -477,7 +475,7 @@ def _prepare(corpus, store, data, tokenizer, tokenizer_config, show_progress) ->
     report = PrepareReport(manifest=None, output=store.output)  # type: ignore[arg-type]
 
     # Start the workers now: their spawn and imports overlap the scan.
-    with OrderedPool(data.workers, tokenizer.model_bytes) as pool:
+    with OrderedPool(data.workers, tokenizer) as pool:
         return _scan_and_tokenize(
             corpus, store, data, tokenizer, tokenizer_config, show_progress, pool, dtype, report
         )
@@ -603,6 +601,7 @@ def _build_manifest(corpus, scan, tokenizer, tokenizer_config, data, dtype, shar
         megalith_version=__version__,
         tokenizer=TokenizerInfo(
             id=tokenizer.id,
+            kind=tokenizer.kind,
             # Absolute, so that `megalith data inspect --decode` finds it from any directory.
             path=tokenizer.model_path
             if "://" in tokenizer.model_path

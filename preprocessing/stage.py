@@ -9,7 +9,7 @@ from megalith.errors import MegalithError
 from megalith.storage import atomic_write_json, join
 from preprocessing.corpus import Corpus, train_tokenizer_on_corpus
 from preprocessing.prepare import PrepareReport, input_fingerprint, prepare_dataset
-from preprocessing.tokenizer import Tokenizer, load_tokenizer
+from preprocessing.tokenizer import Tokenizer, load_tokenizer, trained_tokenizer_url
 
 
 def tokenizer_prefix(config: MegalithConfig) -> str:
@@ -21,7 +21,7 @@ def tokenizer_prefix(config: MegalithConfig) -> str:
 
 
 def ensure_tokenizer(config: MegalithConfig) -> Tokenizer:
-    """Load ``tokenizer.model`` if given, else train one on the corpus (reusing a previous
+    """Load ``tokenizer.model`` (any tokenizer file) if given, else train one on the corpus (reusing a previous
     training with the same inputs and settings)."""
     settings = config.tokenizer
     options = config.data.storage_options
@@ -37,7 +37,8 @@ def ensure_tokenizer(config: MegalithConfig) -> Tokenizer:
     try:
         record = safe_read.read_json(record_url, storage_options=options, expect=dict)
         if record.get("key") == key:
-            tokenizer = load_tokenizer(f"{prefix}.model", settings.pad_vocab_multiple, options)
+            url = trained_tokenizer_url(prefix, settings)
+            tokenizer = load_tokenizer(url, settings.pad_vocab_multiple, options)
             if tokenizer.id == record.get("id"):
                 return tokenizer
     except (FileNotFoundError, ValueError, OSError, MegalithError):

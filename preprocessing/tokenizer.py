@@ -1,7 +1,10 @@
-"""SentencePiece tokenizers: train one on a corpus sample, or load an existing ``.model``.
+"""Tokenizers: SentencePiece (train one on a corpus sample, or load a ``.model``) and
+Hugging Face ``tokenizers`` (a ``tokenizer.json``, or a GPT-2 ``vocab.json`` + ``merges.txt``).
 
-A tokenizer's identity is the sha256 of its ``.model`` bytes; every manifest and
-checkpoint records it, so training must be deterministic: the same documents and
+Both are a :class:`Tokenizer`: ``encode``/``decode``, the vocabulary size, the EOD, eos, bos
+and pad ids, the special tokens, ``kind`` and the serialized bytes a model package stores.
+A tokenizer's identity is the sha256 of those bytes (the ``.model``, the ``tokenizer.json``);
+every manifest and checkpoint records it, so training must be deterministic: the same documents and
 config give a byte-identical model. To that end the model is trained in memory
 (no temporary paths end up in its trainer spec), on an explicit document sample
 (no SentencePiece-side shuffling) with a fixed thread count, and only then written.
@@ -17,12 +20,15 @@ from __future__ import annotations
 import io
 import random
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import sentencepiece as spm
 from google.protobuf.message import DecodeError
+from tokenizers import Tokenizer as HFBackend
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from megalith import safe_read
 from megalith.config import TokenizerConfig
@@ -32,6 +38,11 @@ from megalith.storage import atomic_write_bytes, sha256_of_bytes
 EOD_TOKEN = "<|eod|>"
 PAD_TOKEN = "<|pad|>"
 SENTINEL_FORMAT = "<extra_id_{}>"  # T5's span-corruption sentinels, <extra_id_0> first
+# A Hugging Face tokenizer's eos and bos: the first of these among its added tokens (GPT-2
+# and Qwen, Llama 2 and Mistral, Llama 3, Gemma). Its EOD is <|eod|> if present, else the eos.
+HF_EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+HF_BOS_TOKENS = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
+_SPECIAL = re.compile(r"<\|[^|\s]+\|>")  # <|endoftext|> in a GPT-2 vocab.json
 
 # Unigram training sums EM statistics per thread, so the float results (and the
 # model bytes) depend on the thread count. Fixing it keeps the id machine-independent.
@@ -39,6 +50,7 @@ TRAIN_THREADS = 4
 # A path read from a manifest may name /dev/zero or a huge file: SentencePiece models are
 # a few MB even at 256k pieces.
 MAX_MODEL_BYTES = 256 << 20
+MAX_VOCAB_SIZE = 1 << 22  # the largest open vocabularies have about 256k ids
 
 _TOO_LARGE = re.compile(
     r"Vocabulary size (?:is )?too high \((\d+)\)\. Please set it to a value <= (\d+)"
@@ -50,55 +62,126 @@ class TokenizerError(MegalithError):
 
 
 @dataclass(frozen=True)
-class Tokenizer:
+class Tokenizer(ABC):
+    """A loaded tokenizer: its identity, special ids and serialized bytes; subclasses encode.
+
+    ``model_bytes`` is what a model package stores (as :attr:`file_name`) and ``id`` is
+    their sha256. EOD is what documents end with: ``<|eod|>`` when the tokenizer has it,
+    else its eos (``data.eod: eos`` picks the eos even when ``<|eod|>`` exists).
+    """
+
     model_path: str
-    id: str  # sha256 of the .model bytes: the tokenizer's identity in every manifest
+    id: str
     vocab_size: int
     padded_vocab_size: int
     eod_id: int
     pad_id: int | None
     special_ids: dict[str, int]
     model_bytes: bytes = field(repr=False)
-    _processor: spm.SentencePieceProcessor = field(init=False, repr=False, compare=False)
+    eos_id: int | None = None
+    bos_id: int | None = None
+    _backend: Any = field(init=False, repr=False, compare=False)
+
+    kind: ClassVar[str]
+    file_name: ClassVar[str]  # its name in a model package and an HF directory
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self, "_processor", _processor_from_bytes(self.model_bytes, self.model_path)
-        )
+        object.__setattr__(self, "_backend", self._load(self.model_bytes, self.model_path))
 
-    # Pickling (e.g. to worker processes) sends the model bytes, not the C++ object.
+    # Pickling (e.g. to worker processes) sends the bytes, not the native object.
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        del state["_processor"]
+        del state["_backend"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        object.__setattr__(
-            self, "_processor", _processor_from_bytes(self.model_bytes, self.model_path)
-        )
+        object.__setattr__(self, "_backend", self._load(self.model_bytes, self.model_path))
+
+    @staticmethod
+    @abstractmethod
+    def _load(model_bytes: bytes, name: str) -> Any: ...
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text`` alone: no bos, eos or EOD is added."""
+
+    @abstractmethod
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]: ...
+
+    @abstractmethod
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    @abstractmethod
+    def id_to_piece(self, token_id: int) -> str: ...
+
+
+@dataclass(frozen=True)
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece ``.model``."""
+
+    kind: ClassVar[str] = "sentencepiece"
+    file_name: ClassVar[str] = "tokenizer.model"
+
+    @staticmethod
+    def _load(model_bytes: bytes, name: str) -> spm.SentencePieceProcessor:
+        return _processor_from_bytes(model_bytes, name)
 
     def encode(self, text: str) -> list[int]:
-        return self._processor.encode(text, out_type=int)
+        return self._backend.encode(text, out_type=int)
 
     def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
-        return self._processor.encode(texts, out_type=int, num_threads=num_threads)
+        return self._backend.encode(texts, out_type=int, num_threads=num_threads)
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self._processor.decode([int(i) for i in ids])
+        return self._backend.decode([int(i) for i in ids])
 
     def id_to_piece(self, token_id: int) -> str:
-        return self._processor.id_to_piece(int(token_id))
+        return self._backend.id_to_piece(int(token_id))
+
+
+@dataclass(frozen=True)
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers`` tokenizer (a ``tokenizer.json``), used as it is:
+    ``encode`` adds none of its post-processor's tokens, ``decode`` keeps special tokens."""
+
+    kind: ClassVar[str] = "hf"
+    file_name: ClassVar[str] = "tokenizer.json"
+
+    @staticmethod
+    def _load(model_bytes: bytes, name: str) -> HFBackend:
+        return _hf_backend(model_bytes, name)
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        except Exception as exc:  # e.g. a WordPiece model whose [UNK] is missing
+            raise TokenizerError(f"{self.model_path}: cannot encode: {exc}") from None
+
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        if num_threads == 1:  # tokenizers' own batch call uses every core
+            return [self.encode(text) for text in texts]
+        try:
+            encodings = self._backend.encode_batch(texts, add_special_tokens=False)
+        except Exception as exc:
+            raise TokenizerError(f"{self.model_path}: cannot encode: {exc}") from None
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._backend.id_to_token(int(token_id)) or ""
 
 
 def with_eod(tokenizer: Tokenizer, eod: str) -> Tokenizer:
-    """The tokenizer with EOD = its own ``</s>`` when ``eod`` is ``"eos"``, else unchanged."""
+    """The tokenizer with EOD = its eos (``</s>``, ``<|endoftext|>``...) when ``eod`` is
+    ``"eos"``, else unchanged."""
     if eod == "token":
         return tokenizer
-    eos_id = tokenizer._processor.eos_id()
-    if eos_id < 0:
+    if tokenizer.eos_id is None:
         raise TokenizerError(f"{tokenizer.model_path}: data.eod is 'eos' but it has no eos id")
-    return replace(tokenizer, eod_id=eos_id)
+    return replace(tokenizer, eod_id=tokenizer.eos_id)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int) -> int:
@@ -144,17 +227,18 @@ def _special_ids(model_bytes: bytes, name: str) -> dict[str, int]:
 def tokenizer_from_bytes(
     model_bytes: bytes, model_path: str, pad_vocab_multiple: int = 128
 ) -> Tokenizer:
-    """Build a ``Tokenizer`` from serialized model bytes; ``model_path`` is where they live."""
+    """Build a ``Tokenizer`` from serialized bytes; ``model_path`` is where they live: a
+    Hugging Face ``tokenizer.json`` (a ``.json`` name or JSON text) or a SentencePiece model."""
+    if model_path.endswith(".json") or model_bytes.lstrip()[:1] == b"{":
+        return _hf_tokenizer(model_bytes, model_path, pad_vocab_multiple)
     processor = _processor_from_bytes(model_bytes, model_path)
     special_ids = _special_ids(model_bytes, model_path)
-    if EOD_TOKEN in special_ids:
-        eod_id = special_ids[EOD_TOKEN]
-    elif processor.eos_id() >= 0:
-        eod_id = processor.eos_id()
-    else:
+    eos_id = processor.eos_id() if processor.eos_id() >= 0 else None
+    eod_id = special_ids.get(EOD_TOKEN, eos_id)
+    if eod_id is None:
         raise TokenizerError(f"{model_path}: has neither a {EOD_TOKEN} token nor an eos id")
     vocab_size = processor.get_piece_size()
-    return Tokenizer(
+    return SentencePieceTokenizer(
         model_path=model_path,
         id=sha256_of_bytes(model_bytes),
         vocab_size=vocab_size,
@@ -163,22 +247,135 @@ def tokenizer_from_bytes(
         pad_id=special_ids.get(PAD_TOKEN),
         special_ids=special_ids,
         model_bytes=model_bytes,
+        eos_id=eos_id,
+        bos_id=processor.bos_id() if processor.bos_id() >= 0 else None,
     )
+
+
+def _hf_tokenizer(model_bytes: bytes, model_path: str, pad_vocab_multiple: int) -> HFTokenizer:
+    data = _json_object(model_bytes, model_path)
+    if "model" not in data:
+        hint = " (a GPT-2 vocab.json: name the file *vocab.json, with *merges.txt beside it)"
+        raise TokenizerError(
+            f"{model_path}: not a Hugging Face tokenizer.json (it has no 'model' section)"
+            + (hint if _is_vocab(data) else "")
+        )
+    backend = _hf_backend(model_bytes, model_path)
+    ids = backend.get_vocab(with_added_tokens=True).values()
+    if not ids:
+        raise TokenizerError(f"{model_path}: a tokenizer.json with an empty vocabulary")
+    special_ids = {token.content: i for i, token in backend.get_added_tokens_decoder().items()}
+    eos_id = next((special_ids[t] for t in HF_EOS_TOKENS if t in special_ids), None)
+    eod_id = special_ids.get(EOD_TOKEN, eos_id)
+    if eod_id is None:
+        raise TokenizerError(
+            f"{model_path}: has no {EOD_TOKEN} token and none of the eos tokens "
+            f"{list(HF_EOS_TOKENS)} among its added tokens, so documents cannot be separated: "
+            f"add {EOD_TOKEN} as a special token (tokenizers: add_special_tokens) and save it"
+        )
+    vocab_size = max(ids) + 1
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise TokenizerError(
+            f"{model_path}: token id {vocab_size - 1} is beyond the {MAX_VOCAB_SIZE} ids "
+            "an embedding table may have"
+        )
+    return HFTokenizer(
+        model_path=model_path,
+        id=sha256_of_bytes(model_bytes),
+        vocab_size=vocab_size,
+        padded_vocab_size=padded_vocab_size(vocab_size, pad_vocab_multiple),
+        eod_id=eod_id,
+        pad_id=special_ids.get(PAD_TOKEN, special_ids.get("<pad>")),
+        special_ids=special_ids,
+        model_bytes=model_bytes,
+        eos_id=eos_id,
+        bos_id=next((special_ids[t] for t in HF_BOS_TOKENS if t in special_ids), None),
+    )
+
+
+def _hf_backend(model_bytes: bytes, name: str) -> HFBackend:
+    try:
+        backend = HFBackend.from_str(model_bytes.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise TokenizerError(f"{name}: not a Hugging Face tokenizer.json (not UTF-8)") from None
+    except Exception as exc:  # tokenizers raises a bare Exception naming line and column
+        raise TokenizerError(
+            f"{name}: not a Hugging Face tokenizer.json ({str(exc).splitlines()[0]})"
+        ) from None
+    # Documents are encoded whole: a truncation setting would cut them silently (and some
+    # settings make the library panic), padding would add tokens.
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
+
+
+def _json_object(data: bytes, name: str) -> dict[str, Any]:
+    try:
+        value = safe_read.loads_json(data, name)
+    except safe_read.UnsafeFileError as exc:
+        raise TokenizerError(str(exc)) from None
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{name}: expected a JSON object at the top")
+    return value
+
+
+def _is_vocab(data: dict[str, Any]) -> bool:
+    return bool(data) and all(isinstance(v, int) and not isinstance(v, bool) for v in data.values())
+
+
+def bpe_tokenizer_json(vocab: bytes, merges: bytes, vocab_path: str, merges_path: str) -> bytes:
+    """A GPT-2-style ``vocab.json`` + ``merges.txt`` as a byte-level BPE ``tokenizer.json``
+    (GPT-2's pre-tokenizer, decoder and post-processor; ``<|...|>`` entries of the vocabulary
+    become special tokens). The same two files always give the same bytes, hence the same id."""
+    table = _json_object(vocab, vocab_path)
+    if not _is_vocab(table):
+        raise TokenizerError(f"{vocab_path}: expected a JSON object of token -> id")
+    pairs = []
+    try:
+        lines = merges.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise TokenizerError(f"{merges_path}: not UTF-8 text") from None
+    for number, line in enumerate(lines, 1):
+        if not line or (number == 1 and line.startswith("#version")):
+            continue
+        parts = line.split(" ")
+        if len(parts) != 2:
+            raise TokenizerError(f"{merges_path}: line {number} is not two tokens: {line[:60]!r}")
+        pairs.append((parts[0], parts[1]))
+    try:
+        backend = HFBackend(models.BPE(vocab=table, merges=pairs))
+    except Exception as exc:  # a merge whose parts or result are not in the vocabulary
+        raise TokenizerError(f"{merges_path} does not fit {vocab_path}: {exc}") from None
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    backend.add_special_tokens(sorted((t for t in table if _SPECIAL.fullmatch(t)), key=table.get))
+    return backend.to_str().encode("utf-8")
 
 
 def load_tokenizer(
     url: str, pad_vocab_multiple: int = 128, storage_options: dict[str, Any] | None = None
 ) -> Tokenizer:
-    """Load a SentencePiece ``.model`` from a local path or any fsspec URL."""
+    """Load a tokenizer from a local path or any fsspec URL: a SentencePiece ``.model``, a
+    Hugging Face ``tokenizer.json``, or a GPT-2-style ``*vocab.json`` whose ``*merges.txt``
+    lies beside it (``gpt2-vocab.json`` and ``gpt2-merges.txt``, as Megatron-LM names them)."""
+    model_bytes = _read_tokenizer_file(url, storage_options)
+    if url.endswith("vocab.json"):
+        merges_url = url.removesuffix("vocab.json") + "merges.txt"
+        merges = _read_tokenizer_file(merges_url, storage_options)
+        model_bytes = bpe_tokenizer_json(model_bytes, merges, url, merges_url)
+    return tokenizer_from_bytes(model_bytes, url, pad_vocab_multiple)
+
+
+def _read_tokenizer_file(url: str, storage_options: dict[str, Any] | None) -> bytes:
     try:
-        model_bytes = safe_read.read_bytes_bounded(url, MAX_MODEL_BYTES, storage_options)
+        return safe_read.read_bytes_bounded(url, MAX_MODEL_BYTES, storage_options)
     except FileNotFoundError:
         raise TokenizerError(f"tokenizer model not found: {url}") from None
     except IsADirectoryError:
         raise TokenizerError(
-            f"tokenizer model {url} is a directory, expected a .model file"
+            f"tokenizer {url} is a directory, expected a .model, tokenizer.json or vocab.json file"
         ) from None
-    return tokenizer_from_bytes(model_bytes, url, pad_vocab_multiple)
 
 
 def sample_documents(texts: Iterable[str], limit: int, seed: int) -> list[str]:
@@ -349,7 +546,7 @@ def _explain_training_error(exc: RuntimeError, config: TokenizerConfig) -> Token
 
 def vocab_text(tokenizer: Tokenizer) -> bytes:
     """The ``.vocab`` file SentencePiece writes beside a model: ``piece<TAB>score`` lines."""
-    processor = tokenizer._processor
+    processor = tokenizer._backend
     lines = [
         f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n"
         for i in range(processor.get_piece_size())
@@ -364,7 +561,9 @@ def train_tokenizer(
     storage_options: dict[str, Any] | None = None,
     verbose: bool = False,
 ) -> Tokenizer:
-    """Train SentencePiece and write ``PREFIX.model`` and ``PREFIX.vocab`` atomically.
+    """Train SentencePiece and write ``PREFIX.model`` and ``PREFIX.vocab`` atomically
+    (``model_type: byte_bpe``: a byte-level BPE with Hugging Face tokenizers, written as
+    ``PREFIX.json``; see :func:`trained_tokenizer_url`).
 
     At most ``config.max_training_documents`` documents are used (a seeded sample);
     ``output_prefix`` is a local path or any fsspec URL. Same documents and config,
@@ -372,6 +571,12 @@ def train_tokenizer(
     """
     _check_config(config)
     sample = sample_documents(documents, config.max_training_documents, config.seed)
+    if config.model_type == "byte_bpe":
+        model_bytes = _train_byte_bpe(sample, config)
+        url = trained_tokenizer_url(output_prefix, config)
+        tokenizer = tokenizer_from_bytes(model_bytes, url, config.pad_vocab_multiple)
+        atomic_write_bytes(url, model_bytes, storage_options)
+        return tokenizer
     sentences = [
         sentence
         for text in sample
@@ -384,3 +589,35 @@ def train_tokenizer(
     atomic_write_bytes(f"{output_prefix}.vocab", vocab_text(tokenizer), storage_options)
     atomic_write_bytes(model_url, model_bytes, storage_options)
     return tokenizer
+
+
+def trained_tokenizer_url(output_prefix: str, config: TokenizerConfig) -> str:
+    """Where :func:`train_tokenizer` writes: ``PREFIX.model``, or ``PREFIX.json`` for byte_bpe."""
+    return f"{output_prefix}.json" if config.model_type == "byte_bpe" else f"{output_prefix}.model"
+
+
+def _train_byte_bpe(documents: Sequence[str], config: TokenizerConfig) -> bytes:
+    """GPT-2's byte-level BPE: every byte is a token, so any text encodes without unknowns;
+    the special tokens (then the sentinels) take the first ids. Whole documents are the
+    training texts (newlines are learned like any byte)."""
+    specials = list(config.special_tokens) + sentinel_names(config.sentinel_tokens)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if config.vocab_size < len(alphabet) + len(specials):
+        raise TokenizerError(
+            f"tokenizer.vocab_size {config.vocab_size} is too small for a byte-level BPE: it "
+            f"needs at least {len(alphabet) + len(specials)} (256 bytes and "
+            f"{len(specials)} special tokens)"
+        )
+    if not any(documents):
+        raise TokenizerError("no text to train the tokenizer on (every document was empty)")
+    backend = HFBackend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=config.vocab_size,
+        special_tokens=specials,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    backend.train_from_iterator(documents, trainer)
+    return backend.to_str().encode("utf-8")

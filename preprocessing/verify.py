@@ -100,7 +100,7 @@ def describe_shard_set(manifest: Manifest, root: str) -> str:
         f"created       {manifest.created_at} by megalith {manifest.megalith_version}",
         f"tokenizer     {manifest.tokenizer.id[:16]}…  vocab {manifest.tokenizer.vocab_size} "
         f"(padded {manifest.tokenizer.padded_vocab_size}), eod id {manifest.tokenizer.eod_id}",
-        f"              {manifest.tokenizer.path}",
+        f"              {manifest.tokenizer.kind}: {manifest.tokenizer.path}",
         f"tokens        {manifest.tokens:,} as {manifest.dtype}, EOD appended: {manifest.append_eod}",
         f"documents     {manifest.documents:,} "
         f"({manifest.tokens / max(1, manifest.documents):.1f} tokens each on average)",

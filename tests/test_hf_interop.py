@@ -396,7 +396,8 @@ def test_import_refuses_unknown_model_type_and_missing_tokenizer(
 ) -> None:
     hf_dir = _copy(exported["gpt2"][2], tmp_path)
     (hf_dir / "tokenizer.model").unlink()
-    with pytest.raises(HFInteropError, match="SentencePiece tokenizer.model"):
+    (hf_dir / "tokenizer.json").unlink()
+    with pytest.raises(HFInteropError, match="no tokenizer.model, tokenizer.json or vocab.json"):
         import_hf(hf_dir, tmp_path / "pkg")
     config_path = hf_dir / "config.json"
     config = json.loads(config_path.read_text())

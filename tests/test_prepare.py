@@ -152,7 +152,7 @@ def test_eod_eos_appends_the_tokenizers_eos_like_megatron(
     # Same tokenizer, `eod: eos`: every shard is rewritten with </s> where <|eod|> was.
     shutil.copytree(small_set, tmp_path, dirs_exist_ok=True)
     report = prepare(tokenizer, [small_corpus], tmp_path, eod="eos")
-    eos_id = tokenizer._processor.eos_id()
+    eos_id = tokenizer.eos_id
     assert eos_id != tokenizer.eod_id and len(report.written) == 3
     assert report.manifest.tokenizer.eod_id == eos_id
     for a, b in zip(documents_of(small_set), documents_of(tmp_path), strict=True):
@@ -245,7 +245,7 @@ def test_byte_identical_for_any_worker_count(full_set, tokenizer: Tokenizer, tmp
 
 def test_dead_worker_fails_the_run(tokenizer: Tokenizer, texts: list[str]) -> None:
     """A worker killed mid-batch (as the OOM killer does) must fail the run, not hang it."""
-    pool = OrderedPool(1, tokenizer.model_bytes)
+    pool = OrderedPool(1, tokenizer)
     try:
         # About 10 s of encoding on one core, so the kill lands mid-batch.
         job = (0, texts * 12, tokenizer.eod_id, "uint16", False)

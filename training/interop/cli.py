@@ -21,7 +21,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="write a Hugging Face model directory (LlamaForCausalLM or GPT2LMHeadModel)",
         description="Convert MODEL_PACKAGE (the model/ directory `megalith train` writes) into "
         "a Hugging Face directory: config.json, generation_config.json, model.safetensors, "
-        "tokenizer.model and tokenizer_config.json (LlamaTokenizer). RMSNorm+SwiGLU+RoPE models "
+        "tokenizer.model, tokenizer.json and tokenizer_config.json (a package with a Hugging Face "
+        "tokenizer.json exports that file as it is). RMSNorm+SwiGLU+RoPE models "
         "become LlamaForCausalLM, LayerNorm+GELU+learned-position models GPT2LMHeadModel, "
         "T5 packages (model.family t5, relative positions) T5ForConditionalGeneration; "
         "MoE models are refused. <|eod|> is the tokenizer's bos and eos token, <|pad|> its pad "
@@ -57,8 +58,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "model.safetensors, a sharded model.safetensors.index.json or *.safetensors) into a "
         "model package at OUT_PACKAGE, to fine-tune or evaluate with Megalith. PyTorch .bin "
         "(pickle) weights are refused unless --allow-torch-bin, and then read only with "
-        "torch.load(weights_only=True). The tokenizer must be SentencePiece: HF_DIR/"
-        "tokenizer.model or --tokenizer. Llama 3 RoPE scaling (rope_type llama3) is kept; other "
+        "torch.load(weights_only=True). The tokenizer is taken as it is: HF_DIR/tokenizer.model "
+        "(SentencePiece), else HF_DIR/tokenizer.json (Hugging Face tokenizers), else "
+        "HF_DIR/vocab.json + merges.txt (GPT-2 BPE), or --tokenizer FILE. Llama 3 RoPE scaling (rope_type llama3) is kept; other "
         "RoPE scaling types and untied q/k/v head_dim are refused.",
         epilog="example: megalith import hf ./TinyLlama-hf models/tinyllama",
     )
@@ -71,7 +73,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "weights_only=True)",
     )
     import_hf.add_argument(
-        "--tokenizer", metavar="FILE", help="SentencePiece .model (default HF_DIR/tokenizer.model)"
+        "--tokenizer",
+        metavar="FILE",
+        help="a .model, tokenizer.json or *vocab.json (default: the one in HF_DIR)",
     )
     import_hf.add_argument(
         "--dtype",
@@ -142,7 +146,10 @@ def _register_import_megatron(formats: argparse._SubParsersAction) -> None:
     megatron.add_argument("ckpt_dir", metavar="CKPT_DIR", help="Megatron-LM --save directory")
     megatron.add_argument("output", metavar="OUT_PACKAGE", help="model package to write")
     megatron.add_argument(
-        "--tokenizer", required=True, metavar="FILE", help="SentencePiece .model of the model"
+        "--tokenizer",
+        required=True,
+        metavar="FILE",
+        help="the tokenizer of the model (.model, tokenizer.json or *vocab.json)",
     )
     megatron.add_argument(
         "--dtype",

@@ -26,11 +26,13 @@ SentencePiece ``tokenizer.model``, and the same tokenizer as a fast ``tokenizer.
 (:func:`fast_tokenizer_json`, so ``AutoTokenizer`` needs neither sentencepiece nor
 protobuf; ``<|eod|>`` in front for GPT, after the text for T5) with its
 ``tokenizer_config.json`` (:func:`tokenizer_files`), into a temporary sibling directory
-renamed into place.
+renamed into place. A package with a Hugging Face tokenizer exports its ``tokenizer.json``
+byte for byte.
 Import reads ``config.json`` (JSON) and safetensors (``model.safetensors``, a sharded
 ``model.safetensors.index.json``, or every ``*.safetensors``); PyTorch ``.bin`` files
 only with ``allow_torch_bin=True`` and then through ``torch.load(weights_only=True)``.
-Nothing is unpickled otherwise.
+Nothing is unpickled otherwise. The tokenizer is taken as it is: ``tokenizer.model``, else
+``tokenizer.json``, else a GPT-2 ``vocab.json`` + ``merges.txt`` (:func:`hf_tokenizer_file`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from torch import Tensor
 from megalith import safe_read
 from megalith.config import ModelConfig, RopeScaling, format_validation_error
 from megalith.errors import MegalithError
-from preprocessing.tokenizer import TokenizerError, load_tokenizer
+from preprocessing.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from training.checkpoint.safe_tensors import UnsafeTensorFileError, check_safetensors
 from training.models.gpt import GPTModel
 from training.models.package import (
@@ -65,6 +67,7 @@ HF_INDEX = "model.safetensors.index.json"
 BIN_WEIGHTS = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 TOKENIZER_MODEL = "tokenizer.model"
+TOKENIZER_JSON = "tokenizer.json"
 EOD_TOKEN, PAD_TOKEN = "<|eod|>", "<|pad|>"
 # Buffers older HF checkpoints saved beside the weights; they carry no learned values.
 IGNORED_HF_KEYS = re.compile(r".*(rotary_emb\.inv_freq|\.attn\.bias|\.attn\.masked_bias)$")
@@ -416,7 +419,14 @@ def tokenizer_files(tokenizer_model: Path) -> tuple[dict[str, Any], dict[str, in
     front of every encoding as Megalith's evaluation does (``[eod, *encode(text)]``) and the
     token generation stops at; ``<|pad|>`` is the pad token when the model has one, ``<unk>``
     the unknown token. Without ``<|eod|>``, SentencePiece's own ``<s>``/``</s>`` are used.
+    A Hugging Face tokenizer (:func:`hf_tokenizer_files`) keeps its own tokens.
     """
+    try:
+        loaded = load_tokenizer(str(tokenizer_model))
+    except TokenizerError as exc:
+        raise HFInteropError(str(exc)) from None
+    if loaded.kind == "hf":
+        return hf_tokenizer_files(loaded)
     try:
         sp = spm.SentencePieceProcessor(model_file=str(tokenizer_model))
     except (OSError, RuntimeError) as exc:
@@ -438,6 +448,23 @@ def tokenizer_files(tokenizer_model: Path) -> tuple[dict[str, Any], dict[str, in
     }
     ids = {name.removesuffix("_token"): pieces[piece] for name, piece in tokens.items()}
     ids.pop("unk")
+    return config, ids
+
+
+def hf_tokenizer_files(tokenizer: Tokenizer) -> tuple[dict[str, Any], dict[str, int]]:
+    """``tokenizer_config.json`` and the special ids for a Hugging Face ``tokenizer.json``
+    exported as it is: its bos (or the EOD when it has none), the EOD as eos, its pad."""
+    ids = {"bos": tokenizer.eod_id if tokenizer.bos_id is None else tokenizer.bos_id}
+    ids["eos"] = tokenizer.eod_id
+    if tokenizer.pad_id is not None:
+        ids["pad"] = tokenizer.pad_id
+    tokens = {f"{name}_token": tokenizer.id_to_piece(i) for name, i in ids.items()}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **tokens,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": None,
+    }
     return config, ids
 
 
@@ -580,20 +607,17 @@ def import_hf(
 ) -> Path:
     """Convert the HF Llama or GPT-2 directory ``hf_dir`` into a model package.
 
-    ``tokenizer``: a SentencePiece ``.model`` to use instead of ``hf_dir/tokenizer.model``;
-    ``dtype``: float32, bfloat16 or float16 (default: the dtype of the HF embedding).
+    ``tokenizer``: a tokenizer file to use instead of the one in ``hf_dir``
+    (:func:`hf_tokenizer_file`); ``dtype``: float32, bfloat16 or float16 (default: the
+    dtype of the HF embedding).
     """
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise HFInteropError(f"{hf_dir} is not a directory")
     config = model_config_from_hf(_read_json(hf_dir / "config.json"), str(hf_dir / "config.json"))
-    tokenizer = Path(tokenizer) if tokenizer else hf_dir / TOKENIZER_MODEL
+    tokenizer = Path(tokenizer) if tokenizer else hf_tokenizer_file(hf_dir)
     if not tokenizer.is_file():
-        raise HFInteropError(
-            f"{tokenizer} not found: Megalith packages need a SentencePiece tokenizer.model "
-            "(tokenizer.json / vocab.json + merges.txt tokenizers cannot be used); "
-            "pass --tokenizer FILE.model"
-        )
+        raise HFInteropError(f"{tokenizer} not found")
     try:  # bounded, a regular file; a piece that is not UTF-8 is refused too
         pieces = load_tokenizer(str(tokenizer)).vocab_size
     except TokenizerError as exc:
@@ -621,6 +645,18 @@ def import_hf(
         ours[alias] = ours[source]
     model.load_state_dict(ours, strict=True)
     return save_model_package(model, config, tokenizer, out_package, overwrite=overwrite)
+
+
+def hf_tokenizer_file(hf_dir: Path) -> Path:
+    """The tokenizer of an HF directory: ``tokenizer.model`` (SentencePiece), else
+    ``tokenizer.json``, else ``vocab.json`` (with ``merges.txt``: GPT-2's byte-level BPE)."""
+    for name in (TOKENIZER_MODEL, TOKENIZER_JSON, "vocab.json"):
+        if (hf_dir / name).is_file():
+            return hf_dir / name
+    raise HFInteropError(
+        f"{hf_dir}: no tokenizer.model, tokenizer.json or vocab.json + merges.txt; pass "
+        "--tokenizer FILE"
+    )
 
 
 def _file_shapes(

@@ -98,6 +98,11 @@ def t5_tokenizer_files(tokenizer_model: Path) -> tuple[dict[str, Any], dict[str,
     ids. ``<|eod|>`` ends a sequence, ``<|pad|>`` pads and starts the decoder. The class is
     ``PreTrainedTokenizerFast``: transformers 5's ``T5Tokenizer`` rebuilds a unigram model
     from the vocabulary and cannot load a BPE ``tokenizer.json``."""
+    if tokenizer_model.suffix == ".json":
+        raise HFT5ExportError(
+            f"{tokenizer_model}: the T5 export needs a SentencePiece tokenizer.model; "
+            "T5 packages with a Hugging Face tokenizer.json are not exported yet"
+        )
     sp = spm.SentencePieceProcessor(model_file=str(tokenizer_model))
     pieces = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     missing = [piece for piece in (EOD_TOKEN, PAD_TOKEN) if piece not in pieces]

@@ -4,11 +4,13 @@
 
     model.safetensors   every tensor of the state dict once (tied aliases left out), contiguous
     config.json         {"format", "format_version", "megalith_version", "dtype",
-                         "model": ModelConfig, "tokenizer": {"file", "id"},
+                         "model": ModelConfig, "tokenizer": {"file", "id", "kind"},
                          "lineage": {tag: value} of a fine-tune (optional),
                          "training_data": {"manifests", "manifest_sha256", "split", "seed"}
                          of a trained model (optional: packages before it, imports)}
-    tokenizer.model     the SentencePiece model; its id is the sha256 of its bytes
+    tokenizer.model     the SentencePiece model, or
+    tokenizer.json      the Hugging Face tokenizer ("kind" sentencepiece or hf); its id is
+                        the sha256 of its bytes
     checksums.json      {"files": {name: sha256}} for each file above
 
 Saving writes a temporary sibling directory and renames it into place. Loading
@@ -37,6 +39,12 @@ from megalith import __version__, safe_read
 from megalith.config import DataConfig, ModelConfig, format_validation_error
 from megalith.errors import MegalithError, naming_path
 from megalith.storage import sha256_of_file
+from preprocessing.tokenizer import (
+    HFTokenizer,
+    SentencePieceTokenizer,
+    TokenizerError,
+    load_tokenizer,
+)
 from training.checkpoint.safe_tensors import UnsafeTensorFileError, check_safetensors
 from training.checkpoint.signing import (
     SIGNATURE_FILE,
@@ -54,9 +62,10 @@ PACKAGE_FORMAT = "megalith-model-package"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.model"
+TOKENIZER_FILE = "tokenizer.model"  # a package written before tokenizer.json names none
+TOKENIZER_FILES = (SentencePieceTokenizer.file_name, HFTokenizer.file_name)
 CHECKSUMS_FILE = "checksums.json"
-REQUIRED_FILES = (WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_FILE)
+REQUIRED_FILES = (WEIGHTS_FILE, CONFIG_FILE)  # and the tokenizer file config.json names
 MAX_JSON_BYTES = 1 << 20
 
 DTYPES: dict[str, torch.dtype] = {
@@ -136,6 +145,9 @@ def save_model_package(
 ) -> Path:
     """Write ``model`` as a package at ``out_dir`` (atomically: temp dir, then rename).
 
+    ``tokenizer_path``: any tokenizer :func:`~preprocessing.tokenizer.load_tokenizer` reads;
+    the package keeps its bytes as ``tokenizer.model`` or ``tokenizer.json`` (a GPT-2
+    vocab.json + merges.txt pair as the ``tokenizer.json`` built from them).
     ``sign``: HMAC-sign checksums.json (:mod:`training.checkpoint.signing`); None: when the key is set.
     ``lineage``: what the model was made from (a fine-tune's base and data,
     :mod:`training.finetune`), kept as config.json's ``"lineage"``. ``training_data``:
@@ -147,6 +159,7 @@ def save_model_package(
         raise ValueError("config does not describe this model (differs from model.config)")
     if not tokenizer_path.is_file():
         raise PackageFileError(f"tokenizer {tokenizer_path} is not a file")
+    tokenizer_name, tokenizer_bytes, tokenizer_kind = _tokenizer_to_store(tokenizer_path)
     if out_dir.exists() and not overwrite:
         raise PackageFileError(f"{out_dir} already exists (pass overwrite=True to replace it)")
     dtype = _model_dtype(model)
@@ -158,31 +171,49 @@ def save_model_package(
         tensors = {name: t.cpu() for name, t in model_tensors(model).items()}
         with naming_path(out_dir / WEIGHTS_FILE):  # a full disk: one line naming the file
             save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
+        (tmp / tokenizer_name).write_bytes(tokenizer_bytes)
         meta = {
             "format": PACKAGE_FORMAT,
             "format_version": FORMAT_VERSION,
             "megalith_version": __version__,
             "dtype": dtype,
             "model": config.model_dump(mode="json"),
-            "tokenizer": {"file": TOKENIZER_FILE, "id": sha256_file(tmp / TOKENIZER_FILE)},
+            "tokenizer": {
+                "file": tokenizer_name,
+                "id": sha256_file(tmp / tokenizer_name),
+                "kind": tokenizer_kind,
+            },
         }
         if lineage:
             meta["lineage"] = dict(lineage)
         if training_data is not None:
             meta["training_data"] = training_data.to_json()
         _write_json(tmp / CONFIG_FILE, meta)
-        checksums = {name: sha256_file(tmp / name) for name in REQUIRED_FILES}
+        files = (*REQUIRED_FILES, tokenizer_name)
+        checksums = {name: sha256_file(tmp / name) for name in files}
         _write_json(tmp / CHECKSUMS_FILE, {"files": checksums})
         if should_sign(sign):
             sign_directory(tmp, CHECKSUMS_FILE)
-        for name in (*REQUIRED_FILES, CHECKSUMS_FILE):
+        for name in (*files, CHECKSUMS_FILE):
             _fsync(tmp / name)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _tokenizer_to_store(path: Path) -> tuple[str, bytes, str]:
+    """``(file name in the package, bytes, kind)``: a ``.json`` tokenizer (a tokenizer.json,
+    a GPT-2 *vocab.json + *merges.txt) is loaded, checked and stored as its tokenizer.json;
+    anything else is a SentencePiece model, copied as it is (read when the package is used)."""
+    if path.suffix != ".json":
+        return SentencePieceTokenizer.file_name, path.read_bytes(), SentencePieceTokenizer.kind
+    try:
+        tokenizer = load_tokenizer(str(path))
+    except TokenizerError as exc:
+        raise PackageFileError(str(exc)) from None
+    return tokenizer.file_name, tokenizer.model_bytes, tokenizer.kind
 
 
 def verify_model_package(
@@ -202,13 +233,36 @@ def verify_model_package(
                 f"{CHECKSUMS_FILE}; the file was changed or damaged"
             )
     meta = _read_meta(package_dir)
-    tokenizer_id = sha256_file(package_dir / TOKENIZER_FILE)
+    name = tokenizer_file(meta, package_dir)
+    if name not in checksums:
+        raise PackageFileError(
+            f"{package_dir / CHECKSUMS_FILE}: {name} is not listed; the package is incomplete"
+        )
+    tokenizer_id = sha256_file(package_dir / name)
     if meta["tokenizer"].get("id") != tokenizer_id:
         raise PackageConfigError(
-            f"{package_dir / CONFIG_FILE}: tokenizer id does not match {TOKENIZER_FILE} "
+            f"{package_dir / CONFIG_FILE}: tokenizer id does not match {name} "
             f"(sha256 {tokenizer_id})"
         )
     return meta
+
+
+def package_tokenizer_path(package_dir: str | Path) -> Path:
+    """The tokenizer file of a package (``tokenizer.model`` or ``tokenizer.json``), as its
+    config.json names it; nothing else is checked."""
+    package_dir = Path(package_dir)
+    return package_dir / tokenizer_file(_read_meta(package_dir), package_dir)
+
+
+def tokenizer_file(meta: dict[str, Any], package_dir: Path) -> str:
+    """The tokenizer's file name in a package, from its config.json (``meta``)."""
+    name = meta["tokenizer"].get("file", TOKENIZER_FILE)
+    if name not in TOKENIZER_FILES:
+        raise PackageConfigError(
+            f"{package_dir / CONFIG_FILE}: tokenizer file {safe_read.brief(name)} is not one of "
+            f"{list(TOKENIZER_FILES)}"
+        )
+    return name
 
 
 def load_model_package(
@@ -239,7 +293,7 @@ def load_model_package(
     model.load_state_dict(tensors, strict=True)
     if dtype is not None:
         model.to(dtype)
-    return model.eval(), config, package_dir / TOKENIZER_FILE
+    return model.eval(), config, package_dir / tokenizer_file(meta, package_dir)
 
 
 def read_training_data(package_dir: str | Path) -> TrainingData | None:
