@@ -74,7 +74,7 @@ def check_boxes(trainer: Trainer) -> list[str]:
 
 def held_bytes(trainer: Trainer) -> int:
     """Bytes of this rank's parameters and AdamW state (what a resume must read)."""
-    from training.parallel.shard_specs import local_tensor
+    from training.parallel.dtensor import local_tensor
 
     total = 0
     for param in trainer.model.parameters():

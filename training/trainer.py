@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 from tqdm import tqdm
 
@@ -71,6 +70,7 @@ from training.optim.adamw import folds_clipping, step_with_clipping
 from training.optim.schedule import learning_rate
 from training.parallel import data_parallel as dp
 from training.parallel import expert_parallel_training as ep
+from training.parallel.dtensor import is_dtensor
 from training.parallel.groups import ParallelState, build_parallel_state, validate_layout
 from training.parallel.parallelize import parallelize
 from training.parallel.support import check_trainer_support
@@ -263,7 +263,7 @@ class Trainer:
             and sizes.tp == 1
             and sizes.pp == 1
             and sizes.ep == 1
-            and not any(isinstance(p, DTensor) for p in self.model.parameters())
+            and not any(is_dtensor(p) for p in self.model.parameters())
         )
 
     # ------------------------------------------------------------------ data

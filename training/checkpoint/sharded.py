@@ -95,13 +95,13 @@ from training.checkpoint.signing import (
     should_sign,
     signature_record,
 )
+from training.parallel.dtensor import local_tensor
 from training.parallel.groups import ParallelState
 from training.parallel.shard_specs import (
     MOMENTS,
     OPTIMIZER_PREFIX,
     ShardSpec,
     holds_state,
-    local_tensor,
     model_specs,
     optimizer_key,
     optimizer_specs,

@@ -30,8 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from megalith.config import OptimizerConfig, ParallelConfig
@@ -40,6 +38,7 @@ from training.checkpoint.format import optimizer_group_indices
 from training.models import build_model
 from training.models.flops import param_groups
 from training.optim.adamw import build_optimizer as build_adamw
+from training.parallel.dtensor import is_dtensor, is_fsdp_module, whole_tensor
 from training.parallel.groups import ParallelState
 from training.parallel.support import fsdp_te_problems
 
@@ -93,13 +92,13 @@ def no_sync(model: nn.Module, skip: bool) -> contextlib.AbstractContextManager:
     """Skip the gradient reduction on an accumulation micro-step (not the last one)."""
     if skip and isinstance(model, DistributedDataParallel):
         return model.no_sync()
-    if skip and isinstance(model, FSDPModule):
+    if skip and is_fsdp_module(model):
         return _fsdp_no_sync(model)
     return contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
+def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
     model.set_requires_gradient_sync(False)
     try:
         yield
@@ -128,7 +127,7 @@ def clip_grad_norm(
         raise NotImplementedError("grad-norm over tensor/pipeline shards is not integrated yet")
     norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else math.inf)
     # FSDP: the norm of sharded gradients is a DTensor (already reduced over the shards).
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return whole_tensor(norm)
 
 
 def grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
@@ -146,6 +145,10 @@ def shard_model(model: nn.Module, state: ParallelState) -> nn.Module:
     problems = fsdp_te_problems("fsdp", state.sizes) if _kernels(model) == "te" else []
     if problems:  # model.backend=auto chose Transformer Engine
         raise MegalithError(problems[0])
+    # Imported here, not at the top: DTensor and sympy cost ~1 s of CPU in every process
+    # (see training/parallel/dtensor.py), and only FSDP runs need them.
+    from torch.distributed.fsdp import fully_shard
+
     mesh = state.dp_cp_mesh
     for block in model.transformer_blocks():
         fully_shard(block, mesh=mesh)
@@ -160,7 +163,7 @@ def _kernels(model: nn.Module) -> str:
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether FSDP sharded ``model``'s parameters (DTensors)."""
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 @contextlib.contextmanager
@@ -192,7 +195,7 @@ def full_model(model: nn.Module, is_main: bool) -> Iterator[nn.Module | None]:
 
 def _gather(tensor: torch.Tensor, keep: bool) -> torch.Tensor | None:
     """Collective for a DTensor: the whole tensor on CPU where ``keep``."""
-    whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    whole = whole_tensor(tensor)
     return whole.detach().cpu() if keep else None
 
 

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from training.parallel.dtensor import is_dtensor
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def materialize_shard(
             name = names.get(key)  # None: a tensor construction replaced (still drew RNG)
             if name is not None:
                 target = local[name]
-                if isinstance(target, DTensor):  # FSDP: this rank's rows
+                if is_dtensor(target):  # FSDP: this rank's rows
                     target = target.to_local()
                 with torch.no_grad():
                     target.copy_(cut(name, tensor))

@@ -32,11 +32,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from training.models.moe import is_expert_param
 from training.parallel.data_parallel import DistributedOptimizer
+from training.parallel.dtensor import is_dtensor, is_fsdp_module, local_tensor
 from training.parallel.groups import ParallelState
 from training.parallel.tensor_parallel.layers import tensor_parallel_partition
 
@@ -63,17 +62,12 @@ class ShardSpec:
     writes: bool  # whether this rank is the one that saves these pieces
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores (a DTensor's local shard)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def reshard_fsdp(model: nn.Module) -> None:
     """FSDP2 leaves the root's parameters unsharded after a forward (validation runs one
     before a save): reshard them, so that ``named_parameters`` gives the DTensors the
     optimizer steps. Nothing to do without FSDP."""
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if is_fsdp_module(module):
             module.reshard()
 
 
@@ -124,12 +118,12 @@ def _parameter_pieces(
         offset = state.ep_rank * shape[0]
         pieces = [_shift(piece, 0, offset) for piece in pieces]
         shape[0] *= sizes.ep
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
         pieces = _fsdp_rows(pieces, param)
     return tuple(shape), tuple(pieces)
 
 
-def _fsdp_rows(pieces: list[Piece], param: DTensor) -> list[Piece]:
+def _fsdp_rows(pieces: list[Piece], param: torch.Tensor) -> list[Piece]:
     """The parts of ``pieces`` (boxes of the shard FSDP splits, by their place in it) that
     lie in this rank's FSDP2 ``Shard(0)`` rows, placed in the rows' local tensor."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -198,7 +192,7 @@ def _saves(
         return False  # the tied embedding copy on the last stage
     if name not in split and coords.tp:
         return False  # replicated over TP
-    if isinstance(param, DTensor) or not replicated:
+    if is_dtensor(param) or not replicated:
         return True  # FSDP rows or ZeRO-1 state: this rank's own
     if state.sizes.ep > 1 and is_expert_param(name):
         return coords.edp == 0

@@ -27,16 +27,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from megalith.config import ModelConfig
 from training import models
 from training.models import GPTModel, model_from_tensors, resolve_backend
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
+from training.parallel.dtensor import local_tensor, whole_tensor
 from training.parallel.groups import ParallelState
 from training.parallel.meta_init import materialize_shard
-from training.parallel.shard_specs import local_tensor
 from training.parallel.te_tensor_parallel import tensor_parallel_backend
 from training.parallel.tensor_parallel.layers import squared_grad_norm
 from training.parallel.tensor_parallel.sharding import (
@@ -131,7 +130,7 @@ def full_model(model: nn.Module, state: ParallelState, is_main: bool) -> Iterato
     config = model.config
     params = {}
     for name, param in model.named_parameters():
-        shard = param.full_tensor() if isinstance(param, DTensor) else param
+        shard = whole_tensor(param)
         if first:
             params[name] = gather_whole(name, shard, config, state)
     if not is_main:

@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
 
 from training.models.layers import NormSpec
+from training.parallel.dtensor import local_tensor
 from training.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from training.parallel.tensor_parallel.mappings import (
     SEQUENCE_DIM,
@@ -387,7 +387,7 @@ def squared_grad_norm(model: nn.Module, group: ProcessGroup) -> Tensor:
     for name, param in model.named_parameters():
         if param.grad is not None:
             grad = param.grad
-            grad = grad.to_local() if isinstance(grad, DTensor) else grad
+            grad = local_tensor(grad)
             (split if name in split_names else replicated).append(grad)
     split_total = _sum_of_squares(split, device)
     if dist.get_world_size(group) > 1:
