@@ -131,7 +131,8 @@ class DatasetSource(StrictModel):
     tokenizer: str | None = Field(
         default=None,
         description="Only for a Megatron-LM preprocess_data.py output (path: PREFIX of "
-        "PREFIX.bin/.idx, no manifest.json): the SentencePiece model it was made with.",
+        "PREFIX.bin/.idx, no manifest.json): the tokenizer it was made with (a .model, a "
+        "tokenizer.json, or a GPT-2 *vocab.json with *merges.txt beside it).",
     )
     eod: Literal["token", "eos"] | None = Field(
         default=None,

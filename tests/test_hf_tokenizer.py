@@ -153,7 +153,7 @@ def test_malformed_tokenizer_files_are_clear_errors_naming_the_file(
 def test_gpt2_pair_prepares_shards_that_verify_and_decode(
     gpt2_pair: Path, corpus: Path, tmp_path: Path
 ) -> None:
-    report = prepare(gpt2_pair, corpus, tmp_path / "shards", "data.eod=eos")
+    report = prepare(gpt2_pair, corpus, tmp_path / "shards", "data.eod=eos", "data.shards=1")
     manifest = report.manifest
     tokenizer = load_tokenizer(str(gpt2_pair))
     assert manifest.tokenizer.kind == "hf" and manifest.tokenizer.id == tokenizer.id
@@ -162,6 +162,15 @@ def test_gpt2_pair_prepares_shards_that_verify_and_decode(
     assert verify_shard_set(str(tmp_path / "shards")) == []
     decoded = decode_samples(manifest, str(tmp_path / "shards"), tokenizer, 3, max_chars=10**6)
     assert [d.removesuffix("<|endoftext|>") for d in decoded] == stories(3)
+    # As Megatron-LM's preprocess_data.py --tokenizer-type GPT2BPETokenizer leaves them: no
+    # manifest, the tokenizer and EOD named by the user.
+    (tmp_path / "megatron").mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy(
+            tmp_path / "shards" / f"shard-00000{suffix}", tmp_path / f"megatron/doc{suffix}"
+        )
+    prefix = str(tmp_path / "megatron/doc")
+    assert verify_shard_set(prefix, tokenizer=str(gpt2_pair), eod="eos") == []
 
 
 def test_tokenizer_json_prepare_train_serve_export_import(
