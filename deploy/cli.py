@@ -10,6 +10,7 @@ import socket
 import sys
 from collections.abc import Callable
 
+from deploy.request_body import DEFAULT_MAX_BODY_BYTES
 from megalith.errors import MegalithError
 from registry.cli import add_store_arguments, mlflow_errors_in_one_line
 from training.mlflow_store.registered import is_registry_uri
@@ -73,9 +74,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         description="Serve a registered model version (models:/NAME@ALIAS or "
         "models:/NAME/VERSION, from --tracking-uri, MLFLOW_TRACKING_URI or WORKDIR/mlflow.db as "
         "`megalith demo` writes it) or a model "
-        "package directory over HTTP: POST /v1/generate (SSE streaming with "
+        "package directory over HTTP: the OpenAI-compatible POST /v1/completions, POST "
+        "/v1/chat/completions and GET /v1/models; POST /v1/generate (SSE streaming with "
         '"stream": true), POST /v1/chat (messages through the chat template), GET /health, '
-        "GET /v1/model, POST /admin/reload (switch to the "
+        "GET /v1/model, GET /metrics (Prometheus), POST /admin/reload (switch to the "
         "alias's current version without dropping requests; it needs 'Authorization: Bearer "
         f"TOKEN' when {ADMIN_TOKEN_ENV} is set). A GPT's concurrent requests are decoded with "
         "continuous batching over a paged KV cache (--engine continuous): they join and leave "
@@ -154,6 +156,13 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="waiting requests before 429 with Retry-After (256)",
     )
     parser.add_argument(
+        "--max-body-bytes",
+        type=COUNT,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="N",
+        help=f"larger request bodies answer 413, unread ({DEFAULT_MAX_BODY_BYTES})",
+    )
+    parser.add_argument(
         "--watch",
         type=SECONDS,
         metavar="S",
@@ -189,6 +198,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_blocks=args.kv_blocks,
         prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
         watch_s=args.watch,
         admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
     )

@@ -112,6 +112,7 @@ class BatchingEngine:
         self.max_queue = max_queue
         self.autocast_dtype = autocast_dtype
         self.stats = EngineStats()
+        self.running = 0  # rows of the batch being decoded
         self._waiting: deque[PendingRequest] = deque()
         self._cond = threading.Condition()
         self._retiring = False
@@ -185,6 +186,7 @@ class BatchingEngine:
         self.stats.batches += 1
         self.stats.requests += len(live)
         self.stats.largest_batch = max(self.stats.largest_batch, len(live))
+        self.running = len(live)
         try:
             results = self._generate(live)
         except Exception as error:  # a bug or out of memory: fail this batch, keep serving
@@ -192,6 +194,8 @@ class BatchingEngine:
             for request in live:
                 _notify(request.on_done, error)
             return
+        finally:
+            self.running = 0
         for request, (ids, reason, prompt_tokens) in zip(live, results, strict=True):
             _notify(request.on_done, Finished(ids, reason, prompt_tokens))
 

@@ -11,6 +11,9 @@ same ``{"detail": [{"loc", "msg", "type"}]}`` shape as FastAPI's validation erro
   ``json`` would otherwise raise ``RecursionError`` on ``[[[[...`` and FastAPI answer 400
   without saying why).
 
+On ``openai_paths`` a refusal has OpenAI's shape, ``{"error": {"message", "type",
+"param", "code"}}``, and a malformed body is a 400, as OpenAI answers it.
+
 A body that passes is replayed to the app unchanged.
 """
 
@@ -43,13 +46,30 @@ def error_body(loc: list[str | int], message: str, kind: str) -> dict[str, Any]:
     return {"detail": [{"loc": loc, "msg": message, "type": kind}]}
 
 
+def openai_error(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error shape, which the OpenAI-compatible endpoints answer with."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 404:
+        kind = "not_found_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 class RequestBodyGuard:
     """Refuse oversized, mistyped or malformed bodies before the app sees them."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, json_paths: Collection[str]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        json_paths: Collection[str],
+        openai_paths: Collection[str] = (),
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self.json_paths = frozenset(json_paths)
+        self.json_paths = frozenset(json_paths) | frozenset(openai_paths)
+        self.openai_paths = frozenset(openai_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -60,7 +80,7 @@ class RequestBodyGuard:
             if scope["path"] in self.json_paths:
                 _check_json(scope, body)
         except BodyRefused as refused:
-            await _answer(send, refused)
+            await _answer(send, refused, scope["path"] in self.openai_paths)
             return
         await self.app(scope, _replay(body, receive), send)
 
@@ -125,12 +145,17 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
-async def _answer(send: Send, refused: BodyRefused) -> None:
-    payload = json.dumps(error_body(["body"], str(refused), refused.kind)).encode()
+async def _answer(send: Send, refused: BodyRefused, openai_shape: bool) -> None:
+    body = error_body(["body"], str(refused), refused.kind)
+    status = refused.status
+    if openai_shape:
+        status = 400 if status == 422 else status
+        body = openai_error(status, str(refused), None, refused.kind.removeprefix("value_error."))
+    payload = json.dumps(body).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(payload)).encode()),
         (b"connection", b"close"),  # the unread rest of a refused body must not be parsed
     ]
-    await send({"type": "http.response.start", "status": refused.status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})

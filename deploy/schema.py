@@ -103,14 +103,37 @@ def prepare(
     timeout_s: float,
 ) -> Prepared:
     """Tokenize the prompt and fix the sampling settings; raises ``RequestRejected``."""
-    if body.max_tokens is not None and body.max_tokens > max_tokens_limit:
+    prompt_ids, stop_ids = _prompt_ids(body, served)
+    budget = token_budget(prompt_ids, served, body.max_tokens, max_tokens_limit)
+    sampling = SamplingConfig(
+        max_new_tokens=budget,
+        temperature=body.temperature,
+        top_k=body.top_k,
+        top_p=body.top_p,
+        seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
+        stop_ids=stop_ids,
+    )
+    timeout = min(body.timeout_s or timeout_s, timeout_s)
+    return Prepared(prompt_ids, sampling, timeout)
+
+
+def token_budget(
+    prompt_ids: list[int],
+    served: ServedModel,
+    requested: int | None,
+    limit: int,
+    default: int | None = None,
+) -> int:
+    """The tokens a request may generate: ``requested``, or ``default`` (the server's
+    ``limit``) capped by the room the prompt leaves in the model's context; raises
+    ``RequestRejected`` when the prompt leaves none or ``requested`` does not fit."""
+    if requested is not None and requested > limit:
         raise RequestRejected(
             422,
             "max_tokens",
-            f"max_tokens is {body.max_tokens}; this server allows at most {max_tokens_limit}",
+            f"max_tokens is {requested}; this server allows at most {limit}",
             "value_error.max_tokens_limit",
         )
-    prompt_ids, stop_ids = _prompt_ids(body, served)
     context = served.info.max_positions
     # A T5 decoder starts empty; a GPT's answer follows the prompt in the same positions.
     room = context if served.seq2seq else context - len(prompt_ids)
@@ -122,7 +145,7 @@ def prepare(
             f"context is {context} tokens, which leaves no room to generate",
             "value_error.prompt_too_long",
         )
-    if body.max_tokens is not None and body.max_tokens > room:
+    if requested is not None and requested > room:
         if served.seq2seq:
             where = f"the model's decoder has {context} positions"
         else:
@@ -130,19 +153,10 @@ def prepare(
         raise RequestRejected(
             422,
             "max_tokens",
-            f"{where}: max_tokens must be at most {room}, got {body.max_tokens}",
+            f"{where}: max_tokens must be at most {room}, got {requested}",
             "value_error.context_length",
         )
-    sampling = SamplingConfig(
-        max_new_tokens=body.max_tokens or min(max_tokens_limit, room),
-        temperature=body.temperature,
-        top_k=body.top_k,
-        top_p=body.top_p,
-        seed=secrets.randbelow(2**31) if body.seed is None else body.seed,
-        stop_ids=stop_ids,
-    )
-    timeout = min(body.timeout_s or timeout_s, timeout_s)
-    return Prepared(prompt_ids, sampling, timeout)
+    return requested or min(default or limit, limit, room)
 
 
 def _prompt_ids(
@@ -151,11 +165,19 @@ def _prompt_ids(
     """The prompt's tokens and the tokens that end the reply besides EOD."""
     if isinstance(body, GenerateRequest):
         return served.prompt_ids(body.prompt), ()
+    return chat_prompt_ids([message.model_dump() for message in body.messages], served)
+
+
+def chat_prompt_ids(
+    messages: list[dict[str, str]], served: ServedModel
+) -> tuple[list[int], tuple[int, ...]]:
+    """A chat's prompt through the model's template, and its end-of-turn token; raises
+    ``RequestRejected`` naming the message at fault."""
     if served.seq2seq:
         message = "chat needs a decoder-only model fine-tuned on chat; this is a T5"
         raise RequestRejected(422, "messages", message, "value_error.no_chat_template")
     try:
-        messages = prompt_messages([message.model_dump() for message in body.messages])
+        messages = prompt_messages(messages)
         tokens, end_of_turn = generation_prompt(served.tokenizer, messages)
     except ChatRecordError as error:
         raise RequestRejected(422, error.key, str(error), "value_error.chat") from None

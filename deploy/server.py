@@ -1,6 +1,10 @@
 """The HTTP generation server (FastAPI): generate, stream, report the model, reload it.
 
-Endpoints:
+Endpoints (docs/serving.md has the user's guide):
+
+- ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``: the
+  OpenAI-compatible API (``deploy.openai_api``), errors in OpenAI's shape.
+- ``GET /metrics``: Prometheus metrics (``deploy.metrics``).
 
 - ``POST /v1/generate``: ``{"prompt", "max_tokens", "temperature", "top_k", "top_p",
   "seed", "stream", "timeout_s"}`` (``deploy.schema.GenerateRequest``) returns ``{"text",
@@ -11,7 +15,8 @@ Endpoints:
 - ``POST /v1/chat``: ``{"messages": [{"role", "content"}, ...]}`` plus the same sampling
   fields (``deploy.schema.ChatRequest``); the reply to the last turn, through the chat
   template the model was fine-tuned with, stopping at ``<|end|>``. Same answers.
-- ``GET /health``, ``GET /v1/model`` (source, name, version, alias, content id, limits).
+- ``GET /health``, ``GET /v1/model`` (source, name, version, alias, content id, limits;
+  a package directory is named, not shown by its path).
 - ``POST /admin/reload``: load what the source names now (the alias's current version)
   beside the model being served, swap, and let requests already submitted finish on the
   old model (the engine's ``retire``). ``--watch SECONDS`` does the same on a timer.
@@ -25,7 +30,7 @@ turn), ``length`` (``max_tokens`` reached),
 ``timeout`` (the request's time limit passed: the answer is 200 with the text generated
 so far; a request that timed out while waiting has no text). 504 is only answered when
 the engine gives no answer at all within the limit plus ``STUCK_GRACE_S``.
-Errors: 422 for a bad body (FastAPI's ``detail`` list naming the field: types, ranges, NaN,
+Errors of the two endpoints above: 422 for a bad body (FastAPI's ``detail`` list naming the field: types, ranges, NaN,
 ``Infinity``, invalid or too deeply nested JSON), 415 for a body that is not
 ``application/json``, 413 for a body over ``max_body_bytes`` (refused before it is read
 whole: ``deploy.request_body``) or a prompt that fills the model's context, 429 with
@@ -43,199 +48,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import logging
-import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from deploy.continuous import ContinuousEngine
-from deploy.engine import BatchingEngine, EngineBusy, EngineClosed, Finished, PendingRequest
-from deploy.request_body import DEFAULT_MAX_BODY_BYTES, RequestBodyGuard
-from deploy.schema import (
-    ChatRequest,
-    GenerateRequest,
-    Prepared,
-    RequestRejected,
-    prepare,
-    sse,
+from deploy import openai_api
+from deploy.deployment import (
+    RETRY_AFTER_S,
+    Deployment,
+    Row,
+    ServeConfig,
+    TokenStream,
+    public_info,
 )
+from deploy.engine import EngineBusy, Finished
+from deploy.metrics import CONTENT_TYPE, RequestCounter
+from deploy.openai_schema import validation_error
+from deploy.request_body import RequestBodyGuard
+from deploy.schema import ChatRequest, GenerateRequest, Prepared, RequestRejected, prepare, sse
 from megalith.errors import MegalithError
-from training.inference.decode import SampledToken
-from training.inference.loading import ServedModel, load_served_model, source_version
-from training.inference.runtime import AUTOCAST_DTYPES, resolve_precision
-from training.runtime.device import resolve_device
+from training.inference.loading import ServedModel
 
-log = logging.getLogger(__name__)
+__all__ = ["Deployment", "ServeConfig", "TokenStream", "create_app"]
 
-STUCK_GRACE_S = 5.0
-RETRY_AFTER_S = 1  # what a 429 (the queue is full) tells a client to wait
 MAX_ERRORS_SHOWN = 10  # a body with 10,000 unknown keys needs no 10,000-line answer
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """``megalith serve``'s settings (its flags have the same names)."""
-
-    model: str  # models:/NAME@ALIAS, models:/NAME/VERSION or a package directory
-    tracking_uri: str | None = None
-    device: str = "cpu"
-    precision: str = "fp32"  # fp32, bf16 or fp16 autocast
-    max_tokens: int = 256  # the most tokens one request may ask for
-    timeout_s: float = 60.0  # the longest a request may run
-    engine: str = "continuous"  # continuous (GPT; a T5 is served statically) or static
-    max_batch_size: int = 8  # static
-    batch_window_ms: float = 5.0  # static
-    max_running: int = 64  # continuous: sequences decoding at once
-    block_size: int = 16  # continuous: positions per KV block
-    kv_blocks: int | None = None  # continuous: KV blocks; None: max_running full contexts
-    prefill_chunk: int = 512  # continuous: most prompt tokens read in one step
-    max_queue: int = 256
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies answer 413
-    watch_s: float | None = None  # reload when the alias moves, checked this often
-    # /admin/reload wants "Authorization: Bearer TOKEN" when set (MEGALITH_ADMIN_TOKEN).
-    admin_token: str | None = field(default=None, repr=False)
-
-
-Engine = BatchingEngine | ContinuousEngine
-ENGINES = ("continuous", "static")
-
-
-class Deployment:
-    """The engine serving the current model, and the swap to a new one."""
-
-    def __init__(self, config: ServeConfig) -> None:
-        self.config = config
-        self.device = resolve_device(config.device)
-        self.autocast_dtype = AUTOCAST_DTYPES[resolve_precision(config.precision, self.device)]
-        self.engine = self._start(self._load())
-        self.reloads = 0
-        self._reload_lock = asyncio.Lock()
-
-    def _load(self) -> ServedModel:
-        return load_served_model(
-            self.config.model, tracking_uri=self.config.tracking_uri, device=self.device
-        )
-
-    def _start(self, served: ServedModel) -> Engine:
-        config = self.config
-        if config.engine not in ENGINES:
-            raise ValueError(f"engine {config.engine!r} is not one of {', '.join(ENGINES)}")
-        if config.engine == "continuous" and not served.seq2seq:
-            return ContinuousEngine(
-                served,
-                block_size=config.block_size,
-                num_blocks=config.kv_blocks,
-                max_running=config.max_running,
-                prefill_chunk=config.prefill_chunk,
-                max_queue=config.max_queue,
-                autocast_dtype=self.autocast_dtype,
-            ).start()
-        return BatchingEngine(
-            served,
-            max_batch_size=config.max_batch_size,
-            batch_window_s=config.batch_window_ms / 1000,
-            max_queue=config.max_queue,
-            autocast_dtype=self.autocast_dtype,
-        ).start()
-
-    async def reload(self) -> dict[str, Any]:
-        """Serve what the source names now; a no-op when that is the version served."""
-        async with self._reload_lock:
-            old = self.engine
-            version = await asyncio.to_thread(
-                source_version, self.config.model, tracking_uri=self.config.tracking_uri
-            )
-            if version is not None and version == old.served.info.version:
-                return {"reloaded": False, "model": old.served.info.to_dict()}
-            served = await asyncio.to_thread(self._load)
-            if served.info.content_id == old.served.info.content_id:
-                return {"reloaded": False, "model": old.served.info.to_dict()}
-            self.engine = self._start(served)  # new requests go to the new model from here
-            old.retire()  # the old one finishes what it holds, then its thread ends
-            self.reloads += 1
-            log.info("now serving %s (was %s)", served.info, old.served.info)
-            return {
-                "reloaded": True,
-                "model": served.info.to_dict(),
-                "previous": old.served.info.to_dict(),
-            }
-
-    async def watch(self) -> None:
-        """Reload every ``watch_s`` seconds when the source points elsewhere."""
-        while True:
-            await asyncio.sleep(self.config.watch_s or 0)
-            try:
-                await self.reload()
-            except Exception:  # keep serving the current model; try again next time
-                log.exception("reload of %s failed", self.config.model)
-
-    def submit(
-        self, body: GenerateRequest | ChatRequest, stream: TokenStream
-    ) -> tuple[ServedModel, Prepared]:
-        """Validate ``body`` against the current model and queue it there."""
-        while True:
-            engine = self.engine
-            prepared = prepare(
-                body,
-                engine.served,
-                max_tokens_limit=self.config.max_tokens,
-                timeout_s=self.config.timeout_s,
-            )
-            stream.request = PendingRequest(
-                prepared.prompt_ids,
-                prepared.sampling,
-                time.monotonic() + prepared.timeout_s,
-                stream.on_token,
-                stream.on_done,
-            )
-            try:
-                engine.submit(stream.request)
-            except EngineClosed:
-                continue  # swapped meanwhile: go to the new engine
-            return engine.served, prepared
-
-    def close(self) -> None:
-        self.engine.retire()
-        self.engine.join(timeout=STUCK_GRACE_S)
-
-
-class TokenStream:
-    """Carries a request's tokens from the engine's thread to the event loop."""
-
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[SampledToken | Finished | BaseException] = asyncio.Queue()
-        self.request: PendingRequest | None = None
-        self.done = False
-
-    def on_token(self, token: SampledToken) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, token)
-
-    def on_done(self, result: Finished | BaseException) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, result)
-
-    async def events(self, timeout_s: float) -> AsyncIterator[SampledToken | Finished]:
-        """Tokens, then the ``Finished`` record; ``TimeoutError`` if the engine is stuck."""
-        deadline = time.monotonic() + timeout_s + STUCK_GRACE_S
-        try:
-            while True:
-                item = await asyncio.wait_for(self._queue.get(), deadline - time.monotonic())
-                if isinstance(item, BaseException):
-                    self.done = True
-                    raise item
-                if isinstance(item, Finished):
-                    self.done = True  # before the yield: the caller may stop iterating there
-                    yield item
-                    return
-                yield item
-        finally:
-            if not self.done and self.request is not None:
-                self.request.cancelled.set()  # the client left, or we gave up: stop its row
 
 
 class TextDelta:
@@ -289,6 +129,7 @@ def create_app(deployment: Deployment) -> FastAPI:
         RequestBodyGuard,
         max_bytes=deployment.config.max_body_bytes,
         json_paths=("/v1/generate", "/v1/chat"),
+        openai_paths=openai_api.OPENAI_PATHS,
     )
     app.add_exception_handler(RequestValidationError, _invalid_request)
 
@@ -302,8 +143,12 @@ def create_app(deployment: Deployment) -> FastAPI:
         private = ("model", "tracking_uri", "admin_token")
         limits = {k: v for k, v in asdict(deployment.config).items() if k not in private}
         stats = asdict(deployment.engine.stats)
-        info = deployment.engine.served.info.to_dict()
+        info = public_info(deployment.engine.served)
         return {**info, "limits": limits, "stats": stats, "reloads": deployment.reloads}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(deployment.metrics.exposition(), media_type=CONTENT_TYPE)
 
     @app.post("/admin/reload", response_model=None)
     async def reload(authorization: str = Header(default="")) -> dict[str, Any] | JSONResponse:
@@ -326,16 +171,23 @@ def create_app(deployment: Deployment) -> FastAPI:
     async def chat(body: ChatRequest) -> JSONResponse | StreamingResponse:
         return await _answer(deployment, body)
 
+    openai_api.add_routes(app, deployment)
+    paths = [route.path for route in app.routes if hasattr(route, "path")]
+    app.add_middleware(RequestCounter, metrics=deployment.metrics, paths=paths)  # outermost
     return app
 
 
-async def _invalid_request(_: Request, error: Exception) -> JSONResponse:
+async def _invalid_request(request: Request, error: Exception) -> JSONResponse:
     """FastAPI's 422, without echoing the input: it may be megabytes, or NaN, which JSON
-    cannot carry (the default handler then fails with a 500)."""
+    cannot carry (the default handler then fails with a 500). The OpenAI endpoints answer
+    400 in OpenAI's error shape instead."""
     assert isinstance(error, RequestValidationError)
+    errors = list(error.errors())
+    if request.url.path in openai_api.OPENAI_PATHS:
+        return openai_api.error_response(validation_error(errors, MAX_ERRORS_SHOWN))
     detail = [
         {"loc": [_short(part) for part in item["loc"]], "msg": item["msg"], "type": item["type"]}
-        for item in error.errors()[:MAX_ERRORS_SHOWN]
+        for item in errors[:MAX_ERRORS_SHOWN]
     ]
     return JSONResponse({"detail": detail}, status_code=422)
 
@@ -355,8 +207,16 @@ async def _answer(
 ) -> JSONResponse | StreamingResponse:
     """Queue ``body`` and answer it whole, or stream it."""
     stream = TokenStream()
+    config = deployment.config
+
+    def plan(served: ServedModel) -> tuple[Prepared, list[Row], float]:
+        prepared = prepare(
+            body, served, max_tokens_limit=config.max_tokens, timeout_s=config.timeout_s
+        )
+        return prepared, [(prepared.prompt_ids, prepared.sampling)], prepared.timeout_s
+
     try:
-        served, prepared = deployment.submit(body, stream)
+        served, prepared = deployment.submit(plan, stream)
     except RequestRejected as rejected:
         return JSONResponse({"detail": rejected.detail}, status_code=rejected.status)
     except EngineBusy as busy:
@@ -369,7 +229,7 @@ async def _answer(
         events = _sse_events(stream, served, prepared)
         return StreamingResponse(events, media_type="text/event-stream")
     try:
-        async for item in stream.events(prepared.timeout_s):
+        async for _, item in stream.events(prepared.timeout_s):
             if isinstance(item, Finished):
                 return JSONResponse(response_body(served, prepared, item))
     except asyncio.TimeoutError:
@@ -384,7 +244,7 @@ async def _sse_events(
 ) -> AsyncIterator[bytes]:
     delta = TextDelta(served, prepared.prompt_ids)
     try:
-        async for item in stream.events(prepared.timeout_s):
+        async for _, item in stream.events(prepared.timeout_s):
             if isinstance(item, Finished):
                 yield sse({**response_body(served, prepared, item), "done": True})
             else:

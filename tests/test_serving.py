@@ -298,13 +298,13 @@ def test_a_stream_left_by_its_client_cancels_its_row(tokenizer: Tokenizer) -> No
 
     async def leave_after_one_token() -> PendingRequest:
         stream = TokenStream()
-        stream.request = pending(tokenizer, PROMPTS[0], SamplingConfig(), Collector())
-        stream.on_token(SampledToken(7))
-        stream.on_token(SampledToken(8))
+        request = stream.add([tokenizer.eod_id, 5], SamplingConfig(), time.monotonic() + 60)
+        request.on_token(SampledToken(7))
+        request.on_token(SampledToken(8))
         events = stream.events(timeout_s=60)
-        assert await anext(events) == SampledToken(7)
+        assert await anext(events) == (0, SampledToken(7))
         await events.aclose()
-        return stream.request
+        return request
 
     request = asyncio.run(leave_after_one_token())
     assert request.cancelled.is_set() and request.stop_reason() == "cancelled"
@@ -558,6 +558,243 @@ def test_watch_follows_the_alias(store: str) -> None:
         assert (info["version"], info["alias"], info["reloads"]) == (1, "watched", 1)
 
 
+# --- the OpenAI-compatible API, through the official client ----------------------------
+
+
+@pytest.fixture(scope="module")
+def openai_server(
+    store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path]]:
+    """``megalith serve`` of ``models:/NAME@candidate`` (version 2 throughout), bound to
+    0.0.0.0 with no admin token (only loopback is contacted); yields its URL and log."""
+    log = tmp_path_factory.mktemp("openai-serve") / "serve.log"
+    source = f"models:/{MODEL_NAME}@candidate"
+    flags = ("--tracking-uri", store, "--max-tokens", "24", "--max-batch-size", "8")
+    with megalith_serve(source, "0.0.0.0", None, log, *flags) as url:
+        yield url, log
+
+
+@pytest.fixture(scope="module")
+def client(openai_server: tuple[str, Path]) -> Iterator[Any]:
+    import openai
+
+    with openai.OpenAI(base_url=f"{openai_server[0]}/v1", api_key="unused") as client:
+        yield client
+
+
+def chat_reference(
+    model: GPTModel, tokenizer: Tokenizer, max_tokens: int, **sampling: Any
+) -> tuple[str, int, int]:
+    """The reply to CHAT decoded alone: (text, completion tokens, prompt tokens)."""
+    prompt, end_of_turn = generation_prompt(tokenizer, CHAT)
+    config = SamplingConfig(max_tokens, stop_ids=(end_of_turn,), **sampling)
+    ids, _, _ = generate_ids(
+        model, [prompt], config, eod_id=tokenizer.eod_id, vocab_size=tokenizer.vocab_size
+    )[0]
+    return continuation_text(tokenizer, prompt, ids), len(ids), len(prompt)
+
+
+def test_openai_client_completions_and_chat_match_generation_alone(
+    client: Any, models: dict[int, GPTModel], tokenizer: Tokenizer
+) -> None:
+    import openai
+
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    expected = alone(models[2], tokenizer, PROMPTS[2], max_new_tokens=10, temperature=0)
+    for name in (MODEL_NAME, f"models:/{MODEL_NAME}@candidate", f"{MODEL_NAME}@candidate"):
+        answer = client.completions.create(
+            model=name, prompt=PROMPTS[2], max_tokens=10, temperature=0
+        )
+        [choice] = answer.choices
+        assert choice.text == expected["text"] and answer.model == MODEL_NAME
+        assert choice.finish_reason == (
+            "length" if expected["finish_reason"] == "length" else "stop"
+        )
+        prompt_tokens = 1 + len(tokenizer.encode(PROMPTS[2]))
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (
+            prompt_tokens, expected["completion_tokens"]
+        )  # fmt: skip
+        assert answer.usage.total_tokens == prompt_tokens + expected["completion_tokens"]
+
+    text, completion_tokens, prompt_tokens = chat_reference(models[2], tokenizer, 12, temperature=0)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=12, temperature=0
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == text
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (
+        prompt_tokens, completion_tokens
+    )  # fmt: skip
+
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    assert missing.value.body["code"] == "model_not_found"
+    assert missing.value.body["param"] == "model"
+
+
+def test_openai_streaming_adds_up_to_the_whole_answer(client: Any) -> None:
+    whole = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=16, temperature=0
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=PROMPTS[3], max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    *texts, usage = chunks
+    assert "".join(c.choices[0].text for c in texts) == whole.choices[0].text
+    assert texts[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in texts[:-1])
+    assert usage.choices == [] and usage.usage == whole.usage
+
+    body = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 12, "temperature": 0}
+    reply = client.chat.completions.create(**body)
+    streamed = list(client.chat.completions.create(**body, stream=True))
+    assert streamed[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in streamed)
+    assert content == reply.choices[0].message.content
+    assert streamed[-1].choices[0].finish_reason == reply.choices[0].finish_reason
+    assert {c.object for c in streamed} == {"chat.completion.chunk"}
+
+
+def test_openai_n_seed_stop_and_logprobs(
+    client: Any, models: dict[int, GPTModel], tokenizer: Tokenizer
+) -> None:
+    # n samples, each seeded seed + its index: reproducible, and each as alone
+    sampled = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 10, "temperature": 1.0}
+    first = client.completions.create(**sampled, n=3, seed=11)
+    again = client.completions.create(**sampled, n=3, seed=11)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    used = 0
+    for j, choice in enumerate(first.choices):
+        expected = alone(models[2], tokenizer, PROMPTS[0], max_new_tokens=10, temperature=1.0,
+                         top_p=1.0, seed=11 + j)  # fmt: skip
+        assert choice.text == expected["text"]
+        used += expected["completion_tokens"]
+    assert first.usage.completion_tokens == used
+    assert len({c.text for c in first.choices}) > 1  # independent samples
+
+    # stop strings: cut before the first, left out, finish "stop", streamed alike
+    greedy = {"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0}
+    free = client.completions.create(**greedy).choices[0].text
+    assert len(free) > 8
+    stop = free[4:7]
+    cut = free[: free.index(stop)]
+    stopped = client.completions.create(**greedy, stop=[stop, "never-there"])
+    assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (cut, "stop")
+    assert stopped.usage.completion_tokens < len(tokenizer.encode(free)) + 1
+    chunks = list(client.completions.create(**greedy, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    # logprobs: the token's and the top alternatives' (greedy: the token is the top one)
+    scored = client.completions.create(**{**greedy, "max_tokens": 6}, logprobs=2)
+    logprobs = scored.choices[0].logprobs
+    assert len(logprobs.tokens) == scored.usage.completion_tokens == 6
+    assert "".join(logprobs.tokens).strip() == scored.choices[0].text.strip()
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs,
+                                 strict=True):  # fmt: skip
+        assert 1 <= len(top) <= 2 and value <= 0  # two partial bytes both show as U+FFFD
+        assert max(top.values()) == pytest.approx(value) and top[token] == pytest.approx(value)
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token for t in content)
+    assert all(t.bytes and t.logprob <= 0 for t in content)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ('{"model": "M", "prompt": "hi", "temperature": NaN}', "temperature"),
+        ('{"model": "M", "prompt": "hi", "top_p": Infinity}', "top_p"),
+        ('{"model": "M", "prompt": "hi", "temperature": 1e9}', "temperature"),
+        ('{"model": "M", "prompt": "hi", "top_p": 1.5}', "top_p"),
+        ('{"model": "M", "prompt": "hi", "n": 0}', "n"),
+        ('{"model": "M", "prompt": "hi", "logprobs": 21}', "logprobs"),
+        ('{"model": "M", "prompt": "hi", "max_tokens": 25}', "max_tokens"),
+        ('{"model": "M", "prompt": "hi", "best_of": 2}', "best_of"),
+        ('{"model": "M", "prompt": ""}', "prompt"),
+        ('{"model": "M", "messages": [{"role": "robot", "content": "hi"}]}', "messages"),
+        ('{"model": "M", "messages": []}', "messages"),
+    ],
+)
+def test_openai_bad_requests_are_400_naming_the_field(
+    openai_server: tuple[str, Path], body: str, param: str
+) -> None:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    response = httpx.post(
+        f"{openai_server[0]}{path}",
+        content=body.replace('"M"', json.dumps(MODEL_NAME)),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["type"]) == (param, "invalid_request_error")
+    assert param in error["message"]
+
+
+def test_openai_limits_context_and_body_size(
+    openai_server: tuple[str, Path], tokenizer: Tokenizer
+) -> None:
+    url = openai_server[0]
+    prompt = "Once upon a time"
+    while len(tokenizer.encode(prompt + " again")) < CONTEXT - 20:
+        prompt += " again"
+    room = CONTEXT - 1 - len(tokenizer.encode(prompt))
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": room + 1}
+    refused = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+    assert f"{CONTEXT} positions" in error["message"]
+    assert httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": room}).status_code == 200
+
+    huge = json.dumps({"model": MODEL_NAME, "prompt": "a" * (10 << 20)})
+    too_big = httpx.post(
+        f"{url}/v1/completions", content=huge, headers={"content-type": "application/json"},
+        timeout=60,
+    )  # fmt: skip
+    assert too_big.status_code == 413
+    assert "byte limit" in too_big.json()["error"]["message"]
+
+
+def test_metrics_count_requests_tokens_and_latencies(
+    openai_server: tuple[str, Path], client: Any
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = openai_server[0]
+    client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    httpx.post(f"{url}/v1/completions", json={"model": MODEL_NAME, "prompt": ""}, timeout=60)
+    response = httpx.get(f"{url}/metrics", timeout=60)
+    assert response.status_code == 200
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert value("megalith_http_requests_total", path="/v1/completions", status="200") >= 1
+    assert value("megalith_http_requests_total", path="/v1/completions", status="400") >= 1
+    assert value("megalith_generation_tokens_total") >= 4
+    assert value("megalith_prompt_tokens_total") >= 1 + len(PROMPTS[0].split())
+    assert value("megalith_time_to_first_token_seconds_count") >= 1
+    assert value("megalith_inter_token_latency_seconds_count") >= 3
+    assert value("megalith_running_sequences") == 0 and value("megalith_queued_sequences") == 0
+    assert not any(name.startswith("megalith_kv_") for name, _ in samples)  # no paged KV cache
+
+
 # --- MLflow ---------------------------------------------------------------------------
 
 
@@ -664,15 +901,17 @@ MEGALITH = [sys.executable, "-m", "pipelines.cli"]
 
 
 @contextlib.contextmanager
-def megalith_serve(package: Path, host: str, token: str | None, log: Path) -> Iterator[str]:
-    """``megalith serve --model PACKAGE --host HOST`` as a subprocess, with
+def megalith_serve(
+    source: str | Path, host: str, token: str | None, log: Path, *flags: str
+) -> Iterator[str]:
+    """``megalith serve --model SOURCE --host HOST FLAGS`` as a subprocess, with
     MEGALITH_ADMIN_TOKEN set to ``token`` (unset for None); yields its loopback URL."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "MEGALITH_ADMIN_TOKEN"}
     env.update({"OMP_NUM_THREADS": "1"} | ({"MEGALITH_ADMIN_TOKEN": token} if token else {}))
-    command = [*MEGALITH, "serve", "--model", str(package), "--host", host, "--port", str(port)]
+    command = [*MEGALITH, "serve", "--model", str(source), "--host", host, "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
-    with running_process(command, env, "megalith serve", f"{url}/health", log=log):
+    with running_process([*command, *flags], env, "megalith serve", f"{url}/health", log=log):
         yield url
 
 
@@ -680,7 +919,8 @@ def test_megalith_serve_reload_needs_the_admin_token_from_the_environment(
     packages: dict[int, Path], tmp_path: Path
 ) -> None:
     """/admin/reload: no token and a wrong one are 401, the right one reloads (200); the
-    token is never shown by /v1/model; a public bind with a token set gives no warning."""
+    token is never shown by /v1/model, nor the package's local path; a public bind with a
+    token set gives no warning."""
     token = "s3cret-admin-token-for-the-test"
     log = tmp_path / "serve.log"
     with megalith_serve(packages[1], "0.0.0.0", token, log) as url:
@@ -690,21 +930,23 @@ def test_megalith_serve_reload_needs_the_admin_token_from_the_environment(
         assert httpx.post(reload, headers=wrong, timeout=60).status_code == 401
         right = httpx.post(reload, headers={"Authorization": f"Bearer {token}"}, timeout=60)
         assert right.status_code == 200, right.text
-        info = httpx.get(f"{url}/v1/model", timeout=60)
-        assert info.status_code == 200, info.text
-        assert token not in info.text
+        for path in ("/v1/model", "/v1/models"):
+            info = httpx.get(f"{url}{path}", timeout=60)
+            assert info.status_code == 200, info.text
+            assert token not in info.text
+            assert str(packages[1].parent) not in info.text and "/tmp" not in info.text
+        assert httpx.get(f"{url}/v1/model", timeout=60).json()["source"] == packages[1].name
     said = log.read_text()
     assert "serving" in said and "warning" not in said, said
 
 
 def test_megalith_serve_on_a_public_address_without_a_token_warns(
-    packages: dict[int, Path], tmp_path: Path
+    openai_server: tuple[str, Path],
 ) -> None:
     """Bound to 0.0.0.0 (only loopback is contacted) with no MEGALITH_ADMIN_TOKEN: stderr
     says anyone can reload the model, and reloads are open."""
-    log = tmp_path / "serve.log"
-    with megalith_serve(packages[1], "0.0.0.0", None, log) as url:
-        assert httpx.post(f"{url}/admin/reload", timeout=60).status_code == 200
+    url, log = openai_server
+    assert httpx.post(f"{url}/admin/reload", timeout=60).status_code == 200
     said = log.read_text()
     assert (
         "warning: 0.0.0.0 is reachable from other hosts and MEGALITH_ADMIN_TOKEN is not set" in said

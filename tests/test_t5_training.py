@@ -280,16 +280,18 @@ def test_t5_base_recipe_has_the_t5_v1_1_base_shape() -> None:
     assert config.tokenizer.sentinel_tokens >= lengths.spans
 
 
-def test_a_t5_package_is_served_like_seq2seq_generation(reference: Path) -> None:
+def test_a_t5_package_is_served_like_seq2seq_generation(reference: Path, tmp_path: Path) -> None:
     """``megalith serve`` takes a T5 package: one batch of requests with their own settings
-    gives each the output of ``generate_seq2seq`` alone, and so does HTTP; chat is refused."""
+    gives each the output of ``generate_seq2seq`` alone, and so does HTTP, through the
+    server's own API and the OpenAI client (completions; chat is refused)."""
     import time
+    from dataclasses import replace
 
     import httpx
-    from test_serving import Collector, running
+    import openai
+    from test_serving import Collector, megalith_serve
 
     from deploy.engine import BatchingEngine, Finished, PendingRequest
-    from deploy.server import ServeConfig
     from registry.mlflow_pyfunc import MegalithPyfunc
     from training.inference.decode import SamplingConfig
     from training.inference.decode_t5 import generate_seq2seq
@@ -324,16 +326,38 @@ def test_a_t5_package_is_served_like_seq2seq_generation(reference: Path) -> None
     assert engine.join(30)
 
     greedy = generate_seq2seq(served.model, tokenizer, prompts[:1], SamplingConfig(6, 0.0))
-    config = ServeConfig(model=str(reference / "model"))
-    with running(config) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
-        body = {"prompt": prompts[0], "max_tokens": 6, "temperature": 0}
-        answer = client.post("/v1/generate", json=body).json()
-        assert answer["text"] == greedy.generations[0].text != ""
-        assert answer["prompt_tokens"] == len(tokenizer.encode(prompts[0])) + 1
-        chat = {"messages": [{"role": "user", "content": "hi"}]}
-        refused = client.post("/v1/chat", json=chat)
-        assert refused.status_code == 422
-        assert refused.json()["detail"][0]["loc"] == ["body", "messages"]
+    sampled = SamplingConfig(5, 1.0, top_p=1.0, seed=21)
+    samples = [generate_seq2seq(served.model, tokenizer, prompts[1:2], sampled)]
+    samples.append(
+        generate_seq2seq(served.model, tokenizer, prompts[1:2], replace(sampled, seed=22))
+    )
+    log = tmp_path / "serve.log"
+    with megalith_serve(reference / "model", "127.0.0.1", None, log) as url:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            body = {"prompt": prompts[0], "max_tokens": 6, "temperature": 0}
+            answer = client.post("/v1/generate", json=body).json()
+            assert answer["text"] == greedy.generations[0].text != ""
+            assert answer["prompt_tokens"] == len(tokenizer.encode(prompts[0])) + 1
+            chat = {"messages": [{"role": "user", "content": "hi"}]}
+            refused = client.post("/v1/chat", json=chat)
+            assert refused.status_code == 422
+            assert refused.json()["detail"][0]["loc"] == ["body", "messages"]
+        # The OpenAI client: a package is named by its directory's name.
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused") as client:
+            [model] = client.models.list().data
+            assert model.id == "model"
+            completion = client.completions.create(model="model", **body)
+            assert completion.choices[0].text == greedy.generations[0].text
+            assert completion.usage.prompt_tokens == answer["prompt_tokens"]
+            stream = client.completions.create(model="model", **body, stream=True)
+            assert "".join(c.choices[0].text for c in stream) == greedy.generations[0].text
+            two = client.completions.create(
+                model="model", prompt=prompts[1], max_tokens=5, temperature=1.0, seed=21, n=2
+            )
+            assert [c.text for c in two.choices] == [s.generations[0].text for s in samples]
+            with pytest.raises(openai.BadRequestError) as no_chat:
+                client.chat.completions.create(model="model", messages=[chat["messages"][0]])
+            assert no_chat.value.body["param"] == "messages"
 
     # MLflow's pyfunc flavour (what `mlflow models serve` calls) generates seq2seq too.
     pyfunc = MegalithPyfunc(served)

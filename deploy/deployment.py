@@ -1,0 +1,234 @@
+"""What a server serves: its settings, the engine of the current model, the swap to a new
+one (hot reload), and the stream that carries a request's tokens to the event loop.
+
+A request is one or more rows of the engine (``n`` choices, several prompts): they are
+queued together on one engine, and their tokens come back, tagged with the row's index,
+through one :class:`TokenStream`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from deploy.continuous import ContinuousEngine
+from deploy.engine import BatchingEngine, EngineBusy, EngineClosed, Finished, PendingRequest
+from deploy.metrics import ServingMetrics
+from deploy.request_body import DEFAULT_MAX_BODY_BYTES
+from training.inference.decode import SampledToken, SamplingConfig
+from training.inference.loading import ServedModel, load_served_model, source_version
+from training.inference.runtime import AUTOCAST_DTYPES, resolve_precision
+from training.runtime.device import resolve_device
+
+log = logging.getLogger(__name__)
+
+STUCK_GRACE_S = 5.0
+RETRY_AFTER_S = 1  # what a 429 (the queue is full) tells a client to wait
+Planned = TypeVar("Planned")
+Row = tuple[list[int], SamplingConfig]  # a prompt's tokens and how to continue it
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """``megalith serve``'s settings (its flags have the same names)."""
+
+    model: str  # models:/NAME@ALIAS, models:/NAME/VERSION or a package directory
+    tracking_uri: str | None = None
+    device: str = "cpu"
+    precision: str = "fp32"  # fp32, bf16 or fp16 autocast
+    max_tokens: int = 256  # the most tokens one request may ask for
+    timeout_s: float = 60.0  # the longest a request may run
+    engine: str = "continuous"  # continuous (GPT; a T5 is served statically) or static
+    max_batch_size: int = 8  # static
+    batch_window_ms: float = 5.0  # static
+    max_running: int = 64  # continuous: sequences decoding at once
+    block_size: int = 16  # continuous: positions per KV block
+    kv_blocks: int | None = None  # continuous: KV blocks; None: max_running full contexts
+    prefill_chunk: int = 512  # continuous: most prompt tokens read in one step
+    max_queue: int = 256
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies answer 413
+    watch_s: float | None = None  # reload when the alias moves, checked this often
+    # /admin/reload wants "Authorization: Bearer TOKEN" when set (MEGALITH_ADMIN_TOKEN).
+    admin_token: str | None = field(default=None, repr=False)
+
+
+Engine = BatchingEngine | ContinuousEngine
+ENGINES = ("continuous", "static")
+
+
+class Deployment:
+    """The engine serving the current model, and the swap to a new one."""
+
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.autocast_dtype = AUTOCAST_DTYPES[resolve_precision(config.precision, self.device)]
+        self.engine = self._start(self._load())
+        self.reloads = 0
+        self.metrics = ServingMetrics(lambda: self.engine)
+        self._reload_lock = asyncio.Lock()
+
+    def _load(self) -> ServedModel:
+        return load_served_model(
+            self.config.model, tracking_uri=self.config.tracking_uri, device=self.device
+        )
+
+    def _start(self, served: ServedModel) -> Engine:
+        config = self.config
+        if config.engine not in ENGINES:
+            raise ValueError(f"engine {config.engine!r} is not one of {', '.join(ENGINES)}")
+        if config.engine == "continuous" and not served.seq2seq:
+            return ContinuousEngine(
+                served,
+                block_size=config.block_size,
+                num_blocks=config.kv_blocks,
+                max_running=config.max_running,
+                prefill_chunk=config.prefill_chunk,
+                max_queue=config.max_queue,
+                autocast_dtype=self.autocast_dtype,
+            ).start()
+        return BatchingEngine(
+            served,
+            max_batch_size=config.max_batch_size,
+            batch_window_s=config.batch_window_ms / 1000,
+            max_queue=config.max_queue,
+            autocast_dtype=self.autocast_dtype,
+        ).start()
+
+    async def reload(self) -> dict[str, Any]:
+        """Serve what the source names now; a no-op when that is the version served."""
+        async with self._reload_lock:
+            old = self.engine
+            version = await asyncio.to_thread(
+                source_version, self.config.model, tracking_uri=self.config.tracking_uri
+            )
+            if version is not None and version == old.served.info.version:
+                return {"reloaded": False, "model": public_info(old.served)}
+            served = await asyncio.to_thread(self._load)
+            if served.info.content_id == old.served.info.content_id:
+                return {"reloaded": False, "model": public_info(old.served)}
+            self.engine = self._start(served)  # new requests go to the new model from here
+            old.retire()  # the old one finishes what it holds, then its thread ends
+            self.reloads += 1
+            log.info("now serving %s (was %s)", served.info, old.served.info)
+            return {
+                "reloaded": True,
+                "model": public_info(served),
+                "previous": public_info(old.served),
+            }
+
+    async def watch(self) -> None:
+        """Reload every ``watch_s`` seconds when the source points elsewhere."""
+        while True:
+            await asyncio.sleep(self.config.watch_s or 0)
+            try:
+                await self.reload()
+            except Exception:  # keep serving the current model; try again next time
+                log.exception("reload of %s failed", self.config.model)
+
+    def submit(
+        self,
+        plan: Callable[[ServedModel], tuple[Planned, list[Row], float]],
+        stream: TokenStream,
+    ) -> tuple[ServedModel, Planned]:
+        """Queue the rows ``plan`` makes for the current model (with their time limit),
+        all on one engine; ``plan`` raises for a request the model cannot take, and this
+        raises ``EngineBusy`` when the queue is full."""
+        stream.metrics = self.metrics
+        while True:
+            engine = self.engine
+            planned, rows, timeout_s = plan(engine.served)
+            deadline = time.monotonic() + timeout_s
+            try:
+                for prompt_ids, sampling in rows:
+                    engine.submit(stream.add(prompt_ids, sampling, deadline))
+            except EngineClosed:
+                stream.abandon()
+                continue  # swapped meanwhile: go to the new engine
+            except EngineBusy:
+                stream.abandon()
+                raise
+            self.metrics.prompt_tokens.inc(sum(len(ids) for ids, _ in rows))
+            return engine.served, planned
+
+    def close(self) -> None:
+        self.engine.retire()
+        self.engine.join(timeout=STUCK_GRACE_S)
+
+
+def public_info(served: ServedModel) -> dict[str, Any]:
+    """``ModelInfo`` as clients see it: a package directory's path is shown as its name."""
+    info = served.info.to_dict()
+    if not info["source"].startswith("models:/"):
+        info["source"] = served.info.name
+    return info
+
+
+class TokenStream:
+    """Carries the tokens of a request's rows from the engine's thread to the event loop,
+    and times them for the metrics."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[tuple[int, SampledToken | Finished | BaseException]]
+        self._queue = asyncio.Queue()
+        self.requests: list[PendingRequest] = []
+        self._open: set[int] = set()
+        self._last: dict[int, float] = {}
+        self._start = time.monotonic()
+        self.metrics: ServingMetrics | None = None
+
+    def add(
+        self, prompt_ids: list[int], sampling: SamplingConfig, deadline: float
+    ) -> PendingRequest:
+        """A new row of this request, its callbacks tagged with its index."""
+        index = len(self.requests)
+        put = functools.partial(self._put, self._queue, index)
+        request = PendingRequest(prompt_ids, sampling, deadline, put, put)
+        self.requests.append(request)
+        self._open.add(index)
+        return request
+
+    def abandon(self) -> None:
+        """Cancel the rows added so far (their engine was closed or full) and start over."""
+        for request in self.requests:
+            request.cancelled.set()
+        self.requests, self._open, self._queue = [], set(), asyncio.Queue()
+
+    def cancel(self, index: int) -> None:
+        """Stop row ``index`` early (say, at a stop string); its end still arrives."""
+        self.requests[index].cancelled.set()
+
+    def _put(
+        self,
+        queue: asyncio.Queue[tuple[int, SampledToken | Finished | BaseException]],
+        index: int,
+        item: SampledToken | Finished | BaseException,
+    ) -> None:
+        if isinstance(item, SampledToken) and self.metrics is not None:
+            now = time.monotonic()
+            self.metrics.token(now - self._last.get(index, self._start), index in self._last)
+            self._last[index] = now
+        self._loop.call_soon_threadsafe(queue.put_nowait, (index, item))
+
+    async def events(self, timeout_s: float) -> AsyncIterator[tuple[int, SampledToken | Finished]]:
+        """``(row, token)`` pairs, and ``(row, Finished)`` once per row; ``TimeoutError`` if
+        the engine is stuck, a row's exception if generation failed."""
+        deadline = time.monotonic() + timeout_s + STUCK_GRACE_S
+        queue = self._queue
+        try:
+            while self._open:
+                index, item = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, Finished):
+                    self._open.discard(index)  # before the yield: the caller may stop there
+                yield index, item
+        finally:
+            for index in self._open:  # the client left, or we gave up: stop those rows
+                self.requests[index].cancelled.set()
