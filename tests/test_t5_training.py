@@ -358,6 +358,8 @@ def test_a_t5_package_is_served_like_seq2seq_generation(reference: Path, tmp_pat
             with pytest.raises(openai.BadRequestError) as no_chat:
                 client.chat.completions.create(model="model", messages=[chat["messages"][0]])
             assert no_chat.value.body["param"] == "messages"
+        metrics = httpx.get(f"{url}/metrics", timeout=60).text  # a static engine: no KV blocks
+        assert "megalith_generation_tokens_total" in metrics and "megalith_kv_" not in metrics
 
     # MLflow's pyfunc flavour (what `mlflow models serve` calls) generates seq2seq too.
     pyfunc = MegalithPyfunc(served)
