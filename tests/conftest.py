@@ -22,6 +22,12 @@ from hypothesis import settings as hypothesis_settings
 
 from tests.servers import free_port, running_process
 
+# Python caches compiled modules in __pycache__ unless PYTHONDONTWRITEBYTECODE is set, as it
+# is on our CI machines: then every `megalith` process the suite starts (hundreds of them)
+# compiles the project's modules again, about half a second of CPU each.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 # The fuzz tests draw the same examples on every run, so CI is repeatable and a failure
 # reproduces; HYPOTHESIS_PROFILE=explore draws new ones (run it when hardening a reader).
 # No example database: nothing is written into the source tree.
