@@ -23,6 +23,11 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None):
     return url_to_fs(url, **(storage_options or {}))
 
 
+def cache_root() -> Path:
+    """Where downloaded shards and built indices are kept unless ``data.cache_dir`` says."""
+    return Path.home() / ".cache" / "megalith"
+
+
 def is_local(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
 

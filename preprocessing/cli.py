@@ -92,11 +92,21 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "inspect",
         help="summarise a shard set and decode sample documents",
         description="Print the manifest of a shard set: tokenizer, sizes, shards, rejected "
-        "records. With --decode N, decode the first N documents back to text.",
+        "records. With --decode N, decode the first N documents back to text. A Megatron-LM "
+        "PREFIX.bin/.idx (no manifest): name its tokenizer and --eod.",
     )
-    inspect.add_argument("path", metavar="PATH", help="shard directory or URL")
+    inspect.add_argument("path", metavar="PATH", help="shard directory, URL or Megatron PREFIX")
     inspect.add_argument("--decode", type=int, default=0, metavar="N", help="decode N documents")
-    inspect.add_argument("--tokenizer", metavar="MODEL", help="override the tokenizer path")
+    inspect.add_argument(
+        "--tokenizer",
+        metavar="FILE",
+        help="override the tokenizer path; with --eod, the tokenizer of a Megatron-LM PREFIX",
+    )
+    inspect.add_argument(
+        "--eod",
+        choices=["token", "eos"],
+        help="with --tokenizer: the EOD a Megatron-LM PREFIX's tool appended (eos: </s>)",
+    )
     inspect.add_argument("--json", action="store_true", help="print the raw manifest as JSON")
     inspect.set_defaults(handler=_inspect)
 
@@ -218,22 +228,24 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from preprocessing.manifest import read_manifest
+    from preprocessing.megatron_shards import read_shard_set_manifest
     from preprocessing.tokenizer import load_tokenizer
     from preprocessing.verify import decode_samples, describe_shard_set
 
-    manifest = read_manifest(args.path)  # a ManifestError names the file and key
+    named = args.tokenizer if args.eod else None  # else --tokenizer only decodes
+    # a ManifestError names the file and key
+    root, manifest = read_shard_set_manifest(args.path, None, named, args.eod)
     if args.json:
         print(json.dumps(manifest.model_dump(mode="json"), indent=2))
         return 0
     print(describe_shard_set(manifest, args.path))
     if args.decode:
         tokenizer = load_tokenizer(
-            args.tokenizer or _find_tokenizer(manifest, args.path),
+            args.tokenizer or _find_tokenizer(manifest, root),
             manifest.tokenizer.padded_vocab_size,
         )
         try:
-            samples = decode_samples(manifest, args.path, tokenizer, args.decode)
+            samples = decode_samples(manifest, root, tokenizer, args.decode)
         except ValueError as exc:
             raise MegalithError(str(exc)) from None
         for index, text in enumerate(samples):

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 import sentencepiece
 
 from megalith.config import load_config
@@ -21,6 +22,7 @@ from pipelines.cli import main
 from preprocessing.indexed_dataset import IndexedDatasetReader, IndexedDatasetWriter
 from preprocessing.megatron_shards import read_shard_set_manifest
 from preprocessing.verify import verify_shard_set
+from training.data.shard_set import open_shard_set
 from training.metrics.run_logger import read_metrics
 from training.trainer import train
 
@@ -110,3 +112,50 @@ def test_two_training_steps_on_megatron_shards(tmp_path: Path) -> None:
     # The vocabulary and the packaged tokenizer come from the named tokenizer (400 ids, padded).
     assert json.loads((package / "config.json").read_text())["model"]["vocab_size"] == 512
     assert (package / "tokenizer.model").read_bytes() == (MEGATRON / "tokenizer.model").read_bytes()
+
+
+def test_inspect_reads_a_megatron_prefix_once_tokenizer_and_eod_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = megatron_copy(tmp_path)
+    model = str(MEGATRON / "tokenizer.model")
+    assert main(["data", "inspect", str(prefix), "--tokenizer", model, "--eod", "eos",
+                 "--decode", "1"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    first = json.loads((MEGATRON / "corpus.jsonl").read_text().splitlines()[0])["text"]
+    theirs = IndexedDatasetReader(str(prefix))
+    assert f"{theirs.num_documents:,} (" in out and f"eod id {EOS}" in out
+    assert f"--- document 0 ---\n{first}" in out
+    assert main(["data", "inspect", str(prefix)]) != 0
+    assert f"{prefix}.idx: a Megatron-LM shard with no manifest.json" in capsys.readouterr().err
+
+
+def test_a_megatron_prefix_on_s3_is_read_from_a_cached_copy(
+    s3_bucket: str, s3_endpoint: dict, tmp_path: Path
+) -> None:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3_endpoint)
+    url = f"{s3_bucket}/megatron/my_text_document"
+    for suffix in (".bin", ".idx"):
+        fs.put(str(MEGATRON / f"megatron_text_document{suffix}"), f"{url}{suffix}")
+    model, cache = str(MEGATRON / "tokenizer.model"), str(tmp_path / "cache")
+    assert verify_shard_set(url, s3_endpoint, model, "eos") == []
+    folder, manifest = read_shard_set_manifest(url, s3_endpoint, model, "eos", cache)
+    local = Path(folder) / "my_text_document.bin"
+    assert local.read_bytes() == (MEGATRON / "megatron_text_document.bin").read_bytes()
+    assert manifest.config["megatron_prefix"] == url and manifest.tokenizer.eod_id == EOS
+    shard_set = open_shard_set(url, s3_endpoint, cache, model, "eos")
+    theirs = IndexedDatasetReader(str(MEGATRON / "megatron_text_document"))
+    assert shard_set.manifest.documents == theirs.num_documents
+    # Read again from the copy; fetched again once the remote file changes.
+    before = local.stat().st_mtime_ns
+    read_shard_set_manifest(url, s3_endpoint, model, "eos", cache)
+    assert local.stat().st_mtime_ns == before
+    tokens = np.fromfile(MEGATRON / "megatron_text_document.bin", dtype=np.uint16)
+    tokens[0] = 1
+    fs.pipe(f"{url}.bin", tokens.tobytes())
+    read_shard_set_manifest(url, s3_endpoint, model, "eos", cache)
+    assert local.read_bytes() == tokens.tobytes()
+    (problem,) = verify_shard_set(url, s3_endpoint)
+    assert problem.startswith(f"{url}.idx: a Megatron-LM shard with no manifest.json")

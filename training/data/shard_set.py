@@ -20,7 +20,7 @@ import numpy as np
 
 from megalith.config import DataConfig, DatasetSource
 from megalith.errors import MegalithError
-from megalith.storage import filesystem, is_local, join
+from megalith.storage import cache_root, filesystem, is_local, join
 from preprocessing.indexed_dataset import IndexedDatasetError, IndexedDatasetReader
 from preprocessing.manifest import MASK_SUFFIX, Manifest
 from preprocessing.megatron_shards import read_shard_set_manifest
@@ -47,7 +47,7 @@ class ShardSetError(MegalithError):
 
 
 def default_cache_root() -> Path:
-    return Path.home() / ".cache" / "megalith"
+    return cache_root()
 
 
 @dataclass(eq=False)
@@ -157,7 +157,7 @@ def open_shard_set(
     With ``tokenizer`` and ``eod``, ``root`` is a Megatron-LM ``PREFIX`` (no manifest)."""
     root = root.rstrip("/")
     try:
-        root, manifest = read_shard_set_manifest(root, storage_options, tokenizer, eod)
+        root, manifest = read_shard_set_manifest(root, storage_options, tokenizer, eod, cache_dir)
     except (FileNotFoundError, ValueError) as exc:
         raise ShardSetError(str(exc)) from None
     if is_local(root):
