@@ -57,7 +57,7 @@ from training.inference.decode import (
 )
 from training.inference.loading import ServedModel
 from training.inference.paged_cache import PagedKVCache
-from training.inference.runtime import autocast
+from training.inference.runtime import decoding
 from training.models.gpt import GPTModel
 
 log = logging.getLogger(__name__)
@@ -285,7 +285,7 @@ class ContinuousEngine:
         width = max(counts)
         padded = [row + [row[-1]] * (width - len(row)) for row in tokens]
         batch = torch.tensor(padded, device=self.device)
-        with autocast(self.device, self.autocast_dtype):
+        with decoding(self.device, self.autocast_dtype):
             logits = self.model.forward_rows(batch, step.positions, step, step.attn_mask, step.last)
         for sequence, count in zip(sequences, counts, strict=True):
             sequence.computed += count

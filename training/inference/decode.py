@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from preprocessing.tokenizer import Tokenizer
-from training.inference.runtime import autocast, model_device
+from training.inference.runtime import decoding, model_device
 from training.models.gpt import GPTModel
 
 # Sampling limits a request may ask for (serving, the MLflow pyfunc).
@@ -202,7 +202,7 @@ def generate_ids(
     # Under autocast keys and values are computed in its dtype: store them so.
     cache = model.new_kv_cache(rows, total, dtype=autocast_dtype)
     position = min(lengths)
-    with autocast(device, autocast_dtype):
+    with decoding(device, autocast_dtype):
         logits = model(tokens[:, :position], kv_cache=cache, start_pos=0)[:, -1]
     while True:
         _apply_stop(stop, finish)
@@ -213,7 +213,7 @@ def generate_ids(
         tokens[:, position] = torch.where(in_prompt[:, position], tokens[:, position], sampled)
         position += 1
         if position < total and not all(finish):
-            with autocast(device, autocast_dtype):
+            with decoding(device, autocast_dtype):
                 step = tokens[:, position - 1 : position]
                 logits = model(step, kv_cache=cache, start_pos=position - 1)[:, -1]
     return [(batch.new[r], finish[r], lengths[r]) for r in range(rows)]

@@ -31,7 +31,7 @@ from training.inference.decode import (
     _apply_stop,
     _mask_vocab,
 )
-from training.inference.runtime import autocast, model_device
+from training.inference.runtime import decoding, model_device
 from training.models.t5 import T5Model
 
 
@@ -130,13 +130,13 @@ def generate_seq2seq_ids(
     if steps > 0:
         cache = model.new_kv_cache(rows, steps, dtype=autocast_dtype)
         step = torch.full((rows, 1), pad_id, dtype=torch.long, device=device)
-        with autocast(device, autocast_dtype):
+        with decoding(device, autocast_dtype):
             encoded = model.encode(encoder_tokens, encoder_mask)
     for position in range(steps):
         _apply_stop(stop, finish)
         if all(finish):
             break
-        with autocast(device, autocast_dtype):
+        with decoding(device, autocast_dtype):
             logits = model.decode(step, encoded, encoder_mask, kv_cache=cache, start_pos=position)
         active = [row for row in range(rows) if not finish[row]]
         sampled = batch.step(_mask_vocab(logits[:, -1], vocab_size), active, eod_id, on_token)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -28,3 +30,19 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
+
+
+# cuDNN's attention builds a new plan for every new key length (about 4 ms a call on an
+# H100 with torch 2.11, more than a whole decode step of a 1B model), and a decode loop's
+# key length changes every step: decoding uses the other kernels.
+DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@contextlib.contextmanager
+def decoding(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]:
+    """:func:`autocast`, and on CUDA attention without cuDNN's kernel (``DECODE_ATTENTION``).
+    The kernel choice is process-wide while it lasts (``sdpa_kernel``): two decode loops at
+    once (a reload) may leave it either way, which changes speed, not results."""
+    kernels = sdpa_kernel(DECODE_ATTENTION) if device.type == "cuda" else contextlib.nullcontext()
+    with autocast(device, dtype), kernels:
+        yield
