@@ -17,6 +17,7 @@ without byte fallback).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import random
 import re
@@ -153,22 +154,19 @@ class HFTokenizer(Tokenizer):
         return _hf_backend(model_bytes, name)
 
     def encode(self, text: str) -> list[int]:
-        try:
+        with _native_errors(f"{self.model_path}: cannot encode"):
             return self._backend.encode(text, add_special_tokens=False).ids
-        except Exception as exc:  # e.g. a WordPiece model whose [UNK] is missing
-            raise TokenizerError(f"{self.model_path}: cannot encode: {exc}") from None
 
     def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
         if num_threads == 1:  # tokenizers' own batch call uses every core
             return [self.encode(text) for text in texts]
-        try:
+        with _native_errors(f"{self.model_path}: cannot encode"):
             encodings = self._backend.encode_batch(texts, add_special_tokens=False)
-        except Exception as exc:
-            raise TokenizerError(f"{self.model_path}: cannot encode: {exc}") from None
         return [e.ids for e in encodings]
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self._backend.decode([int(i) for i in ids], skip_special_tokens=False)
+        with _native_errors(f"{self.model_path}: cannot decode"):
+            return self._backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def id_to_piece(self, token_id: int) -> str:
         return self._backend.id_to_token(int(token_id)) or ""
@@ -293,15 +291,27 @@ def _hf_tokenizer(model_bytes: bytes, model_path: str, pad_vocab_multiple: int) 
     )
 
 
+@contextlib.contextmanager
+def _native_errors(what: str) -> Iterator[None]:
+    """tokenizers' errors as a TokenizerError: its bare ``Exception`` (a WordPiece model
+    without its [UNK], a JSON error naming line and column) and the ``PanicException`` a Rust
+    panic raises on some malformed files (it derives from BaseException, not Exception)."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit, TokenizerError):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - see above: a panic is a BaseException
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise TokenizerError(f"{what} ({safe_read.clip(first, 200)})") from None
+
+
 def _hf_backend(model_bytes: bytes, name: str) -> HFBackend:
     try:
-        backend = HFBackend.from_str(model_bytes.decode("utf-8"))
+        text = model_bytes.decode("utf-8")
     except UnicodeDecodeError:
         raise TokenizerError(f"{name}: not a Hugging Face tokenizer.json (not UTF-8)") from None
-    except Exception as exc:  # tokenizers raises a bare Exception naming line and column
-        raise TokenizerError(
-            f"{name}: not a Hugging Face tokenizer.json ({str(exc).splitlines()[0]})"
-        ) from None
+    with _native_errors(f"{name}: not a Hugging Face tokenizer.json"):
+        backend = HFBackend.from_str(text)
     # Documents are encoded whole: a truncation setting would cut them silently (and some
     # settings make the library panic), padding would add tokens.
     backend.no_truncation()

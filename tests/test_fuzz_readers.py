@@ -513,6 +513,28 @@ def test_fuzzed_tokenizer_models_load_or_raise_a_megalith_error(
         loads_or_refuses(lambda: round_trip(load_tokenizer(str(model))))
 
 
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small byte-level BPE tokenizer.json (Hugging Face tokenizers), as a user brings one."""
+    from test_hf_tokenizer import train_byte_level_bpe
+
+    path = tmp_path_factory.mktemp("fuzz-tokenizer-json") / "tokenizer.json"
+    train_byte_level_bpe(300).save(str(path))
+    return path
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_tokenizer_json_files_load_or_raise_a_megalith_error(
+    tokenizer_json: Path, data: st.DataObject
+) -> None:
+    with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
+        path = Path(tmp) / "tokenizer.json"
+        shutil.copy(tokenizer_json, path)
+        mutate_file(data, path)
+        loads_or_refuses(lambda: round_trip(load_tokenizer(str(path))))
+
+
 def round_trip(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("Once upon a time, the horse said hello.")
     tokenizer.decode([*ids, *range(min(tokenizer.vocab_size, 64))])
