@@ -1,4 +1,4 @@
-"""The ``tokenize-corpus`` flow: corpus → SentencePiece tokenizer → shards + manifest."""
+"""The ``tokenize-corpus`` flow: corpus → tokenizer (trained or given) → shards + manifest."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def retry_transient(task, task_run, state) -> bool:
     cache_policy=NO_CACHE,
 )
 def train_tokenizer_task(data: DataConfig, tokenizer: TokenizerConfig) -> str:
-    """Train (or load, or reuse) the tokenizer; returns the .model path."""
+    """Train (or load, or reuse) the tokenizer; returns its path."""
     trained = ensure_tokenizer(MegalithConfig(data=data, tokenizer=tokenizer))
     get_run_logger().info(
         "tokenizer %s (id %s, vocab %d)", trained.model_path, trained.id[:16], trained.vocab_size
@@ -118,7 +118,8 @@ def tokenize_corpus(
     data: DataConfig,
     tokenizer: TokenizerConfig = TokenizerConfig(),  # noqa: B008 - rendered as the form's default
 ) -> dict:
-    """Train or load a SentencePiece tokenizer, then write Megatron shards and a manifest."""
+    """Train or load a tokenizer (SentencePiece or Hugging Face), then write Megatron shards
+    and a manifest."""
     model_path = train_tokenizer_task(data, tokenizer)
     summary = write_shards_task(data, tokenizer, model_path)
     create_markdown_artifact(

@@ -192,5 +192,6 @@ def test_flow_parameters_are_the_typed_config() -> None:
     assert definitions["TokenizerConfig"]["properties"]["model_type"]["enum"] == [
         "bpe",
         "unigram",
+        "byte_bpe",
     ]
     assert definitions["DataConfig"]["additionalProperties"] is False
