@@ -1,8 +1,8 @@
 """The model registry: model packages as versions of MLflow registered models.
 
 A model package (``training.models.package``) is a directory of
-``model.safetensors``, ``config.json``, ``tokenizer.model`` and ``checksums.json``
-(``{"files": {name: sha256}}`` for every other file).
+``model.safetensors``, ``config.json``, ``tokenizer.model`` (or ``tokenizer.json``) and
+``checksums.json`` (``{"files": {name: sha256}}`` for every other file).
 Registering uploads it as the run's artifacts under ``model/``, beside an
 ``MLmodel`` file, and creates a registered model version from there. Loading back
 downloads the files and checks them against ``checksums.json``; nothing from the
@@ -54,7 +54,9 @@ if TYPE_CHECKING:
     from mlflow.entities import Run
 
 MODEL_ARTIFACT_PATH = "model"
-SERVING_REQUIREMENTS = ("mlflow", "torch", "safetensors", "sentencepiece", "numpy", "pydantic")
+SERVING_REQUIREMENTS = (
+    "mlflow", "torch", "safetensors", "sentencepiece", "tokenizers", "numpy", "pydantic",
+)  # fmt: skip
 
 
 # --- Registering ----------------------------------------------------------------------

@@ -36,7 +36,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     merge.add_argument("--base", required=True, metavar="BASE", help="the base model")
     merge.add_argument("--out", required=True, metavar="PKG", help="model package to write")
     merge.add_argument(
-        "--tokenizer", metavar="FILE", help="tokenizer.model to package (a checkpoint base)"
+        "--tokenizer",
+        metavar="FILE",
+        help="the tokenizer to package with a checkpoint base (.model, tokenizer.json, *vocab.json)",
     )
     merge.add_argument("--tracking-uri", metavar="URI", help="MLflow store of a models:/ base")
     merge.add_argument(

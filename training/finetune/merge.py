@@ -30,7 +30,7 @@ def merge_adapter_package(
     """Write ``base`` (any ``finetune.base`` form) with the adapter folded in as a package.
 
     The base's tensors must be the ones the adapter was trained on (same content id)
-    unless ``allow_other_base``. ``tokenizer``: the SentencePiece model to package,
+    unless ``allow_other_base``. ``tokenizer``: the tokenizer file to package,
     needed when the base is a checkpoint (packages, registered models and HF
     directories bring theirs). ``require_signature``: the adapter and the base must be
     signed (see :mod:`training.checkpoint.signing`)."""
@@ -42,7 +42,7 @@ def merge_adapter_package(
         tokenizer = tokenizer or weights.tokenizer_path
         if tokenizer is None:
             raise BaseModelError(
-                f"{base}: a checkpoint has no tokenizer.model; pass the tokenizer to package"
+                f"{base}: a checkpoint has no tokenizer; pass the tokenizer to package"
             )
         if weights.config.model_dump() != adapter.model.model_dump():
             raise BaseModelError(

@@ -71,13 +71,13 @@ import zipfile
 from pathlib import Path
 from typing import Any, Literal
 
-import sentencepiece as spm
 import torch
 from pydantic import ValidationError
 from torch import Tensor
 
 from megalith.config import ModelConfig, RopeScaling, format_validation_error
 from megalith.errors import MegalithError
+from preprocessing.tokenizer import TokenizerError, load_tokenizer
 from training.interop.dcp import DcpError, read_tensors
 from training.models.package import DTYPES, save_model_package
 from training.models.weights_check import checked_meta_model
@@ -513,10 +513,10 @@ def import_megatron(
     files = None if is_torch_dist(iter_dir) else rank_files(iter_dir)
     if not tokenizer.is_file():
         raise MegatronImportError(f"tokenizer {tokenizer} is not a file")
-    try:
-        pieces = spm.SentencePieceProcessor(model_file=str(tokenizer)).get_piece_size()
-    except (OSError, RuntimeError) as exc:
-        raise MegatronImportError(f"{tokenizer}: not a SentencePiece model: {exc}") from None
+    try:  # a .model, a tokenizer.json, or a GPT2BPETokenizer run's gpt2-vocab.json + merges
+        pieces = load_tokenizer(str(tokenizer)).vocab_size
+    except TokenizerError as exc:
+        raise MegatronImportError(str(exc)) from None
     if files is None:
         config, tensors = dist_tensors(iter_dir, gelu)
     else:
