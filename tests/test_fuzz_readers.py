@@ -960,6 +960,49 @@ def test_fuzzed_chat_bodies_never_answer_5xx(http: httpx.Client, body: dict[str,
     check_answer(post_raw(http, "/v1/chat", json.dumps(body).encode(), "application/json"))
 
 
+OPENAI_EXTRA = {
+    "n": st.integers(1, 3),
+    "stop": st.one_of(st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1), max_size=3)),
+    "logprobs": st.integers(0, 3),
+    "stream_options": st.just({"include_usage": True}),
+}
+
+
+@st.composite
+def openai_bodies(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    """A completions or chat body as the fuzz above draws them, with OpenAI's fields (model,
+    n, stop, logprobs...), some of them junk."""
+    chat = draw(st.booleans())
+    body = draw(chat_bodies() if chat else generate_bodies())
+    body.pop("timeout_s", None)
+    body["model"] = draw(st.one_of(st.just("model"), st.just("model"), JUNK))
+    for key, value in OPENAI_EXTRA.items():
+        if draw(st.booleans()):
+            body[key] = draw(st.one_of(value, JUNK) if draw(st.booleans()) else value)
+    if chat and "logprobs" in body:
+        body["logprobs"], body["top_logprobs"] = True, body["logprobs"]
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+@settings(FUZZ, max_examples=max(30, FUZZ.max_examples // 3))  # ~3 s on CI
+@given(request=openai_bodies())
+def test_fuzzed_openai_bodies_never_answer_5xx(
+    http: httpx.Client, request: tuple[str, dict[str, Any]]
+) -> None:
+    """2xx, or a 4xx in OpenAI's error shape naming what is wrong; never a 5xx."""
+    path, body = request
+    response = post_raw(http, path, json.dumps(body).encode(), "application/json")
+    assert response.status_code < 500, (response.status_code, response.text[:500])
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert error["message"] and error["type"].endswith("_error"), error
+    elif response.headers["content-type"].startswith("text/event-stream"):
+        assert response.text.rstrip().endswith("data: [DONE]")
+        assert '"error"' not in response.text
+    else:
+        assert all(c["finish_reason"] in ("stop", "length") for c in response.json()["choices"])
+
+
 VALID_BODY = json.dumps({"prompt": "Once upon a time", "max_tokens": 2, "top_k": 5}).encode()
 
 
