@@ -832,6 +832,11 @@ def test_pyfunc_load_model_generates_like_evaluation(
         alone(models[2], tokenizer, p, max_new_tokens=7, temperature=0)["text"] for p in PROMPTS[:3]
     ]
     assert pyfunc.predict(PROMPTS[:1], params={"max_tokens": 7}) == texts[:1]
+    # MLflow's download wrote registered_model_meta into the local artifact store's copy:
+    # megalith still loads the version.
+    assert (
+        load_served_model(f"models:/{MODEL_NAME}@candidate", tracking_uri=store).info.version == 2
+    )
 
 
 def test_mlflow_models_serve_answers_the_scoring_protocol(

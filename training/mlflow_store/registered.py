@@ -28,6 +28,10 @@ LOADER_MODULE = "registry.mlflow_pyfunc"
 FORMER_LOADER_MODULES = frozenset({"deploy.mlflow_pyfunc"})
 # Files MLflow needs beside the package; not covered by checksums.json but by the tag below.
 MLFLOW_FILES = frozenset({"MLmodel", "python_env.yaml", "requirements.txt"})
+# MLflow's own models:/ download writes this (the name and version, never read here) into
+# the model's directory: into the artifact store itself when that is a local directory, so
+# after an `mlflow.pyfunc.load_model` or `mlflow models serve` it is part of the version.
+MLFLOW_WRITTEN = frozenset({"registered_model_meta"})
 CHECKSUMS_TAG = "megalith.package.checksums_sha256"
 MLFLOW_FILES_TAG = "megalith.package.mlflow_files_sha256"  # JSON {file name: sha256}
 _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))/?$")
@@ -73,7 +77,7 @@ def load_registered_model(
         artifact_uri=source, dst_path=str(target), tracking_uri=client.tracking_uri
     )
     package = Path(local)
-    verify_package(package, allowed_extra=MLFLOW_FILES)
+    verify_package(package, allowed_extra=MLFLOW_FILES | MLFLOW_WRITTEN)
     check_registered_digests(package, client.get_model_version(name, str(version)).tags)
     check_mlmodel(package / "MLmodel")
     return package
