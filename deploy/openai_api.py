@@ -37,7 +37,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deploy.deployment import Deployment, Row, TokenStream
+from deploy.deployment import RETRY_AFTER_S, Deployment, Row, TokenStream, text_context
 from deploy.engine import EngineBusy, Finished
 from deploy.openai_schema import (
     ChatCompletionRequest,
@@ -106,7 +106,9 @@ async def answer(deployment: Deployment, body: Request) -> JSONResponse | Stream
         return error_response(error)
     except EngineBusy as busy:
         busy_error = OpenAIError(429, f"server busy: {busy}", None, "queue_full")
-        return JSONResponse(busy_error.body(), status_code=429, headers={"Retry-After": "1"})
+        return JSONResponse(
+            busy_error.body(), status_code=429, headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
     reply = Reply(body, served, planned)
     if body.stream:
         return StreamingResponse(
@@ -130,6 +132,7 @@ class ChoiceText:
     def __init__(self, served: ServedModel, choice: Choice, stops: tuple[str, ...]) -> None:
         self.served = served
         self.choice = choice
+        self.context = text_context(choice.prompt_ids)
         self.stops = stops
         self.tokens: list[SampledToken] = []
         self.offsets: list[int] = []  # where each token's text starts in the full text
@@ -147,7 +150,7 @@ class ChoiceText:
         self.offsets.append(len(self.full))
         self.tokens.append(token)
         ids = [t.id for t in self.tokens]
-        self.full = self.served.text(self.choice.prompt_ids, ids)
+        self.full = self.served.text(self.context, ids)
         cut = _first_stop(self.full, self.stops)
         self.text = self.full if cut is None else self.full[:cut]
         if cut is not None:

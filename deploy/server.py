@@ -64,6 +64,7 @@ from deploy.deployment import (
     ServeConfig,
     TokenStream,
     public_info,
+    text_context,
 )
 from deploy.engine import EngineBusy, Finished
 from deploy.metrics import CONTENT_TYPE, RequestCounter
@@ -83,7 +84,7 @@ class TextDelta:
 
     def __init__(self, served: ServedModel, prompt_ids: list[int]) -> None:
         self.served = served
-        self.prompt_ids = prompt_ids
+        self.prompt_ids = text_context(prompt_ids)
         self.ids: list[int] = []
         self.sent = ""
 
