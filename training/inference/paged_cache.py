@@ -11,9 +11,12 @@ feeds ``counts[b]`` new tokens at positions ``starts[b]...`` (one while decoding
 chunk of the prompt while prefilling). Attention calls its ``update`` as it calls
 :class:`training.models.gpt.KVCache`'s: the new keys/values go to their slots, and each
 row's keys/values ``0 .. starts[b]+counts[b]-1`` come back gathered into a padded
-``[B, S, groups, D]`` with a causal mask per row (``attn_mask``). Plain PyTorch: the gather
-copies every row's context once per layer and step; a paged attention kernel
-(vLLM's, FlashInfer's) reads the blocks in place instead.
+``[B, S, heads, D]`` with a causal mask per row (``attn_mask``). The key/value heads
+come back repeated for every query head (grouped-query attention): with a mask, the
+fused kernel that CUDA has besides cuDNN's (memory-efficient) takes no grouped heads,
+and cuDNN's plans anew for every key length (``training.inference.runtime``). Plain
+PyTorch: the gather copies every row's context once per layer and step; a paged
+attention kernel (vLLM's, FlashInfer's) reads the blocks in place instead.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class PagedKVCache:
         num_groups: int,
         head_dim: int,
         *,
+        num_heads: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -46,6 +50,7 @@ class PagedKVCache:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.head_repeats = (num_heads or num_groups) // num_groups
         shape = (num_layers, (num_blocks + 1) * block_size, num_groups, head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
@@ -67,6 +72,7 @@ class PagedKVCache:
             block_size,
             attention.num_groups,
             attention.head_dim,
+            num_heads=attention.num_heads,
             device=param.device,
             dtype=dtype or param.dtype,
         )
@@ -116,8 +122,12 @@ class PagedStep:
 
     def update(self, layer: int, k: Tensor, v: Tensor, start_pos: int) -> tuple[Tensor, Tensor]:
         """Store ``k``/``v [B, T, groups, D]`` in their slots (``start_pos`` is unused: each
-        row has its own); return every row's keys/values ``[B, S, groups, D]``."""
+        row has its own); return every row's keys/values ``[B, S, heads, D]``."""
         keys, values = self.cache.keys[layer], self.cache.values[layer]
         keys.index_copy_(0, self.write_slots, k.flatten(0, 1).to(keys.dtype))
         values.index_copy_(0, self.write_slots, v.flatten(0, 1).to(values.dtype))
-        return keys[self.read_slots], values[self.read_slots]
+        repeats = self.cache.head_repeats
+        return (
+            keys[self.read_slots].repeat_interleave(repeats, dim=2),
+            values[self.read_slots].repeat_interleave(repeats, dim=2),
+        )

@@ -172,7 +172,8 @@ class SDPAttention(nn.Module):
         self.dropout = dropout
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
-        """``q [B,T,heads,D]``, ``k``/``v [B,S,groups,D]`` -> ``[B,T,heads*D]``.
+        """``q [B,T,heads,D]``, ``k``/``v [B,S,groups,D]`` -> ``[B,T,heads*D]`` (keys and
+        values may come with their heads already repeated, ``groups = heads``).
 
         With ``S > T`` (a KV cache) the queries are the last ``T`` positions. ``attn_mask``
         replaces the causal mask: bool ``[B, 1, T, S]`` (True = may attend) for packed
@@ -183,10 +184,10 @@ class SDPAttention(nn.Module):
         """
         batch, length = q.shape[:2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        gqa = self.num_groups != self.num_heads
+        gqa = k.size(1) != q.size(1)
         native_gqa = gqa and _native_gqa(q)
         if gqa and not native_gqa:
-            repeats = self.num_heads // self.num_groups
+            repeats = q.size(1) // k.size(1)
             k = k.repeat_interleave(repeats, dim=1)
             v = v.repeat_interleave(repeats, dim=1)
         if attn_mask is None:
