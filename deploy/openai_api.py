@@ -28,7 +28,6 @@ choice's generated tokens, up to the one completing a stop string.
 from __future__ import annotations
 
 import asyncio
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -55,7 +54,6 @@ from training.inference.loading import ServedModel
 
 FINISH_REASONS = {"eod": "stop", "stop": "stop", "length": "length", "timeout": "timeout"}
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
-BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 Request = CompletionRequest | ChatCompletionRequest
 
 
@@ -331,29 +329,22 @@ def _top_by_text(tokenizer: Tokenizer, token: SampledToken) -> dict[str, float]:
 def _chat_logprob(tokenizer: Tokenizer, token: SampledToken) -> dict[str, Any]:
     text = token_text(tokenizer, token.id)
     top = [
-        {"token": (t := token_text(tokenizer, i)), "logprob": v, "bytes": _bytes(tokenizer, i, t)}
+        {"token": token_text(tokenizer, i), "logprob": v, "bytes": list(tokenizer.token_bytes(i))}
         for i, v in token.top_logprobs
     ]
     return {
         "token": text,
         "logprob": token.logprob,
-        "bytes": _bytes(tokenizer, token.id, text),
+        "bytes": list(tokenizer.token_bytes(token.id)),
         "top_logprobs": top,
     }
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    """A token as logprobs show it: its piece with SentencePiece's ``▁`` as a space; a
-    byte-fallback piece ``<0xNN>`` as that byte's character (U+FFFD for part of one)."""
-    piece = tokenizer.id_to_piece(token_id)
-    if match := BYTE_PIECE.fullmatch(piece):
-        return bytes([int(match.group(1), 16)]).decode("utf-8", errors="replace")
-    return piece.replace("\u2581", " ")
-
-
-def _bytes(tokenizer: Tokenizer, token_id: int, text: str) -> list[int]:
-    match = BYTE_PIECE.fullmatch(tokenizer.id_to_piece(token_id))
-    return [int(match.group(1), 16)] if match else list(text.encode())
+    """A token as logprobs show it: its bytes (:meth:`Tokenizer.token_bytes`: SentencePiece's
+    ``▁`` as a space, a byte piece ``<0xNN>`` or a byte-level BPE's ``Ġ`` as their bytes) as
+    text, U+FFFD for part of a character."""
+    return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
 def _error_event(status: int, message: str, code: str) -> bytes:

@@ -44,6 +44,7 @@ SENTINEL_FORMAT = "<extra_id_{}>"  # T5's span-corruption sentinels, <extra_id_0
 HF_EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 HF_BOS_TOKENS = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
 _SPECIAL = re.compile(r"<\|[^|\s]+\|>")  # <|endoftext|> in a GPT-2 vocab.json
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback pieces
 
 # Unigram training sums EM statistics per thread, so the float results (and the
 # model bytes) depend on the thread count. Fixing it keeps the id machine-independent.
@@ -116,6 +117,14 @@ class Tokenizer(ABC):
     @abstractmethod
     def id_to_piece(self, token_id: int) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (what OpenAI's logprobs show): a byte piece
+        ``<0xNN>`` that byte, else the piece with SentencePiece's "▁" as a space."""
+        piece = self.id_to_piece(token_id)
+        if match := BYTE_PIECE.fullmatch(piece):
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
 
 @dataclass(frozen=True)
 class SentencePieceTokenizer(Tokenizer):
@@ -170,6 +179,14 @@ class HFTokenizer(Tokenizer):
 
     def id_to_piece(self, token_id: int) -> str:
         return self._backend.id_to_token(int(token_id)) or ""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A byte-level BPE piece (GPT-2's "Ġthe") mapped back to its bytes (b" the")."""
+        piece = self.id_to_piece(token_id)
+        byte_level = isinstance(self._backend.decoder, decoders.ByteLevel)
+        if byte_level and piece not in self.special_ids and set(piece) <= _BYTE_OF_CHAR.keys():
+            return bytes(_BYTE_OF_CHAR[char] for char in piece)
+        return super().token_bytes(token_id)
 
 
 def with_eod(tokenizer: Tokenizer, eod: str) -> Tokenizer:
@@ -631,3 +648,16 @@ def _train_byte_bpe(documents: Sequence[str], config: TokenizerConfig) -> bytes:
     )
     backend.train_from_iterator(documents, trainer)
     return backend.to_str().encode("utf-8")
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the printable character each byte is written as
+    in a byte-level BPE vocabulary (printable Latin-1 as itself, the rest from U+0100 on)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {byte: chr(byte) for byte in printable}
+    for offset, byte in enumerate(b for b in range(256) if b not in chars):
+        chars[byte] = chr(0x100 + offset)
+    return {char: byte for byte, char in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_level_chars()

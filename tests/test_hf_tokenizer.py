@@ -90,6 +90,9 @@ def test_both_kinds_encode_losslessly_with_their_own_specials(
         assert eod in ids and ids[0] != eod  # the text alone: nothing added in front
         assert tokenizer.decode(ids) == TEXT
         assert max(ids) < tokenizer.vocab_size <= tokenizer.padded_vocab_size
+        # Each token's bytes (what OpenAI logprobs show) put back together are the text.
+        assert b"".join(map(tokenizer.token_bytes, ids)) == TEXT.encode()
+        assert tokenizer.token_bytes(tokenizer.encode(" the")[0]).startswith(b" ")
         rebuilt = copy.deepcopy(tokenizer)  # from its bytes, as prepare's workers get it
         assert rebuilt.encode_batch([TEXT, "x"]) == [ids, tokenizer.encode("x")]
     pair = load_tokenizer(str(gpt2_pair))
