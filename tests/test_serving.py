@@ -675,6 +675,17 @@ def test_openai_n_seed_stop_and_logprobs(
         used += expected["completion_tokens"]
     assert first.usage.completion_tokens == used
     assert len({c.text for c in first.choices}) > 1  # independent samples
+    # several prompts: n choices each, prompt i's at indices i*n .. i*n+n-1
+    both = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[:2], max_tokens=5, temperature=0, n=2
+    )
+    texts = [
+        alone(models[2], tokenizer, p, max_new_tokens=5, temperature=0)["text"] for p in PROMPTS[:2]
+    ]
+    assert [(c.index, c.text) for c in both.choices] == list(
+        enumerate([t for t in texts for _ in range(2)])
+    )
+    assert both.usage.prompt_tokens == sum(1 + len(tokenizer.encode(p)) for p in PROMPTS[:2])
 
     # stop strings: cut before the first, left out, finish "stop", streamed alike
     greedy = {"model": MODEL_NAME, "prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0}
