@@ -268,6 +268,11 @@ def test_prepare_trains_a_byte_level_bpe_the_same_every_time(corpus: Path, tmp_p
     assert tokenizer.pad_id == tokenizer.special_ids["<|pad|>"]
     assert tokenizer.decode(tokenizer.encode(TEXT)) == TEXT
     assert verify_shard_set(str(tmp_path / "a")) == []
+    # Its special tokens include the chat template's: chat data prepares with it.
+    chat = prepare(first, REPO / "preprocessing/sample_corpus/chat.jsonl", tmp_path / "chat",
+                   "data.format=chat")  # fmt: skip
+    assert chat.manifest.data_format == "chat" and chat.manifest.documents > 0
+    assert verify_shard_set(str(tmp_path / "chat")) == []
     with pytest.raises(TokenizerError, match="vocab_size 100 is too small for a byte-level BPE"):
         prepare_trained(
             corpus, tmp_path / "c", "tokenizer.model_type=byte_bpe", "tokenizer.vocab_size=100"
