@@ -11,7 +11,7 @@ feeds ``counts[b]`` new tokens at positions ``starts[b]...`` (one while decoding
 chunk of the prompt while prefilling). Attention calls its ``update`` as it calls
 :class:`training.models.gpt.KVCache`'s: the new keys/values go to their slots, and each
 row's keys/values ``0 .. starts[b]+counts[b]-1`` come back gathered into a padded
-``[B, S, heads, D]`` with a causal mask per row (``attn_mask``). The key/value heads
+``[B, S, heads, D]`` with a causal mask per row (``attn_mask``, additive). The key/value heads
 come back repeated for every query head (grouped-query attention): with a mask, the
 fused kernel that CUDA has besides cuDNN's (memory-efficient) takes no grouped heads,
 and cuDNN's plans anew for every key length (``training.inference.runtime``). Plain
@@ -105,8 +105,20 @@ class PagedKVCache:
         write = torch.where(offsets < count, slots(positions), scratch * size)
         keys = torch.arange(length, device=device)
         read = slots(keys.expand(len(tables), length))
-        mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
-        return PagedStep(self, positions, mask, count[:, 0] - 1, write.flatten(), read)
+        allowed = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+        return PagedStep(
+            self, positions, self._bias(allowed), count[:, 0] - 1, write.flatten(), read
+        )
+
+    def _bias(self, allowed: Tensor) -> Tensor:
+        """``allowed [B, 1, T, S]`` as the additive mask SDPA's memory-efficient kernel
+        reads in place: in the cache's dtype, rows padded to a multiple of 16 (otherwise
+        every layer's attention converts and pads the mask again)."""
+        dtype = self.keys.dtype
+        length = allowed.size(-1)
+        shape = (*allowed.shape[:-1], math.ceil(length / 16) * 16)
+        bias = torch.full(shape, torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+        return bias[..., :length].masked_fill_(allowed, 0.0)
 
 
 @dataclass(frozen=True)
@@ -115,7 +127,7 @@ class PagedStep:
 
     cache: PagedKVCache
     positions: Tensor  # [B, T]
-    attn_mask: Tensor  # [B, 1, T, S] bool, True: may attend
+    attn_mask: Tensor  # [B, 1, T, S] additive: 0 where a query may attend, else the lowest
     last: Tensor  # [B] each row's last new token
     write_slots: Tensor  # [B * T]
     read_slots: Tensor  # [B, S]

@@ -415,8 +415,8 @@ class GPTModel(nn.Module):
 
         ``kv_cache.update`` stores the new keys/values where they belong (it ignores
         ``start_pos``) and returns the keys/values the rows attend to, ``[B, S, groups, D]``
-        or with the heads repeated, ``[B, S, heads, D]``; ``attn_mask [B, 1, T, S]`` (True:
-        may attend) says which. The training ``forward`` is untouched by this path; one
+        or with the heads repeated, ``[B, S, heads, D]``; ``attn_mask [B, 1, T, S]`` (bool,
+        True: may attend, or added to the scores) says which. The training ``forward`` is untouched by this path; one
         process only (no tensor parallelism).
         """
         if self.backend.tensor_parallel_size > 1:
