@@ -26,7 +26,13 @@ MLFLOW_PORT = 5000
 # insert races the first flow run's inserts and fails at once with "database is locked"
 # (busy_timeout cannot help an upgrade from a stale read), printing a ~90-line traceback
 # although nothing else fails. Servers we start run without it unless the user says so.
-QUIET_PREFECT_SERVER = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+# The temporary server of a first run creates its database (every migration) before it
+# answers: on a busy two-core machine that took longer than Prefect's 20 s limit, and the
+# demo failed with "Timed out while attempting to connect to ephemeral Prefect API server".
+QUIET_PREFECT_SERVER = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+}
 
 
 # Handlers import the heavy stage modules (torch, mlflow, prefect) when they run, so that
