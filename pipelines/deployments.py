@@ -45,7 +45,7 @@ def deployments(workdir: Path, schedule: FinetuneSchedule | None = None) -> list
         tokenize_corpus.to_deployment(
             name="tokenize-corpus",
             parameters={"data": as_json["data"], "tokenizer": as_json["tokenizer"]},
-            description="Corpus → SentencePiece tokenizer → Megatron shards + manifest.",
+            description="Corpus → tokenizer (SentencePiece or Hugging Face) → Megatron shards + manifest.",
         ),
         pretrain.to_deployment(
             name="pretrain",
