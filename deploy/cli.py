@@ -136,9 +136,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--prefill-chunk",
         type=COUNT,
-        default=512,
+        default=2048,
         metavar="N",
-        help="continuous: most prompt tokens read in one step, between decode steps (512)",
+        help="continuous: most prompt tokens read in one step, between decode steps (2048)",
     )
     parser.add_argument("--max-batch-size", type=COUNT, default=8, metavar="N", help="static: (8)")
     parser.add_argument(

@@ -97,7 +97,7 @@ class ContinuousEngine:
         block_size: int = 16,
         num_blocks: int | None = None,
         max_running: int = 64,
-        prefill_chunk: int = 512,
+        prefill_chunk: int = 2048,
         max_queue: int = 256,
         autocast_dtype: torch.dtype | None = None,
     ) -> None:

@@ -53,7 +53,7 @@ class ServeConfig:
     max_running: int = 64  # continuous: sequences decoding at once
     block_size: int = 16  # continuous: positions per KV block
     kv_blocks: int | None = None  # continuous: KV blocks; None: max_running full contexts
-    prefill_chunk: int = 512  # continuous: most prompt tokens read in one step
+    prefill_chunk: int = 2048  # continuous: most prompt tokens read in one step
     max_queue: int = 256
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies answer 413
     watch_s: float | None = None  # reload when the alias moves, checked this often
