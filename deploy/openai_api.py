@@ -17,9 +17,10 @@ adds a last chunk with ``usage`` and no choices.
 
 Log-probabilities (completions: ``logprobs: N``; chat: ``logprobs: true`` and
 ``top_logprobs: N``) are the model's raw next-token distribution
-(:mod:`training.inference.decode`); a token is shown as its SentencePiece piece with
-``▁`` as a space, a byte-fallback piece ``<0xNN>`` as that byte's character (U+FFFD for
-part of a character; ``bytes`` has the byte).
+(:mod:`training.inference.decode`); a token is shown as the bytes it stands for
+(``Tokenizer.token_bytes``: a SentencePiece piece with ``▁`` as a space, a byte-fallback
+piece ``<0xNN>`` as its byte, a byte-level BPE token's bytes) decoded as UTF-8, U+FFFD for
+part of a character; ``bytes`` has the bytes.
 
 ``usage`` counts a prompt's tokens once per prompt (special tokens included) and every
 choice's generated tokens, up to the one completing a stop string.
