@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from parallel_helpers import CORPUS, fit_one_process, tiny_settings
+from parallel_helpers import CORPUS, config_of, fit_one_process, tiny_settings
 from tokenizers import Tokenizer as HFBackend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -23,8 +23,9 @@ from preprocessing.verify import decode_samples, verify_shard_set
 from training.inference.decode import SamplingConfig, generate
 from training.inference.loading import load_served_model
 from training.interop.export import export_hf
-from training.interop.hf import import_hf
-from training.models.package import load_model_package
+from training.interop.hf import hf_tokenizer_file, import_hf
+from training.models.gpt import GPTModel
+from training.models.package import load_model_package, save_model_package
 
 REPO = Path(__file__).resolve().parents[1]
 SPECIALS = ["<|endoftext|>", "<|pad|>"]
@@ -230,10 +231,6 @@ def test_tokenizer_json_prepare_train_serve_export_import(
 def test_import_takes_a_gpt2_pair_and_refuses_a_directory_without_tokenizer(
     bpe_json: Path, gpt2_pair: Path, tmp_path: Path
 ) -> None:
-    from training.interop.hf import hf_tokenizer_file
-    from training.models.gpt import GPTModel
-    from training.models.package import save_model_package
-
     config = load_config(REPO / "configs/tiny-cpu.yaml").model.model_copy(
         update={"vocab_size": 384, "num_layers": 1, "hidden_size": 32, "ffn_hidden_size": 64}
     )
@@ -286,3 +283,20 @@ def prepare_trained(corpus: Path, output: Path, *extra: str):
         {"data.inputs": [str(corpus)]},
     )
     return run_tokenize_stage(config, show_progress=False)
+
+
+def test_finetune_a_model_whose_vocabulary_is_not_padded(
+    gpt2_pair: Path, corpus: Path, tmp_path: Path
+) -> None:
+    """An imported model's table need not be a multiple of 128 (GPT-2's 50,257 ids): data
+    tokenized with its tokenizer fine-tunes it when every id fits."""
+    prepare(gpt2_pair, corpus, tmp_path / "shards", "data.shards=1")
+    settings = tiny_settings(tmp_path / "shards", {"training.train_iters": 2})
+    config = config_of(settings).model.model_copy(update={"vocab_size": 320})
+    base = save_model_package(GPTModel(config), config, gpt2_pair, tmp_path / "base")
+    settings = {**settings, "finetune.base": str(base), "training.eval_interval": 0}
+    package = fit_one_process(settings, tmp_path / "run") / "model"
+    meta = json.loads((package / "config.json").read_text())
+    assert meta["model"]["vocab_size"] == 320 and meta["tokenizer"]["kind"] == "hf"
+    stored = load_tokenizer(str(package / "tokenizer.json"))
+    assert stored.id == load_tokenizer(str(gpt2_pair)).id and stored.padded_vocab_size == 384

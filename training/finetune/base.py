@@ -304,18 +304,19 @@ def finetune_model_config(config: MegalithConfig, base: ModelConfig) -> ModelCon
     return model
 
 
-def check_data_matches(base: BaseWeights, tokenizer_id: str, padded_vocab: int, where: str) -> None:
+def check_data_matches(base: BaseWeights, tokenizer_id: str, vocab_size: int, where: str) -> None:
     """The training data must be tokenized with the base's tokenizer (when the base
-    names one) and fit its vocabulary."""
+    names one) and fit its vocabulary: every id below the base's ``vocab_size`` (an imported
+    model's table need not be padded, GPT-2's 50,257 ids are no multiple of 128)."""
     if base.tokenizer_id and tokenizer_id != base.tokenizer_id:
         raise ConfigError(
             f"{where} was tokenized with tokenizer {tokenizer_id[:12]}..., the base model "
             f"{base.uri} uses {base.tokenizer_id[:12]}...; tokenize the fine-tuning data with "
-            "the base's tokenizer.model"
+            "the base's tokenizer file"
         )
-    if padded_vocab > base.config.vocab_size:
+    if vocab_size > base.config.vocab_size:
         raise ConfigError(
-            f"{where}: its vocabulary ({padded_vocab}) is larger than the base model's "
+            f"{where}: its vocabulary ({vocab_size}) is larger than the base model's "
             f"vocab_size {base.config.vocab_size}"
         )
 

@@ -81,7 +81,7 @@ class FineTune:
         for source in data.training_sources():
             shard_set = open_source(source, data)
             tokenizer = shard_set.manifest.tokenizer
-            check_data_matches(self.base, tokenizer.id, tokenizer.padded_vocab_size, source.path)
+            check_data_matches(self.base, tokenizer.id, tokenizer.vocab_size, source.path)
             urls.append(source.record_file)
         return urls
 
