@@ -49,6 +49,12 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     parser.add_argument("--layers", type=int, help="fewer layers than the recipe's 16")
+    parser.add_argument(
+        "--init-std",
+        type=float,
+        help="weights' std (the recipe's 0.02 gives near-flat next-token distributions, "
+        "whose near ties rounding may flip; 0.3 gives peaked ones)",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--requests", type=int, default=0, help="per run (default: 2 x C, >= 8)")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -78,6 +84,8 @@ def random_model(args: argparse.Namespace) -> ServedModel:
     values = yaml.safe_load(RECIPE.read_text())["model"]
     if args.layers:
         values["num_layers"] = args.layers
+    if args.init_std:
+        values["init_std"] = args.init_std
     torch.manual_seed(0)
     with torch.device(args.device):
         model = GPTModel(ModelConfig(**values, backend="torch"))
