@@ -4,6 +4,8 @@ The public interface is :class:`deploy.engine.BatchingEngine`'s (``start``, ``su
 ``retire``, ``join``, ``queued``; the same ``PendingRequest``, ``Finished``,
 ``EngineClosed`` and ``EngineBusy``), so a server takes either. GPT models only: a T5
 keeps the static ``BatchingEngine`` (its encoder output would need a cache of its own).
+One process: a tensor-parallel backend is refused. Transformer Engine layers run as
+they are, and their attention leaves masked attention (every step here) to SDPA.
 
 One worker thread owns the model. Each round it
 
@@ -103,6 +105,8 @@ class ContinuousEngine:
     ) -> None:
         if served.seq2seq or not isinstance(served.model, GPTModel):
             raise ValueError("continuous batching serves GPT models; serve a T5 statically")
+        if served.model.backend.tensor_parallel_size > 1:
+            raise ValueError("continuous batching runs in one process: no tensor parallelism")
         if min(block_size, max_running, prefill_chunk) < 1:
             raise ValueError("block_size, max_running and prefill_chunk must be >= 1")
         self.served = served
