@@ -20,6 +20,7 @@ from test_t5_model import tiny_t5
 from deploy.continuous import ContinuousEngine
 from deploy.engine import EngineBusy, EngineClosed, Finished, PendingRequest
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
+from training.inference.block_pool import BlockPool, block_hashes
 from training.inference.decode import SampledToken, SamplingConfig, generate_ids
 from training.inference.loading import ModelInfo, ServedModel
 from training.models.t5 import T5Model
@@ -285,3 +286,25 @@ def test_a_failing_callback_does_not_stop_the_other_rows(served: ServedModel) ->
     assert results([failing, fine]) == [expected, expected]
     assert fine.tokens == expected.token_ids
     assert stop_after(engine)["blocks_used"] == 0
+
+
+def test_the_block_pool_keeps_freed_prefix_blocks_until_evicted_least_recent_first() -> None:
+    pool = BlockPool(4)
+    first, second = block_hashes([1, 2, 3, 4, 5, 6], 2)[:2], block_hashes([9, 9, 8, 8], 2)
+    assert first[0] != second[0] and block_hashes([1, 2, 7], 2)[0] == first[0]  # chained
+    a = pool.allocate(2)
+    b = pool.allocate(2)
+    for blocks, hashes in ((a, first), (b, second)):
+        for block, digest in zip(blocks, hashes, strict=True):
+            pool.publish(block, digest)
+    pool.release(a)  # freed first: evicted first
+    pool.release(b)
+    assert (pool.used, pool.cached, pool.available()) == (0, 4, 4)
+    assert pool.cached_prefix(first) == a
+    assert pool.cached_prefix(block_hashes([7, 7, 3, 4], 2)) == []  # [3, 4] after other tokens
+    pool.share(pool.cached_prefix(second))  # reused: out of the eviction order
+    assert (pool.used, pool.available()) == (2, 2)
+    assert sorted(pool.allocate(2)) == sorted(a)  # evicts a's blocks, forgetting their hashes
+    assert pool.cached_prefix(first) == [] and pool.cached_prefix(second) == b
+    with pytest.raises(ValueError, match="available"):
+        pool.allocate(1)
