@@ -138,11 +138,8 @@ class PagedStep:
         keys, values = self.cache.keys[layer], self.cache.values[layer]
         keys.index_copy_(0, self.write_slots, k.flatten(0, 1).to(keys.dtype))
         values.index_copy_(0, self.write_slots, v.flatten(0, 1).to(values.dtype))
-        return self._gather(keys), self._gather(values)
-
-    def _gather(self, slots: Tensor) -> Tensor:
-        """Every row's ``[B, S, heads, D]`` from ``slots [N, groups, D]`` in one copy: each
-        group's head read ``head_repeats`` times through a broadcast view."""
-        count, groups, dim = slots.shape
-        repeated = slots[:, :, None].expand(count, groups, self.cache.head_repeats, dim)
-        return repeated[self.read_slots].flatten(2, 3)
+        repeats = self.cache.head_repeats
+        return (
+            keys[self.read_slots].repeat_interleave(repeats, dim=2),
+            values[self.read_slots].repeat_interleave(repeats, dim=2),
+        )
