@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "training.interop.cli",
     "training.checkpoint.cli",
     "training.memory.cli",
+    "training.planning.cli",
     "training.finetune.cli",
     "evaluation.cli",
     "registry.cli",

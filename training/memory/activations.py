@@ -7,6 +7,13 @@ from __future__ import annotations
 from megalith.config import MegalithConfig
 from training.parallel.groups import ParallelSizes
 
+GIB = 1024**3
+MODES = ("none", "selective", "full")  # model.activation_checkpointing
+# Safety margin of the memory planners: 10% of the device plus a constant for the CUDA
+# context, cuBLAS/cuDNN workspaces, NCCL buffers and allocator fragmentation.
+SAFETY_FRACTION = 0.10
+OVERHEAD_BYTES = int(1.5 * GIB)
+
 
 def compute_dtype(config: MegalithConfig) -> str:
     """The precision planned for: ``auto`` is bf16, what it means on a GPU."""

@@ -81,7 +81,13 @@ from megalith.config import MegalithConfig, ModelConfig
 from megalith.errors import MegalithError
 from training import models
 from training.families import model_family
-from training.memory.activations import compute_dtype
+from training.memory.activations import (
+    GIB,
+    MODES,
+    OVERHEAD_BYTES,
+    SAFETY_FRACTION,
+    compute_dtype,
+)
 from training.models.moe import is_expert_param
 from training.parallel.data_parallel import partition
 from training.parallel.groups import ParallelLayoutError, ParallelSizes, validate_layout
@@ -91,12 +97,6 @@ from training.parallel.pipeline_layout import (
 )
 from training.parallel.tensor_parallel.sharding import check_tensor_parallel, partition_spec
 
-GIB = 1024**3
-MODES = ("none", "selective", "full")
-# Safety margin of the planner: 10% of the device plus a constant for the CUDA context,
-# cuBLAS/cuDNN workspaces, NCCL buffers and allocator fragmentation.
-SAFETY_FRACTION = 0.10
-OVERHEAD_BYTES = int(1.5 * GIB)
 _ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 _STEP_BYTES = 4  # AdamW's per-parameter ``step`` tensor
 

@@ -1,0 +1,186 @@
+"""The layout planner (training/planning/): memory against the memory planner, FLOPs
+against training/models/flops.py, its invariants, refusals and the CLI."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from megalith.config import load_config
+from pipelines.cli import main
+from training.memory.estimate import memory_report, resolve_layout
+from training.models.flops import flops_per_token
+from training.planning.hardware import gpu_kind
+from training.planning.layout import (
+    Cluster,
+    Layout,
+    PlanError,
+    SearchSpace,
+    Shapes,
+    memory,
+    predict,
+    search,
+    step_time,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+LLAMA_1B = REPO / "configs" / "llama-1b.yaml"
+MOE = REPO / "configs" / "moe-8x350m.yaml"
+GIB = 1024**3
+H100_NODE = Cluster(gpu_kind("h100"), 8, 8, 400.0)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_config(LLAMA_1B)
+
+
+def big(layers: int = 80):
+    """A 70B-class shape (hidden 8192, 64 heads, 8 KV groups)."""
+    return load_config(
+        LLAMA_1B,
+        [
+            f"model.num_layers={layers}",
+            "model.hidden_size=8192",
+            "model.num_attention_heads=64",
+            "model.ffn_hidden_size=28672",
+        ],
+    )
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [],
+        ["parallel.tensor=2", "parallel.sequence_parallel=true"],
+        ["parallel.pipeline=2"],
+        ["parallel.tensor=2", "parallel.pipeline=2"],
+        ["model.activation_checkpointing=full", "parallel.tensor=4"],
+    ],
+)
+def test_memory_per_gpu_is_the_memory_planners(sets):
+    """The planner's arithmetic reproduces training.memory.estimate (real meta model)."""
+    config = load_config(LLAMA_1B, sets)
+    world = config.parallel.tensor * config.parallel.pipeline
+    sizes = resolve_layout(config, world)
+    expected = memory_report(config, sizes).total
+    layout = Layout(
+        tp=sizes.tp,
+        cp=1,
+        pp=sizes.pp,
+        dp=1,
+        sequence_parallel=config.parallel.sequence_parallel,
+        recompute=config.model.activation_checkpointing,
+        micro_batch_size=config.training.micro_batch_size,
+    )
+    m = config.training.global_batch_size // config.training.micro_batch_size
+    planned = memory(config, Shapes.of(config, config.data.seq_length), layout, m).total
+    assert planned == pytest.approx(expected, rel=0.02)
+
+
+@pytest.mark.parametrize("recipe", [LLAMA_1B, MOE])
+def test_flops_per_token_is_flops_module(recipe):
+    config = load_config(recipe)
+    shapes = Shapes.of(config, config.data.seq_length)
+    assert shapes.flops_per_token() == flops_per_token(
+        config.model, config.data.seq_length, include_output_head=True
+    )
+
+
+def test_more_tensor_parallelism_lowers_memory_per_gpu():
+    config = big()
+    shapes = Shapes.of(config, 4096)
+    totals = [
+        memory(config, shapes, Layout(tp, 1, 4, 1, sequence_parallel=tp > 1), 32).total
+        for tp in (1, 2, 4, 8)
+    ]
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 1, 8), (4, 1, 16), (4, 2, 16), (8, 4, 64)])
+def test_pipeline_bubble_is_p_minus_1_over_v_m(llama, pp, vpp, m):
+    shapes = Shapes.of(llama, 2048)
+    layout = Layout(1, 1, pp, 1, vpp=vpp, micro_batch_size=1)
+    time, micro_batches = step_time(shapes, layout, replace(H100_NODE, gpus=pp), global_batch=m)
+    assert micro_batches == m
+    assert time.pipeline_bubble / time.compute == pytest.approx((pp - 1) / (vpp * m))
+
+
+def test_data_parallel_scaling_never_exceeds_linear(llama):
+    shapes = Shapes.of(llama, 2048)
+    per_replica = 64  # sequences per replica per step: weak scaling
+    one = predict(llama, shapes, Layout(1, 1, 1, 1, micro_batch_size=8), H100_NODE, per_replica)
+    for dp in (2, 8, 64, 1024):
+        cluster = replace(H100_NODE, gpus=dp)
+        layout = Layout(1, 1, 1, dp, micro_batch_size=8)
+        many = predict(llama, shapes, layout, cluster, per_replica * dp)
+        assert many.tokens_per_s <= dp * one.tokens_per_s
+        assert many.tokens_per_s > 0.5 * dp * one.tokens_per_s  # and DP stays useful
+
+
+def test_search_refuses_what_does_not_fit_and_names_why():
+    config = big()
+    result = search(config, H100_NODE, global_batch=64, seq=4096)
+    assert result.best == [] and result.refused  # 70B on one node of 80 GB GPUs
+    reason = result.refused[0].reason
+    assert reason.startswith("out of memory: needs ") and "usable on h100" in reason
+    assert result.refused_by_reason == {"out of memory": result.considered}
+
+    bigger = search(config, replace(H100_NODE, gpus=64), global_batch=64, seq=4096, top=3)
+    assert len(bigger.best) == 3
+    assert all(p.memory.total <= bigger.usable_bytes for p in bigger.best)
+    assert all(r.needed_bytes > bigger.usable_bytes for r in bigger.refused)
+    speeds = [p.tokens_per_s for p in bigger.best]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_pinned_search_space_keeps_the_pinned_sizes(llama):
+    space = SearchSpace(tp=(2,), pp=(2,), cp=(1,))
+    result = search(llama, H100_NODE, global_batch=256, seq=2048, top=4, space=space)
+    assert result.best and all(
+        (p.layout.tp, p.layout.pp, p.layout.dp) == (2, 2, 2) for p in result.best
+    )
+
+
+def test_cli_prints_a_table_and_json(capsys):
+    argv = ["plan", "--model", str(LLAMA_1B), "--gpus", "16", "--gpu", "h100", "--top", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "16 x h100 (2 node(s) of 8" in lines[0]
+    assert lines[1].split()[:3] == ["#", "layout", "dp"]
+    assert [line.split()[0] for line in lines[2:5]] == ["1", "2", "3"]
+    assert lines[5].startswith("train the first: --set parallel.tensor=")
+
+    assert main([*argv, "--json", "--nodes", "4"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cluster"]["gpus_per_node"] == 4 and len(data["best"]) == 3
+    first = data["best"][0]
+    assert 0 < first["mfu"] < 1 and first["memory_gib"]["total"] < data["usable_gib"]
+    assert first["tokens_per_s"] == pytest.approx(
+        data["global_batch"] * data["seq"] / first["step_time_s"]["total"]
+    )
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model", "configs/nope.yaml", "--gpus", "8"], "nope.yaml"),
+        (["--model", str(LLAMA_1B), "--gpus", "12"], "not a whole number of nodes"),
+        (["--model", str(LLAMA_1B), "--gpus", "7"], "no layout of 7 GPUs"),
+        (["--model", str(LLAMA_1B), "--gpus", "8", "--gpu", "v100"], "unknown GPU kind"),
+        (["--model", str(LLAMA_1B), "--gpus", "16", "--nodes", "3"], "does not split evenly"),
+    ],
+)
+def test_impossible_requests_fail_with_one_line(capsys, args, message):
+    assert main(["plan", *args]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_plan_error_is_a_megalith_error():
+    with pytest.raises(PlanError, match="--gpus must be >= 1"):
+        search(load_config(LLAMA_1B), replace(H100_NODE, gpus=0), global_batch=8, seq=2048)

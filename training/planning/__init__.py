@@ -1,0 +1,1 @@
+"""The layout planner for clusters we cannot rent (``megalith plan``)."""

@@ -1,0 +1,100 @@
+"""GPU kinds and interconnects the layout planner knows, and the efficiency constants it
+calibrates on Megalith's own measurements (benchmarks/RESULTS.md).
+
+Peaks and links are vendor datasheet figures (dense, no sparsity):
+
+- A100 SXM 80GB: 312 TFLOP/s bf16, no fp8; NVLink 3, 600 GB/s per GPU both ways together
+  (NVIDIA A100 datasheet); DGX A100: one 200 Gb/s HDR InfiniBand port per GPU.
+- H100 SXM 80GB: 989 TFLOP/s bf16, 1979 fp8; NVLink 4, 900 GB/s both ways (H100 datasheet);
+  DGX H100: one 400 Gb/s NDR port per GPU.
+- H200 SXM 141GB: the H100's compute and NVLink, 4.8 TB/s HBM3e (H200 datasheet).
+- B200 (HGX B200, 180 GB): 2250 TFLOP/s bf16, 4500 fp8; NVLink 5, 1.8 TB/s both ways
+  (HGX B200 datasheet); 400 Gb/s ConnectX-7 per GPU.
+
+A ring collective moves data one way at a time, so its bandwidth is half the "both ways"
+figure, times what NCCL achieves of it (:data:`NVLINK_EFFICIENCY`, :data:`IB_EFFICIENCY`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class GPUKind:
+    name: str
+    bf16_tflops: float  # dense peak
+    fp8_tflops: float | None  # None: no fp8 tensor cores
+    memory_gib: float  # what torch reports as total memory
+    hbm_tbps: float
+    nvlink_gbps: float  # GB/s one way per GPU (half the datasheet's bidirectional figure)
+    ib_gbits: float  # default InfiniBand per GPU, Gb/s
+    # Compute efficiency relative to the H200 calibration (see :func:`compute_efficiency`).
+    efficiency_scale: float
+
+
+GPUS: dict[str, GPUKind] = {
+    "a100": GPUKind("a100", 312.0, None, 79.3, 2.04, 300.0, 200.0, 0.964),
+    "h100": GPUKind("h100", 989.0, 1979.0, 79.2, 3.35, 450.0, 400.0, 0.964),
+    "h200": GPUKind("h200", 989.0, 1979.0, 139.8, 4.8, 450.0, 400.0, 1.0),
+    "b200": GPUKind("b200", 2250.0, 4500.0, 178.4, 8.0, 900.0, 400.0, 0.964),
+}
+
+# Achievable share of the dense bf16 peak for a model of hidden size h, on one H200,
+# compiled, no recomputation: E_MAX · h / (h + H_HALF), fitted through two measurements
+# (benchmarks/RESULTS.md, 2026-11-22, one H200, torch.compile): the 1B shape (h 2048)
+# at 53.1% MFU and the 7B layer shape (h 4096) at 57.0%. Wider layers approach E_MAX.
+E_MAX = 0.615
+H_HALF = 324.5
+# H100 over H200 at the 1B shape, compiled: 51.2% / 53.1% (same code, lower HBM
+# bandwidth). A100 and B200 were never measured here: they take the H100's ratio.
+# Recomputation costs (same page, H200): selective 72,386 vs 74,652 tokens/s compiled
+# (×1.031 time); full 49,003 vs 61,049 eager (×1.246 time).
+RECOMPUTE_TIME = {"none": 1.0, "selective": 1.031, "full": 1.246}
+# fp8 (torchao tensorwise, compiled) on the 1B shape: 89,659 vs 74,652 tokens/s (×1.20);
+# at hidden 1024 (GPT-2 350M) 0.96×: below FP8_MIN_HIDDEN fp8 is not offered.
+FP8_SPEEDUP = 1.20
+FP8_MIN_HIDDEN = 2048
+# NCCL's share of the one-way NVLink bandwidth. Calibrated: compiled TP=2 at the 7B
+# layer shape on 2 H200s reached 93.8% of one GPU per GPU; all of the loss read as
+# exposed all-reduce time (4 all-reduces of b·s·h bf16 per layer) gives ≈ 395 GB/s,
+# 0.88 of 450.
+NVLINK_EFFICIENCY = 0.88
+# NCCL's share of InfiniBand line rate: not measured here (no multi-node machine);
+# nccl-tests all-reduce bus bandwidth over NDR is typically 80-90% of 50 GB/s.
+IB_EFFICIENCY = 0.80
+# Data-parallel gradient reduction hidden behind the backward pass. Not separable in
+# our 2-GPU runs (DP=2 ddp lost 1.4% against ≈1.1% predicted fully exposed);
+# Megatron and FSDP overlap bucketed reductions with the backward: default one half.
+DP_OVERLAP = 0.5
+# AdamW reads and writes fp32 params, grads and two moments: ≈ 32 bytes per parameter
+# of HBM traffic per step.
+OPTIMIZER_BYTES_PER_PARAM = 32
+
+
+class UnknownGPUError(ValueError):
+    pass
+
+
+def gpu_kind(name: str) -> GPUKind:
+    """The :class:`GPUKind` called ``name`` (a100, h100, h200, b200)."""
+    try:
+        return GPUS[name.lower()]
+    except KeyError:
+        raise UnknownGPUError(f"unknown GPU kind {name!r} (known: {', '.join(GPUS)})") from None
+
+
+# Rows of the per-GPU matrix products (micro-batch × sequence / CP): both calibration runs
+# had 8k-16k; fewer rows underfill the GPU. ROWS_HALF is an assumption, not a measurement.
+ROWS_HALF = 256
+CALIBRATION_ROWS = 16384
+
+
+def compute_efficiency(gpu: GPUKind, hidden: int, rows: float = CALIBRATION_ROWS) -> float:
+    """Share of the bf16 peak a model of width ``hidden`` reaches on one GPU of ``gpu``
+    with ``rows`` tokens per micro-batch on the GPU."""
+    width = E_MAX * hidden / (hidden + H_HALF)
+    fill = (rows / (rows + ROWS_HALF)) / (CALIBRATION_ROWS / (CALIBRATION_ROWS + ROWS_HALF))
+    return gpu.efficiency_scale * width * min(1.0, fill)
