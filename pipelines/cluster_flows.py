@@ -1,0 +1,115 @@
+"""Flows that run training on a cluster's scheduler: ``slurm-train`` submits the sbatch
+script ``megalith launch slurm`` writes and follows the job to its end.
+
+How Prefect 3 stops a flow run (a cancel from the UI, a timeout): the runner or worker
+that started the run's process sends it SIGTERM, which the flow engine raises inside the
+flow's code as ``prefect.exceptions.TerminationSignal`` (a timeout raises there too).
+So the follow loop's ``finally`` is where a job still queued or running is cancelled
+(scancel): it runs whatever ended the loop, in the process that knows the job id. A
+process killed with SIGKILL runs nothing: its job goes on until its time limit.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.states import Cancelled, State
+
+from megalith.config import MegalithConfig, dump_config
+from megalith.errors import MegalithError
+from pipelines import slurm
+from training.parallel.groups import validate_layout
+from training.runtime.launch import slurm_script
+
+POLL_SECONDS = 30.0  # squeue every half minute is gentle on the controller
+UNKNOWN_POLLS = 3  # a job neither squeue nor sacct knows this often in a row is lost
+
+
+class SlurmJobFailed(RuntimeError):
+    """The Slurm job ended FAILED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, PREEMPTED, ..."""
+
+
+@flow(name="slurm-train", log_prints=True)
+def slurm_train(
+    config: MegalithConfig,
+    run_dir: str,
+    nodes: int = 1,
+    gpus_per_node: int = 8,
+    partition: str | None = None,
+    time_limit: str | None = None,
+    poll_seconds: float = POLL_SECONDS,
+) -> dict[str, Any] | State:
+    """Write the recipe and the sbatch script (as ``megalith launch slurm``) into
+    ``run_dir``, which every node must see, submit it and follow the job: its log lines
+    stream here; it ends this run Completed, Failed or Cancelled as the job ends; a
+    cancelled or timed-out flow run cancels the job (scancel). A resubmission resumes
+    from the run's latest checkpoint."""
+    run = Path(run_dir).resolve()
+    run.mkdir(parents=True, exist_ok=True)
+    validate_layout(config, nodes * gpus_per_node)
+    recipe = run / "recipe.yaml"
+    recipe.write_text(dump_config(config))
+    script = run / "train.sbatch"
+    script.write_text(
+        slurm_script(
+            str(recipe),
+            nodes,
+            gpus_per_node,
+            output=str(run),
+            job_name=config.name,
+            partition=partition,
+            time_limit=time_limit,
+        )  # fmt: skip
+    )
+    return run_slurm_job(script, run, poll_seconds)
+
+
+def run_slurm_job(script: Path, submit_dir: Path, poll_seconds: float) -> dict[str, Any] | State:
+    """Submit ``script`` from ``submit_dir`` and follow it; scancel it if the follow ends
+    early for any reason (a cancelled flow run's TerminationSignal included)."""
+    logger = get_run_logger()
+    job_id = slurm.submit(script, submit_dir)
+    log_path = slurm.output_path(script.read_text(), job_id, submit_dir)
+    logger.info("submitted Slurm job %s; its log: %s", job_id, log_path)
+    log = slurm.LogFollower(log_path)
+    status = None
+    try:
+        status = follow(job_id, log, poll_seconds)
+    finally:
+        if status is None:
+            said = slurm.cancel(job_id)
+            logger.warning("cancelled Slurm job %s (scancel) %s", job_id, said)
+    for line in log.new_lines(final=True):
+        logger.info(line)
+    summary = status.describe()
+    if status.outcome is slurm.Outcome.CANCELLED:
+        return Cancelled(message=f"Slurm job {job_id} was cancelled: {summary}")
+    if status.outcome is slurm.Outcome.FAILED:
+        raise SlurmJobFailed(f"Slurm job {job_id} ended {summary}; its log: {log_path}")
+    return {"job_id": job_id, "state": summary, "log": str(log_path)}
+
+
+def follow(job_id: str, log: slurm.LogFollower, poll_seconds: float) -> slurm.JobStatus:
+    """Poll the job until it ends, passing its new log lines and state changes to the
+    run's logger; the final status."""
+    logger = get_run_logger()
+    shown, unknown = "", 0
+    while True:
+        status = slurm.job_status(job_id)
+        for line in log.new_lines():
+            logger.info(line)
+        if status is None:
+            unknown += 1
+            if unknown >= UNKNOWN_POLLS:
+                raise MegalithError(f"neither squeue nor sacct knows Slurm job {job_id}")
+        else:
+            unknown = 0
+            if status.outcome.terminal:
+                return status
+            if (text := status.describe()) != shown:
+                logger.info("Slurm job %s (%s)", text, status.outcome.value)
+                shown = text
+        time.sleep(poll_seconds)
