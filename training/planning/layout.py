@@ -13,8 +13,10 @@ instead of the meta model. Time per optimizer step on the critical pipeline stag
   reduce-scatter pairs with SP, the same volume) of ``b·s/cp·h`` bf16 values, 2(t-1)/t
   of it over NVLink inside a node (InfiniBand if t spans nodes); full recomputation
   repeats the forward pair; not overlapped;
-- context parallelism: the ring passes K and V ``cp - 1`` times forward and K, V, dK,
-  dV backward; hidden behind the layer's attention compute where it can be;
+- context parallelism (Megalith's, as Megatron's ``all_gather`` CP that Llama 3 used):
+  K and V all-gathered forward (again under full recomputation) and their gradients
+  reduce-scattered backward, not overlapped, plus the measured compute overhead of
+  splitting attention into two chunks per rank (:data:`~training.planning.hardware.CP_COMPUTE_OVERHEAD`);
 - expert parallelism: 4 all-to-alls per MoE layer (dispatch and combine, forward and
   backward) of the routed tokens, (ep-1)/ep of them leave the GPU;
 - pipeline: bubble ``(p-1)/(v·m)`` of the compute (Narayanan et al. 2021), and the
@@ -310,13 +312,21 @@ def split_problem(shapes: Shapes, pp: int, vpp: int, split: str) -> str | None:
     return None
 
 
+def critical_layers(shapes: Shapes, layout: Layout) -> float:
+    """Blocks on the busiest pipeline rank: a middle rank holds the two slots that the
+    balanced split gives the first and last ranks' embedding and head."""
+    if layout.pp > 2 and layout.pipeline_layers == "balanced":
+        return (shapes.layers + 2) // (layout.pp * layout.vpp) * layout.vpp
+    return max(stage_layers(shapes, layout))
+
+
 def stage_imbalance(shapes: Shapes, layout: Layout) -> float:
     """Critical stage's FLOPs over the mean stage's (the head sits on the last stage)."""
     if layout.pp == 1:
         return 1.0
     layer, head = shapes.layer_flops_per_token(), 6 * shapes.vocab * shapes.hidden
-    _, last = stage_layers(shapes, layout)
-    critical = max(layer * stage_layers(shapes, layout)[0], layer * last + head)
+    first, last = stage_layers(shapes, layout)
+    critical = max(layer * critical_layers(shapes, layout), layer * first, layer * last + head)
     mean = (layer * shapes.layers + head) / layout.pp
     return critical / mean
 
@@ -431,7 +441,7 @@ def step_time(
     if layout.precision == "fp8":
         compute /= hardware.FP8_SPEEDUP
 
-    layers = max(stage_layers(shapes, layout))
+    layers = critical_layers(shapes, layout)
     act = layout.micro_batch_size * shapes.seq / layout.cp * shapes.hidden * 2  # bf16 bytes
     tp = 0.0
     if layout.tp > 1:
@@ -440,19 +450,11 @@ def step_time(
         tp = per_layer * layers * m
 
     cp = 0.0
-    if layout.cp > 1:
-        kv = layout.micro_batch_size * shapes.seq / layout.cp * shapes.kv_width * 2 * 2
-        comm = 3 * (layout.cp - 1) * kv / cluster.bandwidth(layout.tp * layout.cp)
-        attention = (
-            12
-            * shapes.hidden
-            * shapes.seq
-            * layout.micro_batch_size
-            * shapes.seq
-            / (layout.cp * layout.cp * layout.tp)
-            / rate
-        )
-        cp = max(0.0, comm - attention) * layers * m
+    if layout.cp > 1:  # all-gather K, V forward (again under full recompute), reduce-scatter back
+        kv = layout.micro_batch_size * shapes.seq * shapes.kv_width * 2 * 2
+        passes = 3 if layout.recompute == "full" else 2
+        comm = passes * (layout.cp - 1) / layout.cp * kv / cluster.bandwidth(layout.tp * layout.cp)
+        cp = comm * layers * m + hardware.CP_COMPUTE_OVERHEAD * compute
 
     ep = 0.0
     if layout.ep > 1 and shapes.moe_layers:
@@ -468,7 +470,7 @@ def step_time(
         p2p = 2 * layout.vpp * m * send / cluster.bandwidth(span)
 
     d = layout.dp * layout.cp
-    params = max(stage_layers(shapes, layout)) * shapes.layer_params(layout) + (
+    params = critical_layers(shapes, layout) * shapes.layer_params(layout) + (
         shapes.vocab * shapes.hidden / layout.tp
     )
     dp = 0.0
