@@ -100,6 +100,13 @@ def test_more_tensor_parallelism_lowers_memory_per_gpu():
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
 
 
+def test_more_expert_parallelism_lowers_memory_per_gpu():
+    config = load_config(MOE)
+    shapes = Shapes.of(config, 2048)
+    totals = [memory(config, shapes, Layout(1, 1, 1, 8, ep=ep), 32).total for ep in (1, 2, 4, 8)]
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
+
+
 @pytest.mark.parametrize("pp,vpp,m", [(2, 1, 8), (4, 1, 16), (4, 2, 16), (8, 4, 64)])
 def test_pipeline_bubble_is_p_minus_1_over_v_m(llama, pp, vpp, m):
     shapes = Shapes.of(llama, 2048)
@@ -135,6 +142,10 @@ def test_search_refuses_what_does_not_fit_and_names_why():
     assert all(r.needed_bytes > bigger.usable_bytes for r in bigger.refused)
     speeds = [p.tokens_per_s for p in bigger.best]
     assert speeds == sorted(speeds, reverse=True)
+    sizes = [
+        (p.layout.tp, p.layout.cp, p.layout.pp, p.layout.dp, p.layout.vpp) for p in bigger.best
+    ]
+    assert len(set(sizes)) == len(sizes), "one row per set of parallel sizes"
 
 
 def test_pinned_search_space_keeps_the_pinned_sizes(llama):

@@ -100,7 +100,7 @@ def format_result(result: SearchResult, cluster: Cluster, name: str, batch: int,
         f"{result.fitting} fit in {result.usable_bytes / GIB:.1f} GiB usable",
     ]
     header = (
-        f"{'#':>2}  {'layout':<22}{'dp mode':<22}{'prec':<6}{'recompute':<10}{'mb':>4}"
+        f"{'#':>2}  {'layout':<27}{'dp mode':<22}{'prec':<6}{'recompute':<10}{'mb':>4}"
         f"{'GiB/GPU':>9}{'step s':>9}{'tokens/s':>13}{'MFU':>7}  time split"
     )
     lines.append(header)
@@ -120,7 +120,7 @@ def format_result(result: SearchResult, cluster: Cluster, name: str, batch: int,
         )
         lo = p.layout
         lines.append(
-            f"{rank:>2}  {lo.describe():<22}{lo.data_parallel_mode:<22}{lo.precision:<6}"
+            f"{rank:>2}  {lo.describe():<27}{lo.data_parallel_mode:<22}{lo.precision:<6}"
             f"{lo.recompute:<10}{lo.micro_batch_size:>4}{p.memory.total / GIB:>9.1f}"
             f"{t.total:>9.2f}{p.tokens_per_s:>13,.0f}{p.mfu:>7.1%}  "
             f"compute {t.compute / t.total:.0%}{', ' + split if split else ''}"

@@ -198,7 +198,7 @@ class Refusal:
 
 @dataclass
 class SearchResult:
-    best: list[Prediction]
+    best: list[Prediction]  # fastest first, one per (tp, cp, pp, dp, ep, vpp)
     refused: list[Refusal]
     considered: int
     fitting: int
@@ -397,21 +397,11 @@ def memory(config: MegalithConfig, shapes: Shapes, layout: Layout, micro_batches
 
 
 def _with_parallel(config: MegalithConfig, layout: Layout) -> MegalithConfig:
-    """The recipe with the layout's sequence parallelism and precision, for the activation
+    """The recipe with the layout's sequence parallelism and bf16, for the activation
     count (which reads ``parallel.sequence_parallel`` and ``mixed_precision.dtype``)."""
-    key = (layout.sequence_parallel,)
-    cached = _SP_CONFIGS.get((id(config), key))
-    if cached is None:
-        parallel = config.parallel.model_copy(
-            update={"sequence_parallel": layout.sequence_parallel}
-        )
-        precision = config.mixed_precision.model_copy(update={"dtype": "bf16"})
-        cached = config.model_copy(update={"parallel": parallel, "mixed_precision": precision})
-        _SP_CONFIGS[(id(config), key)] = cached
-    return cached
-
-
-_SP_CONFIGS: dict[tuple[int, tuple[bool]], MegalithConfig] = {}
+    parallel = config.parallel.model_copy(update={"sequence_parallel": layout.sequence_parallel})
+    precision = config.mixed_precision.model_copy(update={"dtype": "bf16"})
+    return config.model_copy(update={"parallel": parallel, "mixed_precision": precision})
 
 
 def usable_bytes(gpu: GPUKind) -> float:
@@ -597,7 +587,9 @@ def search(
     top: int = 5,
     space: SearchSpace | None = None,
 ) -> SearchResult:
-    """The ``top`` fastest layouts that fit, and every refusal with its reason."""
+    """The ``top`` fastest layouts that fit (one row per set of parallel sizes, with its
+    fastest micro-batch, recomputation, precision and data-parallel mode), and every
+    refusal with its reason."""
     check_request(config, cluster, global_batch, seq)
     shapes = Shapes.of(config, seq)
     budget = usable_bytes(cluster.gpu)
@@ -619,12 +611,18 @@ def search(
             f"KV groups (try another --gpus or --global-batch)"
         )
     fitting.sort(key=lambda p: (-p.tokens_per_s, p.memory.total))
+    best: dict[tuple[int, ...], Prediction] = {}
+    for prediction in fitting:  # the best settings of each distinct set of sizes
+        lo = prediction.layout
+        best.setdefault((lo.tp, lo.cp, lo.pp, lo.dp, lo.ep, lo.vpp), prediction)
     refused.sort(key=lambda r: r.reason)
     by_reason: dict[str, int] = {}
     for refusal in refused:
         key = refusal.reason.split(":")[0]
         by_reason[key] = by_reason.get(key, 0) + 1
-    return SearchResult(fitting[:top], refused, considered, len(fitting), budget, by_reason)
+    return SearchResult(
+        list(best.values())[:top], refused, considered, len(fitting), budget, by_reason
+    )
 
 
 def _memory_reason(prediction: Prediction, budget: float, gpu: GPUKind) -> str:
