@@ -16,6 +16,9 @@ Published figures:
   and then to MFU with our formula, 6·N + 12·L·H·S per token over 312 TFLOP/s. The
   paper recomputes activations and has no distributed optimizer (2021): both are pinned
   (full recomputation, ddp) in the prediction and in the free search.
+- NVIDIA and Microsoft, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B"
+  (NVIDIA technical blog, 2021-10-11): 530B (the 529.6B shape) with TP8 × PP35 on 420
+  DGX A100 servers (3360 GPUs, DP12), batch 1920, 113 teraFLOP/s per GPU.
 - Llama Team 2024, "The Llama 3 Herd of Models", Table 4: Llama 3 405B (126 layers,
   hidden 16384, FFN 53248, 128 heads, 8 KV heads, vocabulary 128,256) on H100 80GB,
   16M tokens per batch, BF16 MFU as published (their own FLOP count).
@@ -67,9 +70,11 @@ class Published:
         return self.gpus // (self.tp * self.cp * self.pp)
 
 
-def megatron(name, gpus, layers, hidden, heads, tp, pp, batch, tflops) -> Published:
+def megatron(
+    name, gpus, layers, hidden, heads, tp, pp, batch, tflops, source="Megatron-LM Table 1"
+) -> Published:
     return Published(
-        name, "Megatron-LM Table 1", "a100", gpus, 200.0, layers, hidden, heads, heads,
+        name, source, "a100", gpus, 200.0, layers, hidden, heads, heads,
         4 * hidden, 51200, 2048, batch, tp, 1, pp, "gpt2", tflops_per_gpu=tflops,
         recompute=("full",), dp_modes=("ddp",),
     )  # fmt: skip
@@ -90,6 +95,7 @@ RUNS = [
     megatron("GPT 310.1B", 1920, 96, 16384, 128, 8, 16, 2160, 155),
     megatron("GPT 529.6B", 2520, 105, 20480, 128, 8, 35, 2520, 163),
     megatron("GPT 1008B", 3072, 128, 25600, 160, 8, 64, 3072, 163),
+    megatron("MT-NLG 530B", 3360, 105, 20480, 128, 8, 35, 1920, 113, "MT-NLG blog"),
     llama405(8192, 8, 1, 16, 8192, 0.43),
     llama405(16384, 8, 1, 16, 8192, 0.41),
     llama405(16384, 8, 16, 16, 131072, 0.38),
