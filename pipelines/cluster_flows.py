@@ -1,5 +1,6 @@
 """Flows that run training on a cluster's scheduler: ``slurm-train`` submits the sbatch
-script ``megalith launch slurm`` writes and follows the job to its end.
+script ``megalith launch slurm`` writes and follows the job to its end; ``k8s-train``
+applies the TrainJob ``megalith launch k8s`` writes.
 
 How Prefect 3 stops a flow run (a cancel from the UI, a timeout): the runner or worker
 that started the run's process sends it SIGTERM, which the flow engine raises inside the
@@ -18,13 +19,15 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.states import Cancelled, State
 
-from megalith.config import MegalithConfig, dump_config
+from megalith.config import MegalithConfig, dump_config, load_config
 from megalith.errors import MegalithError
-from pipelines import slurm
+from pipelines import kubernetes, slurm
 from training.parallel.groups import validate_layout
 from training.runtime.launch import slurm_script
+from training.runtime.trainjob import train_job
 
 POLL_SECONDS = 30.0  # squeue every half minute is gentle on the controller
+NO_OVERRIDES: list[str] = []
 UNKNOWN_POLLS = 3  # a job neither squeue nor sacct knows this often in a row is lost
 
 
@@ -113,3 +116,32 @@ def follow(job_id: str, log: slurm.LogFollower, poll_seconds: float) -> slurm.Jo
                 logger.info("Slurm job %s (%s)", text, status.outcome.value)
                 shown = text
         time.sleep(poll_seconds)
+
+
+@flow(name="k8s-train", log_prints=True)
+def k8s_train(
+    recipe: str,
+    image: str,
+    nodes: int = 1,
+    gpus_per_node: int = 8,
+    overrides: list[str] = NO_OVERRIDES,  # noqa: B006 - a read-only form default
+    volume_claim: str | None = None,
+    checkpoint_dir: str | None = None,
+    memory: str = "64Gi",
+    namespace: str | None = None,
+    context: str | None = None,
+) -> dict[str, Any]:
+    """Render the Kubeflow Trainer TrainJob ``megalith launch k8s`` writes and apply it
+    with kubectl (``context``: a kubeconfig context; default the current one).
+    ``recipe`` is the path inside the image (or the claim) and is read here to check the
+    layout. The run is submitted, not followed: watch it with ``kubectl get trainjob``."""
+    config = load_config(recipe, overrides)
+    validate_layout(config, nodes * gpus_per_node)
+    manifest = train_job(
+        recipe, nodes, gpus_per_node, image, name=config.name, sets=overrides,
+        volume_claim=volume_claim, checkpoint_dir=checkpoint_dir, memory=memory,
+        namespace=namespace,
+    )  # fmt: skip
+    created = kubernetes.apply(manifest, context)
+    get_run_logger().info("applied %s (%d nodes x %d GPUs)", created, nodes, gpus_per_node)
+    return {"trainjob": created, "name": manifest["metadata"]["name"]}

@@ -9,18 +9,17 @@ The commands are looked up in ``SLURM_BIN_ENV`` (a folder) when it is set, else 
 from __future__ import annotations
 
 import enum
-import os
 import re
-import shutil
 import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from megalith.errors import MegalithError
+from pipelines import external
+from pipelines.external import find_command
 
 SLURM_BIN_ENV = "MEGALITH_SLURM_BIN"  # the folder that holds sbatch, squeue, sacct, scancel
-COMMAND_TIMEOUT_S = 60.0  # a controller that does not answer in a minute is down
 
 
 class Outcome(enum.Enum):
@@ -135,31 +134,9 @@ def _belongs_to(record_id: str, job_id: str) -> bool:
 # --- the commands ----------------------------------------------------------------------
 
 
-def command_path(name: str) -> str:
-    """The Slurm command's path, or an error that says how to point at it."""
-    folder = os.environ.get(SLURM_BIN_ENV)
-    found = shutil.which(name, path=folder) if folder else shutil.which(name)
-    if found:
-        return found
-    where = f"{SLURM_BIN_ENV}={folder}" if folder else "PATH"
-    raise MegalithError(
-        f"the Slurm command `{name}` was not found on {where}: run this on a Slurm login "
-        f"node (where sbatch, squeue, sacct and scancel are installed), or set {SLURM_BIN_ENV} "
-        "to the folder that holds them"
-    )
-
-
 def run_command(name: str, args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
-    command = [command_path(name), *args]
-    try:
-        return subprocess.run(
-            command, cwd=cwd, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired:
-        raise MegalithError(
-            f"`{' '.join(command)}` did not answer in {COMMAND_TIMEOUT_S:.0f} s: is the Slurm "
-            "controller reachable?"
-        ) from None
+    where = "run this on a Slurm login node (where sbatch, squeue, sacct and scancel are)"
+    return external.run_command([find_command(name, SLURM_BIN_ENV, where), *args], cwd)
 
 
 def submit(script: Path, cwd: Path) -> str:

@@ -1,5 +1,5 @@
 """The Slurm path without a Slurm cluster: sbatch, squeue, sacct and scancel are stand-ins
-(tests/fake_slurm.py) that print outputs recorded from the real commands with the flags
+(tests/fake_commands.py) that print outputs recorded from the real commands with the flags
 pipelines.slurm uses (tests/data/slurm/), first on PATH. Everything above that boundary
 runs for real: the subprocess calls and their parsing, and the ``slurm-train`` flow in
 Prefect (the session's test server), a cancel included, delivered by Prefect's runner as
@@ -13,7 +13,7 @@ import shutil
 import time
 from pathlib import Path
 
-import fake_slurm
+import fake_commands
 import pytest
 from parallel_helpers import RECIPE
 
@@ -32,7 +32,7 @@ def fake_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     state = tmp_path / "slurm-state"
 
     def use(scenario: Path, log_name: str = "") -> Path:
-        env = fake_slurm.install(tmp_path / "bin", scenario, state)
+        env = fake_commands.install(tmp_path / "bin", scenario, state)
         for key, value in {**env, "FAKE_SLURM_LOG": log_name}.items():
             monkeypatch.setenv(key, value)
         monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
@@ -81,7 +81,7 @@ def test_slurm_states_map_to_outcomes(fake_cluster) -> None:
         assert status.outcome.terminal == (
             expected not in (slurm.Outcome.WAITING, slurm.Outcome.RUNNING)
         )
-        asked_accounting = bool(fake_slurm.calls(state, "sacct"))
+        asked_accounting = bool(fake_commands.calls(state, "sacct"))
         assert asked_accounting == status.outcome.terminal, case  # the queue suffices while live
         shutil.rmtree(state)
     fake_cluster(DATA / "states" / "accounting_off")
@@ -93,7 +93,10 @@ def test_a_missing_slurm_command_says_how_to_point_at_it(
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv(slurm.SLURM_BIN_ENV, raising=False)
-    with pytest.raises(MegalithError, match=r"`sbatch` was not found on PATH.*MEGALITH_SLURM_BIN"):
+    with pytest.raises(
+        MegalithError,
+        match=r"`sbatch` was not found on PATH: run this on a Slurm login node.*set MEGALITH_SLURM_BIN",
+    ):
         slurm.submit(tmp_path / "train.sbatch", tmp_path)
     monkeypatch.setenv(slurm.SLURM_BIN_ENV, str(tmp_path / "slurm" / "bin"))
     with pytest.raises(
@@ -147,7 +150,7 @@ def test_slurm_flow_submits_the_launch_script_and_follows_the_job(
     result = final.result()
     assert result["job_id"] == "4242" and "4242 COMPLETED" in result["state"]
 
-    (sbatch,) = fake_slurm.calls(state, "sbatch")
+    (sbatch,) = fake_commands.calls(state, "sbatch")
     script = run_dir / "train.sbatch"
     assert sbatch["argv"] == ["--parsable", str(script)] and sbatch["cwd"] == str(run_dir)
     # the script is the one `megalith launch slurm` writes for the flow's recipe and sizes
@@ -156,7 +159,7 @@ def test_slurm_flow_submits_the_launch_script_and_follows_the_job(
             "--gpus-per-node", "4", "--run-dir", str(run_dir), "--job-name", config.name]  # fmt: skip
     assert main([*args, "--output", str(launch)]) == 0
     assert script.read_text() == launch.read_text()
-    assert not fake_slurm.calls(state, "scancel")  # a finished job is not cancelled
+    assert not fake_commands.calls(state, "scancel")  # a finished job is not cancelled
 
     logs = flow_run_logs(final.state_details.flow_run_id)
     job_log = (run_dir / f"{config.name}-4242.out").read_text().splitlines()
@@ -196,7 +199,7 @@ def test_cancelling_the_flow_run_cancels_the_slurm_job(
 
             async def cancel_once_running() -> None:
                 deadline = time.monotonic() + 120  # a hang guard only
-                while not fake_slurm.calls(state, "squeue") and time.monotonic() < deadline:
+                while not fake_commands.calls(state, "squeue") and time.monotonic() < deadline:
                     await asyncio.sleep(0.2)
                 await client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
 
@@ -209,5 +212,5 @@ def test_cancelling_the_flow_run_cancels_the_slurm_job(
             return await client.read_flow_run(flow_run.id)
 
     flow_run = asyncio.run(run_and_cancel())
-    assert [call["argv"] for call in fake_slurm.calls(state, "scancel")] == [["4242"]]
+    assert [call["argv"] for call in fake_commands.calls(state, "scancel")] == [["4242"]]
     assert flow_run.state.is_cancelled(), flow_run.state

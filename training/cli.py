@@ -9,7 +9,10 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
+import yaml
+
 from megalith.config import MegalithConfig, load_config
+from megalith.errors import MegalithError
 from megalith.storage import atomic_write_json
 from training.parallel.groups import validate_layout
 from training.parallel.support import check_trainer_support
@@ -26,6 +29,7 @@ from training.runtime.launch import (
     unwinding_on_sigterm,
 )
 from training.runtime.run_lock import hold_run_folder
+from training.runtime.trainjob import MOUNT, TORCH_RUNTIME, train_job
 
 
 # Handlers import the heavy stage modules (torch, mlflow, prefect) when they run, so that
@@ -81,8 +85,16 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 def _register_launch(subcommands: argparse._SubParsersAction) -> None:
     group = subcommands.add_parser(
         "launch",
-        help="write job scripts for cluster schedulers (slurm)",
-        description="Write a job script that runs megalith train on a cluster.",
+        help="write job scripts for cluster schedulers (slurm, k8s)",
+        description="Write a job for a cluster's scheduler that runs megalith train on many "
+        "nodes: an sbatch script (slurm) or a Kubeflow Trainer TrainJob (k8s). The Prefect "
+        "flows slurm-train and k8s-train submit them for you (docs/multi-node.md).",
+        epilog="examples:\n"
+        "  megalith launch slurm --config configs/llama-1b.yaml --nodes 4 --gpus-per-node 8 "
+        "--output train.sbatch\n"
+        "  megalith launch k8s --config configs/llama-1b.yaml --nodes 4 --gpus-per-node 8 "
+        "--image REGISTRY/megalith:TAG --volume-claim megalith-runs --output trainjob.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     group.set_defaults(group_parser=group)
     commands = group.add_subparsers(dest="launch_command", metavar="COMMAND")
@@ -112,6 +124,71 @@ def _register_launch(subcommands: argparse._SubParsersAction) -> None:
     slurm.add_argument("--port", type=int, default=DEFAULT_RDZV_PORT, help="rendezvous port")
     slurm.add_argument("--output", metavar="FILE", help="write the script here (default: stdout)")
     slurm.set_defaults(handler=_launch_slurm)
+    _register_k8s(commands)
+
+
+def _register_k8s(commands: argparse._SubParsersAction) -> None:
+    k8s = commands.add_parser(
+        "k8s",
+        help="write a Kubeflow Trainer TrainJob for a multi-node training job",
+        description="Write a Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1) as "
+        f"YAML: --nodes pods from the {TORCH_RUNTIME} ClusterTrainingRuntime, each running "
+        "`megalith train` with --gpus-per-node workers through torchrun, meeting at the first "
+        "pod (PET_MASTER_ADDR). Checkpoints need storage that outlives the pods: "
+        f"--volume-claim (mounted at {MOUNT}; the run folder is {MOUNT}/runs/NAME) or "
+        "--checkpoint-dir s3://... . --config is the recipe's path inside the pod (the image "
+        "or the claim); it is also read here to check the layout. Apply with kubectl apply -f.",
+        epilog="example: megalith launch k8s --config configs/llama-1b.yaml --nodes 4 "
+        "--gpus-per-node 8 --image REGISTRY/megalith:TAG --volume-claim megalith-runs "
+        "--output trainjob.yaml && kubectl apply -f trainjob.yaml",
+    )
+    k8s.add_argument("--config", required=True, metavar="YAML", help="recipe")
+    k8s.add_argument("--nodes", type=int, required=True, metavar="M")
+    k8s.add_argument("--gpus-per-node", type=int, required=True, metavar="N")
+    k8s.add_argument("--image", required=True, help="container image with megalith installed")
+    k8s.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    k8s.add_argument("--volume-claim", metavar="PVC", help="shared PersistentVolumeClaim")
+    k8s.add_argument("--checkpoint-dir", metavar="s3://...", help="checkpoints in object storage")
+    k8s.add_argument("--memory", default="64Gi", help="memory per node (default 64Gi)")
+    k8s.add_argument("--cpus", type=int, metavar="N", help="CPUs per node")
+    k8s.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="trainer environment"
+    )
+    k8s.add_argument("--name", help="TrainJob name (default: the recipe's name)")
+    k8s.add_argument("--namespace", metavar="NS")
+    k8s.add_argument("--runtime", default=TORCH_RUNTIME, help="ClusterTrainingRuntime name")
+    k8s.add_argument("--output", metavar="FILE", help="write the YAML here (default: stdout)")
+    k8s.set_defaults(handler=_launch_k8s)
+
+
+def _launch_k8s(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.set)
+    validate_layout(config, args.nodes * args.gpus_per_node)
+    manifest = train_job(
+        args.config, args.nodes, args.gpus_per_node, args.image,
+        name=args.name or config.name, sets=args.set, volume_claim=args.volume_claim,
+        checkpoint_dir=args.checkpoint_dir, memory=args.memory, cpus=args.cpus,
+        env=_key_values(args.env, "--env"), namespace=args.namespace, runtime=args.runtime,
+    )  # fmt: skip
+    text = yaml.safe_dump(manifest, sort_keys=False)
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}: kubectl apply -f {args.output}")
+    else:
+        print(text, end="")
+    return 0
+
+
+def _key_values(pairs: list[str], flag: str) -> dict[str, str]:
+    values = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise MegalithError(f"{flag} {pair!r}: expected KEY=VALUE")
+        values[key] = value
+    return values
 
 
 def _launch_slurm(args: argparse.Namespace) -> int:
