@@ -176,6 +176,34 @@ def test_cli_prints_a_table_and_json(capsys):
     )
 
 
+def test_cli_says_why_nothing_fits(capsys):
+    shape = [
+        "model.num_layers=80",
+        "model.hidden_size=8192",
+        "model.num_attention_heads=64",
+        "model.ffn_hidden_size=28672",
+    ]
+    sets = [arg for value in shape for arg in ("--set", value)]
+    argv = [
+        "plan",
+        "--model",
+        str(LLAMA_1B),
+        "--gpus",
+        "8",
+        "--seq",
+        "4096",
+        "--global-batch",
+        "64",
+    ]
+    argv += sets
+    assert main(argv) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "no layout fits; the closest:"
+    closest = lines[2:5]
+    assert all("out of memory: needs " in line and "usable on h100" in line for line in closest)
+    assert len(set(closest)) == 3
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -75,6 +75,36 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if result.best else 1
 
 
+def _table(result: SearchResult) -> list[str]:
+    lines = [
+        f"{'#':>2}  {'layout':<27}{'dp mode':<22}{'prec':<6}{'recompute':<10}{'mb':>4}"
+        f"{'GiB/GPU':>9}{'step s':>9}{'tokens/s':>13}{'MFU':>7}  time split"
+    ]
+    for rank, p in enumerate(result.best, 1):
+        t = p.time
+        split = ", ".join(
+            f"{label} {value / t.total:.0%}"
+            for label, value in (
+                ("tp", t.tensor_parallel),
+                ("cp", t.context_parallel),
+                ("ep", t.expert_parallel),
+                ("bubble", t.pipeline_bubble),
+                ("p2p", t.pipeline_p2p),
+                ("dp", t.data_parallel),
+            )
+            if value / t.total >= 0.005
+        )
+        lo = p.layout
+        lines.append(
+            f"{rank:>2}  {lo.describe():<27}{lo.data_parallel_mode:<22}{lo.precision:<6}"
+            f"{lo.recompute:<10}{lo.micro_batch_size:>4}{p.memory.total / GIB:>9.1f}"
+            f"{t.total:>9.2f}{p.tokens_per_s:>13,.0f}{p.mfu:>7.1%}  "
+            f"compute {t.compute / t.total:.0%}{', ' + split if split else ''}"
+        )
+    lines.append("train the first: --set " + " --set ".join(result.best[0].layout.overrides()))
+    return lines
+
+
 def _as_json(result: SearchResult, cluster: Cluster, batch: int, seq: int) -> dict:
     return {
         "cluster": {**asdict(cluster), "nodes": cluster.nodes},
@@ -99,42 +129,24 @@ def format_result(result: SearchResult, cluster: Cluster, name: str, batch: int,
         f"GPU), global batch {batch} x seq {seq}: {result.considered} layouts, "
         f"{result.fitting} fit in {result.usable_bytes / GIB:.1f} GiB usable",
     ]
-    header = (
-        f"{'#':>2}  {'layout':<27}{'dp mode':<22}{'prec':<6}{'recompute':<10}{'mb':>4}"
-        f"{'GiB/GPU':>9}{'step s':>9}{'tokens/s':>13}{'MFU':>7}  time split"
-    )
-    lines.append(header)
-    for rank, p in enumerate(result.best, 1):
-        t = p.time
-        split = ", ".join(
-            f"{label} {value / t.total:.0%}"
-            for label, value in (
-                ("tp", t.tensor_parallel),
-                ("cp", t.context_parallel),
-                ("ep", t.expert_parallel),
-                ("bubble", t.pipeline_bubble),
-                ("p2p", t.pipeline_p2p),
-                ("dp", t.data_parallel),
-            )
-            if value / t.total >= 0.005
-        )
-        lo = p.layout
-        lines.append(
-            f"{rank:>2}  {lo.describe():<27}{lo.data_parallel_mode:<22}{lo.precision:<6}"
-            f"{lo.recompute:<10}{lo.micro_batch_size:>4}{p.memory.total / GIB:>9.1f}"
-            f"{t.total:>9.2f}{p.tokens_per_s:>13,.0f}{p.mfu:>7.1%}  "
-            f"compute {t.compute / t.total:.0%}{', ' + split if split else ''}"
-        )
-    if result.best:
-        lines.append("train the first: --set " + " --set ".join(result.best[0].layout.overrides()))
-    else:
-        lines.append("no layout fits:")
-        closest = sorted(result.refused, key=lambda r: r.needed_bytes)[:3]
-        for refusal in closest:
+    if not result.best:
+        lines.append("no layout fits; the closest:")
+        shown: set[tuple] = set()
+        for refusal in sorted(result.refused, key=lambda r: r.needed_bytes):
+            lo = refusal.layout
+            key = (lo.describe(), lo.data_parallel_mode, lo.recompute, lo.micro_batch_size)
+            if key in shown:
+                continue
+            shown.add(key)
             lines.append(
-                f"  {refusal.layout.describe()} mb {refusal.layout.micro_batch_size} "
-                f"{refusal.layout.recompute}: {refusal.reason}"
+                f"  {lo.describe()} {lo.data_parallel_mode}, recompute {lo.recompute}, "
+                f"micro-batch {lo.micro_batch_size}: {refusal.reason}"
             )
+            if len(shown) == 3:
+                break
+        lines.append("  (more GPUs, or a larger GPU with --gpu, lower the memory per GPU)")
+    else:
+        lines += _table(result)
     if result.refused_by_reason:
         counts = ", ".join(f"{n} {reason}" for reason, n in result.refused_by_reason.items())
         lines.append(f"refused: {counts}")

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from megalith.config import MegalithConfig
 from megalith.errors import MegalithError
@@ -145,7 +145,7 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return sum(asdict(self).values())
+        return sum(getattr(self, f.name) for f in fields(self))
 
 
 @dataclass
@@ -163,7 +163,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return sum(asdict(self).values())
+        return sum(getattr(self, f.name) for f in fields(self))
 
 
 @dataclass
