@@ -83,16 +83,33 @@ def run_slurm_job(script: Path, submit_dir: Path, poll_seconds: float) -> dict[s
         status = follow(job_id, log, poll_seconds)
     finally:
         if status is None:
-            said = slurm.cancel(job_id)
-            logger.warning("cancelled Slurm job %s (scancel) %s", job_id, said)
+            _cancel(job_id)
     for line in log.new_lines(final=True):
         logger.info(line)
+    return ending(status, log_path)
+
+
+def _cancel(job_id: str) -> None:
+    """scancel, logging rather than raising its failure: whatever stopped the follow
+    loop (a cancel, a timeout) is what the run must end with."""
+    logger = get_run_logger()
+    try:
+        said = slurm.cancel(job_id)
+    except MegalithError as error:
+        logger.error("could not cancel Slurm job %s: %s; scancel it by hand", job_id, error)
+        return
+    logger.warning("cancelled Slurm job %s (scancel) %s", job_id, said)
+
+
+def ending(status: slurm.JobStatus, log_path: Path) -> dict[str, Any] | State:
+    """What the flow run ends with: the job's result when it completed, a Cancelled state
+    when it was cancelled (scancel by hand), SlurmJobFailed (a Failed run) otherwise."""
     summary = status.describe()
     if status.outcome is slurm.Outcome.CANCELLED:
-        return Cancelled(message=f"Slurm job {job_id} was cancelled: {summary}")
+        return Cancelled(message=f"Slurm job {status.job_id} was cancelled: {summary}")
     if status.outcome is slurm.Outcome.FAILED:
-        raise SlurmJobFailed(f"Slurm job {job_id} ended {summary}; its log: {log_path}")
-    return {"job_id": job_id, "state": summary, "log": str(log_path)}
+        raise SlurmJobFailed(f"Slurm job {status.job_id} ended {summary}; its log: {log_path}")
+    return {"job_id": status.job_id, "state": summary, "log": str(log_path)}
 
 
 def follow(job_id: str, log: slurm.LogFollower, poll_seconds: float) -> slurm.JobStatus:

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from megalith.config import load_config
 from pipelines.cli import build_parser, main
+from pipelines.cluster_flows import k8s_train
 
 SETS = ["training.micro_batch_size=1"]
 IMAGE = "ghcr.io/acme/megalith:0.1"
@@ -105,8 +106,6 @@ def test_launch_help_lists_slurm_and_k8s_with_examples(capsys: pytest.CaptureFix
 def test_the_k8s_flow_applies_the_trainjob_with_kubectl(
     prefect_api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pipelines.cluster_flows import k8s_train
-
     state = tmp_path / "state"
     scenario = Path(__file__).parent / "data" / "kubernetes"
     for key, value in fake_commands.install(tmp_path / "bin", scenario, state).items():

@@ -21,6 +21,7 @@ from megalith.config import load_config
 from megalith.errors import MegalithError
 from pipelines import slurm
 from pipelines.cli import main
+from pipelines.cluster_flows import SlurmJobFailed, ending, slurm_train
 
 DATA = Path(__file__).parent / "data" / "slurm"
 SETS = ["training.micro_batch_size=1"]
@@ -42,47 +43,77 @@ def fake_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     return use
 
 
-# The job's outcome from the recorded squeue/sacct outputs of each case, and what the
+# Each case's job, the outcome its recorded squeue/sacct outputs must give, and what the
 # summary a user reads must name.
 CASES = {
-    "pending": (slurm.Outcome.WAITING, "4252 PENDING"),
-    "completing": (slurm.Outcome.RUNNING, "4253 COMPLETING"),
-    "timeout": (slurm.Outcome.FAILED, "4245 TIMEOUT (exit 0:0); steps: 4245.batch CANCELLED"),
-    "node_fail": (slurm.Outcome.FAILED, "4243 NODE_FAIL"),
-    "out_of_memory": (slurm.Outcome.FAILED, "4244 OUT_OF_MEMORY (exit 0:125); steps: 4244.batch"),
+    "pending": ("4252", slurm.Outcome.WAITING, "4252 PENDING"),
+    "completing": ("4253", slurm.Outcome.RUNNING, "4253 COMPLETING"),
+    "timeout": (
+        "4245",
+        slurm.Outcome.FAILED,
+        "4245 TIMEOUT (exit 0:0); steps: 4245.batch CANCELLED",
+    ),
+    "node_fail": ("4243", slurm.Outcome.FAILED, "4243 NODE_FAIL"),
+    "out_of_memory": (
+        "4244",
+        slurm.Outcome.FAILED,
+        "4244 OUT_OF_MEMORY (exit 0:125); steps: 4244.batch",
+    ),
     "failed": (
+        "4247",
         slurm.Outcome.FAILED,
         "4247 FAILED (exit 1:0); steps: 4247.batch FAILED (exit 1:0), 4247.0 FAILED",
     ),
-    "cancelled": (slurm.Outcome.CANCELLED, "4246 CANCELLED by 1000"),
-    "preempted": (slurm.Outcome.FAILED, "4248 PREEMPTED"),
-    "boot_fail": (slurm.Outcome.FAILED, "4249 BOOT_FAIL"),
-    "deadline": (slurm.Outcome.FAILED, "4251 DEADLINE"),
+    "cancelled": ("4246", slurm.Outcome.CANCELLED, "4246 CANCELLED by 1000"),
+    "preempted": ("4248", slurm.Outcome.FAILED, "4248 PREEMPTED"),
+    "boot_fail": ("4249", slurm.Outcome.FAILED, "4249 BOOT_FAIL"),
+    "deadline": ("4251", slurm.Outcome.FAILED, "4251 DEADLINE"),
     "array_running": (
+        "4250",
         slurm.Outcome.RUNNING,
         "4250_[2-3] PENDING, 4250_0 COMPLETED, 4250_1 RUNNING",
     ),
-    "array_failed": (slurm.Outcome.FAILED, "4250_1 FAILED (exit 2:0)"),
-    "het_running": (slurm.Outcome.RUNNING, "4260+0 RUNNING, 4260+1 CONFIGURING"),
-    "het_completed": (slurm.Outcome.SUCCEEDED, "4260+0 COMPLETED (exit 0:0), 4260+1 COMPLETED"),
-    "purged": (slurm.Outcome.SUCCEEDED, "4254 COMPLETED (exit 0:0)"),
+    "array_failed": ("4250", slurm.Outcome.FAILED, "4250_1 FAILED (exit 2:0)"),
+    "het_running": ("4260", slurm.Outcome.RUNNING, "4260+0 RUNNING, 4260+1 CONFIGURING"),
+    "het_completed": (
+        "4260",
+        slurm.Outcome.SUCCEEDED,
+        "4260+0 COMPLETED (exit 0:0), 4260+1 COMPLETED",
+    ),
+    "purged": ("4254", slurm.Outcome.SUCCEEDED, "4254 COMPLETED (exit 0:0)"),
 }
+LIVE = (slurm.Outcome.WAITING, slurm.Outcome.RUNNING)
 
 
-def test_slurm_states_map_to_outcomes(fake_cluster) -> None:
+def test_slurm_states_map_to_outcomes_and_flow_endings(fake_cluster, tmp_path: Path) -> None:
+    """Each case's outcome and summary; and how the flow run ends on a finished job: it
+    returns the job when completed, ends Cancelled when the job was cancelled, and raises
+    (Prefect records Failed) with the job's and its steps' states when it failed."""
     assert set(CASES) | {"accounting_off"} == {p.name for p in (DATA / "states").iterdir()}
-    for case, (expected, summary) in CASES.items():
+    log = tmp_path / "tiny-4247.out"
+    for case, (job_id, expected, summary) in CASES.items():
         state = fake_cluster(DATA / "states" / case)
-        job_id = (DATA / "states" / case / "sacct.txt").read_text().split("|")[0].split("_")[0]
-        job_id = job_id.split("+")[0]
         status = slurm.job_status(job_id)
         assert status is not None and status.outcome is expected, (case, status)
         assert summary in status.describe(), (case, status.describe())
-        assert status.outcome.terminal == (
-            expected not in (slurm.Outcome.WAITING, slurm.Outcome.RUNNING)
-        )
+        assert status.outcome.terminal == (expected not in LIVE)
         asked_accounting = bool(fake_commands.calls(state, "sacct"))
         assert asked_accounting == status.outcome.terminal, case  # the queue suffices while live
+        if expected is slurm.Outcome.FAILED:
+            with pytest.raises(SlurmJobFailed) as failed:
+                ending(status, log)
+            message = str(failed.value)
+            assert message.startswith(f"Slurm job {job_id} ended ") and summary in message
+            assert message.endswith(f"its log: {log}")
+        elif expected is slurm.Outcome.CANCELLED:
+            final = ending(status, log)
+            assert final.is_cancelled() and summary in final.message
+        elif expected is slurm.Outcome.SUCCEEDED:
+            assert ending(status, log) == {
+                "job_id": job_id,
+                "state": status.describe(),
+                "log": str(log),
+            }
         shutil.rmtree(state)
     fake_cluster(DATA / "states" / "accounting_off")
     assert slurm.job_status("4254") is None  # left the queue, and no accounting to ask
@@ -137,7 +168,6 @@ def flow_run_logs(flow_run_id) -> list[str]:
 def test_slurm_flow_submits_the_launch_script_and_follows_the_job(
     prefect_api, fake_cluster, tmp_path: Path
 ) -> None:
-    from pipelines.cluster_flows import slurm_train
 
     config = load_config(RECIPE, SETS)
     run_dir = tmp_path / "shared" / "run"
@@ -182,8 +212,6 @@ def test_cancelling_the_flow_run_cancels_the_slurm_job(
     from prefect.client.orchestration import get_client
     from prefect.runner import Runner
     from prefect.states import Cancelling
-
-    from pipelines.cluster_flows import slurm_train
 
     config = load_config(RECIPE, SETS)
     state = fake_cluster(DATA / "cancel", log_name=f"{config.name}-4242.out")
