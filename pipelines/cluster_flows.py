@@ -5,16 +5,17 @@ applies the TrainJob ``megalith launch k8s`` writes.
 How Prefect 3 stops a flow run (a cancel from the UI, a timeout): the runner or worker
 that started the run's process sends it SIGTERM, which the flow engine raises inside the
 flow's code as ``prefect.exceptions.TerminationSignal`` (a timeout raises there too).
-So the follow loop's ``finally`` is where a job still queued or running is cancelled
-(scancel): it runs whatever ended the loop, in the process that knows the job id. A
-process killed with SIGKILL runs nothing: its job goes on until its time limit.
+So the follow loop's ``finally`` is where a job still queued or running is stopped
+(scancel, kubectl delete): it runs whatever ended the loop, in the process that knows
+the job. A process killed with SIGKILL runs nothing: its job goes on until its time limit.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from prefect import flow, get_run_logger
 from prefect.states import Cancelled, State
@@ -22,13 +23,14 @@ from prefect.states import Cancelled, State
 from megalith.config import MegalithConfig, dump_config, load_config
 from megalith.errors import MegalithError
 from pipelines import kubernetes, slurm
+from pipelines.external import Outcome
 from training.parallel.groups import validate_layout
 from training.runtime.launch import slurm_script
 from training.runtime.trainjob import train_job
 
-POLL_SECONDS = 30.0  # squeue every half minute is gentle on the controller
+POLL_SECONDS = 30.0  # every half minute is gentle on a controller or API server
 NO_OVERRIDES: list[str] = []
-UNKNOWN_POLLS = 3  # a job neither squeue nor sacct knows this often in a row is lost
+UNKNOWN_POLLS = 3  # an unknown job, or a failing command, this often in a row: give up
 
 
 class SlurmJobFailed(RuntimeError):
@@ -83,31 +85,31 @@ def run_slurm_job(script: Path, submit_dir: Path, poll_seconds: float) -> dict[s
         status = follow(job_id, log, poll_seconds)
     finally:
         if status is None:
-            _cancel(job_id)
+            _stop(f"Slurm job {job_id}", lambda: slurm.cancel(job_id), f"scancel {job_id}")
     for line in log.new_lines(final=True):
         logger.info(line)
     return ending(status, log_path)
 
 
-def _cancel(job_id: str) -> None:
-    """scancel, logging rather than raising its failure: whatever stopped the follow
-    loop (a cancel, a timeout) is what the run must end with."""
+def _stop(label: str, stop: Callable[[], str], by_hand: str) -> None:
+    """Stop a job; a failure to is logged, not raised: whatever ended the follow loop
+    (a cancel, a timeout) is what the run must end with."""
     logger = get_run_logger()
     try:
-        said = slurm.cancel(job_id)
+        said = stop()
     except MegalithError as error:
-        logger.error("could not cancel Slurm job %s: %s; scancel it by hand", job_id, error)
+        logger.error("could not stop %s: %s; %s", label, error, by_hand)
         return
-    logger.warning("cancelled Slurm job %s (scancel) %s", job_id, said)
+    logger.warning("stopped %s: %s", label, said or "done")
 
 
 def ending(status: slurm.JobStatus, log_path: Path) -> dict[str, Any] | State:
     """What the flow run ends with: the job's result when it completed, a Cancelled state
     when it was cancelled (scancel by hand), SlurmJobFailed (a Failed run) otherwise."""
     summary = status.describe()
-    if status.outcome is slurm.Outcome.CANCELLED:
+    if status.outcome is Outcome.CANCELLED:
         return Cancelled(message=f"Slurm job {status.job_id} was cancelled: {summary}")
-    if status.outcome is slurm.Outcome.FAILED:
+    if status.outcome is Outcome.FAILED:
         raise SlurmJobFailed(f"Slurm job {status.job_id} ended {summary}; its log: {log_path}")
     return {"job_id": status.job_id, "state": summary, "log": str(log_path)}
 
@@ -116,23 +118,58 @@ def follow(job_id: str, log: slurm.LogFollower, poll_seconds: float) -> slurm.Jo
     """Poll the job until it ends, passing its new log lines and state changes to the
     run's logger; the final status."""
     logger = get_run_logger()
-    shown, unknown = "", 0
-    while True:
-        status = slurm.job_status(job_id)
+
+    def stream_log() -> None:
         for line in log.new_lines():
             logger.info(line)
+
+    return watch(lambda: slurm.job_status(job_id), f"Slurm job {job_id}", poll_seconds, stream_log)
+
+
+class Status(Protocol):
+    @property
+    def outcome(self) -> Outcome: ...
+
+    def describe(self) -> str: ...
+
+
+StatusT = TypeVar("StatusT", bound=Status)
+
+
+def watch(
+    read: Callable[[], StatusT | None],
+    label: str,
+    poll_seconds: float,
+    each_poll: Callable[[], None] = lambda: None,
+) -> StatusT:
+    """``read()`` every ``poll_seconds`` until the status it returns has ended, logging
+    each change. A status nobody knows (None) or a failing command (a controller or API
+    server restarting) is borne ``UNKNOWN_POLLS`` times in a row, then raised."""
+    logger = get_run_logger()
+    shown, unknown, problem = "", 0, ""
+    while True:
+        try:
+            status = read()
+        except MegalithError as error:
+            status, problem = None, str(error)
+            logger.warning("%s: %s", label, error)
+        each_poll()
         if status is None:
             unknown += 1
             if unknown >= UNKNOWN_POLLS:
-                raise MegalithError(f"neither squeue nor sacct knows Slurm job {job_id}")
+                raise MegalithError(problem or f"the cluster does not know {label}")
         else:
             unknown = 0
             if status.outcome.terminal:
                 return status
             if (text := status.describe()) != shown:
-                logger.info("Slurm job %s (%s)", text, status.outcome.value)
+                logger.info("%s: %s (%s)", label, text, status.outcome.value)
                 shown = text
         time.sleep(poll_seconds)
+
+
+class TrainJobFailed(RuntimeError):
+    """The TrainJob's Failed condition became true."""
 
 
 @flow(name="k8s-train", log_prints=True)
@@ -147,11 +184,15 @@ def k8s_train(
     memory: str = "64Gi",
     namespace: str | None = None,
     context: str | None = None,
+    follow_job: bool = True,
+    poll_seconds: float = POLL_SECONDS,
 ) -> dict[str, Any]:
     """Render the Kubeflow Trainer TrainJob ``megalith launch k8s`` writes and apply it
     with kubectl (``context``: a kubeconfig context; default the current one).
     ``recipe`` is the path inside the image (or the claim) and is read here to check the
-    layout. The run is submitted, not followed: watch it with ``kubectl get trainjob``."""
+    layout. With ``follow_job`` the run follows the TrainJob's conditions and ends as it
+    ends; a cancelled, timed-out or failing flow run deletes it (its pods stop). Pod
+    logs stay in Kubernetes (``kubectl logs``)."""
     config = load_config(recipe, overrides)
     validate_layout(config, nodes * gpus_per_node)
     manifest = train_job(
@@ -159,6 +200,23 @@ def k8s_train(
         volume_claim=volume_claim, checkpoint_dir=checkpoint_dir, memory=memory,
         namespace=namespace,
     )  # fmt: skip
+    name = manifest["metadata"]["name"]
     created = kubernetes.apply(manifest, context)
-    get_run_logger().info("applied %s (%d nodes x %d GPUs)", created, nodes, gpus_per_node)
-    return {"trainjob": created, "name": manifest["metadata"]["name"]}
+    logger = get_run_logger()
+    logger.info("applied %s (%d nodes x %d GPUs)", created, nodes, gpus_per_node)
+    result = {"trainjob": created, "name": name}
+    if not follow_job:
+        return result
+    status = None
+    try:
+        status = watch(
+            lambda: kubernetes.trainjob_status(name, namespace, context),
+            f"TrainJob {name}", poll_seconds,
+        )  # fmt: skip
+    finally:
+        if status is None:
+            stop = lambda: kubernetes.delete(name, namespace, context)  # noqa: E731
+            _stop(f"TrainJob {name}", stop, f"kubectl delete trainjob {name}")
+    if status.outcome is Outcome.FAILED:
+        raise TrainJobFailed(f"TrainJob {name} ended {status.describe()}")
+    return {**result, "state": status.describe()}

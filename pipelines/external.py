@@ -1,15 +1,32 @@
 """Running a cluster's command-line tools (sbatch, kubectl, ...): found on PATH or where
 an environment variable points, run as argument lists with a time limit, and a missing
-or silent tool reported in one line that says what to do."""
+or silent tool reported in one line that says what to do; and the outcomes their job
+states map to."""
 
 from __future__ import annotations
 
+import enum
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
 from megalith.errors import MegalithError
+
+
+class Outcome(enum.Enum):
+    """What a scheduler's job state means for whoever follows the job."""
+
+    WAITING = "waiting"  # queued, held, requeued, suspended: not started (again) yet
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (Outcome.SUCCEEDED, Outcome.FAILED, Outcome.CANCELLED)
+
 
 COMMAND_TIMEOUT_S = 60.0  # a controller or API server that does not answer in a minute is down
 

@@ -8,7 +8,6 @@ The commands are looked up in ``SLURM_BIN_ENV`` (a folder) when it is set, else 
 
 from __future__ import annotations
 
-import enum
 import re
 import subprocess
 from collections.abc import Iterable
@@ -17,23 +16,9 @@ from pathlib import Path
 
 from megalith.errors import MegalithError
 from pipelines import external
-from pipelines.external import find_command
+from pipelines.external import Outcome, find_command
 
 SLURM_BIN_ENV = "MEGALITH_SLURM_BIN"  # the folder that holds sbatch, squeue, sacct, scancel
-
-
-class Outcome(enum.Enum):
-    """What a Slurm state means for whoever follows the job."""
-
-    WAITING = "waiting"  # queued, held, requeued: not started (again) yet
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (Outcome.SUCCEEDED, Outcome.FAILED, Outcome.CANCELLED)
 
 
 # Job states as squeue's %T and sacct's State print them (Slurm's JOB_STATE_STRING names).

@@ -6,7 +6,8 @@ argv, working folder and stdin, one JSON line per call.
 (put it first on PATH). A scenario folder holds ``sbatch.txt``, ``squeue-N.txt`` (the
 queue at the N-th squeue call; the last one stays), ``sacct.txt`` and ``log-N.txt``
 (appended to the job's log file, ``$FAKE_SLURM_LOG`` in sbatch's working folder, at the
-N-th squeue call). A file whose text starts with ``ERROR:`` is printed on stderr and the
+N-th squeue call); for kubectl, ``kubectl-VERB-N.txt`` answers its N-th ``kubectl VERB``
+(the last one stays). A file whose text starts with ``ERROR:`` is printed on stderr and the
 command exits 1, as Slurm's commands do on an error.
 """
 
@@ -47,6 +48,17 @@ def _reply(path: Path) -> int:
     return 0
 
 
+def _kubectl_verb(args: list[str]) -> str:
+    """``apply``, ``get``, ``delete``: the first word after the global flags."""
+    words = iter(args)
+    for word in words:
+        if word in ("--context", "--namespace"):
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return ""
+
+
 def main(command: str, args: list[str]) -> int:
     scenario = Path(os.environ["FAKE_SLURM_SCENARIO"])
     state = Path(os.environ["FAKE_SLURM_STATE"])
@@ -68,8 +80,14 @@ def main(command: str, args: list[str]) -> int:
                 out.write(chunk.read_text())
         replies = sorted(scenario.glob("squeue-*.txt"), key=lambda p: int(p.stem.split("-")[1]))
         return _reply(next((p for p in replies if p.stem == f"squeue-{polls}"), replies[-1]))
-    if command in ("sacct", "kubectl"):
-        return _reply(scenario / f"{command}.txt")
+    if command == "kubectl":
+        verb = _kubectl_verb(args)
+        count = sum(_kubectl_verb(call["argv"]) == verb for call in calls(state, "kubectl"))
+        replies = sorted(scenario.glob(f"kubectl-{verb}*.txt"))
+        numbered = scenario / f"kubectl-{verb}-{count}.txt"
+        return _reply(numbered if numbered.exists() else replies[-1])
+    if command == "sacct":
+        return _reply(scenario / "sacct.txt")
     return 0  # scancel: silent, as on success
 
 

@@ -5,7 +5,9 @@ at the command boundary, a stand-in kubectl recording its argv and stdin."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import fake_commands
@@ -16,9 +18,12 @@ from parallel_helpers import RECIPE
 from pydantic import ValidationError
 
 from megalith.config import load_config
+from pipelines import kubernetes
 from pipelines.cli import build_parser, main
 from pipelines.cluster_flows import k8s_train
+from pipelines.external import Outcome
 
+DATA = Path(__file__).parent / "data" / "kubernetes"
 SETS = ["training.micro_batch_size=1"]
 IMAGE = "ghcr.io/acme/megalith:0.1"
 
@@ -103,21 +108,65 @@ def test_launch_help_lists_slurm_and_k8s_with_examples(capsys: pytest.CaptureFix
     assert "kubectl apply -f trainjob.yaml" in " ".join(capsys.readouterr().out.split())
 
 
-def test_the_k8s_flow_applies_the_trainjob_with_kubectl(
-    prefect_api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def fake_kubectl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A stand-in kubectl answering from a scenario folder; the calls it had."""
     state = tmp_path / "state"
-    scenario = Path(__file__).parent / "data" / "kubernetes"
-    for key, value in fake_commands.install(tmp_path / "bin", scenario, state).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    result = k8s_train(
+
+    def use(scenario: Path) -> Path:
+        for key, value in fake_commands.install(tmp_path / "bin", scenario, state).items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+        return state
+
+    return use
+
+
+# `kubectl get trainjob -o json` of a job in each state: its outcome and what the run logs
+CONDITIONS = {
+    "running": (Outcome.RUNNING, "node jobs: 2 active, 2 ready"),
+    "suspended": (Outcome.WAITING, "Suspended (Suspended: TrainJob is suspended)"),
+    "complete": (Outcome.SUCCEEDED, "Complete (JobCompleted: Job completed successfully)"),
+    "failed": (
+        Outcome.FAILED,
+        "Failed (JobFailed: jobset failed: job node failed with BackoffLimitExceeded)",
+    ),
+}
+
+
+def test_trainjob_conditions_map_to_outcomes(fake_kubectl) -> None:
+    for case, (outcome, text) in CONDITIONS.items():
+        reply = DATA / "states" / case / "kubectl-get-1.txt"
+        as_json = json.loads(reply.read_text())
+        job = models.TrainerV1alpha1TrainJob.from_dict(as_json)  # the shape the API has
+        assert job.model_dump(mode="json", by_alias=True, exclude_none=True) == as_json
+        state = fake_kubectl(DATA / "states" / case)
+        status = kubernetes.trainjob_status("tiny-cpu", namespace="research")
+        assert (status.outcome, status.describe()) == (outcome, text), case
+        (call,) = fake_commands.calls(state, "kubectl")
+        assert call["argv"][-6:] == ["research", "get", "trainjob", "tiny-cpu", "-o", "json"]
+        shutil.rmtree(state)
+
+
+def test_the_k8s_flow_applies_follows_and_deletes_the_trainjob(
+    prefect_api, fake_kubectl, tmp_path: Path
+) -> None:
+    """Applied with the manifest `megalith launch k8s` writes, followed, and deleted when
+    following fails (the API server unreachable three polls in a row): the run fails
+    with kubectl's error and leaves no job training unwatched."""
+    state = fake_kubectl(DATA)
+    final = k8s_train(
         recipe=str(RECIPE), image=IMAGE, nodes=2, gpus_per_node=4, overrides=SETS,
-        volume_claim="megalith-runs", context="gpu-cluster",
+        volume_claim="megalith-runs", context="gpu-cluster", poll_seconds=0.01, return_state=True,
     )  # fmt: skip
+    assert final.is_failed() and "Unable to connect to the server" in final.message
     name = load_config(RECIPE, SETS).name
-    assert result == {"trainjob": f"trainjob.trainer.kubeflow.org/{name}", "name": name}
-    (call,) = fake_commands.calls(state, "kubectl")
-    assert call["argv"] == ["--context", "gpu-cluster", "apply", "-f", "-", "-o", "name"]
+    calls = fake_commands.calls(state, "kubectl")
+    assert [call["argv"] for call in calls] == [
+        ["--context", "gpu-cluster", "apply", "-f", "-", "-o", "name"],
+        *[["--context", "gpu-cluster", "get", "trainjob", name, "-o", "json"]] * 4,
+        ["--context", "gpu-cluster", "delete", "trainjob", name, "--wait=false"],
+    ]
     # what kubectl read is the manifest `megalith launch k8s` writes for the same inputs
-    assert yaml.safe_load(call["stdin"]) == launch_k8s(tmp_path, "--volume-claim", "megalith-runs")
+    expected = launch_k8s(tmp_path, "--volume-claim", "megalith-runs")
+    assert yaml.safe_load(calls[0]["stdin"]) == expected

@@ -195,12 +195,12 @@ def test_slurm_flow_submits_the_launch_script_and_follows_the_job(
     job_log = (run_dir / f"{config.name}-4242.out").read_text().splitlines()
     streamed = [line for line in logs if line in job_log]
     assert streamed == job_log  # every line, once, in order, the unfinished last one too
-    seen = [line for line in logs if line.startswith("Slurm job 4242 ")]
+    seen = [line for line in logs if line.startswith("Slurm job 4242: ")]
     assert seen == [
-        "Slurm job 4242 PENDING (waiting)",
-        "Slurm job 4242 CONFIGURING (waiting)",
-        "Slurm job 4242 RUNNING (running)",
-        "Slurm job 4242 COMPLETING (running)",
+        "Slurm job 4242: 4242 PENDING (waiting)",
+        "Slurm job 4242: 4242 CONFIGURING (waiting)",
+        "Slurm job 4242: 4242 RUNNING (running)",
+        "Slurm job 4242: 4242 COMPLETING (running)",
     ]
 
 
