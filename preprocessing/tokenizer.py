@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import random
 import re
 from abc import ABC, abstractmethod
@@ -381,11 +382,14 @@ def bpe_tokenizer_json(vocab: bytes, merges: bytes, vocab_path: str, merges_path
 
 
 def load_tokenizer(
-    url: str, pad_vocab_multiple: int = 128, storage_options: dict[str, Any] | None = None
+    url: str | os.PathLike[str],
+    pad_vocab_multiple: int = 128,
+    storage_options: dict[str, Any] | None = None,
 ) -> Tokenizer:
     """Load a tokenizer from a local path or any fsspec URL: a SentencePiece ``.model``, a
     Hugging Face ``tokenizer.json``, or a GPT-2-style ``*vocab.json`` whose ``*merges.txt``
     lies beside it (``gpt2-vocab.json`` and ``gpt2-merges.txt``, as Megatron-LM names them)."""
+    url = os.fspath(url)
     model_bytes = _read_tokenizer_file(url, storage_options)
     if url.endswith("vocab.json"):
         merges_url = url.removesuffix("vocab.json") + "merges.txt"

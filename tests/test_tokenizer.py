@@ -154,6 +154,11 @@ def test_load_existing_model(trained: dict[str, Tokenizer]) -> None:
     )
 
 
+def test_a_path_object_loads_like_its_string(trained: dict[str, Tokenizer]) -> None:
+    original = trained["unigram"]  # load_model_package hands back pathlib paths
+    assert load_tokenizer(Path(original.model_path)) == original
+
+
 def test_copies_carry_a_working_processor(trained: dict[str, Tokenizer]) -> None:
     clone = copy.deepcopy(trained["bpe"])
     assert clone == trained["bpe"]
