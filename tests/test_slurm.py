@@ -204,6 +204,7 @@ def test_slurm_flow_submits_the_launch_script_and_follows_the_job(
     ]
 
 
+@pytest.mark.slow  # ~10 s: Prefect's runner starts the flow in a process of its own
 def test_cancelling_the_flow_run_cancels_the_slurm_job(
     prefect_api, fake_cluster, tmp_path: Path
 ) -> None:
