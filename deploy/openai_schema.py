@@ -23,12 +23,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deploy.request_body import openai_error
-from deploy.schema import RequestRejected, chat_prompt_ids, token_budget
+from deploy.schema import RequestRejected, Temperature, chat_prompt_ids, token_budget
 from training.inference.decode import (
     MAX_SEED,
     MAX_TEMPERATURE,
     MAX_TOP_LOGPROBS,
-    MIN_TEMPERATURE,
     MIN_TOP_P,
     SamplingConfig,
 )
@@ -69,7 +68,7 @@ class OpenAISampling(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)
+    temperature: Temperature = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)
     top_p: float = Field(default=1.0, ge=MIN_TOP_P, le=1)
     top_k: int | None = Field(default=None, ge=-1, description="-1 or 0: all tokens")
     stop: NonEmpty | list[NonEmpty] | None = None
@@ -80,13 +79,6 @@ class OpenAISampling(BaseModel):
     user: str | None = None  # accepted, unused
     presence_penalty: float = Field(default=0.0, ge=0, le=0, description="only 0")
     frequency_penalty: float = Field(default=0.0, ge=0, le=0, description="only 0")
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_or_usable(cls, value: float) -> float:
-        if 0 < value < MIN_TEMPERATURE:
-            raise ValueError(f"expected 0 (greedy) or at least {MIN_TEMPERATURE}")
-        return value
 
     @field_validator("stop")
     @classmethod

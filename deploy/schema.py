@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from preprocessing.chat import (
     ChatRecordError,
@@ -36,6 +36,16 @@ from training.inference.decode import (
 from training.inference.loading import ServedModel
 
 
+def _greedy_or_usable(value: float) -> float:
+    if 0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"expected 0 (greedy) or at least {MIN_TEMPERATURE}")
+    return value
+
+
+# 0 is greedy; between 0 and MIN_TEMPERATURE sampling would turn every probability into NaN.
+Temperature = Annotated[float, AfterValidator(_greedy_or_usable)]
+
+
 class SamplingRequest(BaseModel):
     """The fields both endpoints share. Omitted ``max_tokens``: the server's limit, or the
     room left in the context if that is less. Omitted ``seed``: a random one (returned)."""
@@ -43,7 +53,7 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=0.8, ge=0, le=MAX_TEMPERATURE, description="0: greedy")
+    temperature: Temperature = Field(default=0.8, ge=0, le=MAX_TEMPERATURE, description="0: greedy")
     top_k: int | None = Field(default=None, ge=1)
     top_p: float | None = Field(default=0.95, ge=MIN_TOP_P, le=1)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
@@ -51,13 +61,6 @@ class SamplingRequest(BaseModel):
     timeout_s: float | None = Field(
         default=None, gt=0, description="at most the server's --timeout"
     )
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_or_usable(cls, value: float) -> float:
-        if 0 < value < MIN_TEMPERATURE:
-            raise ValueError(f"expected 0 (greedy) or at least {MIN_TEMPERATURE}")
-        return value
 
 
 class GenerateRequest(SamplingRequest):
