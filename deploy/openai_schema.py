@@ -3,7 +3,8 @@
 ``POST /v1/completions`` (:class:`CompletionRequest`) continues one prompt or several;
 ``POST /v1/chat/completions`` (:class:`ChatCompletionRequest`) answers ``messages``
 through the model's chat template (``deploy.schema.chat_prompt_ids``, as ``/v1/chat``).
-Both take OpenAI's sampling fields plus ``top_k`` (as vLLM does: ``-1`` or ``0`` is off).
+Both take OpenAI's sampling fields plus two of vLLM's extensions: ``top_k`` (``-1`` or
+``0`` is off) and ``ignore_eos`` (decode ``max_tokens`` past the end-of-document token).
 Fields OpenAI has and this server does not implement are refused by name, except the
 penalties at their neutral 0 and ``user``, which many clients always send.
 
@@ -38,6 +39,7 @@ MAX_STOPS = 16
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
 NonEmpty = Annotated[str, Field(min_length=1, max_length=1000)]
+Prompt = Annotated[str, Field(min_length=1)]  # bounded by the context and the body limit
 
 
 class OpenAIError(Exception):
@@ -79,6 +81,7 @@ class OpenAISampling(BaseModel):
     user: str | None = None  # accepted, unused
     presence_penalty: float = Field(default=0.0, ge=0, le=0, description="only 0")
     frequency_penalty: float = Field(default=0.0, ge=0, le=0, description="only 0")
+    ignore_eos: bool = Field(default=False, description="decode past end-of-document (vLLM's)")
 
     @field_validator("stop")
     @classmethod
@@ -99,7 +102,7 @@ class OpenAISampling(BaseModel):
 class CompletionRequest(OpenAISampling):
     """``POST /v1/completions``: continue ``prompt`` (or each of a list of prompts)."""
 
-    prompt: NonEmpty | list[NonEmpty] = Field(min_length=1)
+    prompt: Prompt | list[Prompt] = Field(min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("prompt")
@@ -215,6 +218,7 @@ def choices(
                 seed=(seed + j) % (MAX_SEED + 1),
                 stop_ids=stop_ids,
                 logprobs=logprobs,
+                stop_at_eod=not body.ignore_eos,
             )
             out.append(Choice(p * body.n + j, p, ids, sampling))
     return out

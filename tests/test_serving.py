@@ -675,6 +675,13 @@ def test_openai_n_seed_stop_and_logprobs(
         used += expected["completion_tokens"]
     assert first.usage.completion_tokens == used
     assert len({c.text for c in first.choices}) > 1  # independent samples
+    # ignore_eos (vLLM's extension): every choice decodes its whole max_tokens, as alone
+    past = client.completions.create(**sampled, n=3, seed=11, extra_body={"ignore_eos": True})
+    for j, choice in enumerate(past.choices):
+        expected = alone(models[2], tokenizer, PROMPTS[0], max_new_tokens=10, temperature=1.0,
+                         top_p=1.0, seed=11 + j, stop_at_eod=False)  # fmt: skip
+        assert (choice.text, choice.finish_reason) == (expected["text"], "length")
+    assert past.usage.completion_tokens == 30
     # several prompts: n choices each, prompt i's at indices i*n .. i*n+n-1
     both = client.completions.create(
         model=MODEL_NAME, prompt=PROMPTS[:2], max_tokens=5, temperature=0, n=2
@@ -767,6 +774,11 @@ def test_openai_limits_context_and_body_size(
     assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
     assert f"{CONTEXT} positions" in error["message"]
     assert httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": room}).status_code == 200
+    # a prompt is bounded by the context in tokens, not by a length in characters
+    wide = {**body, "prompt": "Once" + " " * 1200 + "upon a time", "max_tokens": 2}
+    answer = httpx.post(f"{url}/v1/completions", json=wide, timeout=60).json()["error"]
+    assert (answer["param"], answer["code"]) == ("prompt", "context_length_exceeded")
+    assert f"context is {CONTEXT} tokens" in answer["message"]
 
     huge = json.dumps({"model": MODEL_NAME, "prompt": "a" * (10 << 20)})
     too_big = httpx.post(
