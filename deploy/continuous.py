@@ -1,8 +1,9 @@
 """Continuous batching over a paged KV cache: requests join and leave the batch at every step.
 
-The public interface is :class:`deploy.engine.BatchingEngine`'s (``start``, ``submit``,
-``retire``, ``join``, ``queued``; the same ``PendingRequest``, ``Finished``,
-``EngineClosed`` and ``EngineBusy``), so a server takes either. GPT models only: a T5
+The public interface is :class:`deploy.engine.QueuedEngine`'s, as the static
+``BatchingEngine``'s (``start``, ``submit``, ``retire``, ``join``, ``queued``; the same
+``PendingRequest``, ``Finished``, ``EngineClosed`` and ``EngineBusy``), so a server takes
+either. GPT models only: a T5
 keeps the static ``BatchingEngine`` (its encoder output would need a cache of its own).
 One process: a tensor-parallel backend is refused. Transformer Engine layers run as
 they are, and their attention leaves masked attention (every step here) to SDPA.
@@ -40,15 +41,13 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
-from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from deploy.engine import EngineBusy, EngineClosed, Finished, PendingRequest, _notify
+from deploy.engine import Finished, PendingRequest, QueuedEngine, _notify
 from training.inference.block_pool import BlockPool, block_hashes
 from training.inference.decode import (
     BatchRows,
@@ -89,7 +88,7 @@ class Sequence:
         _notify(self.request.on_token, token)
 
 
-class ContinuousEngine:
+class ContinuousEngine(QueuedEngine):
     """Decode submitted requests with continuous batching (see the module docstring)."""
 
     def __init__(
@@ -109,7 +108,7 @@ class ContinuousEngine:
             raise ValueError("continuous batching runs in one process: no tensor parallelism")
         if min(block_size, max_running, prefill_chunk) < 1:
             raise ValueError("block_size, max_running and prefill_chunk must be >= 1")
-        self.served = served
+        super().__init__(served, max_queue=max_queue, autocast_dtype=autocast_dtype)
         self.model = served.model
         self.context = self.model.config.max_position_embeddings
         per_sequence = math.ceil(self.context / block_size)
@@ -122,49 +121,11 @@ class ContinuousEngine:
         self.block_size = block_size
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk
-        self.max_queue = max_queue
-        self.autocast_dtype = autocast_dtype
         self.pool = BlockPool(num_blocks)
         self.cache = PagedKVCache.for_model(self.model, num_blocks, block_size, autocast_dtype)
         self.device = self.cache.keys.device
         self.stats = ContinuousStats()
         self._running: list[Sequence] = []
-        self._waiting: deque[PendingRequest] = deque()
-        self._cond = threading.Condition()
-        self._retiring = False
-        self._closed = False
-        self._worker = threading.Thread(
-            target=self._run, name=f"megalith-engine-{served.info.content_id[:8]}", daemon=True
-        )
-
-    def start(self) -> ContinuousEngine:
-        self._worker.start()
-        return self
-
-    def submit(self, request: PendingRequest) -> None:
-        """Queue ``request``; raises ``EngineClosed`` or ``EngineBusy`` instead."""
-        with self._cond:
-            if self._closed:
-                raise EngineClosed("this engine has stopped")
-            if len(self._waiting) >= self.max_queue:
-                raise EngineBusy(f"{len(self._waiting)} requests are already waiting")
-            self._waiting.append(request)
-            self._cond.notify()
-
-    def retire(self) -> None:
-        """Finish every request submitted so far (and any submitted meanwhile), then stop."""
-        with self._cond:
-            self._retiring = True
-            self._cond.notify()
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait for a retired engine's worker; True once it has stopped."""
-        self._worker.join(timeout)
-        return not self._worker.is_alive()
-
-    @property
-    def queued(self) -> int:
-        return len(self._waiting)
 
     @property
     def running(self) -> int:

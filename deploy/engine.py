@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -92,27 +92,21 @@ class EngineStats:
     largest_batch: int = 0
 
 
-class BatchingEngine:
-    """Decode submitted requests in batches on one worker thread (see the module docstring)."""
+E = TypeVar("E", bound="QueuedEngine")
+
+
+class QueuedEngine:
+    """The request queue one worker thread serves: ``start``, ``submit`` (``EngineClosed``,
+    ``EngineBusy``), ``retire``, ``join`` and ``queued``, shared by the static and the
+    continuous engine. A subclass's ``_run`` takes requests from ``_waiting`` under
+    ``_cond`` and, once ``_retiring`` with nothing left, sets ``_closed`` and returns."""
 
     def __init__(
-        self,
-        served: ServedModel,
-        *,
-        max_batch_size: int = 8,
-        batch_window_s: float = 0.005,
-        max_queue: int = 256,
-        autocast_dtype: torch.dtype | None = None,
+        self, served: ServedModel, *, max_queue: int, autocast_dtype: torch.dtype | None
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.served = served
-        self.max_batch_size = max_batch_size
-        self.batch_window_s = max(0.0, batch_window_s)
         self.max_queue = max_queue
         self.autocast_dtype = autocast_dtype
-        self.stats = EngineStats()
-        self.running = 0  # rows of the batch being decoded
         self._waiting: deque[PendingRequest] = deque()
         self._cond = threading.Condition()
         self._retiring = False
@@ -121,7 +115,7 @@ class BatchingEngine:
             target=self._run, name=f"megalith-engine-{served.info.content_id[:8]}", daemon=True
         )
 
-    def start(self) -> BatchingEngine:
+    def start(self: E) -> E:
         self._worker.start()
         return self
 
@@ -149,6 +143,30 @@ class BatchingEngine:
     @property
     def queued(self) -> int:
         return len(self._waiting)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class BatchingEngine(QueuedEngine):
+    """Decode submitted requests in batches on one worker thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        served: ServedModel,
+        *,
+        max_batch_size: int = 8,
+        batch_window_s: float = 0.005,
+        max_queue: int = 256,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        super().__init__(served, max_queue=max_queue, autocast_dtype=autocast_dtype)
+        self.max_batch_size = max_batch_size
+        self.batch_window_s = max(0.0, batch_window_s)
+        self.stats = EngineStats()
+        self.running = 0  # rows of the batch being decoded
 
     # --- worker -----------------------------------------------------------------------
 
