@@ -47,13 +47,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deploy.engine import Finished, PendingRequest, QueuedEngine, _notify
+from deploy.engine import Finished, PendingRequest, QueuedEngine, notify
 from training.inference.block_pool import BlockPool, block_hashes
 from training.inference.decode import (
     BatchRows,
     SampledToken,
-    _fit_prompt,
-    _mask_vocab,
+    fit_prompt,
+    mask_vocab,
     sample_tokens,
 )
 from training.inference.loading import ServedModel
@@ -85,7 +85,7 @@ class Sequence:
     next_token: int | None = None  # sampled, to be fed at position ``computed``
 
     def emit(self, _row: int, token: SampledToken) -> None:
-        _notify(self.request.on_token, token)
+        notify(self.request.on_token, token)
 
 
 class ContinuousEngine(QueuedEngine):
@@ -186,14 +186,14 @@ class ContinuousEngine(QueuedEngine):
                 else:
                     self._running.append(sequence)
         for request, result in ended:
-            _notify(request.on_done, result)
+            notify(request.on_done, result)
         self.stats.largest_batch = max(self.stats.largest_batch, len(self._running))
         return True
 
     def _admit(self, request: PendingRequest) -> Sequence | None:
         """Reserve ``request``'s blocks, reusing cached prefix blocks; None if they do not fit."""
         sampling = request.sampling
-        prompt = _fit_prompt(request.prompt_ids, self.context, sampling.max_new_tokens)
+        prompt = fit_prompt(request.prompt_ids, self.context, sampling.max_new_tokens)
         hashes = block_hashes(prompt, self.block_size)
         # At least the prompt's last token is computed: its logits give the first token.
         shared = self.pool.cached_prefix(hashes[: (len(prompt) - 1) // self.block_size])
@@ -260,7 +260,7 @@ class ContinuousEngine(QueuedEngine):
     def _sample(self, sequences: list[Sequence], logits: Tensor) -> None:
         """Each sequence's next token from its logits row; a finished sequence leaves."""
         tokenizer = self.served.tokenizer
-        logits = _mask_vocab(logits, tokenizer.vocab_size)
+        logits = mask_vocab(logits, tokenizer.vocab_size)
         configs = [s.rows.configs[0] for s in sequences]
         generators = [s.rows.generators[0] for s in sequences]
         _, chosen = sample_tokens(logits, configs, generators, range(len(sequences)))
@@ -281,7 +281,7 @@ class ContinuousEngine(QueuedEngine):
     def _finish(self, sequence: Sequence, result: Finished | BaseException) -> None:
         self._running.remove(sequence)
         self.pool.release(sequence.blocks)
-        _notify(sequence.request.on_done, result)
+        notify(sequence.request.on_done, result)
 
     @staticmethod
     def _result(sequence: Sequence) -> Finished:

@@ -198,7 +198,7 @@ class BatchingEngine(QueuedEngine):
             if reason is None:
                 live.append(request)
             else:
-                _notify(request.on_done, Finished([], reason, len(request.prompt_ids)))
+                notify(request.on_done, Finished([], reason, len(request.prompt_ids)))
         if not live:
             return
         self.stats.batches += 1
@@ -210,12 +210,12 @@ class BatchingEngine(QueuedEngine):
         except Exception as error:  # a bug or out of memory: fail this batch, keep serving
             log.exception("generation failed for a batch of %d", len(live))
             for request in live:
-                _notify(request.on_done, error)
+                notify(request.on_done, error)
             return
         finally:
             self.running = 0
         for request, (ids, reason, prompt_tokens) in zip(live, results, strict=True):
-            _notify(request.on_done, Finished(ids, reason, prompt_tokens))
+            notify(request.on_done, Finished(ids, reason, prompt_tokens))
 
     def _generate(self, live: list[PendingRequest]) -> list[tuple[list[int], str, int]]:
         """``(new ids, finish reason, prompt tokens)`` per request, for a GPT or a T5."""
@@ -228,12 +228,12 @@ class BatchingEngine(QueuedEngine):
             [r.sampling for r in live],
             seeds=[r.sampling.seed for r in live],
             autocast_dtype=self.autocast_dtype,
-            on_token=lambda row, token: _notify(live[row].on_token, token),
+            on_token=lambda row, token: notify(live[row].on_token, token),
             stop=lambda row: live[row].stop_reason(),
         )
 
 
-def _notify(callback: Callable[[Any], None], value: Any) -> None:
+def notify(callback: Callable[[Any], None], value: Any) -> None:
     """Run a request's callback; its failure (say, a closed event loop) must not stop the
     worker or the other rows of the batch."""
     try:

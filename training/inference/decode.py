@@ -193,7 +193,7 @@ def generate_ids(
     batch = BatchRows(sampling, len(prompts), seeds, device)
     max_new = [c.max_new_tokens for c in batch.configs]
     limit = model.config.max_position_embeddings
-    prompts = [_fit_prompt(p, limit, m) for p, m in zip(prompts, max_new, strict=True)]
+    prompts = [fit_prompt(p, limit, m) for p, m in zip(prompts, max_new, strict=True)]
     lengths = [len(p) for p in prompts]
     total = max(length + m for length, m in zip(lengths, max_new, strict=True))
     tokens, in_prompt = _prompt_grid(prompts, total, eod_id, device)
@@ -209,7 +209,7 @@ def generate_ids(
         if position >= total or all(finish):
             break
         active = [r for r in range(rows) if not finish[r] and position >= lengths[r]]
-        sampled = batch.step(_mask_vocab(logits, vocab_size), active, eod_id, on_token)
+        sampled = batch.step(mask_vocab(logits, vocab_size), active, eod_id, on_token)
         tokens[:, position] = torch.where(in_prompt[:, position], tokens[:, position], sampled)
         position += 1
         if position < total and not all(finish):
@@ -422,7 +422,7 @@ def _prompt_grid(
     return tokens.to(device), in_prompt.to(device)
 
 
-def _fit_prompt(prompt: Sequence[int], max_positions: int, max_new_tokens: int) -> list[int]:
+def fit_prompt(prompt: Sequence[int], max_positions: int, max_new_tokens: int) -> list[int]:
     room = max_positions - max_new_tokens
     if room < 1:
         raise ValueError(
@@ -434,7 +434,7 @@ def _fit_prompt(prompt: Sequence[int], max_positions: int, max_new_tokens: int) 
     return list(prompt[-room:])
 
 
-def _mask_vocab(logits: Tensor, vocab_size: int | None) -> Tensor:
+def mask_vocab(logits: Tensor, vocab_size: int | None) -> Tensor:
     if vocab_size is None or vocab_size >= logits.size(-1):
         return logits
     return torch.cat(

@@ -29,7 +29,7 @@ from training.inference.decode import (
     SampledToken,
     SamplingConfig,
     _apply_stop,
-    _mask_vocab,
+    mask_vocab,
 )
 from training.inference.runtime import decoding, model_device
 from training.models.t5 import T5Model
@@ -139,7 +139,7 @@ def generate_seq2seq_ids(
         with decoding(device, autocast_dtype):
             logits = model.decode(step, encoded, encoder_mask, kv_cache=cache, start_pos=position)
         active = [row for row in range(rows) if not finish[row]]
-        sampled = batch.step(_mask_vocab(logits[:, -1], vocab_size), active, eod_id, on_token)
+        sampled = batch.step(mask_vocab(logits[:, -1], vocab_size), active, eod_id, on_token)
         step = sampled[:, None]
     return list(zip(batch.new, finish, strict=True))
 
