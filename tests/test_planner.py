@@ -212,6 +212,7 @@ def test_cli_says_why_nothing_fits(capsys):
         (["--model", str(LLAMA_1B), "--gpus", "7"], "no layout of 7 GPUs"),
         (["--model", str(LLAMA_1B), "--gpus", "8", "--gpu", "v100"], "unknown GPU kind"),
         (["--model", str(LLAMA_1B), "--gpus", "16", "--nodes", "3"], "does not split evenly"),
+        (["--model", "configs/t5-base.yaml", "--gpus", "8"], "model.family 't5'"),
     ],
 )
 def test_impossible_requests_fail_with_one_line(capsys, args, message):

@@ -37,7 +37,7 @@ import itertools
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-from megalith.config import MegalithConfig
+from megalith.config import FAMILY_RULES, MegalithConfig
 from megalith.errors import MegalithError
 from training.memory.activations import (
     GIB,
@@ -522,8 +522,11 @@ def check_request(config: MegalithConfig, cluster: Cluster, global_batch: int, s
         )
     if global_batch < 1 or seq < 1:
         raise PlanError(f"--global-batch {global_batch} and --seq {seq} must be >= 1")
-    if config.model.family != "gpt":
-        raise PlanError(f"model.family {config.model.family!r}: the planner plans GPT models only")
+    if FAMILY_RULES[config.model.family].decoder_stack:
+        raise PlanError(
+            f"model.family {config.model.family!r}: the planner models one decoder stack; "
+            "encoder-decoder families are not planned yet"
+        )
     if config.model.vocab_size is None:
         raise PlanError("model.vocab_size must be set to count the embedding")
     if cluster.ib_gbits <= 0:
