@@ -328,6 +328,7 @@ def test_a_signal_to_megalith_ui_stops_all_its_servers(
         **{k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))},
         "PREFECT_HOME": str(tmp_path / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PYTHONFAULTHANDLER": "1",  # SIGABRT dumps every thread's stack into the log
     }
     command = [*MEGALITH, "ui", "--workdir", str(tmp_path / "work"),
                "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)]  # fmt: skip
@@ -354,7 +355,7 @@ def test_a_signal_to_megalith_ui_stops_all_its_servers(
 
         os.kill(ui.pid, signum)
         expected = -signal.SIGKILL if signum == signal.SIGKILL else 0
-        assert ui.wait(timeout=60) == expected, log.read_text()[-3000:]
+        assert exit_code(ui, log) == expected, log.read_text()[-3000:]
         deadline = time.monotonic() + 30
         while running(tree) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -368,6 +369,18 @@ def test_a_signal_to_megalith_ui_stops_all_its_servers(
         if ui.poll() is None:
             ui.kill()
         ui.wait()
+
+
+def exit_code(ui: subprocess.Popen, log: Path, timeout_s: float = 60) -> int:
+    """``ui``'s exit code; if it has not exited ``timeout_s`` after the signal, the stacks
+    of its threads (faulthandler, on SIGABRT) in the failure, to show where it hangs."""
+    try:
+        return ui.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        ui.send_signal(signal.SIGABRT)
+        ui.wait(timeout=30)
+        pytest.fail(f"megalith ui still running {timeout_s:g} s after the signal:\n"
+                    f"{log.read_text()[-6000:]}")  # fmt: skip
 
 
 def ready(moment: str, urls: list[str], log: Path) -> bool:
