@@ -252,7 +252,7 @@ def assert_metrics_match(
 
 def assert_whole_checkpoint(run: Path, reference: Path, layout: str) -> None:
     """The weights and AdamW moments of the last checkpoint, whole, against REFERENCE's."""
-    from training.checkpoint.sharded import read_global_tensors
+    from training.checkpoint.sharded_reader import read_global_tensors
 
     step = f"step-{STEPS:08d}"
     got = read_global_tensors(run / "checkpoints" / step)

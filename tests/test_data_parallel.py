@@ -30,7 +30,7 @@ from parallel_helpers import (
 from safetensors.torch import load_file
 
 from training.checkpoint.format import latest_checkpoint
-from training.checkpoint.sharded import read_global_tensors
+from training.checkpoint.sharded_reader import read_global_tensors
 from training.trainer import ResumableSampler, Trainer
 
 MODES = ["ddp", "distributed_optimizer", "fsdp"]

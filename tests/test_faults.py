@@ -46,7 +46,7 @@ from servers import answers, free_port, run_group, stop_group
 from megalith.errors import MegalithError, storage_error_message
 from training.checkpoint.async_save import Checkpointer
 from training.checkpoint.format import CheckpointError, latest_checkpoint, save_checkpoint
-from training.checkpoint.sharded import Snapshot
+from training.checkpoint.sharded_writer import Snapshot
 from training.metrics.run_logger import MetricsFile
 from training.mlflow_store.runs import OPEN_RUN_FILE
 from training.runtime.run_lock import LOCK_NAME, RunLock
@@ -327,7 +327,7 @@ def test_an_output_under_a_file_is_one_line_naming_it(shards: Path, tmp_path: Pa
 def test_a_checkpoint_past_a_file_size_limit_is_one_line_and_never_latest(
     background: str, shards: Path, tmp_path: Path
 ) -> None:
-    from training.checkpoint.sharded import latest_sharded_checkpoint
+    from training.checkpoint.sharded_index import latest_sharded_checkpoint
 
     output = tmp_path / "run"
     # Hidden size 128: the tensor files (> 512 KB) outgrow the data index cache (~360 KB).

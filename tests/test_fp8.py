@@ -24,7 +24,7 @@ from torch import nn
 
 from megalith.config import ConfigError, load_config
 from megalith.errors import MegalithError
-from training.checkpoint.sharded import read_global_tensors
+from training.checkpoint.sharded_reader import read_global_tensors
 from training.models import GPTModel
 from training.models.package import load_model_package
 from training.precision.fp8 import FP8Error, convert_linears, fp8_eligible, prepare_fp8

@@ -59,13 +59,8 @@ from registry.mlflow_pyfunc import MegalithPyfunc, ScoringInputError
 from training.checkpoint.cli import verify as ckpt_verify
 from training.checkpoint.format import load_checkpoint, save_checkpoint
 from training.checkpoint.safe_tensors import check_safetensors
-from training.checkpoint.sharded import (
-    is_sharded,
-    latest_sharded_checkpoint,
-    load_sharded_checkpoint,
-    read_index,
-    read_model_weights,
-)
+from training.checkpoint.sharded_index import is_sharded, latest_sharded_checkpoint, read_index
+from training.checkpoint.sharded_reader import load_sharded_checkpoint, read_model_weights
 from training.data import build_gpt_datasets
 from training.data.shard_set import open_shard_set
 from training.finetune.adapter import load_adapter, merge_adapter, save_adapter

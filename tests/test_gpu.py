@@ -62,7 +62,7 @@ def test_fused_adamw_training_reduces_loss_on_gpu() -> None:
 def test_checkpoint_rng_record_restores_this_devices_generator() -> None:
     """v2 checkpoints keep the current device's CUDA generator (every rank's is alike) and
     restore it onto the current device."""
-    from training.checkpoint.sharded import restore_rng, rng_record
+    from training.checkpoint.sharded_files import restore_rng, rng_record
 
     torch.cuda.manual_seed(3)
     torch.rand(5, device="cuda")  # advance it

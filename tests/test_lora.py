@@ -32,7 +32,7 @@ from parallel_helpers import (
 )
 
 from megalith.config import ConfigError, LoRAConfig, ModelConfig
-from training.checkpoint.sharded import read_global_tensors
+from training.checkpoint.sharded_reader import read_global_tensors
 from training.finetune.adapter import AdapterError, attach_adapter, load_adapter
 from training.finetune.base import content_id
 from training.finetune.lora import apply_lora, is_adapter_param

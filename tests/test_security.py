@@ -28,7 +28,8 @@ from preprocessing.tokenizer import train_tokenizer
 from training.checkpoint.async_save import Checkpointer
 from training.checkpoint.cli import verify
 from training.checkpoint.format import load_checkpoint, save_checkpoint
-from training.checkpoint.sharded import SaveRequest, load_sharded_checkpoint
+from training.checkpoint.sharded_reader import load_sharded_checkpoint
+from training.checkpoint.sharded_writer import SaveRequest
 from training.checkpoint.signing import KEY_ENV
 from training.interop.export import export_hf
 from training.interop.hf import import_hf

@@ -464,7 +464,7 @@ def test_parallel_fine_tuning_matches_one_process_and_resumes_exactly(
         trainer_settings,
     )
 
-    from training.checkpoint.sharded import read_global_tensors
+    from training.checkpoint.sharded_reader import read_global_tensors
 
     settings = trainer_settings(
         chat_shards,

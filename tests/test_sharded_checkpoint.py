@@ -57,12 +57,8 @@ from pipelines.cli import main as cli_main
 from training.checkpoint.async_save import TEST_WRITE_DELAY_ENV
 from training.checkpoint.convert import consolidate
 from training.checkpoint.format import CheckpointError, save_checkpoint
-from training.checkpoint.sharded import (
-    latest_sharded_checkpoint,
-    read_global_tensor,
-    read_index,
-    verify_sharded_checkpoint,
-)
+from training.checkpoint.sharded_index import latest_sharded_checkpoint, read_index
+from training.checkpoint.sharded_reader import read_global_tensor, verify_sharded_checkpoint
 from training.checkpoint.signing import sign_directory
 from training.trainer import Trainer
 

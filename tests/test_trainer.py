@@ -29,7 +29,7 @@ from megalith.config import MegalithConfig, ModelConfig, OptimizerConfig, load_c
 from megalith.config import SchedulerConfig as Schedule
 from megalith.errors import MegalithError
 from pipelines.cli import main
-from training.checkpoint.sharded import read_global_tensors
+from training.checkpoint.sharded_reader import read_global_tensors
 from training.metrics.run_logger import read_metrics
 from training.models import GPTModel
 from training.optim.adamw import build_optimizer

@@ -32,13 +32,13 @@ from megalith.errors import MegalithError
 from training.checkpoint.async_save import Checkpointer
 from training.checkpoint.cli import inspect, verify
 from training.checkpoint.format import latest_checkpoint, load_checkpoint, save_checkpoint
-from training.checkpoint.sharded import (
-    SaveRequest,
-    latest_sharded_checkpoint,
+from training.checkpoint.sharded_index import latest_sharded_checkpoint
+from training.checkpoint.sharded_reader import (
     load_sharded_checkpoint,
     read_global_tensors,
     read_model_weights,
 )
+from training.checkpoint.sharded_writer import SaveRequest
 from training.checkpoint.signing import (
     ED25519_PRIVATE_ENV,
     ED25519_PUBLIC_ENV,

@@ -10,7 +10,7 @@ Under torchrun (torch.distributed initialised by the caller, see
 ``training.runtime.distributed``) each data-parallel rank reads its own slice of every
 global batch, gradients are averaged by DDP (``training.parallel.data_parallel``),
 and rank 0 alone writes metrics and the model package and talks to MLflow; every rank
-writes its own shards of a checkpoint (``training.checkpoint.sharded``, in a background
+writes its own shards of a checkpoint (``training.checkpoint.sharded_files``, in a background
 thread with ``checkpoint.async_save``), which loads into any other layout. Tensor (and
 sequence) parallel peers read the same batches and hold shards of the model
 (``training.parallel.tensor_parallel_training``); the package holds whole tensors.
@@ -49,14 +49,10 @@ from megalith.errors import MegalithError
 from megalith.storage import atomic_write_bytes, atomic_write_json
 from training.checkpoint.async_save import Checkpointer, checkpoint_group
 from training.checkpoint.format import load_checkpoint
-from training.checkpoint.sharded import (
-    SaveRequest,
-    as_location,
-    is_sharded,
-    latest_sharded_checkpoint,
-    load_sharded_checkpoint,
-    read_index,
-)
+from training.checkpoint.sharded_files import as_location
+from training.checkpoint.sharded_index import is_sharded, latest_sharded_checkpoint, read_index
+from training.checkpoint.sharded_reader import load_sharded_checkpoint
+from training.checkpoint.sharded_writer import SaveRequest
 from training.data.shard_set import open_source
 from training.families import model_family
 from training.finetune.session import FineTune

@@ -1,6 +1,6 @@
 """Asynchronous checkpoint saves: the training loop waits only for the copy to host memory.
 
-:class:`Checkpointer` takes a :class:`~training.checkpoint.sharded.Snapshot` in the
+:class:`Checkpointer` takes a :class:`~training.checkpoint.sharded_writer.Snapshot` in the
 caller's thread (this rank's boxes copied to host memory, pinned buffers reused on
 CUDA), then a background thread writes the rank's files and, after a barrier, rank 0
 commits the checkpoint (index.json last, then latest.json). The barriers run on a
@@ -30,14 +30,12 @@ import torch.distributed as dist
 from megalith.errors import storage_error_message
 from megalith.storage import is_local
 from training.checkpoint.format import CheckpointError
-from training.checkpoint.sharded import (
+from training.checkpoint.sharded_files import checkpoint_url, discard_staging, remove_tree
+from training.checkpoint.sharded_writer import (
     HostBuffers,
     SaveRequest,
     Snapshot,
-    checkpoint_url,
     commit,
-    discard_staging,
-    remove_tree,
     staging_url,
     take_snapshot,
     write_rank_files,

@@ -129,7 +129,7 @@ def verifier(path: Path, index: Any) -> Callable[..., dict[str, Any]]:
         )
     # Imported here: they load torch, which `megalith --help` should not wait for.
     from training.checkpoint.format import verify_checkpoint
-    from training.checkpoint.sharded import verify_sharded_checkpoint
+    from training.checkpoint.sharded_reader import verify_sharded_checkpoint
 
     if key == FORMATS[0]:
         return verify_checkpoint
@@ -143,7 +143,7 @@ def _check_tables(path: Path, index: Any) -> None:
     ``inspect`` describes without verifying."""
     verifier(path, index)  # a known format and version
     from training.checkpoint.format import check_index_tables
-    from training.checkpoint.sharded import check_index
+    from training.checkpoint.sharded_index import check_index
 
     if index["version"] == 1:
         check_index_tables(index, path / INDEX)

@@ -22,18 +22,10 @@ from training.checkpoint.format import (
     read_checkpoint_tensors,
     verify_checkpoint_state,
 )
-from training.checkpoint.sharded import (
-    ShardReader,
-    Snapshot,
-    _dtype_name,
-    index_layout,
-    is_sharded,
-    open_index,
-    rank_file,
-    read_index,
-    read_state,
-    read_whole,
-)
+from training.checkpoint.sharded_files import dtype_name, rank_file
+from training.checkpoint.sharded_index import is_sharded, open_index, read_index
+from training.checkpoint.sharded_reader import ShardReader, read_state, read_whole
+from training.checkpoint.sharded_writer import Snapshot, index_layout
 from training.checkpoint.signing import should_sign
 from training.parallel.groups import single_process_state
 from training.parallel.shard_specs import OPTIMIZER_PREFIX
@@ -63,7 +55,7 @@ def consolidate(
     entries = {
         name: {
             "shape": list(tensor.shape),
-            "dtype": _dtype_name(tensor.dtype),
+            "dtype": dtype_name(tensor.dtype),
             "shards": [{"file": file, "key": name, "box": [[0, n] for n in tensor.shape]}],
         }
         for file, content in files.items()

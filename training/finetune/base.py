@@ -44,7 +44,8 @@ from megalith.config import (
 )
 from megalith.errors import MegalithError
 from megalith.storage import sha256_of_file
-from training.checkpoint.sharded import latest_sharded_checkpoint, read_model_weights
+from training.checkpoint.sharded_index import latest_sharded_checkpoint
+from training.checkpoint.sharded_reader import read_model_weights
 from training.finetune.lora import is_adapter_param, merge_tensors
 from training.interop.hf import import_hf
 from training.mlflow_store.registered import load_registered_model, resolve_model_version

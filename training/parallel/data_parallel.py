@@ -6,7 +6,7 @@ backward is still running, and not at all on accumulation micro-steps (``no_sync
 ``distributed_optimizer``: the same DDP gradients, and the AdamW state sharded over
 the data-parallel ranks (ZeRO-1). Each parameter has one owner rank, which keeps
 its moments and updates it; after the step every owner broadcasts what it updated.
-Sharded checkpoints (``training.checkpoint.sharded``) have each owner write its
+Sharded checkpoints (``training.checkpoint.sharded_files``) have each owner write its
 parameters' state, so a checkpoint loads into any data-parallel size. (torch's
 ZeroRedundancyOptimizer consolidates by pickling; this one only moves tensors.)
 
@@ -313,12 +313,12 @@ class DistributedOptimizer:
             yield owner, params
 
     # --- checkpoints: the single-process AdamW format (sharded checkpoints write each
-    # rank's own share: training.checkpoint.sharded) -----------------------------------
+    # rank's own share: training.checkpoint.sharded_writer) -----------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         raise RuntimeError(
             "DistributedOptimizer has no single-process state_dict: sharded checkpoints save "
-            "each rank's share (training.checkpoint.sharded)"
+            "each rank's share (training.checkpoint.sharded_writer)"
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

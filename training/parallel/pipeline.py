@@ -27,7 +27,7 @@ how many layers each virtual stage holds.
   schedule (one flat all-reduce per dtype; no overlap with backward), then the
   distributed optimizer (ZeRO-1) or AdamW steps each stage's parameters.
 - Validation runs forward only, one micro-batch at a time through the virtual stages.
-- Checkpoints are sharded (:mod:`training.checkpoint.sharded`; :meth:`owner_stage`
+- Checkpoints are sharded (:mod:`training.checkpoint.sharded_files`; :meth:`owner_stage`
   says which stage writes a tied copy) and load at any pipeline size. The model
   package holds whole tensors: stages (and TP shards) send their parameters to rank 0.
   Whole (v1) checkpoints still load: :meth:`load` picks this rank's parameters.

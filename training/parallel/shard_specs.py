@@ -1,6 +1,6 @@
 """Which boxes of which global tensors this rank holds, in any layout the trainer runs.
 
-A sharded checkpoint (:mod:`training.checkpoint.sharded`) names every tensor by its
+A sharded checkpoint (:mod:`training.checkpoint.sharded_files`) names every tensor by its
 single-process name and stores, per rank, rectangular *boxes* of it (``[start, stop)``
 per dimension). This module turns a rank's local tensors into those boxes, so that a
 writer knows what to save and a reader, in another layout, what to fetch:

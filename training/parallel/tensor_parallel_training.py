@@ -8,7 +8,7 @@
   tensor-parallel modules for ``te``).
 - :func:`full_model`: the model package holds whole tensors in the single-process
   format; TP shards are gathered to rank 0 (checkpoints are sharded:
-  :mod:`training.checkpoint.sharded`).
+  :mod:`training.checkpoint.sharded_files`).
 - :func:`shard_loaded`: the inverse for loading, so a checkpoint written at any TP size
   loads at any other.
 
