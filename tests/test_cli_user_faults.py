@@ -334,9 +334,12 @@ def test_a_signal_to_megalith_ui_stops_all_its_servers(
                "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)]  # fmt: skip
     log = tmp_path / "ui.log"
     with log.open("w") as output:
+        # A terminal's Ctrl-C reaches a process whose SIGINT is not ignored; pytest started
+        # in the background (`cmd &` in a script) passes SIGINT ignored down to its children.
         ui = subprocess.Popen(
-            command, env=env, stdout=output, stderr=output, start_new_session=True
-        )
+            command, env=env, stdout=output, stderr=output, start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
     tree: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 180
