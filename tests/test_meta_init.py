@@ -13,13 +13,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from parallel_helpers import init_gloo
 
-from megalith.config import MegalithConfig, ModelConfig
+from megalith.config import MegalithConfig, MixedPrecisionConfig, ModelConfig
 from training import models
 from training.parallel import tensor_parallel_training as tp
 from training.parallel.groups import build_parallel_state
 from training.parallel.meta_init import materialize_shard
 from training.parallel.parallelize import build_fsdp_on_meta
 from training.parallel.tensor_parallel.sharding import shard_full_state_dict
+from training.precision.mixed import resolve_precision
 
 WORLD = 2
 
@@ -97,18 +98,24 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
 
 
 def _fsdp_errors(rank: int, world: int) -> list[str]:
-    """FSDP dp=``world``, built on meta: each rank's local rows equal the rows of the
-    seeded one-process model, the RNG ends where one process leaves it, and no more than
-    one whole parameter (less than the model) existed at once."""
+    """FSDP dp=``world``, built on meta (every family, and the llama in fp8): each rank's
+    local rows equal the rows of the seeded one-process model, the RNG ends where one
+    process leaves it, and no more than one whole parameter (less than the model) existed
+    at once."""
     base = MegalithConfig()
     config = base.model_copy(
         update={"parallel": base.parallel.model_copy(update={"data_parallel_mode": "fsdp"})}
     )
     state = build_parallel_state(config)
+    cpu = torch.device("cpu")
+    fp8 = MixedPrecisionConfig(dtype="bf16", fp8=True)
+    builds = {name: (model_config, None) for name, model_config in CONFIGS.items()}
+    builds["llama fp8"] = (CONFIGS["llama"], fp8)
     errors = []
-    for name, model_config in CONFIGS.items():
+    for name, (model_config, mixed) in builds.items():
         torch.manual_seed(5)
-        model, stats = build_fsdp_on_meta(model_config, state, torch.device("cpu"))
+        precision = resolve_precision(mixed, cpu) if mixed else None
+        model, stats = build_fsdp_on_meta(model_config, state, cpu, mixed, precision)
         rng = torch.get_rng_state()
         torch.manual_seed(5)
         whole = dict(models.build_model(model_config).named_parameters())
@@ -120,6 +127,9 @@ def _fsdp_errors(rank: int, world: int) -> list[str]:
                 errors.append(f"fsdp {name}: {key} rows differ from the single-process rows")
         if not stats.peak_bytes <= stats.largest_parameter_bytes < stats.model_bytes:
             errors.append(f"fsdp {name}: held {stats} while building")
+        float8 = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+        if bool(mixed) != bool(float8):
+            errors.append(f"fsdp {name}: float8 linears {float8} with fp8={bool(mixed)}")
     return errors
 
 

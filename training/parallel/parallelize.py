@@ -20,11 +20,11 @@ The trainer calls it once. It applies, in this order:
    fp8 layers as they are.
 6. **Data parallelism**: DDP over data × context, or FSDP2 sharding in place (the
    optimizer is built after, on the parameters FSDP leaves); with TP, FSDP shards each
-   rank's TP-local parameters (2-D). FSDP alone (no TP, EP, fine-tuning or fp8, torch
-   kernels) builds on the meta device, shards, then materializes only this rank's rows
-   of each parameter from the replayed single-device init (:func:`build_fsdp_on_meta`),
-   so no rank holds the whole model; the other FSDP layouts still build the whole (TP
-   shard of the) model first.
+   rank's TP-local parameters (2-D). FSDP alone (no TP, EP or fine-tuning, torch
+   kernels; fp8 or not) builds on the meta device, converts to float8 there (step 4),
+   shards, then materializes only this rank's rows of each parameter from the replayed
+   single-device init (:func:`build_fsdp_on_meta`), so no rank holds the whole model;
+   the other FSDP layouts still build the whole (TP shard of the) model first.
 7. **compile** last, around the DDP/FSDP module: dynamo's DDP optimizer then splits the
    graph at the gradient buckets so that communication still overlaps the backward.
 
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megalith.config import MegalithConfig, ModelConfig
+from megalith.config import MegalithConfig, MixedPrecisionConfig, ModelConfig
 from training import models
 from training.families.spec import ModelFamily
 from training.finetune.session import FineTune
@@ -54,7 +54,7 @@ from training.parallel.groups import ParallelState
 from training.parallel.meta_init import MaterializeStats, materialize_shard
 from training.parallel.pipeline import PipelineParallel
 from training.parallel.shard_specs import assemble, model_specs
-from training.precision.fp8 import prepare_fp8
+from training.precision.fp8 import check_device, prepare_fp8
 from training.precision.mixed import Precision
 
 
@@ -85,7 +85,9 @@ def parallelize(
         prepare_fp8(pipeline.model, config.mixed_precision, precision)
         return ParallelModel(pipeline.model, pipeline.model, pipeline.model, pipeline)
     if _fsdp_builds_on_meta(config, model_config, state, finetune):
-        model, _ = build_fsdp_on_meta(model_config, state, device)
+        model, _ = build_fsdp_on_meta(
+            model_config, state, device, config.mixed_precision, precision
+        )
         forward_model = torch.compile(model) if config.training.compile else model
         return ParallelModel(model, model, forward_model, None)
     model = ep.build_model(model_config, state, config.parallel.sequence_parallel, device)
@@ -112,19 +114,27 @@ def _fsdp_builds_on_meta(
         and state.sizes.tp == 1
         and state.sizes.ep == 1
         and finetune is None
-        and not config.mixed_precision.fp8
         and resolve_backend(model_config.backend).name != "te"
     )
 
 
 def build_fsdp_on_meta(
-    model_config: ModelConfig, state: ParallelState, device: torch.device
+    model_config: ModelConfig,
+    state: ParallelState,
+    device: torch.device,
+    mixed_precision: MixedPrecisionConfig | None = None,
+    precision: Precision | None = None,
 ) -> tuple[nn.Module, MaterializeStats]:
-    """The model built on meta, sharded by FSDP2, then each parameter's local rows
-    materialized from a replay of the single-device init: the weights and the RNG state
-    after equal one process's, and at most one whole parameter exists at a time."""
+    """The model built on meta, its linears made float8 when ``mixed_precision.fp8`` asks
+    (torchao keeps the parameters, so the replay fills them alike), sharded by FSDP2, then
+    each parameter's local rows materialized from a replay of the single-device init: the
+    weights and the RNG state after equal one process's, and at most one whole parameter
+    exists at a time."""
     backend = cp.wrap_backend(resolve_backend(model_config.backend), state)
     model = models.meta_model(model_config, backend)  # shapes only: the replay initializes
+    if mixed_precision is not None and mixed_precision.fp8:
+        check_device(device)  # prepare_fp8 sees meta parameters, not the device
+        prepare_fp8(model, mixed_precision, precision)
     dp.shard_model(model, state)
     model.to_empty(device=device)
     specs = model_specs(model, state)
