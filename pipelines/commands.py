@@ -1,4 +1,5 @@
-"""``megalith demo``, ``megalith serve-pipelines`` and ``megalith ui``."""
+"""``megalith demo``, ``megalith serve-pipelines``, ``megalith deploy-pipelines`` and
+``megalith ui``."""
 
 from __future__ import annotations
 
@@ -60,8 +61,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve = subcommands.add_parser(
         "serve-pipelines",
         help="serve the flows as Prefect deployments (trigger them from the UI)",
-        description="Serve tokenize-corpus, pretrain, evaluate, register-model, promote-model, end-to-end and "
-        "the scheduled finetune as "
+        description="Serve tokenize-corpus, pretrain, evaluate, register-model, promote-model, end-to-end, "
+        "cluster-train and the scheduled finetune as "
         "deployments with forms in the Prefect UI. Needs a Prefect server: start one with "
         "`megalith ui` (or `prefect server start`).",
     )
@@ -90,6 +91,38 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="the fine-tune recipe (default configs/finetune-chat-tiny.yaml)",
     )
     serve.set_defaults(handler=_serve)
+
+    deploy = subcommands.add_parser(
+        "deploy-pipelines",
+        help="register the flows to a Prefect work pool (run by `prefect worker start`)",
+        description="Create work pool POOL unless it exists (with megalith's job variables "
+        "nodes, gpus_per_node, image, beside Prefect's env) and register the deployments of "
+        "serve-pipelines to it (cluster-train offers the cluster target and its size); a "
+        "worker runs them: `prefect worker start --pool POOL` (a kubernetes pool's worker "
+        "needs prefect-kubernetes). The "
+        "flows are named by module path (pipelines.flows.pretrain), so the worker's machine "
+        "or image needs megalith installed, not this folder. Needs a Prefect server "
+        "(`megalith ui`, or PREFECT_API_URL). Example: megalith deploy-pipelines --pool "
+        "gpu-box; prefect worker start --pool gpu-box. See docs/multi-node.md.",
+    )
+    deploy.add_argument("--pool", required=True, metavar="NAME", help="the work pool")
+    deploy.add_argument(
+        "--pool-type",
+        choices=["process", "kubernetes"],  # pipelines.work_pools.POOL_TYPES
+        default="process",
+        help="process: runs start as processes on the worker's machine (default); "
+        "kubernetes: each run in a pod (the pool's template is in docs/multi-node.md)",
+    )
+    deploy.add_argument(
+        "--workdir",
+        default=DEMO_WORKDIR,
+        help="default work directory in the forms; a process pool's runs log to "
+        f"WORKDIR/mlflow.db (or MLFLOW_TRACKING_URI) (default {DEMO_WORKDIR})",
+    )
+    deploy.add_argument(
+        "--image", metavar="IMAGE", help="job variable image of every deployment (kubernetes)"
+    )
+    deploy.set_defaults(handler=_deploy)
 
     ui = subcommands.add_parser(
         "ui",
@@ -165,7 +198,8 @@ def _print_demo_summary(result: dict, workdir: Path, seconds: float) -> None:
     )
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _require_prefect_server() -> None:
+    """PREFECT_API_URL, else the local server of `megalith ui` if it answers."""
     if "PREFECT_API_URL" not in os.environ:
         if not _healthy(f"{PREFECT_URL}/api/health"):
             raise MegalithError(
@@ -173,6 +207,17 @@ def _serve(args: argparse.Namespace) -> int:
                 "(or `prefect server start`), or set PREFECT_API_URL"
             )
         os.environ["PREFECT_API_URL"] = f"{PREFECT_URL}/api"
+
+
+def _no_server(exc: Exception) -> MegalithError:
+    return MegalithError(
+        f"no Prefect server answers at PREFECT_API_URL={os.environ['PREFECT_API_URL']} "
+        f"({exc}): start one with `megalith ui`, or correct PREFECT_API_URL"
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    _require_prefect_server()
     import httpx
 
     from pipelines.deployments import FinetuneSchedule, serve_all
@@ -191,10 +236,39 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         serve_all(workdir, schedule)
     except httpx.ConnectError as exc:
-        raise MegalithError(
-            f"no Prefect server answers at PREFECT_API_URL={os.environ['PREFECT_API_URL']} "
-            f"({exc}): start one with `megalith ui`, or correct PREFECT_API_URL"
-        ) from None
+        raise _no_server(exc) from None
+    return 0
+
+
+def _deploy(args: argparse.Namespace) -> int:
+    _require_prefect_server()
+    import httpx
+
+    from pipelines.deployments import PoolPlacement, deploy_to_pool
+    from pipelines.work_pools import ensure_pool
+    from training.mlflow_store.runs import resolve_tracking_uri
+
+    workdir = Path(args.workdir).resolve()
+    job_variables: dict = {}
+    if args.pool_type == "process":  # the runs share this machine's store
+        job_variables["env"] = {"MLFLOW_TRACKING_URI": resolve_tracking_uri(None, workdir)}
+    if args.image:
+        job_variables["image"] = args.image
+    try:
+        created, missing = ensure_pool(args.pool, args.pool_type)
+        ids = deploy_to_pool(workdir, PoolPlacement(args.pool, job_variables))
+    except httpx.ConnectError as exc:
+        raise _no_server(exc) from None
+    print(f"work pool {args.pool} ({args.pool_type}): {'created' if created else 'exists, kept'}")
+    if missing:
+        print(
+            f"warning: work pool {args.pool} has no job variable {', '.join(missing)}: its "
+            "runs take the cluster size from the run form only (delete the pool and run "
+            "this again for megalith's template)"
+        )
+    print(f"{len(ids)} deployments in it: {', '.join(ids)}")
+    extra = " (pip install prefect-kubernetes first)" if args.pool_type == "kubernetes" else ""
+    print(f"start a worker{extra}:  prefect worker start --pool {args.pool}", flush=True)
     return 0
 
 

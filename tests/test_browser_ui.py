@@ -53,7 +53,7 @@ def served_pipelines(
     command = [sys.executable, "-m", "pipelines.cli", "serve-pipelines", "--workdir", str(workdir),
                "--finetune-cron", "0 3 * * *"]  # fmt: skip
     with running_process(command, env, "serve-pipelines") as process:
-        servers.wait_for_deployments(prefect_server["PREFECT_API_URL"], process, count=7)
+        servers.wait_for_deployments(prefect_server["PREFECT_API_URL"], process, count=8)
         yield workdir
 
 

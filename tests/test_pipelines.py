@@ -207,6 +207,7 @@ def test_serve_pipelines_offers_every_flow_with_form_defaults(tmp_path: Path) ->
         "promote-model",
         "end-to-end",
         "finetune",
+        "cluster-train",
     }
     assert served["finetune"].schedules, "the finetune deployment runs on a schedule"
     end_to_end = served["end-to-end"]

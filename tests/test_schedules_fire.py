@@ -43,7 +43,7 @@ def served(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
         serve_env["PREFECT_RUNNER_POLL_FREQUENCY"] = "1"  # pick runs up within a second
         with running_process(command, serve_env, "serve-pipelines", cwd=root) as serving:
             api = env["PREFECT_API_URL"]
-            deployments = {d["name"]: d for d in wait_for_deployments(api, serving, count=7)}
+            deployments = {d["name"]: d for d in wait_for_deployments(api, serving, count=8)}
             runs = scheduled(api, deployments["finetune"], log)
             yield {"api": api, "deployments": deployments, "log": log, "runs": runs, "root": root}
 
