@@ -7,8 +7,8 @@ variables of the deployment and of the run. Megalith's pools add four to Prefect
 
 - ``nodes`` and ``gpus_per_node``: the cluster size ``cluster-train`` uses when its form
   leaves it empty;
-- ``image``: the container image of a kubernetes pool's pods, and the image ``k8s-train``
-  and ``ray-train`` run when their form leaves it empty;
+- ``image``: the container image of a kubernetes pool's pods, and the image of the
+  ``k8s`` target's TrainJob when ``cluster-train``'s options leave it out;
 - ``env`` (Prefect's): more environment for the run's process.
 
 The template passes the first three to the run's process as ``MEGALITH_NODES``,
@@ -51,7 +51,7 @@ SIZE_VARIABLES: dict[str, dict[str, Any]] = {
         "anyOf": [{"type": "string"}, {"type": "null"}],
         "default": None,
         "description": "A container image with megalith installed: the image of the k8s "
-        "and ray targets' workers (and, in a kubernetes pool, of the run's own pod).",
+        "target's TrainJob (and, in a kubernetes pool, of the run's own pod).",
     },
 }
 SIZE_ENV = {
