@@ -1,17 +1,20 @@
 """Flows that run training on a cluster's scheduler: ``slurm-train`` submits the sbatch
 script ``megalith launch slurm`` writes and follows the job to its end; ``k8s-train``
-applies the TrainJob ``megalith launch k8s`` writes.
+applies the TrainJob ``megalith launch k8s`` writes; ``ray-train`` places one
+``megalith train`` launcher per node of a Ray cluster and follows them
+(``training.runtime.ray_launch``, as ``megalith launch ray`` does).
 
 How Prefect 3 stops a flow run (a cancel from the UI, a timeout): the runner or worker
 that started the run's process sends it SIGTERM, which the flow engine raises inside the
 flow's code as ``prefect.exceptions.TerminationSignal`` (a timeout raises there too).
 So the follow loop's ``finally`` is where a job still queued or running is stopped
-(scancel, kubectl delete): it runs whatever ended the loop, in the process that knows
+(scancel, kubectl delete, stopping the Ray launchers): it runs whatever ended the loop, in the process that knows
 the job. A process killed with SIGKILL runs nothing: its job goes on until its time limit.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,11 +28,13 @@ from megalith.errors import MegalithError
 from pipelines import kubernetes, slurm
 from pipelines.external import Outcome
 from training.parallel.groups import validate_layout
+from training.runtime import ray_launch
 from training.runtime.launch import slurm_script
 from training.runtime.trainjob import train_job
 
 POLL_SECONDS = 30.0  # every half minute is gentle on a controller or API server
 NO_OVERRIDES: list[str] = []
+NO_ENV: dict[str, str] = {}
 UNKNOWN_POLLS = 3  # an unknown job, or a failing command, this often in a row: give up
 
 
@@ -220,3 +225,36 @@ def k8s_train(
     if status.outcome is Outcome.FAILED:
         raise TrainJobFailed(f"TrainJob {name} ended {status.describe()}")
     return {**result, "state": status.describe()}
+
+
+@flow(name="ray-train", log_prints=True)
+def ray_train(
+    config: MegalithConfig,
+    run_dir: str,
+    nodes: int = 2,
+    gpus_per_node: int = 8,
+    cpus_per_node: float = 8,
+    address: str | None = None,
+    env: dict[str, str] = NO_ENV,  # noqa: B006 - a read-only form default
+    placement_timeout_s: float = ray_launch.PLACEMENT_TIMEOUT_S,
+    poll_seconds: float = ray_launch.POLL_SECONDS,
+) -> dict[str, Any]:
+    """Train on ``nodes`` nodes of the Ray cluster at ``address`` (default: $RAY_ADDRESS):
+    one ``megalith train`` per node, ``gpus_per_node`` workers each through torchrun (with
+    training.device=cpu, that many CPU processes and no GPUs asked of Ray), meeting at a
+    rendezvous on the first node. ``run_dir`` must be a folder every node sees: the recipe
+    is written there, and the run's checkpoints. Every node's output streams here; a node
+    that fails or is lost fails the run, naming it; a cancelled run stops every node.
+    Running it again with the same ``run_dir`` resumes from the last checkpoint. ``env``:
+    more environment for every node's launcher (NCCL_*, MEGALITH_DIST_TIMEOUT_S, ...)."""
+    run = Path(run_dir).resolve()
+    run.mkdir(parents=True, exist_ok=True)
+    recipe = run / "recipe.yaml"
+    spec = ray_launch.job_spec(
+        config, str(recipe), str(run), nodes, gpus_per_node, cpus_per_node=cpus_per_node,
+        env=env, placement_timeout_s=placement_timeout_s,
+    )  # fmt: skip
+    recipe.write_text(dump_config(config))
+    placed = ray_launch.run_job(spec, address, get_run_logger().info, poll_seconds)
+    result = json.loads((run / "result.json").read_text())
+    return {**result, "nodes": placed}

@@ -85,15 +85,18 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 def _register_launch(subcommands: argparse._SubParsersAction) -> None:
     group = subcommands.add_parser(
         "launch",
-        help="write job scripts for cluster schedulers (slurm, k8s)",
-        description="Write a job for a cluster's scheduler that runs megalith train on many "
-        "nodes: an sbatch script (slurm) or a Kubeflow Trainer TrainJob (k8s). The Prefect "
-        "flows slurm-train and k8s-train submit them for you (docs/multi-node.md).",
+        help="run on many nodes: Slurm and Kubernetes job files, a Ray cluster (slurm, k8s, ray)",
+        description="Run megalith train on many nodes: write a job for a cluster's scheduler, "
+        "an sbatch script (slurm) or a Kubeflow Trainer TrainJob (k8s), or run it on a Ray "
+        "cluster and follow it to its end (ray). The Prefect flows slurm-train, k8s-train and "
+        "ray-train do the same from the Prefect UI (docs/multi-node.md).",
         epilog="examples:\n"
         "  megalith launch slurm --config configs/llama-1b.yaml --nodes 4 --gpus-per-node 8 "
         "--output train.sbatch\n"
         "  megalith launch k8s --config configs/llama-1b.yaml --nodes 4 --gpus-per-node 8 "
-        "--image REGISTRY/megalith:TAG --volume-claim megalith-runs --output trainjob.yaml",
+        "--image REGISTRY/megalith:TAG --volume-claim megalith-runs --output trainjob.yaml\n"
+        "  megalith launch ray --address HEAD:6379 --config configs/llama-1b.yaml --nodes 4 "
+        "--gpus-per-node 8 --run-dir /shared/runs/llama-1b",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     group.set_defaults(group_parser=group)
@@ -125,6 +128,7 @@ def _register_launch(subcommands: argparse._SubParsersAction) -> None:
     slurm.add_argument("--output", metavar="FILE", help="write the script here (default: stdout)")
     slurm.set_defaults(handler=_launch_slurm)
     _register_k8s(commands)
+    _register_ray(commands)
 
 
 def _register_k8s(commands: argparse._SubParsersAction) -> None:
@@ -161,6 +165,63 @@ def _register_k8s(commands: argparse._SubParsersAction) -> None:
     k8s.add_argument("--runtime", default=TORCH_RUNTIME, help="ClusterTrainingRuntime name")
     k8s.add_argument("--output", metavar="FILE", help="write the YAML here (default: stdout)")
     k8s.set_defaults(handler=_launch_k8s)
+
+
+def _register_ray(commands: argparse._SubParsersAction) -> None:
+    ray = commands.add_parser(
+        "ray",
+        help="train on a Ray cluster, one torchrun launcher per node",
+        description="Train on --nodes nodes of a Ray cluster and follow the run here. Ray "
+        "places one bundle per node (a STRICT_SPREAD placement group: --gpus-per-node GPUs, "
+        "--cpus-per-node CPUs) and starts `megalith train` on each, which starts "
+        "--gpus-per-node workers through torchrun; all nodes meet at a c10d rendezvous on the "
+        "first node. Every node's output is printed here, prefixed [node R]. If a node fails "
+        "or is lost (its raylet or machine gone), the others are stopped and the command "
+        "fails naming it; Ctrl-C stops every node. Run the same command again to resume from "
+        "the last checkpoint (it passes --resume). --run-dir and --config must be paths every "
+        "node sees (a shared filesystem); megalith and Ray must be installed on every node "
+        "(pip install 'megalith[ray]'). With training.device=cpu no GPUs are asked for and "
+        "--gpus-per-node is the number of CPU processes per node.",
+        epilog="example: megalith launch ray --address HEAD:6379 --config configs/llama-1b.yaml "
+        "--nodes 4 --gpus-per-node 8 --run-dir /shared/runs/llama-1b   (or RAY_ADDRESS=HEAD:6379)",
+    )
+    ray.add_argument("--config", required=True, metavar="YAML", help="recipe")
+    ray.add_argument("--nodes", type=int, required=True, metavar="M")
+    ray.add_argument("--gpus-per-node", type=int, required=True, metavar="N")
+    ray.add_argument("--run-dir", required=True, metavar="DIR", help="the run's output folder")
+    ray.add_argument(
+        "--address", metavar="HOST:PORT", help="the Ray cluster (default: $RAY_ADDRESS)"
+    )
+    ray.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    ray.add_argument(
+        "--cpus-per-node", type=float, default=8, metavar="N", help="CPUs each node reserves"
+    )
+    ray.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="launcher environment"
+    )
+    ray.add_argument(
+        "--placement-timeout", type=float, default=600, metavar="S",
+        help="how long to wait for the nodes (default 600 s)",
+    )  # fmt: skip
+    ray.set_defaults(handler=_launch_ray)
+
+
+def _launch_ray(args: argparse.Namespace) -> int:
+    from training.runtime import ray_launch  # imports Ray (an optional extra) when it runs
+
+    config = load_config(args.config, args.set)
+    run_dir = str(Path(args.run_dir).resolve())
+    spec = ray_launch.job_spec(
+        config, str(Path(args.config).resolve()), run_dir, args.nodes, args.gpus_per_node,
+        sets=args.set, cpus_per_node=args.cpus_per_node, env=_key_values(args.env, "--env"),
+        placement_timeout_s=args.placement_timeout,
+    )  # fmt: skip
+    with unwinding_on_sigterm():  # SIGTERM stops the nodes, as Ctrl-C does
+        ray_launch.run_job(spec, args.address, lambda line: print(line, flush=True))
+    print(f"trained on {args.nodes} Ray nodes; the run: {run_dir}")
+    return 0
 
 
 def _launch_k8s(args: argparse.Namespace) -> int:
