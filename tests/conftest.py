@@ -4,7 +4,8 @@
 to it over HTTP through s3fs exactly as they would to a real bucket. Use
 ``s3_bucket`` for a fresh empty bucket, or ``make_s3_bucket()`` for several.
 ``shards`` is the tiny shard set of the trainer and parallelism tests; every test
-runs with one intra-op thread (``one_cpu_thread``).
+runs with one intra-op thread (``one_cpu_thread``). ``ray_cluster`` is a two-node Ray
+cluster on this machine (tests/ray_cluster.py).
 """
 
 from __future__ import annotations
@@ -109,6 +110,16 @@ def prefect_api() -> Iterator[None]:
 
     with prefect_test_harness(server_startup_timeout=300):
         yield
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    """A real two-node Ray cluster on this machine (``tests/ray_cluster.py``: a head and a
+    worker node, each its own raylet), one per test module that asks for it."""
+    from tests.ray_cluster import two_node_cluster
+
+    with two_node_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")

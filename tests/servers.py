@@ -5,6 +5,7 @@ slow the tests after it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -15,8 +16,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -120,6 +122,56 @@ def wait_for_deployments(api: str, server: subprocess.Popen, count: int) -> list
         assert time.monotonic() < deadline, f"{len(found)} of {count} deployments after 120 s"
         time.sleep(1)
     return found
+
+
+def flow_run_logs(flow_run_id) -> list[str]:
+    """The messages a flow run logged to the Prefect API, in time order."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)  # the run's logs reach the API in batches
+
+    async def read() -> list[str]:
+        async with get_client() as client:
+            logs = await client.read_logs(
+                LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+            )
+        return [log.message for log in sorted(logs, key=lambda log: log.timestamp)]
+
+    return asyncio.run(read())
+
+
+def run_and_cancel(flow: Any, parameters: dict, entrypoint: str, ready: Callable[[], bool]) -> Any:
+    """Run a run of ``flow`` as a deployment's runner does (Prefect's ``Runner``, the flow
+    in a process of its own; ``entrypoint``: ``path/to/file.py:function``) and cancel it
+    as the UI does (the run set to Cancelling) once ``ready()`` is true; the flow run as
+    it ended. The runner stops the process, which Prefect raises in the flow as
+    ``TerminationSignal``. 120 s of waiting for ``ready`` is a hang guard only."""
+    from prefect.client.orchestration import get_client
+    from prefect.runner import Runner
+    from prefect.states import Cancelling
+
+    root = Path(__file__).resolve().parents[1]
+
+    async def run() -> Any:
+        async with get_client() as client:
+            flow_run = await client.create_flow_run(flow, parameters=parameters)
+
+            async def cancel_when_ready() -> None:
+                deadline = time.monotonic() + 120
+                while not ready() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                await client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
+
+            canceller = asyncio.create_task(cancel_when_ready())
+            await Runner().execute_flow_run(
+                flow_run.id, entrypoint=entrypoint, env={"PYTHONPATH": str(root)}, cwd=str(root)
+            )
+            await canceller
+            return await client.read_flow_run(flow_run.id)
+
+    return asyncio.run(run())
 
 
 def stop_group(process: subprocess.Popen, grace_s: float = 30) -> None:

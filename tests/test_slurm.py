@@ -7,15 +7,14 @@ the UI's Cancel button does."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
-import time
 from pathlib import Path
 
 import fake_commands
 import pytest
 from parallel_helpers import RECIPE
+from servers import flow_run_logs, run_and_cancel
 
 from megalith.config import load_config
 from megalith.errors import MegalithError
@@ -148,23 +147,6 @@ def test_the_log_follower_returns_whole_lines_as_the_file_grows(tmp_path: Path) 
     assert follower.new_lines(final=True) == ["saved"]
 
 
-def flow_run_logs(flow_run_id) -> list[str]:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-    from prefect.logging.handlers import APILogWorker
-
-    APILogWorker.drain_all(timeout=30)  # the run's logs reach the API in batches
-
-    async def read() -> list[str]:
-        async with get_client() as client:
-            logs = await client.read_logs(
-                LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
-            )
-        return [log.message for log in sorted(logs, key=lambda log: log.timestamp)]
-
-    return asyncio.run(read())
-
-
 def test_slurm_flow_submits_the_launch_script_and_follows_the_job(
     prefect_api, fake_cluster, tmp_path: Path
 ) -> None:
@@ -210,36 +192,14 @@ def test_cancelling_the_flow_run_cancels_the_slurm_job(
 ) -> None:
     """Cancel as the UI does (the run goes Cancelling); Prefect's runner, which started
     the run's process, stops it; the flow's scancel is the Slurm side of it."""
-    from prefect.client.orchestration import get_client
-    from prefect.runner import Runner
-    from prefect.states import Cancelling
-
     config = load_config(RECIPE, SETS)
     state = fake_cluster(DATA / "cancel", log_name=f"{config.name}-4242.out")
     parameters = {
         "config": config.model_dump(mode="json"), "run_dir": str(tmp_path / "run"),
         "nodes": 1, "gpus_per_node": 1, "poll_seconds": 0.2,
     }  # fmt: skip
-    root = Path(__file__).parent.parent
-
-    async def run_and_cancel():
-        async with get_client() as client:
-            flow_run = await client.create_flow_run(slurm_train, parameters=parameters)
-
-            async def cancel_once_running() -> None:
-                deadline = time.monotonic() + 120  # a hang guard only
-                while not fake_commands.calls(state, "squeue") and time.monotonic() < deadline:
-                    await asyncio.sleep(0.2)
-                await client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
-
-            canceller = asyncio.create_task(cancel_once_running())
-            await Runner().execute_flow_run(
-                flow_run.id, entrypoint=f"{root}/pipelines/cluster_flows.py:slurm_train",
-                env={"PYTHONPATH": str(root)}, cwd=str(root),
-            )  # fmt: skip
-            await canceller
-            return await client.read_flow_run(flow_run.id)
-
-    flow_run = asyncio.run(run_and_cancel())
+    entrypoint = f"{Path(__file__).parent.parent}/pipelines/cluster_flows.py:slurm_train"
+    running = lambda: bool(fake_commands.calls(state, "squeue"))  # noqa: E731
+    flow_run = run_and_cancel(slurm_train, parameters, entrypoint, running)
     assert [call["argv"] for call in fake_commands.calls(state, "scancel")] == [["4242"]]
     assert flow_run.state.is_cancelled(), flow_run.state
