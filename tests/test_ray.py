@@ -31,8 +31,10 @@ from parallel_helpers import (
 )
 from servers import flow_run_logs, run_and_cancel, run_group
 
+from megalith.config import load_config
 from pipelines.cli import main
 from pipelines.cluster_flows import ray_train
+from pipelines.cluster_train import ClusterSize, target_arguments
 from training.runtime.ray_launch import RayJobFailed
 
 pytestmark = pytest.mark.slow
@@ -209,3 +211,20 @@ def test_launch_ray_checks_the_layout_and_the_address_before_connecting(
         main(["launch", "ray", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "STRICT_SPREAD" in text and "torchrun" in text and "resume" in text
+
+
+def test_the_cluster_train_form_reaches_ray_train() -> None:
+    """The work pools' run form (target ray) calls this flow with the form's sizes and the
+    options it has no field for."""
+    config = load_config(RECIPE, ["training.micro_batch_size=1"])
+    size = ClusterSize(nodes=2, gpus_per_node=8, source="the run form")
+    options = {"address": "head:6379", "cpus_per_node": 16}
+    flow, arguments = target_arguments("ray", config, "/shared/run", size, options)
+    assert flow is ray_train
+    assert arguments == {
+        "config": config,
+        "run_dir": "/shared/run",
+        "nodes": 2,
+        "gpus_per_node": 8,
+        **options,
+    }
