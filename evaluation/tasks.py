@@ -32,22 +32,22 @@ from torch import nn
 
 from evaluation import EvaluationError
 from evaluation.seq2seq import span_logliks
+from evaluation.task_files import (  # noqa: F401 - TASKS_DIR: re-exported, as before
+    SAMPLE_TASK,
+    TASKS_DIR,
+    TaskFileError,
+    resolve_task_file,
+)
 from megalith.storage import atomic_write_bytes
 from preprocessing.corpus_generator import multiple_choice_items
 from preprocessing.tokenizer import Tokenizer
 from training.inference.runtime import autocast, model_device
 from training.models.gpt import GPTModel
 
-TASKS_DIR = Path(__file__).parent / "tasks"
-SAMPLE_TASK = TASKS_DIR / "sample_facts.jsonl"
 REQUIRED_KEYS = ("context", "choices", "answer")
 OPTIONAL_KEYS = ("kind",)
 MAX_REPORTED_ERRORS = 10
 IGNORE_INDEX = -100
-
-
-class TaskFileError(EvaluationError):
-    """A task file that cannot be read; the message names file:line and the problem."""
 
 
 @dataclass(frozen=True)
@@ -92,18 +92,6 @@ class TaskResult:
 
 
 # --- task files ---------------------------------------------------------------------
-
-
-def resolve_task_file(name: str | Path) -> Path:
-    """A path, or the name of a shipped task (``sample_facts``)."""
-    path = Path(name)
-    if path.exists():
-        return path
-    shipped = TASKS_DIR / f"{name}.jsonl"
-    if path.parent == Path(".") and shipped.is_file():
-        return shipped
-    available = ", ".join(sorted(p.stem for p in TASKS_DIR.glob("*.jsonl")))
-    raise TaskFileError(f"{name}: no such task file (shipped tasks: {available})")
 
 
 def load_task(path: str | Path) -> list[Item]:

@@ -174,6 +174,158 @@ class SpanCorruptionConfig(StrictModel):
     )
 
 
+# Gopher's stop words (Rae et al. 2021): a document of English prose holds at least two.
+GOPHER_STOP_WORDS = ["the", "be", "to", "of", "and", "that", "have", "with"]
+
+
+class ExactDedupConfig(StrictModel):
+    """Exact duplicates: a hash of the lower-cased, whitespace-collapsed text."""
+
+    enabled: bool = True
+
+
+class NearDedupConfig(StrictModel):
+    """Near duplicates: MinHash signatures of word shingles in an LSH index (datasketch).
+    The first document of a cluster, in input order, is kept."""
+
+    enabled: bool = True
+    shingle_size: int = Field(default=5, ge=1, le=64, description="Words per shingle.")
+    num_perm: int = Field(default=128, ge=2, le=1024, description="MinHash permutations.")
+    threshold: float = Field(
+        default=0.8,
+        gt=0.0,
+        lt=1.0,
+        description="Estimated Jaccard similarity of the shingle sets at which two documents "
+        "are near duplicates; picks bands and rows (datasketch's optimum) unless both are set.",
+    )
+    bands: int | None = Field(default=None, ge=2, le=1024, description="LSH bands (with rows).")
+    rows: int | None = Field(default=None, ge=1, le=1024, description="MinHash values per band.")
+    seed: int = Field(default=1234, description="Seed of the MinHash permutations.")
+
+    @model_validator(mode="after")
+    def _bands_with_rows(self) -> NearDedupConfig:
+        if (self.bands is None) != (self.rows is None):
+            raise ValueError("set both bands and rows, or neither (threshold then picks them)")
+        if self.bands is not None and self.bands * self.rows > self.num_perm:
+            raise ValueError(
+                f"bands {self.bands} x rows {self.rows} = {self.bands * self.rows} exceeds "
+                f"num_perm {self.num_perm}"
+            )
+        return self
+
+
+def _ngram_thresholds(value: dict[int, float], name: str) -> dict[int, float]:
+    for n, share in value.items():
+        if not 1 <= n <= 64 or not 0.0 < share <= 1.0:
+            raise ValueError(f"{name}: {n}: {share}: expected n in 1..64 and a share in (0, 1]")
+    return value
+
+
+class QualityConfig(StrictModel):
+    """Gopher / C4 / FineWeb-style heuristics (Rae et al. 2021, Gopher's defaults). A
+    document failing one is removed and counted under that rule; null switches a rule off."""
+
+    enabled: bool = True
+    min_words: int | None = Field(default=50, ge=0, description="Rule word_count.")
+    max_words: int | None = Field(default=100_000, ge=1, description="Rule word_count.")
+    min_mean_word_length: float | None = Field(
+        default=3.0, ge=0, description="Rule mean_word_length (characters per word)."
+    )
+    max_mean_word_length: float | None = Field(
+        default=10.0, gt=0, description="Rule mean_word_length."
+    )
+    max_symbol_ratio: float | None = Field(
+        default=0.1, ge=0, description="Rule symbol_ratio: '#' and ellipses per word."
+    )
+    max_bullet_lines: float | None = Field(
+        default=0.9,
+        ge=0,
+        le=1,
+        description="Rule bullet_lines: share of lines starting with a bullet.",
+    )
+    max_ellipsis_lines: float | None = Field(
+        default=0.3,
+        ge=0,
+        le=1,
+        description="Rule ellipsis_lines: share of lines ending in an ellipsis.",
+    )
+    min_alpha_words: float | None = Field(
+        default=0.8, ge=0, le=1, description="Rule alpha_words: share of words with a letter."
+    )
+    min_stop_words: int | None = Field(
+        default=2, ge=0, description="Rule stop_words: distinct stop words the text must hold."
+    )
+    stop_words: list[str] = Field(default_factory=lambda: list(GOPHER_STOP_WORDS))
+    max_duplicate_lines: float | None = Field(
+        default=0.3, ge=0, le=1, description="Rule duplicate_lines: share of lines seen before."
+    )
+    max_duplicate_line_chars: float | None = Field(
+        default=0.2, ge=0, le=1, description="Rule duplicate_lines: share of characters in them."
+    )
+    max_top_ngram: dict[int, float] = Field(
+        default_factory=lambda: {2: 0.2, 3: 0.18, 4: 0.16},
+        description="Rule top_ngram: {n: share}, the most frequent word n-gram may cover at "
+        "most this share of the characters; {} switches it off.",
+    )
+    max_duplicate_ngrams: dict[int, float] = Field(
+        default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10},
+        description="Rule duplicate_ngrams: {n: share}, word n-grams that occur more than "
+        "once may cover at most this share of the characters; {} switches it off.",
+    )
+
+    @field_validator("max_top_ngram", "max_duplicate_ngrams")
+    @classmethod
+    def _check_ngrams(cls, value: dict[int, float], info: ValidationInfo) -> dict[int, float]:
+        return _ngram_thresholds(value, info.field_name)
+
+
+class DecontaminationConfig(StrictModel):
+    """Documents sharing a word n-gram with an evaluation item are removed (or reported)."""
+
+    enabled: bool = True
+    task_files: list[str] = Field(
+        default_factory=list,
+        description="Evaluation files (jsonl: every string of a record is one item's text; "
+        "txt: one item per line). The pipelines add the task files they evaluate on.",
+    )
+    ngram: int = Field(default=13, ge=1, le=64, description="Words per n-gram (GPT-3: 13).")
+    action: Literal["remove", "report"] = Field(
+        default="remove", description="remove the document, or keep it and only count it."
+    )
+
+
+class PIIConfig(StrictModel):
+    """Redaction of emails, IPv4 addresses and phone numbers (documents kept, text changed)."""
+
+    enabled: bool = False
+    emails: bool = True
+    ip_addresses: bool = True
+    phone_numbers: bool = True
+    email_replacement: str = "<email>"
+    ip_replacement: str = "<ip>"
+    phone_replacement: str = "<phone>"
+
+
+class CurateConfig(StrictModel):
+    """Curation before tokenization (``megalith data curate``, preprocessing.curate): the
+    corpus, filtered and redacted, is written as jsonl for the tokenizer and shards."""
+
+    enabled: bool = Field(
+        default=True, description="Whether the pipelines curate before tokenizing."
+    )
+    output: str | None = Field(
+        default=None, description="Where the curated jsonl goes; default DATA_OUTPUT/curated."
+    )
+    exact_dedup: ExactDedupConfig = Field(default_factory=ExactDedupConfig)
+    near_dedup: NearDedupConfig = Field(default_factory=NearDedupConfig)
+    quality: QualityConfig = Field(default_factory=QualityConfig)
+    decontamination: DecontaminationConfig = Field(default_factory=DecontaminationConfig)
+    pii: PIIConfig = Field(default_factory=PIIConfig)
+    max_examples: int = Field(
+        default=5, ge=0, le=1000, description="Removed documents kept as examples per rule."
+    )
+
+
 class DataConfig(StrictModel):
     """Raw corpus → shards (preprocessing) and shards → samples (training)."""
 
@@ -231,6 +383,11 @@ class DataConfig(StrictModel):
     span_corruption: SpanCorruptionConfig = Field(
         default_factory=SpanCorruptionConfig,
         description="T5 span-corruption samples (used with model.family t5).",
+    )
+    curate: CurateConfig = Field(
+        default_factory=CurateConfig,
+        description="Deduplication, quality filters, decontamination and PII redaction "
+        "before tokenization (megalith data curate; on by default in the pipelines).",
     )
 
     @model_validator(mode="after")

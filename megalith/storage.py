@@ -65,7 +65,7 @@ def atomic_write_bytes(
                 handle.write(data)
                 handle.flush()
                 os.fsync(handle.fileno())
-            os.chmod(tmp, 0o666 & ~_umask())
+            os.chmod(tmp, default_file_mode())
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -73,6 +73,11 @@ def atomic_write_bytes(
         return
     fs, path = filesystem(url, storage_options)
     fs.pipe_file(path, data)
+
+
+def default_file_mode() -> int:
+    """The mode ``open`` gives a new file under this process's umask (mkstemp gives 0600)."""
+    return 0o666 & ~_umask()
 
 
 def _umask() -> int:

@@ -21,9 +21,15 @@ from pipelines.artifacts import (
     publish_training_summary,
 )
 from pipelines.tasks import evaluate_task, gate_task, pretrain_task, register_task
-from pipelines.tokenize import manifest_markdown, train_tokenizer_task, write_shards_task
+from pipelines.tokenize import (
+    SAMPLE_TASKS,
+    curate_before_tokenizing,
+    evaluation_task_files,
+    manifest_markdown,
+    train_tokenizer_task,
+    write_shards_task,
+)
 
-SAMPLE_TASKS = ["sample_facts"]
 NO_LM_EVAL_TASKS: list[str] = []
 
 
@@ -87,15 +93,21 @@ def end_to_end(
     nproc_per_node: int = 1,
     lm_eval_tasks: list[str] = NO_LM_EVAL_TASKS,  # noqa: B006 - a read-only form default
 ) -> dict[str, Any]:
-    """Tokenize → pretrain → evaluate → register. A rerun skips unchanged stages.
+    """Curate → tokenize → pretrain → evaluate → register. A rerun skips unchanged stages.
+
+    Curation (``config.data.curate``) decontaminates against the evaluation tasks this flow
+    scores.
 
     ``nproc_per_node`` > 1 pretrains on that many ranks of this machine (torchrun);
     ``lm_eval_tasks``: lm-evaluation-harness tasks the evaluation runs too (their metrics
     reach MLflow and the registered version, as ``lm_eval.TASK.METRIC``)."""
     logger = get_run_logger()
     root = Path(workdir)
-    model_path = train_tokenizer_task(config.data, config.tokenizer)
-    shards = write_shards_task(config.data, config.tokenizer, model_path)
+    data, curation = curate_before_tokenizing(
+        config.data, evaluation_task_files([*SAMPLE_TASKS, *lm_eval_tasks])
+    )
+    model_path = train_tokenizer_task(data, config.tokenizer)
+    shards = write_shards_task(data, config.tokenizer, model_path)
     create_markdown_artifact(key="shard-manifest", markdown=manifest_markdown(shards))
 
     trained = pretrain_task(config, str(root / "run"), nproc_per_node=nproc_per_node)
@@ -129,6 +141,7 @@ def end_to_end(
             "MLflow tracking is off (logging.mlflow=false): the model was not registered"
         )
     return {
+        "curation": curation,
         "shards": shards,
         "training": trained,
         "evaluation": evaluation,

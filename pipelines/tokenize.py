@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 
@@ -9,8 +10,10 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from evaluation.task_files import TaskFileError, resolve_task_file
 from megalith.config import DataConfig, MegalithConfig, TokenizerConfig
 from megalith.errors import MegalithError
+from preprocessing.curate import CurateReport, curate_corpus, curated_data, describe
 from preprocessing.prepare import PrepareReport, prepare_dataset
 from preprocessing.stage import ensure_tokenizer
 from preprocessing.tokenizer import load_tokenizer
@@ -21,10 +24,103 @@ from preprocessing.tokenizer import load_tokenizer
 # parameters alone would report success after the shards were deleted or an input changed.
 
 
+SAMPLE_TASKS = ["sample_facts"]  # the shipped evaluation task the end-to-end flow scores
+
+
+def evaluation_task_files(tasks: list[str]) -> list[str]:
+    """The files of evaluation tasks (shipped names such as ``sample_facts``, or paths) that
+    curation decontaminates against; an lm-eval task of the hub has no file here, skipped."""
+    files = []
+    for name in tasks:
+        with contextlib.suppress(TaskFileError):
+            files.append(str(resolve_task_file(name)))
+    return files
+
+
 def retry_transient(task, task_run, state) -> bool:
     """Retry storage and network hiccups, never problems with the user's input."""
     error = state.result(raise_on_failure=False)
     return isinstance(error, OSError | ConnectionError) and not isinstance(error, MegalithError)
+
+
+@task(
+    name="curate-corpus",
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_transient,
+    cache_policy=NO_CACHE,
+)
+def curate_task(data: DataConfig, task_files: list[str]) -> dict:
+    """Deduplicate, filter, decontaminate (against ``task_files`` too) and redact the corpus;
+    reuses a finished curation of the same inputs and settings."""
+    report = curate_corpus(data, task_files, show_progress=False)
+    get_run_logger().info(describe(report))
+    return curation_summary(report)
+
+
+def curation_summary(report: CurateReport) -> dict:
+    record = report.record
+    return {
+        "output": report.output,
+        "reused": report.reused,
+        "documents_in": record.documents_in,
+        "documents_out": record.documents_out,
+        "removed": record.removed.model_dump(),
+        "changed": record.changed.model_dump(),
+        "flagged": record.flagged.model_dump(),
+        "rejected": record.rejected.total,
+        "seconds": round(report.seconds, 2),
+        **{key: round(value, 1) for key, value in report.rates().items()},
+    }
+
+
+def curate_before_tokenizing(
+    data: DataConfig, task_files: list[str]
+) -> tuple[DataConfig, dict | None]:
+    """The data to tokenize and the curation's summary: the curated corpus when
+    ``data.curate.enabled`` (text corpora; chat data is not curated), with its artifact
+    published; else ``data`` unchanged and None."""
+    if not data.curate.enabled or data.format != "pretrain":
+        return data, None
+    summary = curate_task(data, task_files)
+    create_markdown_artifact(
+        key="curation",
+        markdown=curation_markdown(summary),
+        description=f"Curated corpus at {summary['output']}",
+    )
+    return curated_data(data, summary["output"]), summary
+
+
+def curation_markdown(summary: dict, sample: int = 3) -> str:
+    """Counts by rule and, for each rule, a sample of the documents it removed or changed."""
+    lines = [
+        f"# Curated corpus at `{summary['output']}`",
+        "",
+        f"Kept **{summary['documents_out']:,}** of {summary['documents_in']:,} documents"
+        + (" (reused: inputs and settings unchanged)." if summary["reused"] else "."),
+        "",
+        "| | rule | documents |",
+        "|---|---|---|",
+    ]
+    for title in ("removed", "changed", "flagged"):
+        for rule, count in summary[title]["counts"].items():
+            lines.append(f"| {title} | {rule} | {count:,} |")
+    for title in ("removed", "changed", "flagged"):
+        examples = summary[title]["examples"]
+        for rule in summary[title]["counts"]:
+            shown = [e for e in examples if e["rule"] == rule][:sample]
+            if not shown:
+                continue
+            lines += ["", f"## {title}: {rule}", "", "| document | why | text |", "|---|---|---|"]
+            lines += [
+                f"| `{e['location']}` | {_cell(e['detail'])} | {_cell(e['text'][:160])} |"
+                for e in shown
+            ]
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ⏎ ")
 
 
 @task(
@@ -117,9 +213,12 @@ def manifest_markdown(summary: dict) -> str:
 def tokenize_corpus(
     data: DataConfig,
     tokenizer: TokenizerConfig = TokenizerConfig(),  # noqa: B008 - rendered as the form's default
+    decontaminate: list[str] = SAMPLE_TASKS,  # noqa: B006 - a read-only form default
 ) -> dict:
-    """Train or load a tokenizer (SentencePiece or Hugging Face), then write Megatron shards
-    and a manifest."""
+    """Curate the corpus (``data.curate``; decontaminated against ``decontaminate``, the
+    shipped evaluation task by default), train or load a tokenizer (SentencePiece or
+    Hugging Face), then write Megatron shards and a manifest."""
+    data, curation = curate_before_tokenizing(data, evaluation_task_files(decontaminate))
     model_path = train_tokenizer_task(data, tokenizer)
     summary = write_shards_task(data, tokenizer, model_path)
     create_markdown_artifact(
@@ -127,4 +226,4 @@ def tokenize_corpus(
         markdown=manifest_markdown(summary),
         description=f"Shard set written to {summary['output']}",
     )
-    return summary
+    return {**summary, "curation": curation}

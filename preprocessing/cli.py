@@ -88,6 +88,46 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     )
     prepare.set_defaults(handler=_prepare)
 
+    curate = commands.add_parser(
+        "curate",
+        help="deduplicate, filter, decontaminate and redact a corpus before tokenizing it",
+        description="One streaming pass over the corpus, in input order: exact duplicates "
+        "(hash of the normalized text), Gopher/C4/FineWeb quality rules (word count, mean "
+        "word length, symbol, bullet and ellipsis ratios, words with letters, stop words, "
+        "repeated lines and n-grams), decontamination against evaluation task files (word "
+        "13-grams), near duplicates (MinHash + LSH, datasketch) and optional PII redaction "
+        "(emails, IPv4, phone numbers). Writes the kept documents as OUTPUT/part-XXXXX.jsonl "
+        "and, last, OUTPUT/_curation.json with the counts by rule and examples; `megalith "
+        "data prepare --input OUTPUT` copies them into the shard manifest. Each rule's "
+        "setting is a data.curate key (--set data.curate.quality.min_words=20, "
+        "--set data.curate.near_dedup.enabled=false); see docs/data.md. The same inputs, "
+        "config and task files give the same documents; a rerun reuses a finished output.",
+    )
+    _add_input_arguments(curate)
+    curate.add_argument(
+        "--output",
+        metavar="DIR_OR_URL",
+        help="where the curated jsonl goes (data.curate.output; default DATA_OUTPUT/curated)",
+    )
+    curate.add_argument(
+        "--decontaminate",
+        nargs="+",
+        metavar="FILE",
+        help="evaluation task files (jsonl or txt) whose items' n-grams remove documents, "
+        "e.g. evaluation/tasks/*.jsonl (added to data.curate.decontamination.task_files)",
+    )
+    curate.add_argument(
+        "--report-contamination",
+        action="store_true",
+        help="keep contaminated documents and only count them (decontamination.action report)",
+    )
+    curate.add_argument(
+        "--redact-pii",
+        action="store_true",
+        help="replace emails, IPv4 addresses and phone numbers (data.curate.pii.enabled)",
+    )
+    curate.set_defaults(handler=_curate)
+
     inspect = commands.add_parser(
         "inspect",
         help="summarise a shard set and decode sample documents",
@@ -183,6 +223,13 @@ def config_from_args(args: argparse.Namespace) -> MegalithConfig:
             values["data.append_eod"] = False
         if args.eod is not None:
             values["data.eod"] = args.eod
+    if args.data_command == "curate":
+        if args.output is not None:
+            values["data.curate.output"] = args.output
+        if args.report_contamination:
+            values["data.curate.decontamination.action"] = "report"
+        if args.redact_pii:
+            values["data.curate.pii.enabled"] = True
     return load_config(args.config, args.set, values)
 
 
@@ -224,6 +271,15 @@ def _prepare(args: argparse.Namespace) -> int:
         )
     if manifest.rejected.total:
         print(f"  rejected {manifest.rejected.total} record(s): {dict(manifest.rejected.counts)}")
+    return 0
+
+
+def _curate(args: argparse.Namespace) -> int:
+    from preprocessing.curate import curate_corpus, describe
+
+    config = config_from_args(args)
+    report = curate_corpus(config.data, args.decontaminate or (), show_progress=not args.quiet)
+    print(describe(report))
     return 0
 
 

@@ -84,6 +84,39 @@ class RejectedRecords(_Record):
     examples: list[dict[str, str]] = Field(default_factory=list)
 
 
+class RuleCounts(_Record):
+    """Documents a curation rule removed, changed or flagged: counts by rule and the first
+    few examples (``location``, ``rule``, ``detail``, ``text``: the start of the document)."""
+
+    total: int = 0
+    counts: dict[str, int] = Field(default_factory=dict)
+    examples: list[dict[str, str]] = Field(default_factory=list)
+
+
+class CurationRecord(_Record):
+    """What ``megalith data curate`` did to the raw corpus before it was tokenized:
+    ``documents_in`` valid documents were read from ``inputs`` (``rejected``: bad records),
+    ``removed.total`` were dropped, by rule, and ``documents_out`` written to ``outputs``
+    (``changed``: redacted; ``flagged``: reported, kept)."""
+
+    fingerprint: str
+    documents_in: int = Count
+    documents_out: int = Count
+    inputs: list[InputInfo]
+    rejected: RejectedRecords
+    removed: RuleCounts
+    changed: RuleCounts
+    flagged: RuleCounts
+    redactions: dict[str, int] = Field(default_factory=dict)
+    outputs: dict[str, FileInfo]
+    config: dict[str, Any]
+
+    def buckets(self) -> list[tuple[str, RuleCounts]]:
+        """``removed``, ``changed`` and ``flagged``, those that counted any document."""
+        named = [("removed", self.removed), ("changed", self.changed), ("flagged", self.flagged)]
+        return [(name, counts) for name, counts in named if counts.total]
+
+
 class Manifest(_Record):
     format: str = MANIFEST_FORMAT
     version: int = MANIFEST_VERSION
@@ -99,6 +132,7 @@ class Manifest(_Record):
     inputs: list[InputInfo]
     rejected: RejectedRecords
     config: dict[str, Any]
+    curation: CurationRecord | None = None  # when the inputs are a curated corpus
 
     def shard_prefixes(self, root: str) -> list[str]:
         return [join(root, shard.name) for shard in self.shards]

@@ -51,6 +51,7 @@ from megalith.storage import (
 )
 from preprocessing.chat import MASK_DTYPE, encode_conversations
 from preprocessing.corpus import Corpus
+from preprocessing.curation_record import find_curation
 from preprocessing.indexed_dataset import IndexedDatasetWriter, token_dtype
 from preprocessing.manifest import (
     MANIFEST_NAME,
@@ -58,6 +59,7 @@ from preprocessing.manifest import (
     FileInfo,
     InputInfo,
     Manifest,
+    RejectedRecords,
     ShardInfo,
     TokenizerInfo,
     write_manifest,
@@ -123,7 +125,7 @@ def input_fingerprint(corpus: Corpus) -> str:
     settings = corpus.config.model_dump(
         include={"input_format", "json_key", "text_mode", "on_bad_record", "format"}
     )
-    return _digest({"version": SCAN_VERSION, "files": files, "settings": settings})
+    return json_digest({"version": SCAN_VERSION, "files": files, "settings": settings})
 
 
 def scan_corpus(corpus: Corpus, fingerprint: str, show_progress: bool = True) -> ScanResult:
@@ -131,7 +133,7 @@ def scan_corpus(corpus: Corpus, fingerprint: str, show_progress: bool = True) ->
     documents = [0] * len(corpus.files)
     rejected = [0] * len(corpus.files)
     characters = text_bytes = 0
-    with _progress(corpus.text_bytes_hint(), "scanning", show_progress) as bar:
+    with progress_bar(corpus.text_bytes_hint(), "scanning", show_progress) as bar:
         for index in range(len(corpus.files)):
             rejected_before = rejects.total
             for batch in corpus.file_batches(index, rejects):
@@ -155,7 +157,7 @@ def load_or_scan(corpus: Corpus, state_url: str, show_progress: bool) -> ScanRes
     fingerprint = input_fingerprint(corpus)
     # The examples kept depend on max_bad_examples, which does not change the documents.
     examples = corpus.config.max_bad_examples
-    cached = _read_json_or_none(join(state_url, "scan.json"), corpus.config.storage_options)
+    cached = read_json_or_none(join(state_url, "scan.json"), corpus.config.storage_options)
     if (
         cached
         and cached.get("fingerprint") == fingerprint
@@ -188,7 +190,7 @@ class ShardPlan:
 def make_plan(
     scan: ScanResult, data: DataConfig, tokenizer: Tokenizer, dtype: np.dtype
 ) -> ShardPlan:
-    key = _digest(
+    key = json_digest(
         {
             "scan": scan.fingerprint,
             "tokenizer": tokenizer.id,
@@ -347,7 +349,7 @@ class ShardStore:
         return join(self.state, f"{name}.json")
 
     def is_complete(self, name: str, plan_key: str) -> ShardInfo | None:
-        marker = _read_json_or_none(self.marker_url(name), self.options)
+        marker = read_json_or_none(self.marker_url(name), self.options)
         if not marker or marker.get("plan") != plan_key or not marker.get("shard"):
             return None
         try:
@@ -369,7 +371,7 @@ class ShardStore:
 
     def is_empty(self, name: str, plan_key: str) -> bool:
         """Whether a finished run of this plan found no documents for this shard."""
-        marker = _read_json_or_none(self.marker_url(name), self.options)
+        marker = read_json_or_none(self.marker_url(name), self.options)
         return bool(marker) and marker.get("plan") == plan_key and marker.get("shard") is None
 
     def mark_empty(self, name: str, plan_key: str) -> None:
@@ -533,7 +535,7 @@ def _tokenize(
     eod = tokenizer.eod_id if data.append_eod and not chat else None
     rejects = RejectLog(max_examples=0)
     position = 0
-    with _progress(scan.text_bytes, "tokenizing", show_progress) as bar:
+    with progress_bar(scan.text_bytes, "tokenizing", show_progress) as bar:
 
         def consume(results):
             for shard, tokens, lengths, mask in results:
@@ -594,6 +596,12 @@ def _build_manifest(corpus, scan, tokenizer, tokenizer_config, data, dtype, shar
         )
     ]
     config = {"data": data.model_dump(mode="json")}
+    curation = find_curation(corpus)
+    rejected = RejectedRecords.model_validate(scan.rejects)
+    if curation is not None:  # the raw corpus's bad records were met while curating it
+        log = RejectLog.from_record(curation.rejected, data.max_bad_examples)
+        log.merge(RejectLog.from_record(rejected, data.max_bad_examples))
+        rejected = log.to_record()
     if tokenizer_config is not None:
         config["tokenizer"] = tokenizer_config.model_dump(mode="json")
     return Manifest(
@@ -618,19 +626,20 @@ def _build_manifest(corpus, scan, tokenizer, tokenizer_config, data, dtype, shar
         tokens=sum(s.tokens for s in shards),
         shards=shards,
         inputs=inputs,
-        rejected=scan.rejects,
+        rejected=rejected,
         config=config,
+        curation=curation,
     )
 
 
 # --------------------------------------------------------------------------- helpers
 
 
-def _digest(obj: Any) -> str:
+def json_digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def _read_json_or_none(url: str, storage_options: dict[str, Any]) -> dict[str, Any] | None:
+def read_json_or_none(url: str, storage_options: dict[str, Any]) -> dict[str, Any] | None:
     """A state record, or None when it is missing or damaged (the work is then redone)."""
     try:
         return safe_read.read_json(url, storage_options=storage_options, expect=dict)
@@ -638,7 +647,7 @@ def _read_json_or_none(url: str, storage_options: dict[str, Any]) -> dict[str, A
         return None
 
 
-def _progress(total: int, desc: str, enabled: bool) -> tqdm:
+def progress_bar(total: int, desc: str, enabled: bool) -> tqdm:
     return tqdm(
         total=total or None,
         desc=desc,

@@ -113,6 +113,14 @@ class RejectLog:
         room = max(0, self.max_examples - len(self.examples))
         self.examples.extend(dict(example) for example in other.examples[:room])
 
+    @classmethod
+    def from_record(cls, record: RejectedRecords, max_examples: int = 20) -> RejectLog:
+        log = cls(max_examples=max_examples)
+        log.merge(
+            cls(max_examples=max_examples, counts=dict(record.counts), examples=record.examples)
+        )
+        return log
+
     def to_record(self) -> RejectedRecords:
         counts = {r: self.counts[r] for r in _KNOWN_REASONS if self.counts.get(r)}
         return RejectedRecords(total=self.total, counts=counts, examples=list(self.examples))

@@ -43,6 +43,25 @@ def verify_shard_set(
             f"manifest totals ({manifest.documents} documents, {manifest.tokens} tokens) "
             f"differ from the sum over shards {totals}"
         )
+    return problems + _curation_problems(manifest)
+
+
+def _curation_problems(manifest: Manifest) -> list[str]:
+    """A curated corpus's accounting adds up: every document read was kept or removed
+    once, and the shards hold the kept ones."""
+    curation = manifest.curation
+    if curation is None:
+        return []
+    problems = []
+    if curation.documents_out + curation.removed.total != curation.documents_in:
+        problems.append(
+            f"curation: {curation.documents_out} kept + {curation.removed.total} removed "
+            f"!= {curation.documents_in} documents read"
+        )
+    if curation.documents_out != manifest.documents:
+        problems.append(
+            f"curation kept {curation.documents_out} documents; the shards hold {manifest.documents}"
+        )
     return problems
 
 
@@ -107,6 +126,7 @@ def describe_shard_set(manifest: Manifest, root: str) -> str:
         f"inputs        {len(manifest.inputs)} file(s), {sum(i.bytes for i in manifest.inputs):,} bytes",
         f"rejected      {manifest.rejected.total:,}"
         + (f"  {dict(manifest.rejected.counts)}" if manifest.rejected.total else ""),
+        *_curation_lines(manifest),
         "",
         f"{'shard':<14}{'documents':>12}{'tokens':>14}  sha256 (.bin)",
     ]
@@ -121,6 +141,19 @@ def describe_shard_set(manifest: Manifest, root: str) -> str:
             f"  rejected {example.get('location')}: {example.get('reason')} {example.get('detail', '')}"
         )
     return "\n".join(lines)
+
+
+def _curation_lines(manifest: Manifest) -> list[str]:
+    curation = manifest.curation
+    if curation is None:
+        return []
+    lines = [
+        f"curated       kept {curation.documents_out:,} of {curation.documents_in:,} documents "
+        f"from {len(curation.inputs)} raw file(s)"
+    ]
+    for title, counts in curation.buckets():
+        lines.append(f"  {title:<12}{counts.total:,}  {dict(counts.counts)}")
+    return lines
 
 
 def decode_samples(

@@ -85,7 +85,10 @@ def first_run(prefect_api, tracking_uri: str, workdir: Path, config) -> dict:
 
 
 def test_every_stage_ran_and_reported(first_run: dict, workdir: Path) -> None:
-    assert first_run["shards"]["documents"] == DOCUMENTS
+    curation = first_run["curation"]  # on by default, before tokenizing
+    assert curation["documents_in"] == DOCUMENTS
+    assert first_run["shards"]["documents"] == curation["documents_out"]
+    assert curation["documents_out"] == DOCUMENTS - curation["removed"]["total"]
     training = first_run["training"]
     assert training["steps"] == 6
     metrics = [
@@ -113,6 +116,14 @@ def test_mlflow_holds_the_run_and_the_candidate(first_run: dict, tracking_uri: s
     report = json.loads(Path(first_run["evaluation"]["report"]).read_text())
     assert report["lm_eval"]["samples"]["sample_facts"], "lm-eval scored no item"
     assert run.data.tags["megalith.tokenizer.id"] == first_run["shards"]["tokenizer_id"]
+    # The curation is the dataset's lineage: counts by rule and its config.
+    curation = first_run["curation"]
+    assert run.data.tags["megalith.data.curation.documents_in"] == str(DOCUMENTS)
+    for rule, count in curation["removed"]["counts"].items():
+        assert run.data.tags[f"megalith.data.curation.removed.{rule}"] == str(count)
+    curate_config = json.loads(run.data.tags["megalith.data.curation.config"])
+    assert curate_config["near_dedup"]["num_perm"] == 128
+    assert run.data.params["data.curate.quality.min_words"] == "50"
     version = client.get_model_version_by_alias(MODEL_NAME, "candidate")
     assert int(version.version) == 1
     assert float(version.tags["eval.valid_perplexity"]) == pytest.approx(
@@ -125,7 +136,7 @@ def test_the_flow_published_its_artifacts(first_run: dict) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    keys = ["shard-manifest", "training-summary", "evaluation", "registered-model"]
+    keys = ["curation", "shard-manifest", "training-summary", "evaluation", "registered-model"]
     with get_client(sync_client=True) as client:
         for key in keys:
             found = client.read_artifacts(
@@ -133,7 +144,7 @@ def test_the_flow_published_its_artifacts(first_run: dict) -> None:
             )
             assert found, f"artifact {key} missing"
     package = first_run["training"]["model_package"]
-    summary = client_markdown(keys[1], containing=f"`{package}`")
+    summary = client_markdown(keys[2], containing=f"`{package}`")
     assert f"| steps | {first_run['training']['steps']} |" in summary
 
 
@@ -168,6 +179,7 @@ def test_rerun_skips_evaluation_and_registration(
         patch.setenv("HF_HUB_OFFLINE", "1")
         again = end_to_end(config, str(workdir), lm_eval_tasks=LM_EVAL_TASKS)
     assert again["shards"]["skipped"], "the shards should have been reused"
+    assert again["curation"]["reused"]
     assert again["training"]["package_id"] == first_run["training"]["package_id"]
     assert again["registration"]["version"] == 1
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)

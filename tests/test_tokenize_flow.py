@@ -95,7 +95,12 @@ def test_flow_returns_the_manifest_summary(first_run, flow_settings, corpus) -> 
     assert summary["output"] == data.output
     assert summary["tokenizer_id"] == manifest.tokenizer.id
     assert summary["tokenizer_id"] == hashlib.sha256(model.read_bytes()).hexdigest()
-    assert summary["documents"] == manifest.documents == DOCUMENTS
+    # Curated first (on by default): what it removed is counted, the rest tokenized.
+    curation = summary["curation"]
+    assert curation["documents_in"] == DOCUMENTS == manifest.curation.documents_in
+    assert curation["removed"]["total"] > 0
+    kept = DOCUMENTS - curation["removed"]["total"]
+    assert summary["documents"] == manifest.documents == curation["documents_out"] == kept
     assert summary["tokens"] == manifest.tokens > DOCUMENTS
     assert summary["shards"] == 2
     assert summary["written"] == ["shard-00000", "shard-00001"]
@@ -123,9 +128,23 @@ def test_flow_publishes_the_manifest_artifact(first_run) -> None:
     assert "| not_a_string | 1 |" in markdown
 
 
-def test_flow_runs_both_stages_as_tasks(first_run) -> None:
+def test_flow_publishes_the_curation_artifact(first_run) -> None:
+    with get_client(sync_client=True) as client:
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["curation"]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[first_run.state_details.flow_run_id]),
+            )
+        )
+    curation = first_run.result()["curation"]
+    for rule, count in curation["removed"]["counts"].items():
+        assert f"| removed | {rule} | {count:,} |" in artifact.data
+        assert f"## removed: {rule}" in artifact.data  # a sample of what it removed
+
+
+def test_flow_runs_every_stage_as_a_task(first_run) -> None:
     runs = task_runs_of(first_run.state_details.flow_run_id)
-    assert set(runs) == {"train-tokenizer", "write-shards"}
+    assert set(runs) == {"curate-corpus", "train-tokenizer", "write-shards"}
     assert all(run.state.is_completed() for run in runs.values())
 
 
@@ -139,7 +158,8 @@ def test_second_run_reuses_tokenizer_and_shards(first_run, flow_settings) -> Non
     assert summary["skipped"] == ["shard-00000", "shard-00001"]
     assert summary["written"] == []
     assert summary["tokenizer_id"] == first_run.result()["tokenizer_id"]
-    assert summary["documents"] == DOCUMENTS
+    assert summary["documents"] == first_run.result()["documents"]
+    assert summary["curation"]["reused"]
     assert model.stat().st_mtime_ns == trained_at  # not trained again
     (artifact,) = shard_manifest_artifacts(state.state_details.flow_run_id)
     assert "| shards | 2 (0 written, 2 reused) |" in artifact.data
@@ -161,7 +181,8 @@ def test_rerun_after_the_shards_were_deleted_writes_them_again(
     assert second.is_completed(), second.message
     summary = second.result()
     assert summary["written"] == ["shard-00000"] and summary["skipped"] == []
-    assert read_manifest(data.output).documents == len(texts)
+    assert read_manifest(data.output).documents == summary["curation"]["documents_out"]
+    assert summary["curation"]["documents_in"] == len(texts)
     assert verify_shard_set(data.output) == []
 
 
@@ -174,9 +195,9 @@ def test_bad_input_fails_the_flow_without_retries(prefect_api, tmp_path: Path) -
         state.result()
     runs = task_runs_of(state.state_details.flow_run_id)
     # A user's mistake is not retried (the task allows 2 retries for storage hiccups).
-    assert runs["train-tokenizer"].run_count == 1
-    assert runs["train-tokenizer"].state.is_failed()
-    assert "write-shards" not in runs
+    assert runs["curate-corpus"].run_count == 1
+    assert runs["curate-corpus"].state.is_failed()
+    assert "train-tokenizer" not in runs and "write-shards" not in runs
     assert not (tmp_path / "out").exists()
 
 

@@ -271,6 +271,7 @@ def lineage_tags(
         )
         if urls[0].endswith(".json"):
             tokenizer_id = tokenizer_id or _manifest_tokenizer_id(urls[0], storage_options)
+        tags.update(curation_tags(urls, storage_options))
     if tokenizer_id:
         tags["megalith.tokenizer.id"] = tokenizer_id
     commit, dirty = git_commit()
@@ -278,6 +279,32 @@ def lineage_tags(
         tags["mlflow.source.git.commit"] = commit
         commit = f"{commit}-dirty" if dirty else commit
     tags["megalith.code.version"] = code_version or commit or package_version()
+    return tags
+
+
+def curation_tags(
+    urls: Sequence[str], storage_options: dict[str, Any] | None = None
+) -> dict[str, str]:
+    """What curation did to each dataset whose manifest records it: documents in and out,
+    documents per rule (``megalith.data.curation.removed.near_duplicate``, ...) and the
+    curation config as JSON. With several datasets (a blend) the keys hold its place:
+    ``megalith.data.1.curation...``."""
+    tags: dict[str, str] = {}
+    for index, url in enumerate(urls):
+        if not url.endswith(".json"):
+            continue
+        manifest = safe_read.read_json(url, storage_options=storage_options, expect=dict)
+        curation = safe_read.field(manifest, "curation", (dict, type(None)), url, default=None)
+        if curation is None:
+            continue
+        prefix = "megalith.data.curation." if len(urls) == 1 else f"megalith.data.{index}.curation."
+        for key in ("documents_in", "documents_out"):
+            tags[prefix + key] = str(curation.get(key))
+        for bucket in ("removed", "changed", "flagged"):
+            counts = (curation.get(bucket) or {}).get("counts") or {}
+            for rule, count in counts.items():
+                tags[f"{prefix}{bucket}.{rule}"] = str(count)
+        tags[prefix + "config"] = json.dumps(curation.get("config"), sort_keys=True)
     return tags
 
 
