@@ -385,7 +385,7 @@ class RayTrainJob:
         try:
             lines, returncode = ray.get(node.agent.poll.remote(), timeout=timeout)
         except ray.exceptions.ActorDiedError as error:
-            node.lost = _gist(error)
+            node.lost = _why_lost(error)
             return
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as error:
             node.unanswered += 1
@@ -462,10 +462,17 @@ def run_job(
     return [node.describe() for node in job.nodes]
 
 
-def _gist(error: BaseException) -> str:
+def _gist(error: BaseException | str) -> str:
     """An exception's message on one line, at most 400 characters."""
     text = " ".join(str(error).split())
     return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _why_lost(error: BaseException) -> str:
+    """Ray's reason an actor died, without the actor's ids and class that precede it."""
+    text = " ".join(str(error).split())
+    start = text.find("The actor died because")
+    return _gist(text[start:] if start >= 0 else text)
 
 
 def _resources(resources: Mapping[str, float]) -> str:
