@@ -6,13 +6,16 @@ without ``--nproc-per-node``) everything runs in one process and torch.distribut
 never initialised.
 
 Every collective has a timeout (``MEGALITH_DIST_TIMEOUT_S``, default 600 s) so that a
-rank that died or hangs fails the job instead of leaving the others waiting forever.
+rank that died or hangs fails the job instead of leaving the others waiting forever. A
+rank whose collective fails that way (a peer's process or node died, was stopped, or did
+not answer in time) says so in one line, not a transport traceback (``lost_peer``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Iterator, Mapping
@@ -103,11 +106,16 @@ def init_distributed(device_name: str = "auto") -> tuple[DistributedEnv, torch.d
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s())
     dist.init_process_group(
-        backend=backend,
-        timeout=timedelta(seconds=timeout_s()),
-        device_id=device if device.type == "cuda" else None,
+        backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None
     )
+    # A group made without a timeout gets torch's default (30 min on gloo, 10 on NCCL), not
+    # the world's: the device mesh's TP/CP/DP/PP groups, the checkpoint barriers' group. A
+    # node that hangs or drops off the network (no connection reset) kept the others
+    # waiting that long; the default is now ours, so it bounds their collectives too.
+    dist.distributed_c10d.default_pg_timeout = timeout
+    dist.distributed_c10d.default_pg_nccl_timeout = timeout
     logger.debug("rank %d/%d joined (%s on %s)", env.rank, env.world_size, backend, device)
     return env, device
 
@@ -144,7 +152,29 @@ def _report(error: Exception) -> None:
     message = str(error) if isinstance(error, MegalithError) else None
     if isinstance(error, OSError):
         message = storage_error_message(error)
+    if (cause := lost_peer(error)) is not None:
+        message = (
+            f"rank {dist.get_rank()} lost its peers ({cause}): a rank or a node of this job "
+            f"died, was stopped, or did not answer within {TIMEOUT_ENV}={timeout_s():g} s. "
+            "Relaunch every node with --resume to continue from the last committed checkpoint"
+        )
     if message is None:
         traceback.print_exc()
     else:
         print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+# What the transport says, without gloo's source location and its advice to read the
+# remote worker's log (the line above does that).
+_GLOO_LOCATION = re.compile(r"^\[[^\]]*gloo/transport[^\]]*\]\s*")
+_GLOO_ADVICE = re.compile(r"\.?\s*This is typically caused by.*$")
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """The transport's own words when ``error`` is a collective that failed on its peers
+    (connection closed or reset, a timeout): any ``torch.distributed.DistError``, and the
+    plain RuntimeError gloo raises through autograd. None for anything else."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if not (isinstance(error, dist.DistError) or "gloo/transport" in text):
+        return None
+    return _GLOO_ADVICE.sub("", _GLOO_LOCATION.sub("", text)) or type(error).__name__
