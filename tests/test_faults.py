@@ -41,7 +41,7 @@ from parallel_helpers import (
     tiny_settings,
 )
 from safetensors import SafetensorError
-from servers import answers, free_port, run_group, stop_group
+from servers import alive, answers, descendants, free_port, run_group, stop_group
 
 from megalith.errors import MegalithError, storage_error_message
 from training.checkpoint.async_save import Checkpointer
@@ -100,32 +100,6 @@ def wait_for_a_step(process: subprocess.Popen, metrics: Path) -> None:
             raise AssertionError(f"training exited early: {process.stderr.read()[-3000:]}")
         assert time.monotonic() < deadline, "no training step was written"
         time.sleep(0.2)
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below ``pid``, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                stat = (entry / "stat").read_text()
-                parent = int(stat.rpartition(")")[2].split()[1])
-                children.setdefault(parent, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting for its reaper."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def kill_and_expect_no_survivors(process: subprocess.Popen, tree: set[int]) -> None:

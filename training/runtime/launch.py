@@ -67,22 +67,28 @@ def torchrun_command(spec: LaunchSpec, module_args: Sequence[str]) -> list[str]:
     ``-m`` module args.
 
     One node without an endpoint uses ``--standalone`` (a private rendezvous on a free
-    port, so concurrent jobs never collide). Several nodes meet through a c10d store at
-    the endpoint; the node with ``node_rank`` 0 hosts it.
+    port, so concurrent jobs never collide). Nodes that know their rank meet at a static
+    rendezvous hosted by node 0 at the endpoint: node R's workers are ranks R·N .. R·N+N-1,
+    so rank 0 (progress lines, files, MLflow) is on node 0, whose launcher's output a
+    Prefect flow streams. (c10d would order the nodes by host name and process id, and
+    ignore ``--node-rank``.) Nodes that do not (an srun task) meet through c10d there.
     """
     spec.check()
     command = [sys.executable, "-m", "training.runtime.launch"]
     if spec.nnodes == 1 and not spec.rdzv_endpoint:
         command.append("--standalone")
-    else:
+    elif spec.node_rank is None:
         command += [
             "--rdzv-backend", "c10d",
             "--rdzv-endpoint", spec.rdzv_endpoint or "",
             "--rdzv-id", spec.rdzv_id,
         ]  # fmt: skip
-        if spec.node_rank is not None:
-            command += ["--node-rank", str(spec.node_rank)]
-            command += ["--rdzv-conf", f"is_host={int(spec.node_rank == 0)}"]
+    else:
+        command += [
+            "--rdzv-backend", "static",
+            "--rdzv-endpoint", spec.rdzv_endpoint or "",
+            "--node-rank", str(spec.node_rank),
+        ]  # fmt: skip
     if spec.local_addr:
         command += ["--local-addr", spec.local_addr]
     command += [
