@@ -67,11 +67,13 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     )
     launch.add_argument("--nnodes", type=int, default=1, metavar="M", help="nodes in the job")
     launch.add_argument(
-        "--node-rank", type=int, metavar="R", help="this node's rank (0 hosts the rendezvous)"
+        "--node-rank",
+        type=int,
+        metavar="R",
+        help="this node's rank: its workers are ranks R*N to R*N+N-1 (node 0 hosts the "
+        "rendezvous and rank 0); without it the nodes meet through c10d in any order",
     )
-    launch.add_argument(
-        "--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous on the first node"
-    )
+    launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the rendezvous, on node 0")
     launch.add_argument("--rdzv-id", default="megalith", metavar="ID", help="job id for rendezvous")
     launch.add_argument(
         "--local-addr",
