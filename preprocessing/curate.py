@@ -22,6 +22,7 @@ the record into the shard manifest (``preprocessing.curation_record``).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import json
@@ -116,14 +117,16 @@ class Locator:
     document's ordinal in the whole stream."""
 
     def __init__(self) -> None:
-        self.starts: list[tuple[int, str]] = []
+        self.starts: list[int] = []
+        self.urls: list[str] = []
 
     def begin_file(self, ordinal: int, url: str) -> None:
-        self.starts.append((ordinal, url))
+        self.starts.append(ordinal)
+        self.urls.append(url)
 
     def __call__(self, ordinal: int) -> str:
-        start, url = next((s, u) for s, u in reversed(self.starts) if s <= ordinal)
-        return f"{url}#{ordinal - start + 1}"
+        index = bisect.bisect_right(self.starts, ordinal) - 1
+        return f"{self.urls[index]}#{ordinal - self.starts[index] + 1}"
 
 
 # --------------------------------------------------------------------------- rules
