@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from megalith import safe_read
 from megalith.config import ConfigError, CurateConfig, DataConfig
 from megalith.storage import (
     atomic_write_json,
@@ -42,11 +43,12 @@ from megalith.storage import (
     filesystem,
     is_local,
     join,
+    sha256_of_bytes,
     sha256_of_file,
 )
 from preprocessing.corpus import Corpus
 from preprocessing.curation_record import RECORD_NAME, read_record
-from preprocessing.decontaminate import Contamination, TaskFileError
+from preprocessing.decontaminate import MAX_TASK_FILE_BYTES, Contamination, TaskFileError
 from preprocessing.dedup import ExactDuplicates, NearDuplicates
 from preprocessing.manifest import CurationRecord, FileInfo, InputInfo, RuleCounts
 from preprocessing.pii import redact
@@ -270,9 +272,12 @@ def curate_fingerprint(corpus: Corpus, data: DataConfig, task_files: Sequence[st
 
 def _task_file_digest(url: str, storage_options: dict[str, Any]) -> str:
     try:
-        return sha256_of_file(url, storage_options)
+        data = safe_read.read_bytes_bounded(url, MAX_TASK_FILE_BYTES, storage_options)
     except OSError as exc:
         raise TaskFileError(f"{url}: cannot read the task file ({exc.strerror or exc})") from None
+    except safe_read.UnsafeFileError as exc:
+        raise TaskFileError(str(exc)) from None
+    return sha256_of_bytes(data)
 
 
 def curate_corpus(

@@ -14,10 +14,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
-
+from megalith import safe_read
 from megalith.errors import MegalithError
 from preprocessing.text_norm import plain_words
+
+MAX_TASK_FILE_BYTES = 256 << 20  # evaluation sets are megabytes; /dev/zero is not one
 
 
 class TaskFileError(MegalithError):
@@ -32,20 +33,24 @@ def ngram_keys(words: list[str], n: int) -> Iterator[int]:
 
 
 def item_texts(url: str, storage_options: dict[str, Any] | None = None) -> Iterator[str]:
-    """The text of each item in a task file (jsonl records, or lines of plain text)."""
+    """The text of each item in a task file (jsonl records, or lines of plain text).
+    A task file is read whole, within ``MAX_TASK_FILE_BYTES``, and must be a regular file."""
     jsonl = url.endswith((".jsonl", ".json", ".ndjson"))
-    with fsspec.open(url, "rt", encoding="utf-8", **(storage_options or {})) as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            if not jsonl:
-                yield line.strip()
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TaskFileError(f"{url}:{number}: not JSON ({exc.msg})") from None
-            yield " ".join(_strings(record))
+    try:
+        data = safe_read.read_bytes_bounded(url, MAX_TASK_FILE_BYTES, storage_options)
+    except safe_read.UnsafeFileError as exc:
+        raise TaskFileError(str(exc)) from None
+    for number, line in enumerate(data.decode("utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if not jsonl:
+            yield line.strip()
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TaskFileError(f"{url}:{number}: not JSON ({exc.msg})") from None
+        yield " ".join(_strings(record))
 
 
 def _strings(value: Any) -> Iterator[str]:

@@ -201,6 +201,9 @@ def test_bad_settings_are_refused_naming_the_key(
     assert main(["data", "curate", "--input", raw, "--output", str(corpus / "x"),
                  "--decontaminate", str(missing)]) == 1  # fmt: skip
     assert f"{missing}: cannot read the task file" in capsys.readouterr().err
+    assert main(["data", "curate", "--input", raw, "--output", str(corpus / "x"),
+                 "--decontaminate", "/dev/zero"]) == 1  # fmt: skip
+    assert "/dev/zero: not a regular file" in capsys.readouterr().err
 
 
 def test_curates_from_and_to_s3(corpus: Path, s3_bucket: str, s3_endpoint: dict) -> None:

@@ -145,6 +145,7 @@ def test_console_script_lists_data() -> None:
                 "--set",
             ],
         ),
+        ("curate", ["--input", "--output", "--decontaminate", "--redact-pii", "--set"]),
         ("inspect", ["PATH", "--decode"]),
         ("verify", ["PATH"]),
     ],
@@ -160,7 +161,7 @@ def test_subcommand_help(command: str, flags: list[str]) -> None:
 def test_data_without_a_command_shows_its_commands(capsys: pytest.CaptureFixture) -> None:
     assert main(["data"]) == 2
     shown = capsys.readouterr().out
-    for command in ("train-tokenizer", "prepare", "inspect", "verify"):
+    for command in ("train-tokenizer", "curate", "prepare", "inspect", "verify"):
         assert command in shown
 
 
