@@ -35,7 +35,8 @@ from servers import alive, descendants, free_port, run_group, stop_group
 
 from pipelines.cli import main
 from training.checkpoint.async_save import TEST_WRITE_DELAY_ENV
-from training.checkpoint.sharded import latest_sharded_checkpoint, verify_sharded_checkpoint
+from training.checkpoint.sharded_index import latest_sharded_checkpoint
+from training.checkpoint.sharded_reader import verify_sharded_checkpoint
 from training.metrics.run_logger import read_metrics
 from training.models.package import verify_model_package
 from training.runtime.launch import TIMEOUT_ENV, LaunchSpec, slurm_script, torchrun_command
