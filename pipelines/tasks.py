@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,9 @@ from registry.promotion import gate
 from training.mlflow_store.runs import log_evaluation
 from training.runtime.launch import PARENT_PID_ENV
 from training.runtime.run_lock import hold_run_folder
+
+# Under the 30 s after which Prefect's runner SIGKILLs a cancelled flow run's process.
+STOP_GRACE_S = 20.0
 
 CACHED = {
     "cache_policy": INPUTS + TASK_SOURCE,
@@ -66,10 +70,13 @@ def train_command(recipe: Path, output: Path, nproc_per_node: int = 1) -> list[s
 def stream_process(command: list[str], logger, extra_env: dict[str, str] | None = None) -> int:
     """Run a command, sending each line of its output to the Prefect run logger.
 
-    The child stays in this process group (no new session), so cancelling the flow run
-    takes it and its torchrun workers down too; and it dies with this process however
-    this one ends (``training.runtime.launch.die_with_parent``), so a retry never trains beside
-    an orphan. Only rank 0 logs progress; the other ranks print warnings and errors only.
+    Cancelling the flow run stops the command the orderly way: Prefect's runner sends the
+    flow's process SIGTERM (to its pid alone), raised here as ``TerminationSignal``, and
+    this passes the SIGTERM on (``stop_child``), so that a training unwinds and its ranks
+    stop on every node. Without that, the command trained on until the runner's SIGKILL
+    30 s later. The command also dies with this process however this one ends
+    (``training.runtime.launch.die_with_parent``), so a retry never trains beside an
+    orphan. Only rank 0 logs progress; the other ranks print warnings and errors only.
     """
     tail: deque[str] = deque(maxlen=40)
     env = {
@@ -81,16 +88,40 @@ def stream_process(command: list[str], logger, extra_env: dict[str, str] | None 
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env
     ) as process:
-        for line in process.stdout:
-            line = line.rstrip()
-            tail.append(line)
-            logger.info(line)
+        try:
+            log_lines(process, logger, tail)
+        except BaseException:  # TerminationSignal (a cancel, a timeout), Ctrl-C, an error
+            stop_child(process, logger)
+            raise
         returncode = process.wait()
     if returncode:
         raise TrainingProcessError(
             f"training exited with code {returncode}; last output:\n" + "\n".join(tail), returncode
         )
     return returncode
+
+
+def log_lines(process: subprocess.Popen, logger, tail: deque[str] | None = None) -> None:
+    """Each line of the process's output to ``logger`` (and ``tail``), until it closes."""
+    for line in process.stdout:
+        line = line.rstrip()
+        if tail is not None:
+            tail.append(line)
+        logger.info(line)
+
+
+def stop_child(process: subprocess.Popen, logger, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM, which ``megalith train`` passes to every rank, its last lines logged;
+    SIGKILL if it still runs ``grace_s`` later (a rank stuck in a collective cannot
+    unwind), which takes its workers with it (``die_with_parent``) and closes the output."""
+    process.terminate()
+    deadline = threading.Timer(grace_s, process.kill)
+    deadline.start()
+    try:
+        log_lines(process, logger)
+        process.wait()
+    finally:
+        deadline.cancel()
 
 
 @task(

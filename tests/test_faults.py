@@ -139,20 +139,43 @@ def test_sigkill_of_the_launcher_stops_every_worker_and_frees_the_folder(
     assert (output / LOCK_NAME).read_text() == ""  # released when the run ended
 
 
-def test_sigterm_unwinds_the_run_then_ends_it_by_the_signal(shards: Path, tmp_path: Path) -> None:
+# A Prefect flow run's process running the pretrain task: Prefect's SIGTERM bridge (the
+# runner cancels a run with SIGTERM to this process alone, SIGKILL 30 s later), then
+# stream_process in the same thread, as the task engine calls it.
+FLOW_PROCESS = """
+import logging, sys
+from prefect.utilities.engine import capture_sigterm
+from pipelines.tasks import stream_process
+
+logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr, force=True)
+with capture_sigterm():
+    stream_process(sys.argv[1:], logging.getLogger("task"))
+"""
+
+
+def test_a_cancelled_flow_run_unwinds_its_training_which_ends_by_the_signal(
+    shards: Path, tmp_path: Path
+) -> None:
     from mlflow import MlflowClient
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     output = tmp_path / "run"
-    with training_forever(shards, output, **tracked_by(store)) as process:
-        process.send_signal(signal.SIGTERM)  # a cancelled flow, a scheduler's time limit
-        _, stderr = process.communicate(timeout=HANG_GUARD_S)
-    # Ended by the signal after unwinding, as a killed process (the pretrain task retries it).
-    assert process.returncode == -signal.SIGTERM
-    assert stderr.strip().splitlines()[-1] == "terminated", stderr[-3000:]
+    via = (sys.executable, "-c", FLOW_PROCESS)
+    with training_forever(shards, output, via=via, **tracked_by(store)) as flow:
+        tree = descendants(flow.pid)
+        flow.send_signal(signal.SIGTERM)  # a cancel from the UI, a flow run's timeout
+        sent = time.monotonic()
+        _, stderr = flow.communicate(timeout=HANG_GUARD_S)
+        took = time.monotonic() - sent
+    # The task passed the SIGTERM on: the training unwound, said so, and died of it, all
+    # before the runner's SIGKILL; then the flow's process died of it too, as Prefect does.
+    assert took < 20, f"{took:.1f} s"
+    assert "terminated" in stderr.splitlines(), stderr[-3000:]
+    assert flow.returncode == -signal.SIGTERM
+    assert not [pid for pid in tree if alive(pid)]
     client = MlflowClient(tracking_uri=store)
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert run.info.status == "FAILED"  # not RUNNING forever
+    assert run.info.status == "FAILED"  # ended at once, not RUNNING until the next run
     assert (output / LOCK_NAME).read_text() == ""
 
 
