@@ -15,6 +15,7 @@ must beat.
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -79,7 +80,7 @@ def torchrun_run(shards: Path, output: Path) -> Path:
 
 
 def processes_of(run_dir: Path) -> list[str]:
-    """The live processes whose command line names the run folder (launchers, workers)."""
+    """The command lines ("PID: ARGS") of the live processes that name the run folder."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
@@ -87,15 +88,16 @@ def processes_of(run_dir: Path) -> list[str]:
         except OSError:
             continue
         if proc.name.isdigit() and str(run_dir) in command:
-            found.append(f"{proc.name}: {command[:160]}")
+            found.append(f"{proc.name}: {command}")
     return found
 
 
 def gone_within(run_dir: Path, seconds: float) -> list[str]:
+    """The processes of the run still alive after ``seconds`` (shortened), else []."""
     deadline = time.monotonic() + seconds
     while (left := processes_of(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return left
+    return [command[:200] for command in left]
 
 
 def held(tmp_path: Path) -> tuple[dict[str, str], Path]:
@@ -126,7 +128,8 @@ def test_cancelling_the_flow_run_stops_every_node(
     prefect_api, ray_cluster, shards: Path, tmp_path: Path
 ) -> None:
     """Cancel as the UI does (the run goes Cancelling; Prefect's runner stops the flow's
-    process) while both ranks train: the flow's ``finally`` stops both nodes' launchers."""
+    process) while both ranks train: the flow's ``finally`` stops both nodes' launchers,
+    and they their torchrun and workers."""
     hold, holding = held(tmp_path)
     run_dir = tmp_path / "ray"
     parameters = flow_parameters(ray_cluster, shards, run_dir, hold)
@@ -228,3 +231,41 @@ def test_the_cluster_train_form_reaches_ray_train() -> None:
         "gpus_per_node": 8,
         **options,
     }
+
+
+def test_a_driver_killed_outright_leaves_no_training_behind(
+    ray_cluster, shards: Path, tmp_path: Path
+) -> None:
+    """``megalith launch ray`` (the job without Prefect) killed with SIGKILL while both
+    ranks train, so that nothing of it can stop the job: Ray ends the actors of a driver
+    that is gone, and each node's launcher, torchrun and worker die with their parent."""
+    hold, holding = held(tmp_path)
+    run_dir = tmp_path / "ray"
+    env = [f"--env={key}={value}" for key, value in {**ENV, **hold}.items()]
+    command = megalith(
+        "launch", "ray", "--config", str(RECIPE), *set_args(settings(shards)),
+        "--nodes", "2", "--gpus-per-node", "1", "--cpus-per-node", "1",
+        "--run-dir", str(run_dir), "--address", ray_cluster.address, *env,
+    )  # fmt: skip
+    log = tmp_path / "driver.log"
+    with log.open("w") as output:
+        driver = subprocess.Popen(
+            command, env=child_env(), stdout=output, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + HANG_GUARD_S
+        while len(list(holding.iterdir())) < 2 and driver.poll() is None:
+            assert time.monotonic() < deadline, driver_said(log)
+            time.sleep(0.1)
+        assert driver.poll() is None, driver_said(log)
+        driver.kill()
+        driver.wait()
+    assert log.read_text().count("started megalith train") == 2, driver_said(log)
+    assert gone_within(run_dir, 30) == []
+
+
+def driver_said(log: Path) -> str:
+    """The driver's own lines, then the nodes' last ones."""
+    lines = log.read_text().splitlines()
+    own = [line for line in lines if not line.startswith("[node ")]
+    return "\n".join([*own[-40:], "...", *lines[-40:]])
