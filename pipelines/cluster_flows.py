@@ -8,8 +8,10 @@ How Prefect 3 stops a flow run (a cancel from the UI, a timeout): the runner or 
 that started the run's process sends it SIGTERM, which the flow engine raises inside the
 flow's code as ``prefect.exceptions.TerminationSignal`` (a timeout raises there too).
 So the follow loop's ``finally`` is where a job still queued or running is stopped
-(scancel, kubectl delete, stopping the Ray launchers): it runs whatever ended the loop, in the process that knows
-the job. A process killed with SIGKILL runs nothing: its job goes on until its time limit.
+(scancel, kubectl delete, stopping the Ray launchers): it runs whatever ended the loop,
+in the process that knows the job. A process killed with SIGKILL runs nothing: a Slurm or
+Kubernetes job goes on until its time limit; Ray ends the actors of a driver that is
+gone, and the training processes die with them.
 """
 
 from __future__ import annotations
