@@ -244,3 +244,11 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def cmdline(pid: int) -> bytes:
+    """A process's arguments, NUL-separated; empty once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

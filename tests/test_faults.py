@@ -41,7 +41,7 @@ from parallel_helpers import (
     tiny_settings,
 )
 from safetensors import SafetensorError
-from servers import alive, answers, descendants, free_port, run_group, stop_group
+from servers import alive, answers, cmdline, descendants, free_port, run_group, stop_group
 
 from megalith.errors import MegalithError, storage_error_message
 from training.checkpoint.async_save import Checkpointer
@@ -125,7 +125,7 @@ def test_sigkill_of_the_launcher_stops_every_worker_and_frees_the_folder(
     output = tmp_path / "run"
     with training_forever(shards, output, "--nproc-per-node", "2") as launcher:
         tree = descendants(launcher.pid)
-        workers = {pid for pid in tree if b"-u\x00-m\x00pipelines.cli" in _cmdline(pid)}
+        workers = {pid for pid in tree if b"-u\x00-m\x00pipelines.cli" in cmdline(pid)}
         assert len(workers) == 2, f"expected 2 workers under the launcher, found {tree}"
         kill_and_expect_no_survivors(launcher, tree)
     # The dead launcher's lock is stale: the next run into the folder takes it over.
@@ -218,15 +218,8 @@ def test_sigkill_of_the_flow_process_stops_its_training_process(
     via = (sys.executable, "-c", TASK_THREAD)
     with training_forever(shards, tmp_path / "run", via=via) as flow:
         tree = descendants(flow.pid)
-        assert any(b"pipelines.cli\x00train" in _cmdline(pid) for pid in tree), tree
+        assert any(b"pipelines.cli\x00train" in cmdline(pid) for pid in tree), tree
         kill_and_expect_no_survivors(flow, tree)
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def test_a_second_run_into_a_busy_folder_is_refused_naming_the_holder(

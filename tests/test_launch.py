@@ -31,7 +31,7 @@ from parallel_helpers import (
     tiny_settings,
     tiny_shard_set,
 )
-from servers import alive, descendants, free_port, run_group, stop_group
+from servers import alive, cmdline, descendants, free_port, run_group, stop_group
 
 from pipelines.cli import main
 from training.checkpoint.async_save import TEST_WRITE_DELAY_ENV
@@ -218,6 +218,11 @@ def wait_until(condition, nodes: list[subprocess.Popen], logs: Path, what: str) 
         time.sleep(0.1)
 
 
+def ranks(pids: set[int]) -> set[int]:
+    """The training workers among ``pids`` (torchrun starts them unbuffered)."""
+    return {pid for pid in pids if b"-u\x00-m\x00pipelines.cli\x00train" in cmdline(pid)}
+
+
 def latest_step(output: Path) -> int | None:
     url = latest_sharded_checkpoint(str(output / "checkpoints"))
     return None if url is None else int(url.rstrip("/").rpartition("step-")[2])
@@ -259,15 +264,16 @@ def test_two_nodes_train_as_one_and_resume_exactly_after_losing_a_node(
         node0.wait(timeout=HANG_GUARD_S)
         failed_after = time.monotonic() - lost
         node1_processes = {node1.pid, *descendants(node1.pid)}
-        assert len(node1_processes) == 4, node1_processes  # launcher, torchrun, two ranks
+        assert len(ranks(node1_processes)) == 2, node1_processes  # and launcher, torchrun
         for pid in node1_processes:  # and the node is gone for good
             os.kill(pid, signal.SIGKILL)
     log0 = (tmp_path / "lost" / "node0.log").read_text()
     assert node0.returncode == 1, log0[-3000:]
     print(f"node 0 failed {failed_after:.1f} s after node 1 stopped answering")
     assert failed_after < LOST_NODE_TIMEOUT_S + STOP_S, f"node 0 failed after {failed_after:.1f} s"
-    for rank in (0, 1):  # node 0's ranks, one line each, naming the way out
-        assert f"error: rank {rank} lost its peers (" in log0, log0[-3000:]
+    # The first of node 0's ranks to fail says why in one line (torchrun may stop the
+    # other before its own collective fails), and how to go on.
+    assert re.search(r"error: rank [01] lost its peers \(", log0), log0[-3000:]
     assert "Relaunch every node with --resume" in log0
     assert "error: training failed on at least one rank" in log0
 
@@ -292,15 +298,16 @@ def test_two_nodes_train_as_one_and_resume_exactly_after_losing_a_node(
 
 def test_sigterm_to_node_0_stops_every_rank_of_both_nodes(shards: Path, tmp_path: Path) -> None:
     # A checkpoint every step, each writer sleeping 0.5 s before its commit: the signal,
-    # sent once one is committed, lands while the next is under way. The collective timeout is far above the bound, so
-    # node 1 stops because its peers left, not because a collective timed out.
+    # sent once one is committed, lands while the next is under way. The collective
+    # timeout is far above the bound: node 1 stops because its peers left, not because a
+    # collective timed out.
     values = {**ACROSS_NODES, "training.train_iters": LONG_RUN, "checkpoint.interval": 1}
     env = {TEST_WRITE_DELAY_ENV: "0.5", TIMEOUT_ENV: "300"}
     output, logs = tmp_path / "run", tmp_path / "logs"
     with two_nodes(shards, output, logs, values, **env) as nodes:
         wait_until(lambda: latest_step(output) is not None, nodes, logs, "step and checkpoint")
         everything = {pid for node in nodes for pid in (node.pid, *descendants(node.pid))}
-        assert len(everything) == 8, everything  # 2 x (launcher, torchrun, two ranks)
+        assert len(ranks(everything)) == 4, everything  # and two launchers, two torchruns
         os.kill(nodes[0].pid, signal.SIGTERM)  # what a cancelled flow run's process does
         stopped = time.monotonic()
         while any(alive(pid) for pid in everything) and time.monotonic() - stopped < STOP_BOUND_S:
@@ -314,11 +321,15 @@ def test_sigterm_to_node_0_stops_every_rank_of_both_nodes(shards: Path, tmp_path
     print(f"both nodes gone {gone_after:.1f} s after node 0's SIGTERM")
     assert codes == [-signal.SIGTERM, 1], node_logs(logs)  # node 0 by the signal, as sent
     log1 = (logs / "node1.log").read_text()
-    assert "error: rank 2 lost its peers (" in log1 and "error: rank 3 lost its peers (" in log1
-    # Nothing partial looks complete: each committed checkpoint verifies, file by file,
-    # and the latest is one of them; an interrupted save is still step-N.tmp.
+    assert re.search(r"error: rank [23] lost its peers \(", log1), log1[-3000:]
+    # Nothing partial looks complete: each checkpoint a resume would take (step-N with its
+    # index.json, the commit) verifies file by file, and the latest is one of them; an
+    # interrupted save is still step-N.tmp, or was removed by the rank that saw it fail.
     checkpoints = output / "checkpoints"
-    committed = sorted(p for p in checkpoints.iterdir() if re.fullmatch(r"step-\d{8}", p.name))
+    committed = sorted(
+        p for p in checkpoints.iterdir()
+        if re.fullmatch(r"step-\d{8}", p.name) and (p / "index.json").exists()
+    )  # fmt: skip
     assert committed, sorted(p.name for p in checkpoints.iterdir())
     for checkpoint in committed:
         verify_sharded_checkpoint(checkpoint)

@@ -171,10 +171,15 @@ _GLOO_ADVICE = re.compile(r"\.?\s*This is typically caused by.*$")
 
 
 def lost_peer(error: BaseException) -> str | None:
-    """The transport's own words when ``error`` is a collective that failed on its peers
-    (connection closed or reset, a timeout): any ``torch.distributed.DistError``, and the
-    plain RuntimeError gloo raises through autograd. None for anything else."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    if not (isinstance(error, dist.DistError) or "gloo/transport" in text):
-        return None
-    return _GLOO_ADVICE.sub("", _GLOO_LOCATION.sub("", text)) or type(error).__name__
+    """The transport's own words when ``error``, or an error it was raised from (a
+    checkpoint barrier's, re-raised by the save), is a collective that failed on its
+    peers (connection closed or reset, a timeout): any ``torch.distributed.DistError``,
+    and the plain RuntimeError gloo raises through autograd. None for anything else."""
+    chain = [error]
+    while chain[-1].__cause__ is not None:
+        chain.append(chain[-1].__cause__)
+    for cause in reversed(chain):  # the transport's error itself, not a wrapper's message
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        if isinstance(cause, dist.DistError) or "gloo/transport" in text:
+            return _GLOO_ADVICE.sub("", _GLOO_LOCATION.sub("", text)) or type(cause).__name__
+    return None
