@@ -150,7 +150,7 @@ ACROSS_NODES = {
 }
 LOST_AFTER = 2  # node 1 is lost during the step after this checkpoint
 LOST_NODE_TIMEOUT_S = 10  # MEGALITH_DIST_TIMEOUT_S of the run that loses a node
-STOP_S = 5  # for node 0's ranks and launcher to exit once a collective has failed
+STOP_S = 10  # for node 0's ranks and launcher to exit once a collective has failed
 STOP_BOUND_S = 20  # every process of both nodes gone after node 0's SIGTERM
 LONG_RUN = 200  # steps: more than the SIGTERM test lets it take
 
