@@ -5,8 +5,9 @@ Ray is the node scheduler only. A placement group with one bundle per node
 (STRICT_SPREAD: never two on one node) reserves each node's GPUs and CPUs; a small actor
 in each bundle (``NodeAgent``) starts that node's launcher, ``megalith train
 --nproc-per-node G --nnodes N --node-rank I --rdzv-endpoint HOST:PORT``, which starts
-the node's workers through torchrun. All nodes meet at a c10d rendezvous on the rank-0
-node's address and a port free there. The training itself never runs in a Ray process:
+the node's workers through torchrun. All nodes meet at torchrun's static rendezvous
+hosted on node 0's address and a port free there (given a node rank, node I holds
+ranks I·G to I·G+G-1: training.runtime.launch). The training itself never runs in a Ray process:
 checkpoints, the run lock, the collective timeout and the chain of processes that die
 with their parent (docs/faults.md) are those of every other launch.
 
