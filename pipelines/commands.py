@@ -16,7 +16,13 @@ from pathlib import Path
 from deploy.cli import PORT, require_free_port
 from megalith.errors import MegalithError
 from pipelines import group_watchdog
-from pipelines.recipes import DEMO_RECIPE, FINETUNE_CRON, FINETUNE_RECIPE, demo_config
+from pipelines.recipes import (
+    DEMO_RECIPE,
+    FINETUNE_CRON,
+    FINETUNE_RECIPE,
+    check_finetune_cron,
+    demo_config,
+)
 from training.mlflow_store.runs import DEMO_WORKDIR
 
 PREFECT_PORT = 4200
@@ -218,6 +224,7 @@ def _no_server(exc: Exception) -> MegalithError:
 
 def _serve(args: argparse.Namespace) -> int:
     _require_prefect_server()
+    check_finetune_cron(args.finetune_cron or None)
     import httpx
 
     from pipelines.deployments import FinetuneSchedule, serve_all

@@ -11,15 +11,19 @@ from typing import Any
 from uuid import UUID
 
 from prefect import serve
-from prefect.client.schemas.schedules import CronSchedule
 from prefect.deployments.runner import EntrypointType, RunnerDeployment
 
 from megalith.config import load_config
-from megalith.errors import MegalithError
 from pipelines.cluster_train import cluster_train
 from pipelines.finetune import finetune
 from pipelines.flows import end_to_end, evaluate, pretrain, promote_model_flow, register_model_flow
-from pipelines.recipes import DEMO_RECIPE, FINETUNE_CRON, FINETUNE_RECIPE, demo_config
+from pipelines.recipes import (
+    DEMO_RECIPE,
+    FINETUNE_CRON,
+    FINETUNE_RECIPE,
+    check_finetune_cron,
+    demo_config,
+)
 from pipelines.tokenize import tokenize_corpus
 
 
@@ -32,15 +36,7 @@ class FinetuneSchedule:
     recipe: str = str(FINETUNE_RECIPE)
 
     def __post_init__(self) -> None:
-        if self.cron is None:
-            return
-        try:
-            CronSchedule(cron=self.cron)
-        except ValueError:  # pydantic's ValidationError is one
-            raise MegalithError(
-                f"--finetune-cron {self.cron!r} is not a cron expression: five fields, "
-                f"minute hour day-of-month month day-of-week (default '{FINETUNE_CRON}')"
-            ) from None
+        check_finetune_cron(self.cron)
 
 
 @dataclass(frozen=True)

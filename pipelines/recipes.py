@@ -28,3 +28,20 @@ def demo_config(recipe: str, workdir: Path, overrides: list[str]) -> MegalithCon
         overrides,
         {"data.inputs": [str(sample_corpus())], "data.output": str(workdir / "shards")},
     )
+
+
+def check_finetune_cron(cron: str | None) -> None:
+    """Refuse a ``--finetune-cron`` that is not a five-field cron expression (None: no
+    schedule). Called before the flows are imported, so a typo costs no wait."""
+    if cron is None:
+        return
+    # Imported here: prefect costs ~1 s of CPU, which `megalith --help` should not pay.
+    from prefect.client.schemas.schedules import CronSchedule
+
+    try:
+        CronSchedule(cron=cron)
+    except ValueError:  # pydantic's ValidationError is one
+        raise MegalithError(
+            f"--finetune-cron {cron!r} is not a cron expression: five fields, "
+            f"minute hour day-of-month month day-of-week (default '{FINETUNE_CRON}')"
+        ) from None
