@@ -30,6 +30,7 @@ from mlflow import MlflowClient
 from test_evaluation import tiny_model
 
 from deploy.continuous import ContinuousEngine
+from deploy.deployment import LoopMailbox
 from deploy.engine import BatchingEngine, EngineClosed, Finished, PendingRequest
 from deploy.server import Deployment, ServeConfig, create_app
 from pipelines.cli import build_parser
@@ -982,3 +983,32 @@ def test_megalith_serve_on_a_public_address_without_a_token_warns(
     assert (
         "warning: 0.0.0.0 is reachable from other hosts and MEGALITH_ADMIN_TOKEN is not set" in said
     ), said
+
+
+def test_one_loop_wake_up_delivers_a_whole_burst_of_tokens_in_order() -> None:
+    """Tokens posted from the engine's thread while the loop is busy all reach their
+    queues, each in order, after one wake-up of the loop (not one per token)."""
+    loop = asyncio.new_event_loop()
+    wake_ups = []
+    wake_up = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *args: wake_ups.append(args) or wake_up(*args)
+
+    async def burst() -> tuple[list[int], list[int]]:
+        mailbox = LoopMailbox.of(asyncio.get_running_loop())
+        first, second = asyncio.Queue(), asyncio.Queue()
+        # The loop does not run while this thread posts: the join blocks it.
+        engine = threading.Thread(
+            target=lambda: [mailbox.post(first if i % 2 else second, i) for i in range(100)]
+        )
+        engine.start()
+        engine.join()
+        assert first.empty() and second.empty()
+        await asyncio.sleep(0)  # one iteration of the loop's ready callbacks
+        return [first.get_nowait() for _ in range(50)], [second.get_nowait() for _ in range(50)]
+
+    try:
+        odd, even = loop.run_until_complete(burst())
+    finally:
+        loop.close()
+    assert odd == list(range(1, 100, 2)) and even == list(range(0, 100, 2))
+    assert len(wake_ups) == 1, f"{len(wake_ups)} wake-ups for one burst of 100 tokens"
