@@ -315,6 +315,23 @@ def test_tensor_and_data_parallel_lora_match_one_process(
         )
 
 
+def test_full_finetune_under_fsdp_built_on_meta_matches_one_process(
+    shards: Path, base: Path, tmp_path: Path
+) -> None:
+    """Full fine-tuning with FSDP over 2 gloo processes: the model is built on meta and
+    sharded, each rank copies only its rows of the base over the replayed init, and the
+    run gives one process's losses, grad norms and whole checkpoint, and resumes exactly."""
+    settings = trainer_settings(shards, {"finetune.base": str(base / "model")})
+    reference = fit_one_process(settings, tmp_path / "one")
+    cases = {"fsdp": {**settings, "parallel.data_parallel_mode": "fsdp"}}
+    run_trainer_worker(tmp_path, cases, world=2, label="full fine-tune FSDP DP=2")
+    run = tmp_path / "fsdp"
+    assert last_checkpoint_state(run)["layout"]["parallel.data"] == 2
+    assert_metrics_match(metrics(run), metrics(reference), "fsdp full fine-tune")
+    assert_whole_checkpoint(run, reference, "fsdp full fine-tune")
+    assert_resume_exact(run, tmp_path / "fsdp-resumed", "fsdp full fine-tune")
+
+
 def test_megalith_train_runs_the_finetune_recipe(shards: Path, base: Path, tmp_path: Path) -> None:
     """``megalith train --config configs/finetune-lora-tiny.yaml --set finetune.base=...``."""
     from parallel_helpers import REPO, set_args, tiny_settings

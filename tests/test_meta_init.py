@@ -15,6 +15,7 @@ from parallel_helpers import init_gloo
 
 from megalith.config import MegalithConfig, MixedPrecisionConfig, ModelConfig
 from training import models
+from training.finetune.session import load_base_weights
 from training.parallel import tensor_parallel_training as tp
 from training.parallel.groups import build_parallel_state
 from training.parallel.meta_init import materialize_shard
@@ -130,7 +131,25 @@ def _fsdp_errors(rank: int, world: int) -> list[str]:
         float8 = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
         if bool(mixed) != bool(float8):
             errors.append(f"fsdp {name}: float8 linears {float8} with fp8={bool(mixed)}")
+    errors += _fine_tune_base_errors(state, rank, world)
     return errors
+
+
+def _fine_tune_base_errors(state, rank: int, world: int) -> list[str]:
+    """A full fine-tune's base loaded into the model FSDP built on meta: each rank holds
+    exactly its rows of every base tensor."""
+    model_config = CONFIGS["llama"]
+    model, _ = build_fsdp_on_meta(model_config, state, torch.device("cpu"))
+    torch.manual_seed(11)  # a base unlike the replayed init
+    base = {n: p.detach() for n, p in models.build_model(model_config).named_parameters()}
+    load_base_weights(model, base, model_config, state)
+    return [
+        f"fine-tune base {key}: rank {rank} rows differ from the base's"
+        for key, param in model.named_parameters()
+        if not torch.equal(
+            param.to_local(), base[key].chunk(world)[rank] if param.dim() else base[key]
+        )
+    ]
 
 
 def test_tensor_parallel_and_fsdp_shards_equal_the_single_process_model_shards(tmp_path):

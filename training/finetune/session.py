@@ -54,7 +54,9 @@ from training.mlflow_store.runs import resolve_tracking_uri
 from training.models import model_from_tensors
 from training.parallel import expert_parallel_training as ep
 from training.parallel import tensor_parallel_training as tp
+from training.parallel.dtensor import is_dtensor, local_tensor
 from training.parallel.groups import ParallelState
+from training.parallel.shard_specs import assemble, model_specs
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +168,8 @@ def _tracking_uri(config: MegalithConfig) -> str | None:
 def load_base_weights(
     model: nn.Module, tensors: dict[str, Tensor], config: Any, parallel: ParallelState
 ) -> None:
-    """Copy whole base tensors into this rank's model (its TP shard and experts).
+    """Copy whole base tensors into this rank's model (its TP shard and experts, or its
+    FSDP rows when the model was sharded as it was built on meta).
 
     Every name and shape is checked before the first copy."""
     params = dict(model.named_parameters())
@@ -177,16 +180,36 @@ def load_base_weights(
             f"the base weights do not match the model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
-    local = {name: ep.shard_loaded(name, tensors[name], config, parallel) for name in params}
+    if any(is_dtensor(param) for param in params.values()):
+        local = _fsdp_rows(model, tensors, parallel)
+    else:
+        local = {name: ep.shard_loaded(name, tensors[name], config, parallel) for name in params}
     for name, param in params.items():
-        if local[name].shape != param.shape:
+        if local[name].shape != local_tensor(param).shape:
             raise BaseModelError(
                 f"base tensor {name} has shape {tuple(local[name].shape)} here, the model "
-                f"expects {tuple(param.shape)}"
+                f"expects {tuple(local_tensor(param).shape)}"
             )
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(local[name].to(param.dtype))
+            local_tensor(param).copy_(local[name].to(param.dtype))
+
+
+def _fsdp_rows(
+    model: nn.Module, tensors: dict[str, Tensor], parallel: ParallelState
+) -> dict[str, Tensor]:
+    """This rank's rows of each whole base tensor, for a model FSDP already shards."""
+    specs = model_specs(model, parallel)
+    for name, spec in specs.items():
+        if tuple(tensors[name].shape) != spec.shape:
+            raise BaseModelError(
+                f"base tensor {name} has shape {tuple(tensors[name].shape)}, the model "
+                f"expects {spec.shape}"
+            )
+    return {
+        name: assemble(specs[name], tensors[name], param)
+        for name, param in model.named_parameters()
+    }
 
 
 def gather_adapters(model: nn.Module, parallel: ParallelState) -> dict[str, Tensor]:

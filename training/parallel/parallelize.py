@@ -20,11 +20,12 @@ The trainer calls it once. It applies, in this order:
    fp8 layers as they are.
 6. **Data parallelism**: DDP over data × context, or FSDP2 sharding in place (the
    optimizer is built after, on the parameters FSDP leaves); with TP, FSDP shards each
-   rank's TP-local parameters (2-D). FSDP alone (no TP, EP or fine-tuning, torch
-   kernels; fp8 or not) builds on the meta device, converts to float8 there (step 4),
-   shards, then materializes only this rank's rows of each parameter from the replayed
-   single-device init (:func:`build_fsdp_on_meta`), so no rank holds the whole model;
-   the other FSDP layouts still build the whole (TP shard of the) model first.
+   rank's TP-local parameters (2-D). FSDP alone (no TP, EP or LoRA, torch kernels; fp8
+   or not, full fine-tuning or not) builds on the meta device, converts to float8 there
+   (step 4), shards, then materializes only this rank's rows of each parameter from the
+   replayed single-device init (:func:`build_fsdp_on_meta`), a fine-tune's base rows
+   copied over them (step 3, after the sharding here), so no device holds the whole
+   model; the other FSDP layouts still build the whole (TP shard of the) model first.
 7. **compile** last, around the DDP/FSDP module: dynamo's DDP optimizer then splits the
    graph at the gradient buckets so that communication still overlaps the backward.
 
@@ -88,6 +89,8 @@ def parallelize(
         model, _ = build_fsdp_on_meta(
             model_config, state, device, config.mixed_precision, precision
         )
+        if finetune is not None:  # the base's rows over the replayed init's
+            finetune.prepare(model, state)
         forward_model = torch.compile(model) if config.training.compile else model
         return ParallelModel(model, model, forward_model, None)
     model = ep.build_model(model_config, state, config.parallel.sequence_parallel, device)
@@ -113,7 +116,7 @@ def _fsdp_builds_on_meta(
         and dp.data_parallel_size(state) > 1
         and state.sizes.tp == 1
         and state.sizes.ep == 1
-        and finetune is None
+        and (finetune is None or finetune.lora is None)  # adapters are added before sharding
         and resolve_backend(model_config.backend).name != "te"
     )
 
