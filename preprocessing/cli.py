@@ -16,7 +16,7 @@ from megalith.errors import MegalithError
 def register(subcommands: argparse._SubParsersAction) -> None:
     group = subcommands.add_parser(
         "data",
-        help="prepare corpora: train a tokenizer, write Megatron shards, inspect, verify",
+        help="prepare corpora: curate, train a tokenizer, write Megatron shards, inspect, verify",
         description="Turn raw text (jsonl, parquet, txt; local or s3://) into a SentencePiece "
         "tokenizer and Megatron-compatible .bin/.idx shards with a manifest.",
     )
