@@ -343,7 +343,7 @@ def index_memory(documents: int, curate: CurateConfig, seed: int) -> dict:
         exact.check(f"document {ordinal}", ordinal)
     keys = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    indexed = len(near.lsh.keys)
+    indexed = len(near)
     return {"documents": documents, "indexed": indexed, "lsh_bytes": lsh, "exact_bytes": keys}
 
 
