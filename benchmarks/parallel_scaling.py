@@ -223,6 +223,23 @@ def bubble_theory(layout: str, accumulation: int) -> float | None:
     return (stages - 1) / (virtual * accumulation)  # the 1F1B / interleaved theory
 
 
+def same_data_difference(layout: str, result: dict, one_gpu: dict) -> str:
+    """Worst relative loss difference against one GPU, for layouts with one model replica:
+    they train on the same samples from the same weights, so anything beyond bf16 rounding
+    (about 1e-3) means the layout computes something else. Layouts with data parallelism
+    see more samples per step (weak scaling): no comparison."""
+    gpus, overrides = parse_layout(layout)
+    model_parallel = (
+        overrides.get("parallel.tensor", 1)
+        * overrides.get("parallel.pipeline", 1)
+        * overrides.get("parallel.context", 1)
+    )
+    ours, theirs = result.get("losses"), one_gpu.get("losses")
+    if layout == "1gpu" or gpus != model_parallel or not ours or not theirs:
+        return "-"
+    return f"{max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True)):.1e}"
+
+
 def table(report: dict) -> str:
     results = report["results"]
     base = results.get("1gpu", {}).get("tokens_per_s")
@@ -232,8 +249,8 @@ def table(report: dict) -> str:
         f"per replica per step, {report['mode']}; bf16 matmul peak {peak:.0f} TFLOP/s",
         "| layout | GPUs | tokens/s | tokens/s per GPU | efficiency vs 1 GPU | MFU (989) | "
         "of matmul peak | peak mem GiB | bubble (critical stage) / theory (p−1)/(v·m) | "
-        "GPU idle | stage imbalance |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "GPU idle | stage imbalance | loss Δrel vs 1 GPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if "tokens_per_s" not in r:
@@ -252,7 +269,8 @@ def table(report: dict) -> str:
         lines.append(
             f"| {name} | {r['gpus']} | {r['tokens_per_s']:,.0f} | {per_gpu:,.0f} | "
             f"{100 * efficiency:.1f}% | {100 * achieved / 989e12:.1f}% | "
-            f"{100 * achieved / (peak * 1e12):.1f}% | {r['peak_memory_gb']:.1f} | {bubble} |"
+            f"{100 * achieved / (peak * 1e12):.1f}% | {r['peak_memory_gb']:.1f} | {bubble} | "
+            f"{same_data_difference(name, r, results.get('1gpu', {}))} |"
         )
     return "\n".join(lines)
 

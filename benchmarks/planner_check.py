@@ -177,7 +177,7 @@ def row(result: dict) -> str:
     )
 
 
-# Our own measurements (benchmarks/RESULTS.md, 2026-11-22): (label, GPU, shape, layout,
+# Our own measurements (benchmarks/RESULTS.md, 2026-11-22 and -27): (label, GPU, shape, layout,
 # sequences per step per replica, measured: MFU, or per-GPU efficiency against one GPU
 # in the same run when the row says "eff"). Compiled rows are what the planner models;
 # the eager ones show how far eager runs sit below it.
@@ -194,8 +194,17 @@ OURS = [
      Layout(1, 1, 1, 1, precision="fp8", micro_batch_size=8), 8, "63.8%"),
     ("7B layers, 1 GPU, compiled (fit)", "h200", SEVEN_B_LAYERS,
      Layout(1, 1, 1, 1, micro_batch_size=4), 16, "57.0%"),
-    ("7B layers, TP2, compiled (fit)", "h200", SEVEN_B_LAYERS,
+    # Its losses were not compared with one GPU; compiled TP on 4 H100s (2026-11-27) trained
+    # on a different loss: the NVLink efficiency fitted on this row is in doubt.
+    ("7B layers, TP2, compiled (fit; numerics unverified)", "h200", SEVEN_B_LAYERS,
      Layout(2, 1, 1, 1, micro_batch_size=4), 16, "53.4%"),
+    # 2026-11-27, 4x H200 (1B) and 4x H100 (7B layers), issue 20, 4 micro-batches a replica.
+    ("1B, 1 GPU, compiled, 4x8 per step", "h200", [],
+     Layout(1, 1, 1, 1, micro_batch_size=8), 32, "56.6%"),
+    ("1B, DP2 ddp, compiled", "h200", [], Layout(1, 1, 1, 2, micro_batch_size=8), 32, "eff 96.2%"),
+    ("1B, DP4 ddp, compiled", "h200", [], Layout(1, 1, 1, 4, micro_batch_size=8), 32, "eff 94.8%"),
+    ("7B layers, 1 GPU, compiled", "h100", SEVEN_B_LAYERS,
+     Layout(1, 1, 1, 1, micro_batch_size=4), 16, "56.0%"),
     ("1B, DP2 ddp, eager", "h200", [], Layout(1, 1, 1, 2, micro_batch_size=8), 32, "eff 98.6%"),
     ("1B, PP2 1F1B, eager", "h200", [], Layout(1, 1, 2, 1, micro_batch_size=8), 64, "eff 83.6%"),
     ("1B, PP2 v2, eager", "h200", [],

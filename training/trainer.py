@@ -313,6 +313,7 @@ class Trainer:
         if url is None:
             return False
         path = as_location(url)
+        started = time.perf_counter()
         if is_sharded(read_index(url)):  # v2: this rank's shards, resharded to this layout
             state = load_sharded_checkpoint(
                 url,
@@ -342,7 +343,8 @@ class Trainer:
         self.checkpoint = path
         if self.is_main:
             self._truncate_metrics(self.step)
-        logger.info("resumed from %s at step %d", path, self.step)
+        seconds = time.perf_counter() - started
+        logger.info("resumed from %s at step %d in %.1f s", path, self.step, seconds)
         return True
 
     def _truncate_metrics(self, step: int) -> None:

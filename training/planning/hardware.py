@@ -61,7 +61,8 @@ FP8_MIN_HIDDEN = 2048
 # NCCL's share of the one-way NVLink bandwidth. Calibrated: compiled TP=2 at the 7B
 # layer shape on 2 H200s reached 93.8% of one GPU per GPU; all of the loss read as
 # exposed all-reduce time (4 all-reduces of b·s·h bf16 per layer) gives ≈ 395 GB/s,
-# 0.88 of 450.
+# 0.88 of 450. In doubt: that compiled TP run did not check its losses, and compiled TP
+# on 4 H100s trained on a different loss (RESULTS.md, issue 20); refit once it is fixed.
 NVLINK_EFFICIENCY = 0.88
 # Context parallelism's own compute cost (two attention calls per rank on chunk pairs,
 # K/V reordering): CP=2 on the 1B shape ran at 80.6% of one GPU per GPU (eager, 2 H200s)
