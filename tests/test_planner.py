@@ -13,6 +13,8 @@ from megalith.config import load_config
 from pipelines.cli import main
 from training.memory.estimate import memory_report, resolve_layout
 from training.models.flops import flops_per_token
+from training.parallel.groups import ParallelSizes
+from training.parallel.support import check_trainer_support
 from training.planning.hardware import gpu_kind
 from training.planning.layout import (
     Cluster,
@@ -165,6 +167,12 @@ def test_cli_prints_a_table_and_json(capsys):
     assert lines[1].split()[:3] == ["#", "layout", "dp"]
     assert [line.split()[0] for line in lines[2:5]] == ["1", "2", "3"]
     assert lines[5].startswith("train the first: --set parallel.tensor=")
+    # What it prints is a layout the trainer accepts with this recipe (compile included).
+    sets = [arg for arg in lines[5].removeprefix("train the first:").split() if arg != "--set"]
+    planned = load_config(LLAMA_1B, sets)
+    sizes = planned.parallel
+    tp, cp, pp = sizes.tensor, sizes.context, sizes.pipeline
+    check_trainer_support(planned, ParallelSizes(tp=tp, cp=cp, pp=pp, dp=16 // (tp * cp * pp)))
 
     assert main([*argv, "--json", "--nodes", "4"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -128,6 +128,8 @@ class Layout:
             sets.append(f"parallel.pipeline_layers={self.pipeline_layers}")
         if self.precision == "fp8":
             sets.append("mixed_precision.fp8=true")
+        if self.tp > 1 or self.pp > 1:  # not compiled yet (training/parallel/support.py)
+            sets.append("training.compile=false")
         return sets
 
 
