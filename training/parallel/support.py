@@ -54,8 +54,10 @@ def compile_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     passes: on 4 H100s (torch 2.11, NCCL) the compiled TP=4 step trained on a loss 5% off
     the one-GPU run's for the same samples and weights, and TP=2 x DP=2 did not learn,
     while the eager TP steps match one GPU within bf16 rounding (benchmarks/RESULTS.md,
-    "Issue 20"). On CPU (gloo, torch 2.13) the compiled TP step matches; the GPU cause is
-    not found yet."""
+    "Issue 20"). On CPU (gloo, torch 2.13) the compiled TP step matches. The likely
+    cause, dynamo's rewrite of in-place c10d collectives, is removed (compiled TP now
+    traces functional collectives: tensor_parallel/mappings.py), but no GPU has run it
+    yet: lift this refusal once ``benchmarks/parallel_parity.py --compile`` passes there."""
     if not config.training.compile or sizes.tp == 1:
         return []
     return [

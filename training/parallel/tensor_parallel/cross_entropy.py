@@ -15,13 +15,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from training.parallel.tensor_parallel.mappings import all_reduce
+
 IGNORE_INDEX = -100
-
-
-def _all_reduce_(x: Tensor, op: dist.ReduceOp, group: ProcessGroup) -> Tensor:
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
-    return x
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -30,16 +26,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # logits [N, V/tp] (this rank's vocabulary range), labels [N] global ids or -100.
         local_vocab = logits.size(-1)
         vocab_start = dist.get_rank(group) * local_vocab
-        logits_max = _all_reduce_(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
+        logits_max = all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
 
         in_range = (labels >= vocab_start) & (labels < vocab_start + local_vocab)
         local_labels = (labels - vocab_start).masked_fill(~in_range, 0)
         target_logit = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1)
-        target_logit = _all_reduce_(target_logit * in_range, dist.ReduceOp.SUM, group)
+        target_logit = all_reduce(target_logit * in_range, group)
 
         exp = shifted.exp()
-        sum_exp = _all_reduce_(exp.sum(dim=-1), dist.ReduceOp.SUM, group)
+        sum_exp = all_reduce(exp.sum(dim=-1), group)
         ignored = labels == IGNORE_INDEX
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -33,13 +34,26 @@ SEQUENCE_DIM = 1
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older versions have only the old names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max"}
 
 
-def _all_reduce(x: Tensor, group: ProcessGroup) -> Tensor:
+# Under torch.compile every collective is the functional (out-of-place) one. Dynamo
+# rewrites an in-place c10d collective into functional op + copy back, and with torch 2.11
+# on NCCL that rewrite gave silently wrong results (pytorch/pytorch#174280, #159350; vLLM
+# switched to functional collectives for the same reason): compiled TP trained on a
+# different loss than one GPU (benchmarks/RESULTS.md, issue 20). Eager keeps c10d's own
+# collectives, the path the GPU parity runs verified.
+
+
+def all_reduce(x: Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
+    """The sum (or max) of every rank's ``x``, as a new tensor (no autograd; see the
+    mappings). ``x`` itself is never modified: autograd may have saved it."""
     if dist.get_world_size(group) == 1:
         return x
-    out = x.clone()  # never modify a tensor autograd may have saved
-    dist.all_reduce(out, group=group)
+    if torch.compiler.is_compiling():
+        return funcol.wait_tensor(funcol.all_reduce(x, _OP_NAMES[op], group))
+    out = x.clone()
+    dist.all_reduce(out, op=op, group=group)
     return out
 
 
@@ -49,8 +63,11 @@ def all_gather(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
     if world == 1:
         return x
     x = x.movedim(dim, 0).contiguous()  # the collective concatenates along dim 0
-    out = x.new_empty((world * x.size(0), *x.shape[1:]))
-    _ALL_GATHER(out, x, group=group)
+    if torch.compiler.is_compiling():
+        out = funcol.wait_tensor(funcol.all_gather_tensor(x, 0, group))
+    else:
+        out = x.new_empty((world * x.size(0), *x.shape[1:]))
+        _ALL_GATHER(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -61,8 +78,11 @@ def reduce_scatter(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
         return x
     _check_divisible(x, dim, world)
     x = x.movedim(dim, 0).contiguous()
-    out = x.new_empty((x.size(0) // world, *x.shape[1:]))
-    _REDUCE_SCATTER(out, x, group=group)
+    if torch.compiler.is_compiling():
+        out = funcol.wait_tensor(funcol.reduce_scatter_tensor(x, "sum", 0, group))
+    else:
+        out = x.new_empty((x.size(0) // world, *x.shape[1:]))
+        _REDUCE_SCATTER(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -91,13 +111,13 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_reduce(grad, ctx.group), None
+        return all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
-        return _all_reduce(x, group)
+        return all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -194,6 +214,7 @@ def reduce_scatter_to_sequence_parallel_region(x: Tensor, group: ProcessGroup) -
 __all__ = [
     "SEQUENCE_DIM",
     "all_gather",
+    "all_reduce",
     "copy_to_tensor_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",
