@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -192,22 +193,35 @@ def _row(bias: Tensor | None, e: int) -> Tensor | None:
 # --- expert-parallel all-to-all ---------------------------------------------------------
 
 
+def exchange(
+    x: Tensor, output_splits: list[int] | None, input_splits: list[int] | None, group
+) -> Tensor:
+    """``all_to_all_single`` as a new tensor (no autograd). Under torch.compile the
+    functional collective: dynamo's rewrite of the in-place one into functional + copy
+    is what gave compiled tensor parallelism wrong results on GPUs (see
+    ``training.parallel.tensor_parallel.mappings``)."""
+    if torch.compiler.is_compiling():
+        return funcol.wait_tensor(
+            funcol.all_to_all_single(x.contiguous(), output_splits, input_splits, group)
+        )
+    rows = sum(output_splits) if output_splits is not None else x.size(0)
+    out = x.new_empty((rows, *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
 class AllToAll(torch.autograd.Function):
     """``all_to_all_single`` of rows with autograd: backward is the reverse exchange."""
 
     @staticmethod
     def forward(ctx, x: Tensor, output_splits: list[int], input_splits: list[int], group):
         ctx.splits, ctx.group = (output_splits, input_splits), group
-        out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-        return out
+        return exchange(x, output_splits, input_splits, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         output_splits, input_splits = ctx.splits
-        out = grad.new_empty((sum(input_splits), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), input_splits, output_splits, group=ctx.group)
-        return out, None, None, None
+        return exchange(grad, input_splits, output_splits, ctx.group), None, None, None
 
 
 def all_to_all(x: Tensor, output_splits: list[int], input_splits: list[int], group) -> Tensor:
@@ -262,8 +276,7 @@ class MoELayer(nn.Module):
             return self.experts(rows, counts.tolist())
         ep, local = dist.get_world_size(group), self.experts.num_local_experts
         # How many rows each rank sends to each of our local experts.
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=group)
+        received = exchange(counts, None, None, group)
         send_splits = counts.view(ep, local).sum(dim=1).tolist()
         received = received.view(ep, local)
         recv_splits = received.sum(dim=1).tolist()
