@@ -9,6 +9,7 @@ and the same convention).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,10 +27,12 @@ class TaskFileError(MegalithError):
 
 
 def ngram_keys(words: list[str], n: int) -> Iterator[int]:
-    # Python's tuple hash: salted per process, but the set is built and queried in the same
-    # process, so the decisions do not depend on the salt (64-bit collisions aside).
+    """64 bits per word n-gram, the same in every process: the keys are built on the driver
+    and matched in worker processes (Python's ``hash`` is salted per process). The words
+    hold no space (``plain_words``), so joining them with one is unambiguous."""
     for start in range(len(words) - n + 1):
-        yield hash(tuple(words[start : start + n]))
+        gram = " ".join(words[start : start + n]).encode("utf-8")
+        yield int.from_bytes(hashlib.blake2b(gram, digest_size=8).digest(), "little")
 
 
 def item_texts(url: str, storage_options: dict[str, Any] | None = None) -> Iterator[str]:

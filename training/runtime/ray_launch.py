@@ -25,13 +25,13 @@ processes and forms the process group itself, around the launcher the other engi
 dashboard (``ray[default]``).
 
 Ray is an optional dependency (``pip install 'megalith[ray]'``), imported when a job
-starts, so that ``megalith --help`` and the other flows do not pay for it.
+starts (``megalith.ray_cluster``), so that ``megalith --help`` and the other flows do not
+pay for it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import socket
@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -48,10 +48,10 @@ from typing import Any
 
 from megalith.config import MegalithConfig
 from megalith.errors import MegalithError
+from megalith.ray_cluster import connected, import_ray
 from training.parallel.groups import validate_layout
 from training.runtime.launch import worker_env
 
-ADDRESS_ENV = "RAY_ADDRESS"
 PLACEMENT_TIMEOUT_S = 600.0  # an autoscaler may take minutes to bring nodes up
 ANSWER_TIMEOUT_S = 30.0  # how long one poll of an agent may take
 AGENT_START_TIMEOUT_S = 120.0  # a node may have to start a Python worker for its agent
@@ -66,47 +66,6 @@ CODE_ROOT = Path(__file__).resolve().parents[2]
 
 class RayJobFailed(MegalithError):
     """A node's launcher failed, or a node was lost; the message names them."""
-
-
-def import_ray() -> ModuleType:
-    try:
-        import ray
-    except ImportError:
-        raise MegalithError(
-            "training on a Ray cluster needs Ray here and on every node: "
-            "pip install 'megalith[ray]'"
-        ) from None
-    return ray
-
-
-@contextlib.contextmanager
-def connected(address: str | None = None) -> Iterator[str]:
-    """Connected to the Ray cluster at ``address`` (else ``$RAY_ADDRESS``) for the block;
-    yields the address. A driver the caller already connected is used as it is."""
-    ray = import_ray()
-    if ray.is_initialized():
-        yield "the cluster this process is connected to"
-        return
-    address = address or os.environ.get(ADDRESS_ENV)
-    if not address:
-        raise MegalithError(
-            "no Ray cluster given: pass its address (HEAD:6379, or ray://HEAD:10001 from "
-            f"outside the cluster) or set {ADDRESS_ENV}"
-        )
-    on_sigterm = signal.getsignal(signal.SIGTERM)
-    try:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-    except (ConnectionError, ValueError) as error:
-        raise MegalithError(f"cannot connect to the Ray cluster at {address}: {error}") from None
-    finally:
-        # ray.init makes SIGTERM exit the process at once; a cancelled Prefect flow run
-        # (TerminationSignal) or `megalith launch ray` must stop the job first.
-        if on_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield address
-    finally:
-        ray.shutdown()
 
 
 def train_args(config: str, output: str, sets: Sequence[str] = ()) -> list[str]:
