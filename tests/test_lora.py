@@ -281,6 +281,19 @@ def test_model_keys_that_conflict_with_the_base_are_named(shards: Path, base: Pa
         config_of(trainer_settings(shards, LORA))
 
 
+def assert_reads_its_share(run: Path, base: Path, world: int, most: float, layout: str) -> None:
+    """Each rank read at most ``most`` of the base's bytes to load it, one tensor's share
+    at a time (one read: at most ``most`` of the largest tensor), and together they read
+    all of it."""
+    whole = model_tensors(load_model_package(base / "model")[0]).values()
+    total, largest = sum(t.nbytes for t in whole), max(t.nbytes for t in whole)
+    reads = [json.loads((run / f"base_reads_rank{r}.json").read_text()) for r in range(world)]
+    assert sum(r["bytes"] for r in reads) >= total, f"{layout}: {reads} of {total} bytes"
+    for rank, read in enumerate(reads):
+        assert read["bytes"] <= most * total, f"{layout} rank {rank}: {read} of {total} bytes"
+        assert read["largest_bytes"] <= most * largest, f"{layout} rank {rank}: {read}"
+
+
 def test_tensor_and_data_parallel_lora_match_one_process(
     shards: Path, base: Path, lora_run: Path, tmp_path: Path
 ) -> None:
@@ -308,6 +321,8 @@ def test_tensor_and_data_parallel_lora_match_one_process(
         assert_whole_checkpoint(run, lora_run, layout)
         assert_resume_exact(run, tmp_path / f"{layout}-resumed", layout)
         assert_package_logits_match(run, lora_run, layout)
+        # TP splits the linears and the vocabulary (the norms are replicated); DP reads all.
+        assert_reads_its_share(run, base, 2, 0.51 if tp == 2 else 1.0, layout)
         assert_close_tensors(
             load_adapter(run / "adapter").tensors,
             load_adapter(lora_run / "adapter").tensors,
@@ -319,7 +334,8 @@ def test_full_finetune_under_fsdp_built_on_meta_matches_one_process(
     shards: Path, base: Path, tmp_path: Path
 ) -> None:
     """Full fine-tuning with FSDP over 2 gloo processes: the model is built on meta and
-    sharded, each rank copies only its rows of the base over the replayed init, and the
+    sharded, each rank reads and copies only its rows of the base over the replayed
+    init (about half the base's bytes, one tensor's rows at a time), and the
     run gives one process's losses, grad norms and whole checkpoint, and resumes exactly."""
     settings = trainer_settings(shards, {"finetune.base": str(base / "model")})
     reference = fit_one_process(settings, tmp_path / "one")
@@ -330,6 +346,7 @@ def test_full_finetune_under_fsdp_built_on_meta_matches_one_process(
     assert_metrics_match(metrics(run), metrics(reference), "fsdp full fine-tune")
     assert_whole_checkpoint(run, reference, "fsdp full fine-tune")
     assert_resume_exact(run, tmp_path / "fsdp-resumed", "fsdp full fine-tune")
+    assert_reads_its_share(run, base, 2, 0.51, "fsdp full fine-tune")  # its rows alone
 
 
 def test_megalith_train_runs_the_finetune_recipe(shards: Path, base: Path, tmp_path: Path) -> None:

@@ -142,7 +142,7 @@ def _fine_tune_base_errors(state, rank: int, world: int) -> list[str]:
     model, _ = build_fsdp_on_meta(model_config, state, torch.device("cpu"))
     torch.manual_seed(11)  # a base unlike the replayed init
     base = {n: p.detach() for n, p in models.build_model(model_config).named_parameters()}
-    load_base_weights(model, base, model_config, state)
+    load_base_weights(model, base, state)
     return [
         f"fine-tune base {key}: rank {rank} rows differ from the base's"
         for key, param in model.named_parameters()

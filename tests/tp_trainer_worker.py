@@ -10,6 +10,7 @@ Cases of one layout share its process groups; a case of another layout builds it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -37,6 +38,9 @@ def run_case(spec: dict, name: str, settings: dict, state) -> object:
         state = None  # another layout: its own process groups
     trainer = Trainer(config, out, parallel_state=state)
     trainer.fit(show_progress=False)
+    if trainer.finetune is not None:  # what this rank read of the base to load it
+        reads = dataclasses.asdict(trainer.finetune.load_stats)
+        (out / f"base_reads_rank{dist.get_rank()}.json").write_text(json.dumps(reads))
     if trainer.is_main:  # which tensor-parallel linears ran a float8 matmul
         linears = {
             name: module.matmul is not None

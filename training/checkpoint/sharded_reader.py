@@ -50,13 +50,13 @@ from training.parallel.groups import ParallelState
 from training.parallel.shard_specs import (
     MOMENTS,
     OPTIMIZER_PREFIX,
+    Piece,
     ShardSpec,
     holds_state,
     model_specs,
     optimizer_key,
     optimizer_specs,
     reshard_fsdp,
-    whole_piece,
 )
 
 
@@ -401,22 +401,59 @@ def read_model_weights(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The whole model tensors (no optimizer state, no buffers) and state.json of a v1 or
     v2 checkpoint step folder, through the verified path of its format."""
+    reader, state = open_model_weights(path, require_signature)
+    if isinstance(reader, dict):
+        return reader, state
+    try:
+        return {name: read_whole(reader, name) for name in model_weight_names(reader)}, state
+    finally:
+        reader.close()
+
+
+def open_model_weights(
+    path: str | Path, require_signature: bool = False
+) -> tuple[ShardReader | dict[str, torch.Tensor], dict[str, Any]]:
+    """A v2 checkpoint's open :class:`ShardReader` and state.json, every file holding
+    model weights verified up front (signature, size, sha256 streamed, safetensors
+    header, each shard's key, shape and dtype, each tensor's cover) but no tensor read,
+    so :func:`read_box` reads any box later; a v1 checkpoint (one file) gives its model
+    tensors whole instead."""
     if is_sharded(read_index(path)):
         index = open_index(path, require_signature=require_signature)
         reader = ShardReader(path, index)
         try:
             state = read_state(reader)
-            names = [n for n in index["tensors"] if not n.startswith(OPTIMIZER_PREFIX)]
-            return {name: read_whole(reader, name) for name in names}, state
-        finally:
+            where = child_url(reader.root, INDEX)
+            for name in model_weight_names(reader):
+                meta = index["tensors"][name]
+                check_cover(name, meta, where)
+                for shard in meta["shards"]:
+                    reader.check_shard(shard, meta)
+            return reader, state
+        except BaseException:
             reader.close()
+            raise
     index, state = verify_checkpoint_state(path, require_signature)
     tensors = read_checkpoint_tensors(Path(path) / "model.safetensors", index)
     return {n: t for n, t in tensors.items() if not n.startswith("buffer/")}, state
 
 
+def model_weight_names(reader: ShardReader) -> list[str]:
+    """The model tensors' names in a v2 checkpoint (not its optimizer state)."""
+    return [n for n in reader.index["tensors"] if not n.startswith(OPTIMIZER_PREFIX)]
+
+
 def read_whole(reader: ShardReader, name: str) -> torch.Tensor:
     """Verify the files holding NAME, bound its size by theirs, then allocate and fill it."""
+    return read_box(reader, name)
+
+
+def read_box(
+    reader: ShardReader, name: str, box: tuple[tuple[int, int], ...] | None = None
+) -> torch.Tensor:
+    """Box ``[start, stop)`` per dim of global tensor NAME (the whole tensor when None),
+    read from only the shards it overlaps: the files holding NAME verified and its size
+    bounded by theirs first, then only the box allocated and filled."""
     where = child_url(reader.root, INDEX)
     meta = reader.index["tensors"].get(name)
     if meta is None:
@@ -430,7 +467,13 @@ def read_whole(reader: ShardReader, name: str) -> torch.Tensor:
         raise CheckpointError(
             f"{where}: tensor {name} claims {needed} bytes, its files hold {available}"
         )
-    whole = torch.empty(meta["shape"], dtype=dtype)
-    spec = ShardSpec(name, tuple(meta["shape"]), (whole_piece(meta["shape"]),), False)
-    _fill(reader, spec, whole, meta)
-    return whole
+    box = tuple((0, n) for n in meta["shape"]) if box is None else tuple(box)
+    if len(box) != len(meta["shape"]) or any(
+        not 0 <= a <= b <= n for (a, b), n in zip(box, meta["shape"], strict=False)
+    ):
+        raise CheckpointError(f"{where}: box {box} lies outside {name} {meta['shape']}")
+    shape = [b - a for a, b in box]
+    part = torch.empty(shape, dtype=dtype)
+    piece = Piece(box, tuple(slice(0, n) for n in shape))
+    _fill(reader, ShardSpec(name, tuple(meta["shape"]), (piece,), False), part, meta)
+    return part

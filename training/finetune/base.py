@@ -13,19 +13,23 @@
 - a Hugging Face Llama/GPT-2 directory (any other ``config.json``), imported through
   :func:`training.interop.hf.import_hf` into a temporary package.
 
-Every source ends as the same :class:`BaseWeights`: whole single-device tensors (the
-parameters, a tied output head once) and a :class:`ModelConfig`. Its ``content_id``
-is the sha256 of the tensors themselves (names, dtypes, shapes, bytes in name order),
-so the same weights have the same id whichever format they came in.
+Every source ends as the same :class:`BaseWeights`: the single-device tensors (the
+parameters, a tied output head once) as a lazy mapping
+(:class:`~training.finetune.base_tensors.BaseTensors`: files verified up front, each
+tensor read only when asked, and only the box asked, so a TP/FSDP rank reads its share
+and never holds the model) and a :class:`ModelConfig`. Its ``content_id`` is the sha256
+of the tensors themselves (names, dtypes, shapes, bytes in name order), so the same
+weights have the same id whichever format they came in; it is computed when first asked
+(rank 0's lineage), one tensor at a time.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import hashlib
 import json
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,12 +49,26 @@ from megalith.config import (
 from megalith.errors import MegalithError
 from megalith.storage import sha256_of_file
 from training.checkpoint.sharded_index import latest_sharded_checkpoint
-from training.checkpoint.sharded_reader import read_model_weights
-from training.finetune.lora import is_adapter_param, merge_tensors
+from training.checkpoint.sharded_reader import open_model_weights
+from training.finetune.base_tensors import (
+    BaseTensors,
+    CheckpointTensors,
+    MergedAdapters,
+    SafetensorsTensors,
+    TensorDict,
+)
+from training.finetune.lora import is_adapter_param
 from training.interop.hf import import_hf
 from training.mlflow_store.registered import load_registered_model, resolve_model_version
 from training.mlflow_store.runs import resolve_tracking_uri
-from training.models.package import PACKAGE_FORMAT, load_model_package, model_tensors
+from training.models.package import (
+    PACKAGE_FORMAT,
+    WEIGHTS_FILE,
+    read_package_model_config,
+    tokenizer_file,
+    verify_model_package,
+    verify_package_weights,
+)
 from training.models.weights_check import checked_meta_model
 
 # Model keys that change how the model runs, not what its weights are: a recipe may set
@@ -75,16 +93,20 @@ class BaseModelError(MegalithError):
 
 @dataclass
 class BaseWeights:
-    """Whole base weights and what they are."""
+    """Base weights (read lazily) and what they are."""
 
     uri: str  # finetune.base as given
     kind: str  # checkpoint | package | registered | hf
     config: ModelConfig
-    tensors: dict[str, Tensor]
-    content_id: str
+    tensors: BaseTensors
     tokenizer_path: Path | None = None  # packages, registered models, HF imports
     tokenizer_id: str | None = None
     details: dict[str, str] = field(default_factory=dict)  # registered name/version, step
+
+    @functools.cached_property
+    def content_id(self) -> str:
+        """sha256 of the tensors (:func:`content_id`), read one at a time."""
+        return content_id(self.tensors)
 
     def lineage(self) -> dict[str, str]:
         """``megalith.base.*`` tags: what the fine-tune started from."""
@@ -99,8 +121,9 @@ class BaseWeights:
         return tags
 
 
-def content_id(tensors: dict[str, Tensor]) -> str:
-    """sha256 over the tensors in name order: each name, dtype, shape, then its bytes."""
+def content_id(tensors: Mapping[str, Tensor]) -> str:
+    """sha256 over the tensors in name order: each name, dtype, shape, then its bytes
+    (a :class:`BaseTensors` reads them one at a time)."""
     digest = hashlib.sha256()
     for name in sorted(tensors):
         tensor = tensors[name].detach().cpu().contiguous()
@@ -177,16 +200,18 @@ def _package(
     details: dict[str, str] | None = None,
     keep_tokenizer: bool = True,
     require_signature: bool = False,
+    keep: Any = None,
 ) -> BaseWeights:
-    # every file's sha256 checked, the signature when required or present
-    model, config, tokenizer = load_model_package(path, require_signature=require_signature)
-    tensors = model_tensors(model)
+    # every file's sha256 checked, the signature when required or present, and the
+    # weights' header against config.json; the tensors are read later, box by box
+    meta = verify_model_package(path, require_signature=require_signature)
+    verify_package_weights(path, meta)
+    tokenizer = path / tokenizer_file(meta, path)
     return BaseWeights(
         uri=uri,
         kind=kind,
-        config=config,
-        tensors=tensors,
-        content_id=content_id(tensors),
+        config=read_package_model_config(path),
+        tensors=SafetensorsTensors(path / WEIGHTS_FILE, keep=keep),
         tokenizer_path=tokenizer if keep_tokenizer else None,
         tokenizer_id=sha256_of_file(str(tokenizer)),
         details=details or {},
@@ -199,54 +224,55 @@ def _registered(
     tracking_uri = tracking_uri or resolve_tracking_uri(None, Path.cwd())
     name, version = resolve_model_version(uri, tracking_uri=tracking_uri)
     details = {"name": name, "version": str(version)}
-    with _workdir(workdir) as root:
-        pinned = f"models:/{name}/{version}"
-        package = load_registered_model(pinned, root / "base", tracking_uri=tracking_uri)
-        return _package(
-            uri,
-            package,
-            "registered",
-            details,
-            keep_tokenizer=workdir is not None,
-            require_signature=require_signature,
-        )
+    root, keep = _workdir(workdir)
+    pinned = f"models:/{name}/{version}"
+    package = load_registered_model(pinned, root / "base", tracking_uri=tracking_uri)
+    return _package(
+        uri,
+        package,
+        "registered",
+        details,
+        keep_tokenizer=workdir is not None,
+        require_signature=require_signature,
+        keep=keep,
+    )
 
 
 def _hf(uri: str, path: Path, workdir: str | Path | None) -> BaseWeights:
-    with _workdir(workdir) as root:
-        package = import_hf(path, root / "base-from-hf", overwrite=True)
-        return _package(uri, package, "hf", keep_tokenizer=workdir is not None)
+    root, keep = _workdir(workdir)
+    package = import_hf(path, root / "base-from-hf", overwrite=True)
+    return _package(uri, package, "hf", keep_tokenizer=workdir is not None, keep=keep)
 
 
-@contextlib.contextmanager
-def _workdir(workdir: str | Path | None) -> Iterator[Path]:
-    """``workdir``, or a temporary directory removed afterwards (the weights are read
-    into memory; only a kept directory can lend its tokenizer.model)."""
+def _workdir(workdir: str | Path | None) -> tuple[Path, tempfile.TemporaryDirectory | None]:
+    """``workdir``, or a temporary directory that the base's tensors keep (their file is
+    read lazily) and that goes with them; only a given workdir lends its tokenizer."""
     if workdir is not None:
         Path(workdir).mkdir(parents=True, exist_ok=True)
-        yield Path(workdir)
-        return
-    with tempfile.TemporaryDirectory(prefix="megalith-base-") as tmp:
-        yield Path(tmp)
+        return Path(workdir), None
+    tmp = tempfile.TemporaryDirectory(prefix="megalith-base-")
+    return Path(tmp.name), tmp
 
 
 def _checkpoint(uri: str, path: Path, require_signature: bool) -> BaseWeights:
-    """Whole model weights through the checkpoint's verified path (signature, every file's
-    sha256, the step of the folder or of latest.json); state.json from its hashed bytes."""
+    """Model weights through the checkpoint's verified path (signature, each file's sha256
+    before its first read, the step of the folder or of latest.json); state.json from its
+    hashed bytes. A v2 checkpoint is read box by box, a v1 (one file) whole."""
     if not _present(path / "index.json"):  # a checkpoints root: its latest step
         latest = latest_sharded_checkpoint(str(path))
         if latest is None:
             raise BaseModelError(f"finetune.base {uri!r}: no complete checkpoint in {path}")
         path = Path(latest)
-    tensors, state = read_model_weights(path, require_signature)
+    opened, state = open_model_weights(path, require_signature)
+    tensors = TensorDict(opened) if isinstance(opened, dict) else CheckpointTensors(opened)
     config = _model_config(state, path)
     if any(is_adapter_param(name) for name in tensors):
-        tensors = merge_tensors(tensors, _lora_scale(state, path))
+        tensors = MergedAdapters(tensors, _lora_scale(state, path))
     # state.json's sizes against the weights, before the fine-tune builds the model from them
-    shapes = {name: list(tensor.shape) for name, tensor in tensors.items()}
+    shapes = {name: list(tensors.shape(name)) for name in tensors}
     checked_meta_model(config, shapes, f"{path / 'state.json'}: model_config and the weights")
     details = {"step": str(state.get("step", ""))}
-    return BaseWeights(uri, "checkpoint", config, tensors, content_id(tensors), details=details)
+    return BaseWeights(uri, "checkpoint", config, tensors, details=details)
 
 
 def _lora_scale(state: dict[str, Any], path: Path) -> float:

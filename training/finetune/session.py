@@ -6,7 +6,8 @@ called at four points:
 1. ``model_config``: the base's architecture (recipe conflicts refused, data checked
    against the base's tokenizer and vocabulary), used instead of the recipe's;
 2. :meth:`FineTune.prepare`, after the model is built and before DDP and the
-   optimizer: the base weights are copied in (each rank its TP shard), and with
+   optimizer: the base weights are copied in, each rank reading only its boxes of each
+   base tensor (its TP shard, experts or FSDP rows; one box at a time), and with
    ``finetune.lora`` adapters are added and every base parameter frozen, so the
    optimizer (``param_groups`` skips frozen ones) holds the adapters alone;
 3. :meth:`FineTune.lineage`: MLflow tags for the run and the package's ``lineage``;
@@ -25,7 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from training.finetune.base import (
     finetune_model_config,
     load_base,
 )
+from training.finetune.base_tensors import BaseTensors, TensorDict
 from training.finetune.lora import (
     adapters_of,
     apply_lora,
@@ -52,11 +54,10 @@ from training.finetune.lora import (
 )
 from training.mlflow_store.runs import resolve_tracking_uri
 from training.models import model_from_tensors
-from training.parallel import expert_parallel_training as ep
 from training.parallel import tensor_parallel_training as tp
-from training.parallel.dtensor import is_dtensor, local_tensor
+from training.parallel.dtensor import local_tensor
 from training.parallel.groups import ParallelState
-from training.parallel.shard_specs import assemble, model_specs
+from training.parallel.shard_specs import model_specs
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +93,10 @@ class FineTune:
     def prepare(self, model: nn.Module, parallel: ParallelState) -> None:
         """Base weights into ``model`` (this rank's shards); with LoRA, adapters added
         and the base frozen. Before DDP and the optimizer."""
-        load_base_weights(model, self.base.tensors, self.model_config, parallel)
-        # The model holds them now: no second copy of the weights for the whole run.
-        self.base = dataclasses.replace(self.base, tensors={})
+        load_base_weights(model, self.base.tensors, parallel)
+        # What this rank read (rank 0 reads every tensor again later, one at a time, for
+        # the base's content id in its lineage).
+        self.load_stats = dataclasses.replace(self.base.tensors.stats)
         if self.lora is not None:
             apply_lora(model, self.lora, self.config.training.seed)
         trainable, total = trainable_summary(model)
@@ -166,50 +168,39 @@ def _tracking_uri(config: MegalithConfig) -> str | None:
 
 
 def load_base_weights(
-    model: nn.Module, tensors: dict[str, Tensor], config: Any, parallel: ParallelState
+    model: nn.Module,
+    tensors: Mapping[str, Tensor] | BaseTensors,
+    parallel: ParallelState,
+    names: Callable[[str], bool] = lambda name: True,
 ) -> None:
-    """Copy whole base tensors into this rank's model (its TP shard and experts, or its
-    FSDP rows when the model was sharded as it was built on meta).
+    """Copy this rank's parts of the base tensors into its model (its TP shard and
+    experts, its FSDP rows when the model was sharded on meta, or both): each part is
+    read as the boxes :func:`~training.parallel.shard_specs.model_specs` gives, one
+    tensor at a time, so no more than one tensor's share is read at once.
 
-    Every name and shape is checked before the first copy."""
-    params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(tensors))
-    unexpected = sorted(set(tensors) - set(params))
+    ``names``: which of the model's parameters come from the base (LoRA adapters added
+    before the load do not). Every name and shape is checked before the first read."""
+    source = tensors if isinstance(tensors, BaseTensors) else TensorDict(tensors)
+    params = {n: p for n, p in model.named_parameters() if names(n)}
+    missing = sorted(set(params) - set(source))
+    unexpected = sorted(set(source) - set(params))
     if missing or unexpected:
         raise BaseModelError(
             f"the base weights do not match the model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
-    if any(is_dtensor(param) for param in params.values()):
-        local = _fsdp_rows(model, tensors, parallel)
-    else:
-        local = {name: ep.shard_loaded(name, tensors[name], config, parallel) for name in params}
-    for name, param in params.items():
-        if local[name].shape != local_tensor(param).shape:
+    specs = model_specs(model, parallel)
+    for name in params:
+        if source.shape(name) != specs[name].shape:
             raise BaseModelError(
-                f"base tensor {name} has shape {tuple(local[name].shape)} here, the model "
-                f"expects {tuple(local_tensor(param).shape)}"
+                f"base tensor {name} has shape {source.shape(name)}, the model expects "
+                f"{specs[name].shape}"
             )
     with torch.no_grad():
         for name, param in params.items():
-            local_tensor(param).copy_(local[name].to(param.dtype))
-
-
-def _fsdp_rows(
-    model: nn.Module, tensors: dict[str, Tensor], parallel: ParallelState
-) -> dict[str, Tensor]:
-    """This rank's rows of each whole base tensor, for a model FSDP already shards."""
-    specs = model_specs(model, parallel)
-    for name, spec in specs.items():
-        if tuple(tensors[name].shape) != spec.shape:
-            raise BaseModelError(
-                f"base tensor {name} has shape {tuple(tensors[name].shape)}, the model "
-                f"expects {spec.shape}"
-            )
-    return {
-        name: assemble(specs[name], tensors[name], param)
-        for name, param in model.named_parameters()
-    }
+            local = local_tensor(param)
+            for piece in specs[name].pieces:
+                local[piece.local].copy_(source.read(name, piece.box))
 
 
 def gather_adapters(model: nn.Module, parallel: ParallelState) -> dict[str, Tensor]:
