@@ -26,6 +26,7 @@ datatrove is not a project dependency: without it the datatrove columns are skip
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -36,6 +37,7 @@ import shutil
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -234,7 +236,9 @@ def ids_of(path: Path) -> dict[str, str]:
 def run_ours(corpus: Path, work: Path, curate: CurateConfig, task_files: list[str]) -> dict:
     out = work / "ours"
     shutil.rmtree(out, ignore_errors=True)
-    data = DataConfig(inputs=[str(corpus)], curate=curate.model_copy(update={"output": str(out)}))
+    data = DataConfig(
+        inputs=[str(corpus)], curate=curate.model_copy(update={"output": str(out)}), workers=1
+    )
     wall, cpu = time.perf_counter(), cpu_seconds()
     report = curate_corpus(data, task_files, show_progress=False)
     wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
@@ -359,6 +363,53 @@ def rates(documents: int, megabytes: float, run: dict) -> dict:
     }
 
 
+SCALING = (
+    ("local, 1 worker (in the driver)", {"workers": 1}),
+    ("local, 2 worker processes", {"workers": 2}),
+    ("ray, 2 nodes x 1 CPU", {"engine": "ray"}),
+)
+
+
+def run_scaling(
+    corpus: Path, work: Path, task_files: list[str], address: str, documents: int, megabytes: float
+) -> list[dict]:
+    """The whole curation pass on each engine; each must keep the same bytes."""
+    rows = []
+    for label, settings in SCALING:
+        out = work / "scaling"
+        shutil.rmtree(out, ignore_errors=True)
+        data = DataConfig(
+            inputs=[str(corpus)], ray_address=address, **settings,
+            curate=CurateConfig(output=str(out)),
+        )  # fmt: skip
+        wall = time.perf_counter()
+        report = curate_corpus(data, task_files, show_progress=False)
+        wall = time.perf_counter() - wall
+        rows.append(
+            {
+                "engine": label,
+                "wall_s": wall,
+                "docs_per_s": documents / wall,
+                "mb_per_s": megabytes / wall,
+                "nodes": len(report.nodes),
+                "outputs": {name: info.sha256 for name, info in report.record.outputs.items()},
+            }
+        )
+    return rows
+
+
+@contextlib.contextmanager
+def ray_cluster(address: str | None) -> Iterator[str]:
+    """The cluster given, else the tests' two-node cluster on this machine (one CPU each)."""
+    if address:
+        yield address
+        return
+    from tests.ray_cluster import two_node_cluster  # Ray is an optional extra
+
+    with two_node_cluster() as cluster:
+        yield cluster.address
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -369,6 +420,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-datatrove", action="store_true")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="also time the whole pass on local 1 and 2 workers and on Ray (needs ray)",
+    )
+    parser.add_argument(
+        "--ray-address", help="the Ray cluster for --scaling (default: two local nodes)"
+    )
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="curate-bench-"))
     corpus = work / "corpus" / "corpus.jsonl"
@@ -407,6 +466,11 @@ def main() -> None:
         full = run_datatrove(corpus, work, filters=True, bands=bands, rows=rows)
         results["datatrove_full"] = {**rates(total, megabytes, full), "kept": len(full["kept"])}
     results["ours_full"]["kept"] = len(ours_full["kept"])
+    if args.scaling:
+        with ray_cluster(args.ray_address) as address:
+            results["scaling"] = run_scaling(
+                corpus, work, [str(SAMPLE_TASK)], address, total, megabytes
+            )
     results["memory"] = [index_memory(n, curate, args.seed) for n in args.index_documents]
     shutil.rmtree(work, ignore_errors=True)
     print_report(results)
@@ -437,6 +501,14 @@ def print_report(results: dict) -> None:
             print(f"| {name.split('_')[0]} | {r['docs_per_s']:,.0f} | {r['mb_per_s']:.2f} | "
                   f"{r['docs_per_cpu_s']:,.0f} | {r['mb_per_cpu_s']:.2f} | {r['kept']:,} |")  # fmt: skip
     print(f"ours removed by rule: {results['ours_full']['removed_by_rule']}")
+    if "scaling" in results:
+        print("\nwhole curation pass by engine (wall clock; the same output bytes in each)")
+        print("| engine | docs/s | MB/s | Ray nodes that worked | same output as the first |")
+        print("|---|---|---|---|---|")
+        first = results["scaling"][0]["outputs"]
+        for r in results["scaling"]:
+            print(f"| {r['engine']} | {r['docs_per_s']:,.0f} | {r['mb_per_s']:.2f} | "
+                  f"{r['nodes']} | {r['outputs'] == first} |")  # fmt: skip
     print("\nindex memory")
     print(
         "| documents indexed | LSH bytes/doc | exact keys bytes/doc | LSH per 1M docs | LSH for 1B docs |"

@@ -343,6 +343,17 @@ class DataConfig(StrictModel):
         "single lines, or one document per file.",
     )
     workers: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=1024)
+    engine: Literal["local", "ray"] = Field(
+        default="local",
+        description="Where prepare and curate run their per-document work: local processes "
+        "(data.workers), or Ray Data on a Ray cluster; the output is the same "
+        "(preprocessing.engines).",
+    )
+    ray_address: str | None = Field(
+        default=None,
+        description="The Ray cluster for engine ray (HEAD:6379 or ray://HEAD:10001); "
+        "default $RAY_ADDRESS.",
+    )
     shards: int = Field(default=1, ge=1, le=1_000_000)
     on_bad_record: Literal["fail", "skip"] = "fail"
     max_bad_examples: int = Field(default=20, ge=0)

@@ -86,6 +86,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="EOD id: our <|eod|> piece (default) or the tokenizer's </s> "
         "(what Megatron-LM's tools/preprocess_data.py appends)",
     )
+    _add_engine_arguments(prepare)
     prepare.set_defaults(handler=_prepare)
 
     curate = commands.add_parser(
@@ -126,6 +127,12 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="replace emails, IPv4 addresses and phone numbers (data.curate.pii.enabled)",
     )
+    curate.add_argument(
+        "--workers",
+        type=int,
+        help="processes applying the per-document rules (default: all cores; 1: in this one)",
+    )
+    _add_engine_arguments(curate)
     curate.set_defaults(handler=_curate)
 
     inspect = commands.add_parser(
@@ -192,6 +199,20 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        help="where the per-document work runs: local processes (default, --workers) or Ray "
+        "Data across a Ray cluster's nodes; the output is byte-identical (docs/data.md)",
+    )
+    parser.add_argument(
+        "--ray-address",
+        metavar="HOST:PORT",
+        help="the Ray cluster for --engine ray (default $RAY_ADDRESS)",
+    )
+
+
 FLAG_KEYS = {
     "input": "data.inputs",
     "input_format": "data.input_format",
@@ -200,6 +221,8 @@ FLAG_KEYS = {
     "text_mode": "data.text_mode",
     "on_bad_record": "data.on_bad_record",
     "workers": "data.workers",
+    "engine": "data.engine",
+    "ray_address": "data.ray_address",
     "shards": "data.shards",
     "vocab_size": "tokenizer.vocab_size",
     "model_type": "tokenizer.model_type",
@@ -248,6 +271,7 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from preprocessing.engines import where
     from preprocessing.stage import run_tokenize_stage
 
     config = config_from_args(args)
@@ -267,7 +291,7 @@ def _prepare(args: argparse.Namespace) -> int:
     if report.tokenized_documents:
         print(
             f"  {rates['documents_per_s']:,.0f} docs/s, {rates['tokens_per_s']:,.0f} tokens/s, "
-            f"{rates['mb_per_s']:.1f} MB/s with {config.data.workers} worker(s)"
+            f"{rates['mb_per_s']:.1f} MB/s with {where(config.data, report.nodes)}"
         )
     if manifest.rejected.total:
         print(f"  rejected {manifest.rejected.total} record(s): {dict(manifest.rejected.counts)}")

@@ -30,10 +30,11 @@ import os
 import posixpath
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from megalith import safe_read
 from megalith.config import ConfigError, CurateConfig, DataConfig
@@ -49,7 +50,8 @@ from megalith.storage import (
 from preprocessing.corpus import Corpus
 from preprocessing.curation_record import RECORD_NAME, read_record
 from preprocessing.decontaminate import MAX_TASK_FILE_BYTES, Contamination, TaskFileError
-from preprocessing.dedup import ExactDuplicates, NearDuplicates
+from preprocessing.dedup import ExactDuplicates, NearDuplicates, text_key
+from preprocessing.engines import open_engine, where
 from preprocessing.manifest import CurationRecord, FileInfo, InputInfo, RuleCounts
 from preprocessing.pii import redact
 from preprocessing.prepare import input_fingerprint, json_digest, progress_bar
@@ -134,47 +136,99 @@ class Locator:
 # --------------------------------------------------------------------------- rules
 
 
-class Curator:
-    """Applies the rules to one document at a time and keeps the tallies."""
+class Findings(NamedTuple):
+    """What the rules that look at one document alone found in it."""
+
+    key: bytes | None  # the exact-duplicate key (text_key)
+    failure: tuple[str, str] | None  # the first quality rule it fails, and why
+    contamination: str | None  # the n-gram it shares with an evaluation item
+    bands: list[int] | None  # its LSH band keys
+    redacted: str | None  # its text with PII replaced; None when nothing was
+    pii: dict[str, int]  # matches by kind
+
+
+class DocumentRules:
+    """The per-document step: normalization, quality rules, decontamination, MinHash band
+    keys, PII redaction. Pure (the result depends on the text alone), so it runs in any
+    process on any node (``preprocessing.engines``); the decisions that depend on earlier
+    documents are the ``Curator``'s. Work that cannot change the outcome is skipped."""
 
     def __init__(self, config: CurateConfig, contamination: Contamination | None):
         self.config = config
+        self.contamination = contamination
+        self.near = NearDuplicates(config.near_dedup) if config.near_dedup.enabled else None
+
+    def findings(self, text: str) -> Findings:
+        key = text_key(text) if self.config.exact_dedup.enabled else None
+        failure = None
+        if self.config.quality.enabled:
+            failure = quality_failure(text, self.config.quality)
+        if failure is not None:
+            return Findings(key, failure, None, None, None, {})
+        found = self.contamination.match(text) if self.contamination is not None else None
+        if found is not None and self.config.decontamination.action == "remove":
+            return Findings(key, None, found, None, None, {})
+        bands = None if self.near is None else self.near.band_keys(self.near.signature(text))
+        redacted, pii = None, {}
+        if self.config.pii.enabled:
+            redacted, pii = redact(text, self.config.pii)
+            redacted = redacted if pii else None
+        return Findings(key, None, found, bands, redacted, pii)
+
+
+CurateJob = tuple[int, int, list[str]]  # (input file index, first ordinal, texts)
+
+
+def review_job(rules: DocumentRules, job: CurateJob) -> list[Findings]:
+    """The engines' task: the findings of each document of a batch."""
+    return [rules.findings(text) for text in job[2]]
+
+
+class Curator:
+    """Decides, in input order, from each document's findings and the documents before it;
+    keeps the duplicate indexes and the tallies."""
+
+    def __init__(self, config: CurateConfig):
+        self.config = config
         self.exact = ExactDuplicates() if config.exact_dedup.enabled else None
         self.near = NearDuplicates(config.near_dedup) if config.near_dedup.enabled else None
-        self.contamination = contamination
         self.locate = Locator()
         self.removed = Tally(config.max_examples)
         self.changed = Tally(config.max_examples)
         self.flagged = Tally(config.max_examples)
         self.redactions: dict[str, int] = {}
 
-    def review(self, text: str, ordinal: int) -> str | None:
+    def decide(self, text: str, ordinal: int, found: Findings) -> str | None:
         """The text to keep (redacted), or None when a rule removes the document."""
-        removal = self._removal(text, ordinal)
+        removal = self._removal(text, ordinal, found)
         if removal is not None:
             rule, detail = removal
             self.removed.add(rule, self.locate(ordinal), detail, text)
             return None
-        if self.config.pii.enabled:
-            redacted, found = redact(text, self.config.pii)
-            for kind, count in found.items():
-                self.redactions[kind] = self.redactions.get(kind, 0) + count
-                self.changed.add(f"pii_{kind}", self.locate(ordinal), f"{count} redacted", text)
-            text = redacted
-        return text
+        for kind, count in found.pii.items():
+            self.redactions[kind] = self.redactions.get(kind, 0) + count
+            self.changed.add(f"pii_{kind}", self.locate(ordinal), f"{count} redacted", text)
+        return text if found.redacted is None else found.redacted
 
-    def _removal(self, text: str, ordinal: int) -> tuple[str, str] | None:
-        if self.exact is not None and (first := self.exact.check(text, ordinal)) is not None:
+    def _removal(self, text: str, ordinal: int, found: Findings) -> tuple[str, str] | None:
+        first = self.exact.check_key(found.key, ordinal) if found.key is not None else None
+        if first is not None:
             return "exact_duplicate", f"same text as {self.locate(first)}"
-        if self.config.quality.enabled and (failed := quality_failure(text, self.config.quality)):
-            return failed
-        if self.contamination is not None and (found := self.contamination.match(text)):
+        if found.failure is not None:
+            return found.failure
+        if found.contamination is not None:
             if self.config.decontamination.action == "remove":
-                return "decontamination", found
-            self.flagged.add("decontamination", self.locate(ordinal), found, text)
-        if self.near is not None and (first := self.near.check(text, ordinal)) is not None:
+                return "decontamination", found.contamination
+            self.flagged.add("decontamination", self.locate(ordinal), found.contamination, text)
+        first = self.near.check_keys(found.bands, ordinal) if found.bands is not None else None
+        if first is not None:
             return "near_duplicate", f"near duplicate of {self.locate(first)}"
         return None
+
+    def describe(self, jobs: list[CurateJob]) -> str:
+        """The documents a window of jobs holds, for an error."""
+        last = jobs[-1][1] + len(jobs[-1][2]) - 1
+        return f"documents {self.locate(jobs[0][1])} to {self.locate(last)}"
 
 
 # --------------------------------------------------------------------------- output
@@ -244,6 +298,8 @@ class CurateReport:
     lsh_rows: int = 0
     contamination_items: int = 0
     contamination_short_items: int = 0
+    nodes: list[str] = field(default_factory=list)  # Ray node ids that did the work (ray)
+    where: str = ""  # where the per-document work ran (preprocessing.engines.where)
 
     def rates(self) -> dict[str, float]:
         seconds = max(self.seconds, 1e-9)
@@ -305,10 +361,16 @@ def curate_corpus(
         contamination = Contamination.build(
             task_files, data.curate.decontamination.ngram, data.storage_options
         )
-    curator = Curator(data.curate, contamination)
+    curator = Curator(data.curate)
+    rules = DocumentRules(data.curate, contamination)
     _clear_output(output, data.storage_options)
     started = time.perf_counter()
-    record, text_bytes = _curate(corpus, curator, output, fingerprint, data, show_progress)
+    with open_engine(
+        data, review_job, rules, curator.describe, "curation", in_process_when_one=True
+    ) as engine:
+        record, text_bytes = _curate(
+            corpus, curator, engine, output, fingerprint, data, show_progress
+        )
     atomic_write_json(
         join(output, RECORD_NAME), record.model_dump(mode="json"), data.storage_options
     )
@@ -317,58 +379,99 @@ def curate_corpus(
         output=output,
         seconds=time.perf_counter() - started,
         text_bytes=text_bytes,
-        lsh_bands=curator.near.bands if curator.near else 0,
-        lsh_rows=curator.near.rows if curator.near else 0,
+        lsh_bands=0 if curator.near is None else curator.near.bands,
+        lsh_rows=0 if curator.near is None else curator.near.rows,
         contamination_items=contamination.items if contamination else 0,
         contamination_short_items=contamination.short_items if contamination else 0,
+        nodes=sorted(engine.nodes),
+        where=where(data, sorted(engine.nodes)),
     )
 
 
-def _curate(corpus, curator, output, fingerprint, data, show_progress):
+class Parts:
+    """The kept documents, in input order, to one part per input file that keeps any."""
+
+    def __init__(self, output: str, storage_options: dict[str, Any]):
+        self.output = output
+        self.options = storage_options
+        self.index: int | None = None
+        self.writer: PartWriter | None = None
+        self.files: dict[str, FileInfo] = {}
+        self.kept = 0
+
+    def write(self, index: int, text: str) -> None:
+        if index != self.index:
+            self.finish()
+            self.index = index
+            self.writer = PartWriter(join(self.output, part_name(index)), self.options)
+        self.writer.write(text)
+
+    def finish(self) -> None:
+        if self.writer is None:
+            return
+        self.kept += self.writer.documents
+        info = self.writer.commit()
+        if info is not None:
+            self.files[part_name(self.index)] = info
+        self.writer = None
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+
+
+def _curate(corpus, curator, engine, output, fingerprint, data, show_progress):
+    """Read and send batches ahead; decide and write their results as they come, in order."""
     rejects = RejectLog(max_examples=data.max_bad_examples)
     inputs: list[InputInfo] = []
-    outputs: dict[str, FileInfo] = {}
-    ordinal = kept = text_bytes = 0
-    with progress_bar(corpus.text_bytes_hint(), "curating", show_progress) as bar:
-        for index, source in enumerate(corpus.files):
-            curator.locate.begin_file(ordinal, source.url)
-            rejected_before, first = rejects.total, ordinal
-            writer = PartWriter(join(output, part_name(index)), data.storage_options)
-            try:
+    parts = Parts(output, data.storage_options)
+    sent: deque[CurateJob] = deque()  # the texts of the jobs whose findings are due
+
+    def decide(results: Iterator[list[Findings]]) -> None:
+        for findings in results:
+            index, first, texts = sent.popleft()
+            for ordinal, (text, found) in enumerate(zip(texts, findings, strict=True), first):
+                curated = curator.decide(text, ordinal, found)
+                if curated is not None:
+                    parts.write(index, curated)
+
+    ordinal = text_bytes = 0
+    try:
+        with progress_bar(corpus.text_bytes_hint(), "curating", show_progress) as bar:
+            for index, source in enumerate(corpus.files):
+                curator.locate.begin_file(ordinal, source.url)
+                rejected_before, first = rejects.total, ordinal
                 for batch in corpus.file_batches(index, rejects):
-                    for text in batch.texts:
-                        curated = curator.review(text, ordinal)
-                        ordinal += 1
-                        if curated is not None:
-                            writer.write(curated)
+                    sent.append((index, ordinal, batch.texts))
+                    ordinal += len(batch.texts)
+                    decide(engine.submit(sent[-1]))
                     text_bytes += batch.nbytes
                     bar.update(batch.nbytes)
-            except BaseException:
-                writer.abort()
-                raise
-            kept += writer.documents
-            info = writer.commit()
-            if info is not None:
-                outputs[part_name(index)] = info
-            inputs.append(
-                InputInfo(
-                    url=source.url,
-                    bytes=source.size,
-                    documents=ordinal - first,
-                    rejected=rejects.total - rejected_before,
+                inputs.append(
+                    InputInfo(
+                        url=source.url,
+                        bytes=source.size,
+                        documents=ordinal - first,
+                        rejected=rejects.total - rejected_before,
+                    )
                 )
-            )
+            decide(engine.drain())
+        parts.finish()
+    except BaseException:
+        parts.abort()
+        raise
     record = CurationRecord(
         fingerprint=fingerprint,
         documents_in=ordinal,
-        documents_out=kept,
+        documents_out=parts.kept,
         inputs=inputs,
         rejected=rejects.to_record(),
         removed=curator.removed.record(),
         changed=curator.changed.record(),
         flagged=curator.flagged.record(),
         redactions=dict(sorted(curator.redactions.items())),
-        outputs=outputs,
+        outputs=parts.files,
         config=data.curate.model_dump(mode="json"),
     )
     return record, text_bytes
@@ -434,6 +537,6 @@ def describe(report: CurateReport) -> str:
         rates = report.rates()
         lines.append(
             f"  {rates['documents_per_s']:,.0f} docs/s, {rates['mb_per_s']:.2f} MB/s "
-            f"on one core; LSH {report.lsh_bands} bands x {report.lsh_rows} rows"
+            f"with {report.where}; LSH {report.lsh_bands} bands x {report.lsh_rows} rows"
         )
     return "\n".join(lines)

@@ -34,7 +34,11 @@ class ExactDuplicates:
 
     def check(self, text: str, ordinal: int) -> int | None:
         """The ordinal of an earlier document with the same text; else remember this one."""
-        first = self.first.setdefault(text_key(text), ordinal)
+        return self.check_key(text_key(text), ordinal)
+
+    def check_key(self, key: bytes, ordinal: int) -> int | None:
+        """``check`` for a ``text_key`` computed elsewhere (in a worker)."""
+        first = self.first.setdefault(key, ordinal)
         return None if first == ordinal else first
 
 
@@ -101,7 +105,10 @@ class NearDuplicates:
 
     def check(self, text: str, ordinal: int) -> int | None:
         """The earliest kept document this one nearly duplicates; else index this one."""
-        keys = self.band_keys(self.signature(text))
+        return self.check_keys(self.band_keys(self.signature(text)), ordinal)
+
+    def check_keys(self, keys: list[int], ordinal: int) -> int | None:
+        """``check`` for ``band_keys`` computed elsewhere (in a worker)."""
         found = [table[key] for table, key in zip(self.tables, keys, strict=True) if key in table]
         if found:
             return min(found)

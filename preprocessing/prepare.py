@@ -22,15 +22,11 @@ import contextlib
 import hashlib
 import itertools
 import json
-import multiprocessing
 import os
 import shutil
 import tempfile
 import time
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -52,6 +48,7 @@ from megalith.storage import (
 from preprocessing.chat import MASK_DTYPE, encode_conversations
 from preprocessing.corpus import Corpus
 from preprocessing.curation_record import find_curation
+from preprocessing.engines import open_engine
 from preprocessing.indexed_dataset import IndexedDatasetWriter, token_dtype
 from preprocessing.manifest import (
     MANIFEST_NAME,
@@ -103,6 +100,7 @@ class PrepareReport:
     tokenized_documents: int = 0
     tokenized_tokens: int = 0
     tokenized_bytes: int = 0
+    nodes: list[str] = field(default_factory=list)  # Ray node ids that tokenized (engine ray)
 
     def rates(self) -> dict[str, float]:
         seconds = max(self.tokenize_seconds, 1e-9)
@@ -206,13 +204,6 @@ def make_plan(
 
 # --------------------------------------------------------------------------- workers
 
-_worker_tokenizer: Tokenizer | None = None
-
-
-def _init_worker(tokenizer: Tokenizer) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer  # unpickled: rebuilt from its bytes in this process
-
 
 def encode_documents(
     tokenizer: Tokenizer, texts: list[str], eod_id: int | None, dtype: np.dtype
@@ -228,81 +219,25 @@ def encode_documents(
     return flat, lengths
 
 
-def _warm_up() -> None:
-    pass
-
-
 EncodedBatch = tuple[int, np.ndarray, np.ndarray, np.ndarray | None]
+TokenizeJob = tuple[int, list[str], int | None, str, bool]
 
 
-def _encode_job(job: tuple[int, list[str], int | None, str, bool]) -> EncodedBatch:
+def encode_job(tokenizer: Tokenizer, job: TokenizeJob) -> EncodedBatch:
     """``(shard, tokens, lengths, loss mask)``; the mask only for chat conversations."""
     shard, texts, eod_id, dtype, chat = job
     if chat:
-        return shard, *encode_conversations(_worker_tokenizer, texts, np.dtype(dtype))
-    tokens, lengths = encode_documents(_worker_tokenizer, texts, eod_id, np.dtype(dtype))
+        return shard, *encode_conversations(tokenizer, texts, np.dtype(dtype))
+    tokens, lengths = encode_documents(tokenizer, texts, eod_id, np.dtype(dtype))
     return shard, tokens, lengths, None
 
 
-class WorkerError(MegalithError):
-    """A tokenizer worker process died (killed by the OS, out of memory...)."""
-
-
-class OrderedPool:
-    """A process pool that returns results in submission order with bounded work in flight.
-
-    ``Pool.imap`` would read the whole input ahead of the workers; bounding the queue
-    keeps memory flat for any corpus size. A worker that dies (the OS kills it when
-    memory runs out) fails the run with ``WorkerError``; ``multiprocessing.Pool``
-    would wait forever for the lost batch instead.
-    """
-
-    def __init__(self, workers: int, tokenizer: Tokenizer):
-        self.pool = ProcessPoolExecutor(
-            workers,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker,
-            initargs=(tokenizer,),
-        )
-        self.pending: deque = deque()
-        self.limit = 2 * workers + 2
-        # The executor starts processes only when work arrives: send each a no-op now.
-        for _ in range(workers):
-            self.pool.submit(_warm_up)
-
-    def submit(self, job) -> Iterator[EncodedBatch]:
-        try:
-            self.pending.append(self.pool.submit(_encode_job, job))
-        except BrokenProcessPool as exc:
-            raise self._broken(exc) from None
-        while len(self.pending) >= self.limit:
-            yield self._next()
-
-    def drain(self) -> Iterator[EncodedBatch]:
-        while self.pending:
-            yield self._next()
-
-    def _next(self) -> EncodedBatch:
-        try:
-            return self.pending.popleft().result()
-        except BrokenProcessPool as exc:
-            raise self._broken(exc) from None
-
-    @staticmethod
-    def _broken(exc: BrokenProcessPool) -> WorkerError:
-        return WorkerError(
-            f"a tokenizer worker process died ({exc}); killed for lack of memory? "
-            "Rerun the same command to resume: complete shards are kept"
-        )
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-    def __enter__(self) -> OrderedPool:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+def describe_jobs(jobs: list[TokenizeJob]) -> str:
+    """The shards and documents a window of tokenize jobs holds, for an error."""
+    shards = sorted({job[0] for job in jobs})
+    documents = sum(len(job[1]) for job in jobs)
+    names = shard_name(shards[0]) + (f"..{shard_name(shards[-1])}" if len(shards) > 1 else "")
+    return f"{documents} document(s) of {names}"
 
 
 # --------------------------------------------------------------------------- shards
@@ -477,7 +412,7 @@ def _prepare(corpus, store, data, tokenizer, tokenizer_config, show_progress) ->
     report = PrepareReport(manifest=None, output=store.output)  # type: ignore[arg-type]
 
     # Start the workers now: their spawn and imports overlap the scan.
-    with OrderedPool(data.workers, tokenizer) as pool:
+    with open_engine(data, encode_job, tokenizer, describe_jobs, "tokenizer") as pool:
         return _scan_and_tokenize(
             corpus, store, data, tokenizer, tokenizer_config, show_progress, pool, dtype, report
         )
@@ -516,6 +451,7 @@ def _scan_and_tokenize(
     else:
         written = {}
     report.tokenize_seconds = time.perf_counter() - started
+    report.nodes = sorted(pool.nodes)
     report.written = [written[i].name for i in sorted(written)]
     report.empty = [shard_name(i) for i in sorted(empty)]
 
@@ -595,7 +531,8 @@ def _build_manifest(corpus, scan, tokenizer, tokenizer_config, data, dtype, shar
             corpus.files, scan.documents_per_input, scan.rejected_per_input, strict=True
         )
     ]
-    config = {"data": data.model_dump(mode="json")}
+    # Where the work ran does not change the shards: the manifest is the same on any engine.
+    config = {"data": data.model_dump(mode="json", exclude={"engine", "ray_address"})}
     curation = find_curation(corpus)
     rejected = RejectedRecords.model_validate(scan.rejects)
     if curation is not None:  # the raw corpus's bad records were met while curating it

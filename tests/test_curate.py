@@ -89,7 +89,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def curate(corpus: Path, output: str, *overrides: str, task_files=("task.jsonl",)):
     config = load_config(
         None,
-        ["data.on_bad_record=skip", "data.curate.pii.enabled=true", *overrides],
+        ["data.on_bad_record=skip", "data.curate.pii.enabled=true", "data.workers=1", *overrides],
         {"data.inputs": [str(corpus / "raw.jsonl")], "data.curate.output": output},
     )
     return curate_corpus(config.data, [str(corpus / t) for t in task_files], show_progress=False)

@@ -17,15 +17,10 @@ import pytest
 
 from megalith.config import DataConfig, TokenizerConfig
 from preprocessing import corpus_generator
+from preprocessing.engines import OrderedPool, WorkerError
 from preprocessing.indexed_dataset import IndexedDatasetReader
 from preprocessing.manifest import MANIFEST_NAME, Manifest, read_manifest
-from preprocessing.prepare import (
-    OrderedPool,
-    PrepareReport,
-    WorkerError,
-    prepare_dataset,
-    shard_name,
-)
+from preprocessing.prepare import PrepareReport, encode_job, prepare_dataset, shard_name
 from preprocessing.readers import REJECT_REASONS, BadRecordError, InputError
 from preprocessing.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
 
@@ -245,7 +240,7 @@ def test_byte_identical_for_any_worker_count(full_set, tokenizer: Tokenizer, tmp
 
 def test_dead_worker_fails_the_run(tokenizer: Tokenizer, texts: list[str]) -> None:
     """A worker killed mid-batch (as the OOM killer does) must fail the run, not hang it."""
-    pool = OrderedPool(1, tokenizer)
+    pool = OrderedPool(1, encode_job, tokenizer)
     try:
         # About 10 s of encoding on one core, so the kill lands mid-batch.
         job = (0, texts * 12, tokenizer.eod_id, "uint16", False)
@@ -386,7 +381,7 @@ def test_manifest_contents(full_set, tokenizer: Tokenizer, workdir: Path) -> Non
     data = DataConfig(inputs=[str(CORPUS)], output=str(root), workers=2, shards=4)
     settings = TokenizerConfig(vocab_size=1024, model=tokenizer.model_path)
     assert manifest.config == {
-        "data": data.model_dump(mode="json"),
+        "data": data.model_dump(mode="json", exclude={"engine", "ray_address"}),
         "tokenizer": settings.model_dump(mode="json"),
     }
 

@@ -1,0 +1,263 @@
+"""Where the per-document work of ``data prepare`` and ``data curate`` runs: the engine.
+
+Both stages cut the corpus into jobs (a batch of documents, in input order), send each
+to a pure function ``task(context, job)`` (tokenize a batch; apply the curation rules
+that need no other document), and consume the results **in submission order** on the
+driver, which keeps everything whose result depends on order (shard files, duplicate
+decisions, tallies). So the output depends only on the jobs, never on which worker ran
+one or when: every engine and worker count writes the same bytes.
+
+* ``local`` (default): ``data.workers`` processes on this machine (``OrderedPool``); one
+  worker for curation runs in this process.
+* ``ray``: Ray Data's ``map_batches`` over the nodes of a Ray cluster (``data.ray_address``
+  or ``$RAY_ADDRESS``), with ``preserve_order``. The driver sends jobs a window at a time
+  (``RayOrderedMap``), so memory stays bounded for any corpus; the context (a tokenizer,
+  the rules and the evaluation n-grams) is put in the object store once and loaded once
+  per worker process.
+
+A worker that dies or raises fails the run with ``WorkerError`` naming the jobs it held;
+the writers' temp-then-rename leaves nothing partial looking complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Protocol
+
+import numpy as np
+
+from megalith.config import DataConfig
+from megalith.errors import MegalithError
+from megalith.ray_cluster import connected, import_ray
+
+Task = Callable[[Any, Any], Any]  # (context, job) -> result; a module-level function
+Describe = Callable[[list[Any]], str]  # names the documents a list of jobs holds
+
+_context: Any = None  # in a local worker process: the task's context
+_cached: tuple[str, Any] | None = None  # in a Ray worker process: (object id, context)
+
+
+class WorkerError(MegalithError):
+    """A worker process died (killed by the OS, out of memory...) or a Ray task failed."""
+
+
+class Engine(Protocol):
+    nodes: set[str]  # Ray node ids that ran work (empty for the local engine)
+
+    def submit(self, job: Any) -> Iterator[Any]: ...
+    def drain(self) -> Iterator[Any]: ...
+
+
+# --------------------------------------------------------------------------- local
+
+
+def _init_worker(context: Any) -> None:
+    global _context
+    _context = context  # unpickled: rebuilt in this process
+
+
+def _run_local(task: Task, job: Any) -> Any:
+    return task(_context, job)
+
+
+def _warm_up() -> None:
+    pass
+
+
+class OrderedPool:
+    """A process pool that returns results in submission order with bounded work in flight.
+
+    ``Pool.imap`` would read the whole input ahead of the workers; bounding the queue
+    keeps memory flat for any corpus size. A worker that dies (the OS kills it when
+    memory runs out) fails the run with ``WorkerError``; ``multiprocessing.Pool``
+    would wait forever for the lost batch instead.
+    """
+
+    def __init__(self, workers: int, task: Task, context: Any, what: str = "tokenizer"):
+        self.task = task
+        self.what = what
+        self.nodes: set[str] = set()
+        self.pool = ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(context,),
+        )
+        self.pending: deque = deque()
+        self.limit = 2 * workers + 2
+        # The executor starts processes only when work arrives: send each a no-op now.
+        for _ in range(workers):
+            self.pool.submit(_warm_up)
+
+    def submit(self, job: Any) -> Iterator[Any]:
+        try:
+            self.pending.append(self.pool.submit(_run_local, self.task, job))
+        except BrokenProcessPool as exc:
+            raise self._broken(exc) from None
+        while len(self.pending) >= self.limit:
+            yield self._next()
+
+    def drain(self) -> Iterator[Any]:
+        while self.pending:
+            yield self._next()
+
+    def _next(self) -> Any:
+        try:
+            return self.pending.popleft().result()
+        except BrokenProcessPool as exc:
+            raise self._broken(exc) from None
+
+    def _broken(self, exc: BrokenProcessPool) -> WorkerError:
+        return WorkerError(
+            f"a {self.what} worker process died ({exc}); killed for lack of memory? "
+            "Rerun the same command to resume: complete work is kept"
+        )
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> OrderedPool:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class InProcess:
+    """The jobs run here, one after another: no process to start for one worker."""
+
+    def __init__(self, task: Task, context: Any):
+        self.task = task
+        self.context = context
+        self.nodes: set[str] = set()
+
+    def submit(self, job: Any) -> Iterator[Any]:
+        yield self.task(self.context, job)
+
+    def drain(self) -> Iterator[Any]:
+        return iter(())
+
+
+# --------------------------------------------------------------------------- ray
+
+
+class _Boxed:
+    """One job or result in a Ray Data row: an opaque Python object column (Ray Data
+    pickles it), so jobs of any shape need no Arrow schema."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def _context_in_worker(key: str, holder: list[Any]) -> Any:
+    global _cached
+    if _cached is None or _cached[0] != key:
+        _cached = (key, import_ray().get(holder[0]))  # once per worker process and run
+    return _cached[1]
+
+
+def _ray_batch(batch: dict[str, np.ndarray], task: Task, key: str, holder: list) -> dict:
+    context = _context_in_worker(key, holder)
+    node = import_ray().get_runtime_context().get_node_id()
+    results = [_Boxed((node, task(context, boxed.value))) for boxed in batch["job"]]
+    column = np.empty(len(results), dtype=object)
+    column[:] = results
+    return {"result": column}
+
+
+class RayOrderedMap:
+    """Ray Data ``map_batches`` over a window of jobs at a time, results in job order."""
+
+    def __init__(self, task: Task, context: Any, describe: Describe, window: int = 0):
+        ray = import_ray()
+        self.ray = ray
+        settings = ray.data.DataContext.get_current()
+        settings.execution_options.preserve_order = True
+        settings.enable_progress_bars = False
+        settings.print_on_execution_start = False
+        # One INFO line per window, and a warning that jobs are stored as Python objects.
+        logging.getLogger("ray.data").setLevel(logging.ERROR)
+        self.task = task
+        self.describe = describe
+        self.holder = [ray.put(context)]
+        self.key = self.holder[0].hex()
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        self.window = window or max(4, 4 * cpus)
+        self.jobs: list[Any] = []
+        self.nodes: set[str] = set()
+
+    def submit(self, job: Any) -> Iterator[Any]:
+        self.jobs.append(job)
+        if len(self.jobs) >= self.window:
+            yield from self._run()
+
+    def drain(self) -> Iterator[Any]:
+        if self.jobs:
+            yield from self._run()
+
+    def _run(self) -> Iterator[Any]:
+        jobs, self.jobs = self.jobs, []
+        rows = self.ray.data.from_items(
+            [{"job": _Boxed(job)} for job in jobs], override_num_blocks=len(jobs)
+        ).map_batches(
+            _ray_batch,
+            fn_kwargs={"task": self.task, "key": self.key, "holder": self.holder},
+            batch_size=1,
+            batch_format="numpy",
+            num_cpus=1,
+        )
+        results = iter(rows.iter_rows())
+        while True:
+            try:
+                row = next(results)
+            except StopIteration:
+                return
+            except Exception as error:  # a task that raised, a lost worker or node
+                raise WorkerError(
+                    f"Ray workers failed on {self.describe(jobs)}: {_first_line(error)}; "
+                    "nothing of it was published: rerun the same command"
+                ) from None
+            node, result = row["result"].value
+            self.nodes.add(node)
+            yield result
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
+
+
+# --------------------------------------------------------------------------- choosing
+
+
+def where(data: DataConfig, nodes: list[str]) -> str:
+    """Where a run's per-document work ran, for the command line."""
+    if data.engine == "ray":
+        return f"Ray Data on {len(nodes)} node(s)"
+    return f"{data.workers} worker process(es)"
+
+
+@contextlib.contextmanager
+def open_engine(
+    data: DataConfig,
+    task: Task,
+    context: Any,
+    describe: Describe,
+    what: str,
+    in_process_when_one: bool = False,
+) -> Iterator[Engine]:
+    """The engine ``data.engine`` names, ready for jobs; closed (and disconnected) after."""
+    if data.engine == "ray":
+        with connected(data.ray_address):
+            yield RayOrderedMap(task, context, describe)
+    elif data.workers == 1 and in_process_when_one:
+        yield InProcess(task, context)
+    else:
+        with OrderedPool(data.workers, task, context, what) as pool:
+            yield pool
