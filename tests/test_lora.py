@@ -32,6 +32,7 @@ from parallel_helpers import (
 )
 
 from megalith.config import ConfigError, LoRAConfig, ModelConfig
+from megalith.errors import MegalithError
 from training.checkpoint.sharded_reader import read_global_tensors
 from training.finetune.adapter import AdapterError, attach_adapter, load_adapter
 from training.finetune.base import content_id
@@ -41,6 +42,8 @@ from training.finetune.session import FineTune
 from training.models import GPTModel
 from training.models.flops import param_groups
 from training.models.package import load_model_package, model_tensors
+from training.parallel.groups import ParallelSizes
+from training.parallel.support import check_trainer_support
 from training.trainer import Trainer
 
 LORA = {"finetune.lora.rank": 4, "finetune.lora.alpha": 8, "finetune.lora.dropout": 0.0}
@@ -279,6 +282,11 @@ def test_model_keys_that_conflict_with_the_base_are_named(shards: Path, base: Pa
     assert "dropout" not in str(err.value)  # a runtime key may differ
     with pytest.raises(ConfigError, match="finetune.lora needs finetune.base"):
         config_of(trainer_settings(shards, LORA))
+    # LoRA runs under FSDP alone; FSDP × TP with adapters is refused, naming the keys.
+    fsdp = config_of(lora_settings(shards, base, **{"parallel.data_parallel_mode": "fsdp"}))
+    check_trainer_support(fsdp, ParallelSizes(dp=2))
+    with pytest.raises(MegalithError, match="finetune.lora with parallel.data_parallel_mode=fsdp"):
+        check_trainer_support(fsdp, ParallelSizes(tp=2, dp=2))
 
 
 def assert_reads_its_share(run: Path, base: Path, world: int, most: float, layout: str) -> None:
@@ -297,10 +305,12 @@ def assert_reads_its_share(run: Path, base: Path, world: int, most: float, layou
 def test_tensor_and_data_parallel_lora_match_one_process(
     shards: Path, base: Path, lora_run: Path, tmp_path: Path
 ) -> None:
-    """TP=2 (and with sequence parallelism), and DP=2 with ZeRO-1, on torchrun + gloo:
-    the same losses, grad norms, whole checkpoint (under TP the adapters are split: B of
-    qkv/fc1 on rows, A of proj/fc2 on columns), exact resume, merged package and
-    adapter as one process."""
+    """TP=2 (and with sequence parallelism), DP=2 with ZeRO-1, and FSDP=2 built on meta
+    (adapters added on meta, sharded with their block, each rank's rows drawn from their
+    seeded init), on torchrun + gloo: the same losses, grad norms, whole checkpoint
+    (under TP the adapters are split: B of qkv/fc1 on rows, A of proj/fc2 on columns),
+    exact resume, merged package and adapter as one process; under TP and FSDP each rank
+    read half the base."""
     cases = {
         "tp2": lora_settings(shards, base, **{"parallel.tensor": 2}),
         "tp2-sp": lora_settings(
@@ -310,8 +320,9 @@ def test_tensor_and_data_parallel_lora_match_one_process(
         "dp2-zero1": lora_settings(
             shards, base, **{"parallel.data_parallel_mode": "distributed_optimizer"}
         ),
+        "fsdp2": lora_settings(shards, base, **{"parallel.data_parallel_mode": "fsdp"}),
     }
-    run_trainer_worker(tmp_path, cases, world=2, label="LoRA TP=2 / DP=2")
+    run_trainer_worker(tmp_path, cases, world=2, label="LoRA TP=2 / DP=2 / FSDP=2")
     for layout in cases:
         run = tmp_path / layout
         recorded = last_checkpoint_state(run)["layout"]
@@ -321,8 +332,9 @@ def test_tensor_and_data_parallel_lora_match_one_process(
         assert_whole_checkpoint(run, lora_run, layout)
         assert_resume_exact(run, tmp_path / f"{layout}-resumed", layout)
         assert_package_logits_match(run, lora_run, layout)
-        # TP splits the linears and the vocabulary (the norms are replicated); DP reads all.
-        assert_reads_its_share(run, base, 2, 0.51 if tp == 2 else 1.0, layout)
+        # TP splits the linears and the vocabulary (the norms are replicated), FSDP every
+        # tensor's rows; DP reads all.
+        assert_reads_its_share(run, base, 2, 1.0 if layout == "dp2-zero1" else 0.51, layout)
         assert_close_tensors(
             load_adapter(run / "adapter").tensors,
             load_adapter(lora_run / "adapter").tensors,

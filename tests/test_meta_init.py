@@ -13,8 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from parallel_helpers import init_gloo
 
-from megalith.config import MegalithConfig, MixedPrecisionConfig, ModelConfig
+from megalith.config import LoRAConfig, MegalithConfig, MixedPrecisionConfig, ModelConfig
 from training import models
+from training.finetune.lora import apply_lora, initialize_shards, is_adapter_param
 from training.finetune.session import load_base_weights
 from training.parallel import tensor_parallel_training as tp
 from training.parallel.groups import build_parallel_state
@@ -132,6 +133,7 @@ def _fsdp_errors(rank: int, world: int) -> list[str]:
         if bool(mixed) != bool(float8):
             errors.append(f"fsdp {name}: float8 linears {float8} with fp8={bool(mixed)}")
     errors += _fine_tune_base_errors(state, rank, world)
+    errors += _lora_errors(state, rank, world)
     return errors
 
 
@@ -150,6 +152,43 @@ def _fine_tune_base_errors(state, rank: int, world: int) -> list[str]:
             param.to_local(), base[key].chunk(world)[rank] if param.dim() else base[key]
         )
     ]
+
+
+def _lora_errors(state, rank: int, world: int) -> list[str]:
+    """A LoRA fine-tune under FSDP built on meta: adapters added on meta and sharded with
+    the frozen base; the replay held at most one whole parameter (never the model) and
+    left the RNG where one process leaves it; then each rank's rows of the base and of
+    the seeded adapters equal those of one process's model with :func:`apply_lora`."""
+    model_config, lora = CONFIGS["llama"], LoRAConfig(rank=4, alpha=8)
+    torch.manual_seed(5)
+    model, stats = build_fsdp_on_meta(model_config, state, torch.device("cpu"), lora=lora)
+    errors = (
+        []
+        if stats.peak_bytes <= stats.largest_parameter_bytes < stats.model_bytes
+        else [f"fsdp lora: held {stats} while building"]
+    )
+    rng = torch.get_rng_state()
+    torch.manual_seed(11)  # the base
+    whole = models.build_model(model_config)
+    base = {n: p.detach().clone() for n, p in whole.named_parameters()}
+    load_base_weights(model, base, state, lambda n: not is_adapter_param(n))
+    initialize_shards(model, 7, state)
+    apply_lora(whole, lora, 7)
+    torch.manual_seed(5)
+    models.build_model(model_config)
+    if not torch.equal(rng, torch.get_rng_state()):
+        errors.append("fsdp lora: RNG state differs from one process's")
+    want = dict(whole.named_parameters())
+    for key, param in model.named_parameters():
+        rows = want[key].detach().chunk(world)[rank] if param.dim() else want[key]
+        if (
+            not torch.equal(param.to_local(), rows)
+            or param.requires_grad != want[key].requires_grad
+        ):
+            errors.append(f"fsdp lora: {key} rows differ from one process's (or its freezing)")
+    if not any(is_adapter_param(key) for key, _ in model.named_parameters()):
+        errors.append("fsdp lora: no adapters")
+    return errors
 
 
 def test_tensor_parallel_and_fsdp_shards_equal_the_single_process_model_shards(tmp_path):

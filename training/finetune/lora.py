@@ -19,6 +19,12 @@ Tensor parallelism follows Megatron/NeMo:
   reduce-scatter along the sequence under SP), ``B`` replicated (its gradient
   all-reduced under SP, where each rank sees only its tokens).
 
+Under FSDP (no TP) the adapters are added on the meta device with the model
+(:func:`add_adapters`), sharded by rows in their block's FSDP unit beside the frozen
+base, and each rank fills its rows from the seeded whole ``A`` (:func:`initialize_shards`);
+the package's merge folds the gathered adapters into the gathered whole model
+(:func:`merge_into`).
+
 Merging is local to each shard (``W_r += scale · B_r A`` for a column base,
 ``W_r += scale · B A_r`` for a row one), so a merged TP model gathers into exactly
 the merged single-device model.
@@ -42,6 +48,9 @@ from torch import Tensor, nn
 
 from megalith.config import ConfigError, LoRAConfig
 from training.models.layers import NormLinear
+from training.parallel.dtensor import local_tensor
+from training.parallel.groups import ParallelState
+from training.parallel.shard_specs import assemble, model_specs
 from training.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from training.parallel.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
@@ -90,13 +99,18 @@ class LoRAAdapter(nn.Module):
         factor = self.tp_size if self.kind == "row" else 1
         return self.a.size(0), self.a.size(1) * factor
 
-    def initialize(self, seed: int, name: str) -> None:
-        """``B = 0``; ``A`` drawn whole from (seed, name), then this rank's slice. (Not
-        ``reset_parameters``: ``GPTModel.init_weights`` must not redraw adapters.)"""
+    def whole_a(self, seed: int, name: str) -> Tensor:
+        """The single-device ``A`` of the adapter on module ``name``, drawn from a
+        generator seeded by (seed, name): Kaiming-uniform as PEFT."""
         generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         whole = torch.empty(self.full_shape_a())
         bound = 1.0 / math.sqrt(whole.size(1))  # kaiming_uniform_(a=sqrt(5)), as PEFT
-        whole.uniform_(-bound, bound, generator=generator)
+        return whole.uniform_(-bound, bound, generator=generator)
+
+    def initialize(self, seed: int, name: str) -> None:
+        """``B = 0``; ``A`` drawn whole from (seed, name), then this rank's slice. (Not
+        ``reset_parameters``: ``GPTModel.init_weights`` must not redraw adapters.)"""
+        whole = self.whole_a(seed, name)
         if self.kind == "row" and self.tp_size > 1:
             whole = whole.chunk(self.tp_size, dim=1)[dist.get_rank(self.group)]
         with torch.no_grad():
@@ -181,10 +195,19 @@ def target_linears(model: nn.Module, targets: list[str]) -> dict[str, nn.Module]
 
 
 def apply_lora(model: nn.Module, config: LoRAConfig, seed: int) -> dict[str, LoRAAdapter]:
-    """Add an adapter to every target linear and freeze every other parameter.
+    """Add an adapter to every target linear, initialized, and freeze every other parameter.
 
     Returns ``{base module name: adapter}``. Call before wrapping the model in DDP and
     building the optimizer, so that both see only the adapters as trainable."""
+    adapters = add_adapters(model, config)
+    for name, adapter in adapters.items():
+        adapter.initialize(seed, name)
+    return adapters
+
+
+def add_adapters(model: nn.Module, config: LoRAConfig) -> dict[str, LoRAAdapter]:
+    """:func:`apply_lora` without initializing the adapters (on a meta model, whose
+    shards :func:`initialize_shards` fills once sharded)."""
     targets = target_linears(model, config.target_modules)
     taken = [
         name
@@ -198,11 +221,23 @@ def apply_lora(model: nn.Module, config: LoRAConfig, seed: int) -> dict[str, LoR
     adapters = {}
     for name, linear in targets.items():
         adapter = LoRAAdapter(linear, config.rank, config.alpha, config.dropout)
-        adapter.initialize(seed, name)
         linear.lora = adapter
         linear.register_forward_hook(_add_update)
         adapters[name] = adapter
     return adapters
+
+
+def initialize_shards(model: nn.Module, seed: int, parallel: ParallelState) -> None:
+    """Each adapter of a model sharded as it was built on meta (FSDP rows), as
+    :meth:`LoRAAdapter.initialize` makes it whole: this rank's part of the whole ``A``
+    (drawn from (seed, name), one adapter at a time), and ``B = 0``."""
+    specs, params = model_specs(model, parallel), dict(model.named_parameters())
+    with torch.no_grad():
+        for name, adapter in adapters_of(model).items():
+            key = f"{name}.lora.a"
+            whole = adapter.whole_a(seed, name)
+            local_tensor(adapter.a).copy_(assemble(specs[key], whole, params[key]))
+            local_tensor(adapter.b).zero_()
 
 
 def adapters_of(model: nn.Module) -> dict[str, LoRAAdapter]:
@@ -242,6 +277,18 @@ def merged(model: nn.Module) -> Iterator[None]:
                 adapter.merged = False
 
 
+def merge_into(model: nn.Module, adapters: dict[str, Tensor], scale: float) -> None:
+    """Fold whole adapter tensors (``X.lora.a``/``X.lora.b``) into the weights of a plain
+    single-device model without adapters, in place (:func:`merge_tensors`)."""
+    weights = {n: p.detach() for n, p in model.named_parameters()}
+    folded = merge_tensors({**weights, **adapters}, scale)
+    with torch.no_grad():
+        for name in adapters:
+            if name.endswith(".lora.a"):
+                weight = f"{name.removesuffix('.lora.a')}.weight"
+                model.get_parameter(weight).copy_(folded[weight])
+
+
 def merge_tensors(tensors: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
     """Whole single-device tensors with adapters (``X.lora.a``/``X.lora.b``) folded into
     their base weights ``X.weight`` (``W + scale · B A``, computed in fp32) and dropped."""
@@ -258,9 +305,12 @@ def merge_tensors(tensors: dict[str, Tensor], scale: float) -> dict[str, Tensor]
 
 __all__ = [
     "LoRAAdapter",
+    "add_adapters",
     "adapters_of",
     "apply_lora",
+    "initialize_shards",
     "is_adapter_param",
+    "merge_into",
     "merge_tensors",
     "merged",
     "target_linears",

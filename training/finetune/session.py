@@ -48,14 +48,17 @@ from training.finetune.base_tensors import BaseTensors, TensorDict
 from training.finetune.lora import (
     adapters_of,
     apply_lora,
+    initialize_shards,
     is_adapter_param,
+    merge_into,
     merged,
     trainable_summary,
 )
 from training.mlflow_store.runs import resolve_tracking_uri
 from training.models import model_from_tensors
+from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
-from training.parallel.dtensor import local_tensor
+from training.parallel.dtensor import local_tensor, whole_tensor
 from training.parallel.groups import ParallelState
 from training.parallel.shard_specs import model_specs
 
@@ -92,13 +95,19 @@ class FineTune:
 
     def prepare(self, model: nn.Module, parallel: ParallelState) -> None:
         """Base weights into ``model`` (this rank's shards); with LoRA, adapters added
-        and the base frozen. Before DDP and the optimizer."""
-        load_base_weights(model, self.base.tensors, parallel)
+        and the base frozen. Before DDP and the optimizer, or, when FSDP built the model
+        on meta, after the sharding: then the adapters are there already (added on meta,
+        frozen base) and each rank fills its rows of them from their seeded init."""
+        sharded_adapters = bool(adapters_of(model))
+        load_base_weights(model, self.base.tensors, parallel, lambda n: not is_adapter_param(n))
         # What this rank read (rank 0 reads every tensor again later, one at a time, for
         # the base's content id in its lineage).
         self.load_stats = dataclasses.replace(self.base.tensors.stats)
-        if self.lora is not None:
-            apply_lora(model, self.lora, self.config.training.seed)
+        seed = self.config.training.seed
+        if self.lora is not None and sharded_adapters:
+            initialize_shards(model, seed, parallel)
+        elif self.lora is not None:
+            apply_lora(model, self.lora, seed)
         trainable, total = trainable_summary(model)
         logger.info(
             "fine-tuning from %s (%s): %d of %d parameters train on this rank",
@@ -142,6 +151,12 @@ class FineTune:
                 yield whole
             return
         self._adapter_tensors = gather_adapters(model, parallel)
+        if dp.is_sharded(model):  # FSDP: folded into the whole copy rank 0 gathers
+            with whole_model() as whole:
+                if whole is not None:
+                    merge_into(whole, self._adapter_tensors, self.lora.alpha / self.lora.rank)
+                yield whole
+            return
         with merged(model), whole_model() as whole:
             yield None if whole is None else plain_copy(whole)
 
@@ -204,10 +219,13 @@ def load_base_weights(
 
 
 def gather_adapters(model: nn.Module, parallel: ParallelState) -> dict[str, Tensor]:
-    """Whole adapter tensors on CPU (collective over the TP group)."""
+    """Whole adapter tensors on CPU (collective over the TP group, or over the FSDP
+    ranks for their rows)."""
     config, split = model.config, parallel.sizes.tp > 1
     return {
-        name: tp.gather_whole(name, param, config, parallel) if split else param.detach().cpu()
+        name: tp.gather_whole(name, param, config, parallel)
+        if split
+        else whole_tensor(param).detach().cpu()
         for name, param in model.named_parameters()
         if is_adapter_param(name)
     }

@@ -74,10 +74,13 @@ def materialize_shard(
     build: Callable[[], nn.Module],
     shard: nn.Module,
     cut: Callable[[str, Tensor], Tensor],
+    elsewhere: Callable[[str], bool] = lambda name: False,
 ) -> MaterializeStats:
     """Initialise ``shard`` (this rank's model, already on its device) with its parts of
     the parameters ``build()`` (the single-device model) would initialise from the
     current RNG state; ``cut(name, whole)`` is this rank's part of parameter ``name``.
+    ``elsewhere(name)``: a parameter of ``shard`` that ``build()`` does not make and the
+    caller initialises (LoRA adapters, from their own seeded generators).
 
     Advances the default generator exactly as ``build()`` on the CPU would."""
     recorder = _InitRecorder()
@@ -87,7 +90,7 @@ def materialize_shard(
     if any(True for _ in whole.buffers()):
         raise NotImplementedError("meta-device init does not materialize buffers yet")
     last_op = {id(op.target): i for i, op in enumerate(recorder.ops)}
-    local = dict(shard.named_parameters())
+    local = {n: p for n, p in shard.named_parameters() if not elsewhere(n)}
     missing = set(local) - {names[k] for k in last_op if k in names}
     if missing:
         raise NotImplementedError(f"no initialisation recorded for {sorted(missing)}")

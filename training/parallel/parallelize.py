@@ -20,12 +20,14 @@ The trainer calls it once. It applies, in this order:
    fp8 layers as they are.
 6. **Data parallelism**: DDP over data × context, or FSDP2 sharding in place (the
    optimizer is built after, on the parameters FSDP leaves); with TP, FSDP shards each
-   rank's TP-local parameters (2-D). FSDP alone (no TP, EP or LoRA, torch kernels; fp8
-   or not, full fine-tuning or not) builds on the meta device, converts to float8 there
-   (step 4), shards, then materializes only this rank's rows of each parameter from the
-   replayed single-device init (:func:`build_fsdp_on_meta`), a fine-tune's base rows
-   copied over them (step 3, after the sharding here), so no device holds the whole
-   model; the other FSDP layouts still build the whole (TP shard of the) model first.
+   rank's TP-local parameters (2-D). FSDP alone (no TP or EP, torch kernels; fp8 or
+   not, full or LoRA fine-tuning or neither) builds on the meta device, converts to
+   float8 there (step 4) or adds LoRA adapters there (step 3), shards, then materializes
+   only this rank's rows of each parameter from the replayed single-device init
+   (:func:`build_fsdp_on_meta`); a fine-tune then reads only its rows of each base
+   tensor over them and draws its adapters' rows from their seeded init (step 3, after
+   the sharding here), so no device holds the whole model; the other FSDP layouts still
+   build the whole (TP shard of the) model first.
 7. **compile** last, around the DDP/FSDP module: dynamo's DDP optimizer then splits the
    graph at the gradient buckets so that communication still overlaps the backward.
 
@@ -43,9 +45,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megalith.config import MegalithConfig, MixedPrecisionConfig, ModelConfig
+from megalith.config import LoRAConfig, MegalithConfig, MixedPrecisionConfig, ModelConfig
 from training import models
 from training.families.spec import ModelFamily
+from training.finetune.lora import add_adapters, is_adapter_param
 from training.finetune.session import FineTune
 from training.models import resolve_backend
 from training.parallel import context_parallel as cp
@@ -85,11 +88,12 @@ def parallelize(
         # The stage chunks share the stage model's blocks: converting it converts them.
         prepare_fp8(pipeline.model, config.mixed_precision, precision)
         return ParallelModel(pipeline.model, pipeline.model, pipeline.model, pipeline)
-    if _fsdp_builds_on_meta(config, model_config, state, finetune):
+    if _fsdp_builds_on_meta(config, model_config, state):
+        lora = finetune.lora if finetune is not None else None
         model, _ = build_fsdp_on_meta(
-            model_config, state, device, config.mixed_precision, precision
+            model_config, state, device, config.mixed_precision, precision, lora
         )
-        if finetune is not None:  # the base's rows over the replayed init's
+        if finetune is not None:  # the base's rows over the replayed init's, adapters' rows
             finetune.prepare(model, state)
         forward_model = torch.compile(model) if config.training.compile else model
         return ParallelModel(model, model, forward_model, None)
@@ -107,7 +111,6 @@ def _fsdp_builds_on_meta(
     config: MegalithConfig,
     model_config: ModelConfig,
     state: ParallelState,
-    finetune: FineTune | None,
 ) -> bool:
     """Whether this rank's FSDP model is built on meta (the layouts whose materialization
     is wired and tested so far; TE modules initialise on their device, not from a replay)."""
@@ -116,7 +119,6 @@ def _fsdp_builds_on_meta(
         and dp.data_parallel_size(state) > 1
         and state.sizes.tp == 1
         and state.sizes.ep == 1
-        and (finetune is None or finetune.lora is None)  # adapters are added before sharding
         and resolve_backend(model_config.backend).name != "te"
     )
 
@@ -127,17 +129,27 @@ def build_fsdp_on_meta(
     device: torch.device,
     mixed_precision: MixedPrecisionConfig | None = None,
     precision: Precision | None = None,
+    lora: LoRAConfig | None = None,
 ) -> tuple[nn.Module, MaterializeStats]:
     """The model built on meta, its linears made float8 when ``mixed_precision.fp8`` asks
     (torchao keeps the parameters, so the replay fills them alike), sharded by FSDP2, then
     each parameter's local rows materialized from a replay of the single-device init: the
     weights and the RNG state after equal one process's, and at most one whole parameter
-    exists at a time."""
+    exists at a time.
+
+    With ``lora``, adapters are added on meta (the base frozen) before the sharding and
+    left uninitialised: the fine-tune fills their rows (:meth:`FineTune.prepare`). They
+    share their block's FSDP unit with the frozen base weights: FSDP2 reduce-scatters only
+    the gradients that exist and requires one dtype of the trainable parameters alone, so
+    a unit may mix frozen and trainable ones, and the adapters' rows are all-gathered
+    with the weights they adapt (no second all-gather per block, none replicated)."""
     backend = cp.wrap_backend(resolve_backend(model_config.backend), state)
     model = models.meta_model(model_config, backend)  # shapes only: the replay initializes
     if mixed_precision is not None and mixed_precision.fp8:
         check_device(device)  # prepare_fp8 sees meta parameters, not the device
         prepare_fp8(model, mixed_precision, precision)
+    if lora is not None:
+        add_adapters(model, lora)
     dp.shard_model(model, state)
     model.to_empty(device=device)
     specs = model_specs(model, state)
@@ -146,5 +158,6 @@ def build_fsdp_on_meta(
         lambda: models.build_model(model_config, backend),
         model,
         lambda name, whole: assemble(specs[name], whole, params[name]),
+        elsewhere=is_adapter_param,
     )
     return model, stats
