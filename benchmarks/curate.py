@@ -26,7 +26,6 @@ datatrove is not a project dependency: without it the datatrove columns are skip
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import json
 import os
@@ -37,7 +36,6 @@ import shutil
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -398,18 +396,6 @@ def run_scaling(
     return rows
 
 
-@contextlib.contextmanager
-def ray_cluster(address: str | None) -> Iterator[str]:
-    """The cluster given, else the tests' two-node cluster on this machine (one CPU each)."""
-    if address:
-        yield address
-        return
-    from tests.ray_cluster import two_node_cluster  # Ray is an optional extra
-
-    with two_node_cluster() as cluster:
-        yield cluster.address
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -467,7 +453,9 @@ def main() -> None:
         results["datatrove_full"] = {**rates(total, megabytes, full), "kept": len(full["kept"])}
     results["ours_full"]["kept"] = len(ours_full["kept"])
     if args.scaling:
-        with ray_cluster(args.ray_address) as address:
+        from tests.ray_cluster import given_or_local  # Ray is an optional extra
+
+        with given_or_local(args.ray_address) as address:
             results["scaling"] = run_scaling(
                 corpus, work, [str(SAMPLE_TASK)], address, total, megabytes
             )

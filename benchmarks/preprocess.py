@@ -68,11 +68,15 @@ def time_ceiling(model: str, documents: list[str], threads: int) -> dict:
     return {"seconds": seconds, "documents": len(documents), "tokens": tokens}
 
 
-def time_pipeline(corpus: Path, model: str, workers: int, output: Path) -> dict:
+def time_pipeline(
+    corpus: Path, model: str, workers: int, output: Path, ray_address: str | None = None
+) -> dict:
+    """``prepare_dataset`` on ``workers`` local processes, or on Ray given an address."""
     tokenizer = load_tokenizer(model)
     data = DataConfig(
-        inputs=[str(corpus)], output=str(output), workers=workers, shards=4, append_eod=False
-    )
+        inputs=[str(corpus)], output=str(output), workers=workers, shards=4, append_eod=False,
+        engine="ray" if ray_address else "local", ray_address=ray_address,
+    )  # fmt: skip
     started = time.perf_counter()
     report = prepare_dataset(data, tokenizer, show_progress=False)
     total = time.perf_counter() - started
@@ -82,6 +86,8 @@ def time_pipeline(corpus: Path, model: str, workers: int, output: Path) -> dict:
         "documents": report.tokenized_documents,
         "tokens": report.tokenized_tokens,
         "bytes": report.tokenized_bytes,
+        "nodes": len(report.nodes),
+        "shards": [f.sha256 for shard in report.manifest.shards for f in shard.files.values()],
     }
 
 
@@ -104,6 +110,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="N")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each; medians are kept")
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="also time the Ray engine (two local nodes of one CPU, or --ray-address)",
+    )
+    parser.add_argument("--ray-address", help="the Ray cluster for --ray")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -127,6 +139,15 @@ def main() -> None:
             ceiling, ours = _median(ceilings), _median(runs)
             assert ours["tokens"] == ceiling["tokens"], "pipeline and ceiling tokenized other text"
             rows.append((workers, ceiling, ours))
+        if args.ray:
+            from tests.ray_cluster import given_or_local  # Ray is an optional extra
+
+            with given_or_local(args.ray_address) as address:
+                runs = [
+                    time_pipeline(corpus, model, 1, scratch / f"ray-{repeat}", address)
+                    for repeat in range(args.repeats)
+                ]
+            ray_run = _median(runs)
 
     print(
         f"\ncorpus {mb:.1f} MB, {len(documents):,} documents, {rows[0][1]['tokens']:,} tokens, vocab {args.vocab_size}"
@@ -148,6 +169,14 @@ def main() -> None:
             f"{mb:.0f} MB jsonl | {c['tokens_per_s']:,.0f} | {o['tokens_per_s']:,.0f} | {ratio:.2f} | "
             f"{o['docs_per_s']:,.0f} | {ours['bytes'] / ours['seconds'] / 1e6:.1f} | "
             f"{o['tokens_per_s'] / base / workers:.2f} |"
+        )
+    if args.ray:
+        r = rate(ray_run)
+        same = ray_run["shards"] == rows[0][2]["shards"]
+        print(
+            f"ray on {ray_run['nodes']} node(s): {r['tokens_per_s']:,.0f} tok/s, "
+            f"{r['docs_per_s']:,.0f} docs/s, {ray_run['bytes'] / ray_run['seconds'] / 1e6:.1f} "
+            f"MB/s; the same shard bytes as the local engine's: {same}"
         )
     print("\nrows for benchmarks/RESULTS.md:")
     print("\n".join(lines))

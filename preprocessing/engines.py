@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import re
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -188,7 +189,7 @@ class RayOrderedMap:
         self.holder = [ray.put(context)]
         self.key = self.holder[0].hex()
         cpus = int(ray.cluster_resources().get("CPU", 1))
-        self.window = window or max(4, 4 * cpus)
+        self.window = window or max(16, 8 * cpus)
         self.jobs: list[Any] = []
         self.nodes: set[str] = set()
 
@@ -228,9 +229,17 @@ class RayOrderedMap:
             yield result
 
 
+_RAISED = re.compile(r"^(?!ray\.)[\w.]*(Error|Exception)\b[^:\n]*: .*$", re.MULTILINE)
+
+
 def _first_line(error: BaseException) -> str:
+    """The task's own exception: Ray wraps it (RayTaskError, UserCodeException) and keeps
+    it only as text, the first ``SomethingError: message`` line of the traceback."""
+    raised = _RAISED.search(str(error))
+    if raised:
+        return raised.group(0)
     lines = [line for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 # --------------------------------------------------------------------------- choosing

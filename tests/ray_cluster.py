@@ -80,3 +80,21 @@ def two_node_cluster() -> Iterator[RayTestCluster]:
         yield RayTestCluster(cluster)
     finally:
         cluster.shutdown()
+
+
+@contextlib.contextmanager
+def given_or_local(address: str | None) -> Iterator[str]:
+    """For the benchmarks: the cluster at ``address``, else two local nodes for the block."""
+    if address:
+        yield address
+        return
+    with two_node_cluster() as cluster:
+        yield cluster.address
+
+
+def scale_or_fail(factor: int, job: int) -> int:
+    """An engine task (preprocessing.engines) that fails on job 7, as a tokenizer that
+    raises on a document would; here, where Ray's workers can import it."""
+    if job == 7:
+        raise ValueError("cannot handle job 7")
+    return job * factor

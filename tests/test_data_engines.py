@@ -13,10 +13,13 @@ import fsspec
 import pytest
 
 from megalith.config import load_config
+from megalith.ray_cluster import connected
 from preprocessing import corpus_generator
 from preprocessing.curate import curate_corpus, curated_data
+from preprocessing.engines import RayOrderedMap, WorkerError
 from preprocessing.prepare import prepare_dataset
 from preprocessing.tokenizer import load_tokenizer
+from tests.ray_cluster import scale_or_fail
 
 STORIES = Path(corpus_generator.__file__).parent / "sample_corpus" / "stories.jsonl"
 
@@ -95,3 +98,14 @@ def test_ray_engine_writes_the_local_engines_bytes_on_both_nodes(
     nodes = {ray_cluster.cluster.head_node.node_id, ray_cluster.worker.node_id}
     assert set(ray[0].nodes) == nodes and set(ray[1].nodes) == nodes
     assert local[0].nodes == local[1].nodes == []
+
+    # A task that raises fails the run naming the window's jobs (its documents, in the
+    # stages); the results before it came back in order.
+    with connected(ray_cluster.address):
+        engine = RayOrderedMap(scale_or_fail, 10, lambda jobs: f"jobs {jobs[0]}-{jobs[-1]}", 4)
+        results = []
+        with pytest.raises(WorkerError, match="jobs 4-7: .*cannot handle job 7"):
+            for job in range(12):
+                results += engine.submit(job)
+        # The earlier windows whole, then in order whatever of this one came before job 7.
+        assert 4 <= len(results) <= 7 and results == [10 * j for j in range(len(results))]
