@@ -108,9 +108,15 @@ def parse_layout(name: str) -> tuple[int, dict]:
 
 
 def build_config(
-    shape: str, layout: str, shards: str, steps: int, accumulation: int, compile_model: bool
+    shape: str,
+    layout: str,
+    shards: str,
+    steps: int,
+    accumulation: int,
+    compile_model: bool,
+    sets: list[str] = (),
 ):
-    from megalith.config import load_config
+    from megalith.config import load_config, parse_override
 
     gpus, overrides = parse_layout(layout)
     values = {
@@ -125,6 +131,9 @@ def build_config(
         **SHAPES[shape],
         **overrides,
     }
+    for text in sets:  # --set: every layout, after the layout's own keys
+        path, value = parse_override(text)
+        values[".".join(path)] = value
     config = load_config(ROOT / "configs" / "llama-1b.yaml", values=values)
     sizes = config.parallel
     data_parallel = gpus // (sizes.tensor * sizes.pipeline * sizes.context)
@@ -148,6 +157,7 @@ def worker(args) -> None:
         args.warmup + args.steps,
         args.accumulation,
         args.compile,
+        args.set,
     )
     config.training.device = args.device
     cuda = args.device == "cuda"
@@ -196,6 +206,7 @@ def run_layout(args, layout: str, shards: str) -> dict:
         "--shape", args.shape, "--shards", shards, "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--accumulation", str(args.accumulation), "--device", args.device,
         "--out", args.out, "--timeout", str(args.timeout), *(["--compile"] if args.compile else []),
+        *[arg for text in args.set for arg in ("--set", text)],
     ]  # fmt: skip
     started = time.perf_counter()
     try:
@@ -246,7 +257,8 @@ def table(report: dict) -> str:
     peak = report.get("matmul_tflops") or float("nan")
     lines = [
         f"{report['device']}, shape {report['shape']}, {report['accumulation']} micro-batches "
-        f"per replica per step, {report['mode']}; bf16 matmul peak {peak:.0f} TFLOP/s",
+        f"per replica per step, {report['mode']}; bf16 matmul peak {peak:.0f} TFLOP/s"
+        + "".join(f"; --set {text}" for text in report.get("settings", [])),
         "| layout | GPUs | tokens/s | tokens/s per GPU | efficiency vs 1 GPU | MFU (989) | "
         "of matmul peak | peak mem GiB | bubble (critical stage) / theory (p−1)/(v·m) | "
         "GPU idle | stage imbalance | loss Δrel vs 1 GPU |",
@@ -290,6 +302,7 @@ def drive(args) -> None:
         "shape": args.shape,
         "accumulation": args.accumulation,
         "mode": "compiled" if args.compile else "eager",
+        "settings": args.set,
         "device": f"{gpu} (torch {torch.__version__})",
         "matmul_tflops": run_matmul()["tflops"] if cuda else None,
         "results": {},
@@ -315,6 +328,13 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument(
         "--compile", action="store_true", help="training.compile=true (default: eager)."
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="A config key for every layout, e.g. parallel.ddp_bucket_mb=200.",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmark-out"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
