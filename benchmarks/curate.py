@@ -33,6 +33,7 @@ import platform
 import random
 import resource
 import shutil
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -46,6 +47,7 @@ from preprocessing.curate import curate_corpus
 from preprocessing.dedup import ExactDuplicates, NearDuplicates, shingles
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.ray_cluster for --ray, from any directory
 SAMPLE_TASK = ROOT / "evaluation" / "tasks" / "sample_facts.jsonl"
 EDITS = (1, 2, 4, 8, 16, 32)
 COMMON = [

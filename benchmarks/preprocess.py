@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from datetime import date
@@ -30,6 +31,7 @@ from preprocessing.prepare import prepare_dataset
 from preprocessing.tokenizer import load_tokenizer, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.ray_cluster for --ray, from any directory
 SAMPLE = ROOT / "preprocessing" / "sample_corpus" / "stories.jsonl"
 
 

@@ -27,7 +27,7 @@ import multiprocessing
 import re
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Protocol
 
@@ -173,7 +173,10 @@ def _ray_batch(batch: dict[str, np.ndarray], task: Task, key: str, holder: list)
 
 
 class RayOrderedMap:
-    """Ray Data ``map_batches`` over a window of jobs at a time, results in job order."""
+    """Ray Data ``map_batches`` over a window of jobs at a time, results in job order.
+
+    Two windows run at once: while the driver waits for one window's results, the next
+    one (already read) executes, so Ray Data's start-up per window overlaps work."""
 
     def __init__(self, task: Task, context: Any, describe: Describe, window: int = 0):
         ray = import_ray()
@@ -192,18 +195,35 @@ class RayOrderedMap:
         self.window = window or max(16, 8 * cpus)
         self.jobs: list[Any] = []
         self.nodes: set[str] = set()
+        self.running: deque[Future] = deque()
+        self.threads = ThreadPoolExecutor(2, thread_name_prefix="ray-window")
 
     def submit(self, job: Any) -> Iterator[Any]:
         self.jobs.append(job)
         if len(self.jobs) >= self.window:
-            yield from self._run()
+            self._launch()
+            while len(self.running) > 1:  # keep the newest window running
+                yield from self._collect()
 
     def drain(self) -> Iterator[Any]:
         if self.jobs:
-            yield from self._run()
+            self._launch()
+        while self.running:
+            yield from self._collect()
 
-    def _run(self) -> Iterator[Any]:
+    def close(self) -> None:
+        self.threads.shutdown(wait=True, cancel_futures=True)
+
+    def _launch(self) -> None:
         jobs, self.jobs = self.jobs, []
+        self.running.append(self.threads.submit(self._execute, jobs))
+
+    def _collect(self) -> Iterator[Any]:
+        nodes, results = self.running.popleft().result()  # re-raises a window's WorkerError
+        self.nodes |= nodes
+        yield from results
+
+    def _execute(self, jobs: list[Any]) -> tuple[set[str], list[Any]]:
         rows = self.ray.data.from_items(
             [{"job": _Boxed(job)} for job in jobs], override_num_blocks=len(jobs)
         ).map_batches(
@@ -213,20 +233,18 @@ class RayOrderedMap:
             batch_format="numpy",
             num_cpus=1,
         )
-        results = iter(rows.iter_rows())
-        while True:
-            try:
-                row = next(results)
-            except StopIteration:
-                return
-            except Exception as error:  # a task that raised, a lost worker or node
-                raise WorkerError(
-                    f"Ray workers failed on {self.describe(jobs)}: {_first_line(error)}; "
-                    "nothing of it was published: rerun the same command"
-                ) from None
-            node, result = row["result"].value
-            self.nodes.add(node)
-            yield result
+        nodes, results = set(), []
+        try:
+            for row in rows.iter_rows():
+                node, result = row["result"].value
+                nodes.add(node)
+                results.append(result)
+        except Exception as error:  # a task that raised, a lost worker or node
+            raise WorkerError(
+                f"Ray workers failed on {self.describe(jobs)}: {_first_line(error)}; "
+                "nothing of it was published: rerun the same command"
+            ) from None
+        return nodes, results
 
 
 _RAISED = re.compile(r"^(?!ray\.)[\w.]*(Error|Exception)\b[^:\n]*: .*$", re.MULTILINE)
@@ -264,7 +282,11 @@ def open_engine(
     """The engine ``data.engine`` names, ready for jobs; closed (and disconnected) after."""
     if data.engine == "ray":
         with connected(data.ray_address):
-            yield RayOrderedMap(task, context, describe)
+            engine = RayOrderedMap(task, context, describe)
+            try:
+                yield engine
+            finally:
+                engine.close()
     elif data.workers == 1 and in_process_when_one:
         yield InProcess(task, context)
     else:
