@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,8 +21,22 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+# Below Linux's ephemeral range (32768-60999): a port handed out by bind(0) is free now but
+# can be given to any process's next outgoing connection or bind(0) before the server
+# binds it (a CI run lost `megalith ui`'s Prefect port that way); ports from here are
+# taken only by whoever asks for them by number.
+_PORTS = range(20000, 32000)
+
 
 def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now, outside the ephemeral range."""
+    for port in random.Random().sample(_PORTS, 50):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from mlflow import MlflowClient
 
 from megalith.config import LoggingConfig, MegalithConfig, ModelConfig
 from registry.models import register_model, set_alias
+from tests.servers import free_port
 from training.inference.loading import load_served_model
 from training.metrics.run_logger import NullLogger
 from training.mlflow_store import runs as tracking
@@ -102,12 +102,6 @@ def our_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     ]
 
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # --- Tracking ------------------------------------------------------------------------
 
 
@@ -180,7 +174,7 @@ def test_unreachable_server_warns_once_and_training_goes_on(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    config = LoggingConfig(tracking_uri=f"http://127.0.0.1:{closed_port()}")
+    config = LoggingConfig(tracking_uri=f"http://127.0.0.1:{free_port()}")
     started = time.monotonic()
     with caplog.at_level(logging.WARNING):
         logger = open_run_logger(config, "offline", rank=0)
