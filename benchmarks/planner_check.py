@@ -194,10 +194,6 @@ OURS = [
      Layout(1, 1, 1, 1, precision="fp8", micro_batch_size=8), 8, "63.8%"),
     ("7B layers, 1 GPU, compiled (fit)", "h200", SEVEN_B_LAYERS,
      Layout(1, 1, 1, 1, micro_batch_size=4), 16, "57.0%"),
-    # Its losses were not compared with one GPU; compiled TP on 4 H100s (2026-11-27) trained
-    # on a different loss: the NVLink efficiency fitted on this row is in doubt.
-    ("7B layers, TP2, compiled (fit; numerics unverified)", "h200", SEVEN_B_LAYERS,
-     Layout(2, 1, 1, 1, micro_batch_size=4), 16, "53.4%"),
     # 2026-11-27, 4x H200 (1B) and 4x H100 (7B layers), issue 20, 4 micro-batches a replica.
     ("1B, 1 GPU, compiled, 4x8 per step", "h200", [],
      Layout(1, 1, 1, 1, micro_batch_size=8), 32, "56.6%"),
@@ -205,6 +201,17 @@ OURS = [
     ("1B, DP4 ddp, compiled", "h200", [], Layout(1, 1, 1, 4, micro_batch_size=8), 32, "eff 94.8%"),
     ("7B layers, 1 GPU, compiled", "h100", SEVEN_B_LAYERS,
      Layout(1, 1, 1, 1, micro_batch_size=4), 16, "56.0%"),
+    # 2026-11-27 04:17 UTC, 4x H100 (another lease than the 1-GPU row above), compiled TP
+    # checked against one GPU first (parallel_parity.py --compile); efficiency against that
+    # row's 48,972 tokens/s.
+    ("7B layers, TP4, compiled", "h100", SEVEN_B_LAYERS,
+     Layout(4, 1, 1, 1, micro_batch_size=4), 16, "eff 57.3%"),
+    ("7B layers, TP2 x DP2 fsdp, compiled", "h100", SEVEN_B_LAYERS,
+     Layout(2, 1, 1, 2, micro_batch_size=4, data_parallel_mode="fsdp"), 16, "eff 67.5%"),
+    ("7B layers, DP4 fsdp, compiled", "h100", SEVEN_B_LAYERS,
+     Layout(1, 1, 1, 4, micro_batch_size=4, data_parallel_mode="fsdp"), 16, "eff 86.9%"),
+    ("7B layers, DP4 ddp, compiled", "h100", SEVEN_B_LAYERS,
+     Layout(1, 1, 1, 4, micro_batch_size=4), 16, "eff 96.0%"),
     ("1B, DP2 ddp, eager", "h200", [], Layout(1, 1, 1, 2, micro_batch_size=8), 32, "eff 98.6%"),
     ("1B, PP2 1F1B, eager", "h200", [], Layout(1, 1, 2, 1, micro_batch_size=8), 64, "eff 83.6%"),
     ("1B, PP2 v2, eager", "h200", [],

@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from parallel_helpers import (
     BACKEND,
-    RECIPE,
     STEPS,
     TP_FP8_GRAD_RTOL,
     TP_FP8_LOSS_ATOL,
@@ -38,13 +35,11 @@ from parallel_helpers import (
     assert_package_logits_match,
     assert_resume_exact,
     assert_whole_checkpoint,
-    child_env,
     config_of,
     fit_one_process,
     last_checkpoint_state,
     metrics,
     run_trainer_worker,
-    set_args,
     trainer_settings,
 )
 
@@ -133,23 +128,6 @@ def test_fsdp_with_tensor_parallelism_is_refused_only_over_transformer_engine(
         check_trainer_support(
             config_of({**two_d, "model.backend": "te"}), ParallelSizes(tp=2, dp=2)
         )
-
-
-def test_compiled_tensor_parallelism_is_refused_before_any_process_starts(
-    shards: Path, tmp_path: Path
-) -> None:
-    """Compiled TP trained on a different loss than one GPU on H100s (RESULTS.md, issue
-    20): ``megalith train`` refuses it naming both keys, before torchrun starts; TP alone
-    and compile alone still pass the check."""
-    values = {**trainer_settings(shards), "parallel.tensor": 2, "training.compile": "true"}
-    command = [sys.executable, "-m", "pipelines.cli", "train", "--config", str(RECIPE)]
-    command += [*set_args(values), "--output", str(tmp_path / "run"), "--nproc-per-node", "2"]
-    done = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0
-    assert "training.compile with parallel.tensor=2" in done.stderr, done.stderr[-2000:]
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
-    check_trainer_support(config_of({**values, "training.compile": "false"}), ParallelSizes(tp=2))
-    check_trainer_support(config_of({**values, "parallel.tensor": 1}), ParallelSizes())
 
 
 @pytest.mark.slow

@@ -31,7 +31,6 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
     problems += _finetune_problems(config, sizes)
     problems += fp8_problems(config, sizes)
     problems += family_problems(config, sizes)
-    problems += compile_problems(config, sizes)
     if problems:
         raise MegalithError("; ".join(problems))
 
@@ -46,25 +45,6 @@ def fsdp_te_problems(mode: str, sizes: ParallelSizes) -> list[str]:
         f"parallel.data_parallel_mode=fsdp with parallel.tensor={sizes.tp} and the Transformer "
         "Engine backend: FSDP over TE's tensor-parallel modules is not verified yet; set "
         "model.backend=torch (FSDP x TP runs with it) or use ddp or distributed_optimizer"
-    ]
-
-
-def compile_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
-    """``torch.compile`` over tensor-parallel layers is refused until a GPU parity run
-    passes: on 4 H100s (torch 2.11, NCCL) the compiled TP=4 step trained on a loss 5% off
-    the one-GPU run's for the same samples and weights, and TP=2 x DP=2 did not learn,
-    while the eager TP steps match one GPU within bf16 rounding (benchmarks/RESULTS.md,
-    "Issue 20"). On CPU (gloo, torch 2.13) the compiled TP step matches. The likely
-    cause, dynamo's rewrite of in-place c10d collectives, is removed (compiled TP now
-    traces functional collectives: tensor_parallel/mappings.py), but no GPU has run it
-    yet: lift this refusal once ``benchmarks/parallel_parity.py --compile`` passes there."""
-    if not config.training.compile or sizes.tp == 1:
-        return []
-    return [
-        f"training.compile with parallel.tensor={sizes.tp}: the compiled tensor-parallel "
-        "step is not verified on GPUs (it trained on a different loss than one GPU in the "
-        "last 4-GPU run, see benchmarks/RESULTS.md); set training.compile=false (eager TP "
-        "matches one GPU)"
     ]
 
 

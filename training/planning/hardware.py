@@ -58,12 +58,16 @@ RECOMPUTE_TIME = {"none": 1.0, "selective": 1.031, "full": 1.246}
 # at hidden 1024 (GPT-2 350M) 0.96×: below FP8_MIN_HIDDEN fp8 is not offered.
 FP8_SPEEDUP = 1.20
 FP8_MIN_HIDDEN = 2048
-# NCCL's share of the one-way NVLink bandwidth. Calibrated: compiled TP=2 at the 7B
-# layer shape on 2 H200s reached 93.8% of one GPU per GPU; all of the loss read as
-# exposed all-reduce time (4 all-reduces of b·s·h bf16 per layer) gives ≈ 395 GB/s,
-# 0.88 of 450. In doubt: that compiled TP run did not check its losses, and compiled TP
-# on 4 H100s trained on a different loss (RESULTS.md, issue 20); refit once it is fixed.
+# NCCL's share of the one-way NVLink bandwidth for collectives that overlap compute
+# (data-parallel gradient buckets): nccl-tests all-reduce bus bandwidth over NVLink 4 is
+# about 0.88 of 450 GB/s. (It was first fitted on a compiled TP=2 run whose numerics were
+# wrong; that run is withdrawn, RESULTS.md issue 20.)
 NVLINK_EFFICIENCY = 0.88
+# Tensor parallelism's all-reduces block the layer that needs them, one per matmul pair,
+# and are not overlapped yet: fitted on compiled TP=4 at the 7B layer shape on 4 H100s
+# (2026-11-27, 57.3% of one GPU per GPU, losses checked against one GPU), all of the loss
+# read as exposed all-reduce time: they reach about a quarter of the bandwidth above.
+TP_COLLECTIVE_EFFICIENCY = 0.26
 # Context parallelism's own compute cost (two attention calls per rank on chunk pairs,
 # K/V reordering): CP=2 on the 1B shape ran at 80.6% of one GPU per GPU (eager, 2 H200s)
 # where its all-gathers account for under 2%: ≈ 0.2 of the compute. Eager: compiled CP

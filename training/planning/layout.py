@@ -128,7 +128,7 @@ class Layout:
             sets.append(f"parallel.pipeline_layers={self.pipeline_layers}")
         if self.precision == "fp8":
             sets.append("mixed_precision.fp8=true")
-        if self.tp > 1 or self.pp > 1:  # not compiled yet (training/parallel/support.py)
+        if self.pp > 1:  # pipeline stages are not compiled (training/parallel/support.py)
             sets.append("training.compile=false")
         return sets
 
@@ -438,7 +438,8 @@ def step_time(
     tp = 0.0
     if layout.tp > 1:
         passes = 6 if layout.recompute == "full" else 4
-        per_layer = passes * act * ring(layout.tp) / cluster.bandwidth(layout.tp)
+        link = cluster.bandwidth(layout.tp) * hardware.TP_COLLECTIVE_EFFICIENCY
+        per_layer = passes * act * ring(layout.tp) / link
         tp = per_layer * layers * m
 
     cp = 0.0
