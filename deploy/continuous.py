@@ -32,7 +32,7 @@ published to the prefix cache once written, and a later prompt with the same lea
 blocks (a shared system prompt) reuses them; ``kv_stats()`` counts the hits.
 
 Sampling is ``training.inference.decode``'s: each request its own ``SamplingConfig``,
-``torch.Generator`` seeded with its seed, EOD and stop tokens, token budget; each token
+random stream seeded with its seed, EOD and stop tokens, token budget; each token
 reaches ``on_token`` as it is sampled. A request's tokens equal those it gets alone
 (greedy: exactly, up to floating-point rounding of near ties).
 """
@@ -79,7 +79,7 @@ class Sequence:
     prompt: list[int]
     hashes: list[bytes]  # of its full prompt blocks
     blocks: list[int]
-    rows: BatchRows  # one row: settings, generator, new tokens, finish reason
+    rows: BatchRows  # one row: settings, random stream, new tokens, finish reason
     computed: int  # positions whose keys and values are cached
     published: int  # leading prompt blocks offered to the prefix cache
     next_token: int | None = None  # sampled, to be fed at position ``computed``
@@ -262,8 +262,8 @@ class ContinuousEngine(QueuedEngine):
         tokenizer = self.served.tokenizer
         logits = mask_vocab(logits, tokenizer.vocab_size)
         configs = [s.rows.configs[0] for s in sequences]
-        generators = [s.rows.generators[0] for s in sequences]
-        _, chosen = sample_tokens(logits, configs, generators, range(len(sequences)))
+        streams = [s.rows.streams[0] for s in sequences]
+        _, chosen = sample_tokens(logits, configs, streams, range(len(sequences)))
         for sequence, token in zip(sequences, chosen, strict=True):
             sequence.rows.take(0, token, tokenizer.eod_id, sequence.emit)
             if sequence.rows.finish[0]:

@@ -35,7 +35,14 @@ from preprocessing import corpus_generator
 from preprocessing.stage import run_tokenize_stage
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from training.data import build_gpt_datasets
-from training.inference.decode import SamplingConfig, filter_logits, generate, next_tokens
+from training.inference.decode import (
+    RowStream,
+    SamplingConfig,
+    exponential_noise,
+    filter_logits,
+    generate,
+    next_tokens,
+)
 from training.models.gpt import GPTModel
 from training.models.package import save_model_package
 
@@ -318,14 +325,52 @@ def test_filter_logits_keeps_top_k_and_the_nucleus() -> None:
     assert kept(filter_logits(logits, top_k=2, top_p=0.3)) == {1}
 
 
+def test_sampling_follows_the_probabilities_and_a_row_draws_the_same_in_any_batch() -> None:
+    """The exponential race over counter-based streams: 20,000 rows of one distribution
+    pick each token at its probability; a row's tokens depend on its seed and draw count
+    only, not on the rows beside it; consecutive draws differ."""
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    logits = probs.log().expand(20_000, 4)
+    sampling = SamplingConfig(temperature=1.0, top_k=None, top_p=None)
+    drawn = next_tokens(logits, sampling, [RowStream(seed) for seed in range(20_000)])
+    frequencies = torch.bincount(drawn, minlength=4) / 20_000
+    assert torch.allclose(frequencies, probs, atol=0.015), frequencies
+
+    flat = torch.zeros(1, 1000)  # uniform over 1000 tokens: a draw pins down its stream
+    alone = [int(next_tokens(flat, sampling, [RowStream(5)])[0])]
+    stream = RowStream(5)
+    in_batches = []
+    for width in (3, 1, 7):
+        others = [RowStream(100 + i) for i in range(width - 1)]
+        tokens = next_tokens(flat.expand(width, 1000), sampling, [*others, stream])
+        in_batches.append(int(tokens[-1]))
+    for _ in range(2):
+        alone.append(int(next_tokens(flat, sampling, [RowStream(5)])[0]))
+    assert alone == [alone[0]] * 3  # a fresh stream of seed 5: its first draw each time
+    assert in_batches[0] == alone[0] and stream.draws == 3
+    assert len(set(in_batches)) == 3  # draws 0, 1, 2 of one stream differ
+    repeat = RowStream(5)
+    assert [int(next_tokens(flat, sampling, [repeat])[0]) for _ in range(3)] == in_batches
+    # Seeds are any int, taken as the int64 they wrap to.
+    assert RowStream(2**64 + 5).seed == 5 and RowStream(2**63).seed == -(2**63)
+
+
+@pytest.mark.gpu
+def test_row_streams_draw_the_same_numbers_on_cuda_as_on_cpu() -> None:
+    streams = lambda: [RowStream(seed) for seed in (0, 1, 2**62, 2**63 - 1)]  # noqa: E731
+    cpu = exponential_noise(streams(), 4096, torch.device("cpu"))
+    cuda = exponential_noise(streams(), 4096, torch.device("cuda"))
+    assert torch.equal(cpu, cuda.cpu())
+
+
 def test_top_p_sampling_only_picks_tokens_inside_the_nucleus(
     model: GPTModel, tokenizer: Tokenizer
 ) -> None:
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
     sampling = SamplingConfig(temperature=1.0, top_p=0.6, top_k=None)
     allowed = nucleus(logits[0], 0.6)
-    generator = [torch.Generator().manual_seed(1)]
-    drawn = {int(next_tokens(logits, sampling, generator)[0]) for _ in range(500)}
+    stream = [RowStream(1)]
+    drawn = {int(next_tokens(logits, sampling, stream)[0]) for _ in range(500)}
     assert drawn <= allowed and len(drawn) == len(allowed) > 5
 
     # Through the model: recompute each step's distribution with a full forward.

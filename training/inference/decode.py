@@ -7,8 +7,10 @@ each row its own prompt token while it has one and its sampled token after that
 attention mask is needed and the result equals running each prompt alone (up to
 floating-point rounding).
 
-Each prompt samples from its own ``torch.Generator`` seeded with ``seed + its index``,
-so a prompt's text depends on the seed and the prompt, not on the batch it ran in.
+Each prompt samples from its own random stream seeded with ``seed + its index``
+(:class:`RowStream`: draw ``i`` of seed ``s`` is a hash of ``(s, i)``), so a prompt's text
+depends on the seed and the prompt, not on the batch it ran in, and a batch draws for all
+its rows in one pass (a ``torch.Generator`` per row took a kernel launch per row and step).
 Every prompt starts after the end-of-document token, as every training document does.
 
 ``generate_ids`` also takes one ``SamplingConfig`` per row (its own temperature, top-k,
@@ -220,7 +222,7 @@ def generate_ids(
 
 
 class BatchRows:
-    """The rows of one generation batch: each one's settings and random generator (seeded
+    """The rows of one generation batch: each one's settings and random stream (seeded
     with ``seeds[row]``, by default its ``seed + row``), its new tokens and how it ended."""
 
     def __init__(
@@ -236,7 +238,7 @@ class BatchRows:
         if seeds is None:
             seeds = [config.seed + row for row, config in enumerate(configs)]
         self.configs = configs
-        self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+        self.streams = [RowStream(seed) for seed in seeds]
         self.new: list[list[int]] = [[] for _ in range(rows)]
         self.finish = ["length" if c.max_new_tokens == 0 else "" for c in configs]
 
@@ -249,7 +251,7 @@ class BatchRows:
     ) -> Tensor:
         """Sample the next token of every ``active`` row from ``logits [B, V]`` and record
         it; returns the ``[B]`` sampled ids (the argmax for inactive rows)."""
-        sampled, tokens = sample_tokens(logits, self.configs, self.generators, active)
+        sampled, tokens = sample_tokens(logits, self.configs, self.streams, active)
         for row, token in zip(active, tokens, strict=True):
             self.take(row, token, eod_id, on_token)
         return sampled
@@ -286,12 +288,12 @@ def _apply_stop(stop: Callable[[int], str | None] | None, finish: list[str]) -> 
 def sample_tokens(
     logits: Tensor,
     configs: Sequence[SamplingConfig],
-    generators: Sequence[torch.Generator],
+    streams: Sequence[RowStream],
     rows: Sequence[int],
 ) -> tuple[Tensor, list[SampledToken]]:
     """:func:`sample_rows`, plus each of ``rows``' token as a :class:`SampledToken` (with
     log-probabilities where its config asks): ``([B] ids, one token per row of rows)``."""
-    sampled = sample_rows(logits, configs, generators, rows)
+    sampled = sample_rows(logits, configs, streams, rows)
     scoring = [r for r in rows if configs[r].logprobs is not None]
     scored = dict(zip(scoring, scored_tokens(logits, sampled, scoring, configs), strict=True))
     ids = sampled[list(rows)].tolist()
@@ -323,13 +325,13 @@ def scored_tokens(
 def sample_rows(
     logits: Tensor,
     configs: Sequence[SamplingConfig],
-    generators: Sequence[torch.Generator],
+    streams: Sequence[RowStream],
     rows: Sequence[int],
 ) -> Tensor:
     """The next token of each row of ``logits [B, V]`` under that row's own config.
 
-    Rows sharing a temperature, top-k and top-p are filtered together; each of
-    ``rows`` draws from its own generator, every other row gets the argmax.
+    Rows sharing a temperature, top-k and top-p are filtered and drawn together; each of
+    ``rows`` draws from its own stream, every other row gets the argmax.
     """
     choice = logits.argmax(dim=-1)
     groups: dict[tuple[float, int | None, float | None], list[int]] = {}
@@ -339,7 +341,7 @@ def sample_rows(
             groups.setdefault((config.temperature, config.top_k, config.top_p), []).append(row)
     for members in groups.values():
         index = torch.tensor(members, device=logits.device)
-        own = [generators[r] for r in members]
+        own = [streams[r] for r in members]
         choice[index] = next_tokens(logits[index], configs[members[0]], own)
     return choice
 
@@ -347,23 +349,70 @@ def sample_rows(
 def next_tokens(
     logits: Tensor,
     sampling: SamplingConfig,
-    generators: Sequence[torch.Generator],
+    streams: Sequence[RowStream],
     rows: Sequence[int] | None = None,
 ) -> Tensor:
     """The next token of each row of ``logits [B, V]``: argmax when greedy, else sampled.
 
-    Only ``rows`` (default: all) draw from their generator; other rows get the argmax.
+    Only ``rows`` (default: all) draw from their stream; other rows get the argmax.
+    Sampling is the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` per token picks
+    token ``i`` with probability ``p_i``, in one pass over the batch.
     """
     choice = logits.argmax(dim=-1)
     if sampling.greedy:
         return choice
-    rows = range(logits.size(0)) if rows is None else rows
-    probs = torch.softmax(
-        filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p), dim=-1
-    )
-    for row in rows:
-        choice[row] = torch.multinomial(probs[row], 1, generator=generators[row])[0]
+    rows = list(range(logits.size(0)) if rows is None else rows)
+    if not rows:
+        return choice
+    index = torch.tensor(rows, device=logits.device)
+    scaled = logits[index].float() / sampling.temperature
+    probs = torch.softmax(filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
+    noise = exponential_noise([streams[r] for r in rows], logits.size(-1), logits.device)
+    choice[index] = (probs / noise).argmax(dim=-1)
     return choice
+
+
+class RowStream:
+    """One row's random numbers. Draw ``i`` of seed ``s`` is a hash of ``(s, i)`` alone (a
+    counter-based generator, as Philox is), so a row draws the same numbers whichever batch
+    it is in, on CPU and CUDA alike, and a batch draws all its rows' in one pass."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = (seed + 2**63) % 2**64 - 2**63  # any int, as the int64 it wraps to
+        self.draws = 0
+
+
+# splitmix64 (Steele, Lea and Flood 2014; Vigna's constants), as signed int64: torch has no
+# uint64 arithmetic, and int64 products wrap modulo 2**64 as the unsigned ones do.
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX_1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX_2 = 0x94D049BB133111EB - 2**64
+
+
+def _shift_right(z: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 (``>>`` is arithmetic: it copies the sign bit)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(z: Tensor) -> Tensor:
+    z = z + _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX_1
+    z = (z ^ _shift_right(z, 27)) * _MIX_2
+    return z ^ _shift_right(z, 31)
+
+
+def exponential_noise(streams: Sequence[RowStream], width: int, device: torch.device) -> Tensor:
+    """``[len(streams), width]`` independent Exp(1) samples: row ``b`` is ``streams[b]``'s
+    next draw (which advances it)."""
+    seeds = torch.tensor([s.seed for s in streams], dtype=torch.int64, device=device)
+    draws = torch.tensor([s.draws for s in streams], dtype=torch.int64, device=device)
+    for stream in streams:
+        stream.draws += 1
+    key = _mix(_mix(seeds) + draws)
+    columns = torch.arange(width, dtype=torch.int64, device=device)
+    bits = _shift_right(_mix(key[:, None] + columns * _GOLDEN), 40)  # the top 24 bits
+    uniform = (bits.float() + 0.5) * 2.0**-24  # in (0, 1): never log(0)
+    return -torch.log(uniform)
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:

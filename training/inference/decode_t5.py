@@ -8,7 +8,7 @@ and values from a KV cache (:meth:`T5Model.new_kv_cache`), so each step costs on
 token's decoder forward; the cross-attention reads the encoder output computed once.
 
 Sampling reuses :mod:`training.inference.decode` (greedy, temperature, top-k, top-p, one
-``torch.Generator`` per prompt seeded with ``seed + its index``): results are the same
+random stream per prompt seeded with ``seed + its index``): results are the same
 objects (:class:`GenerationResult`), and a prompt's output does not depend on its batch.
 """
 

@@ -11,12 +11,15 @@ feeds ``counts[b]`` new tokens at positions ``starts[b]...`` (one while decoding
 chunk of the prompt while prefilling). Attention calls its ``update`` as it calls
 :class:`training.models.gpt.KVCache`'s: the new keys/values go to their slots, and each
 row's keys/values ``0 .. starts[b]+counts[b]-1`` come back gathered into a padded
-``[B, S, heads, D]`` with a causal mask per row (``attn_mask``, additive). The key/value heads
-come back repeated for every query head (grouped-query attention): with a mask, the
-fused kernel that CUDA has besides cuDNN's (memory-efficient) takes no grouped heads,
-and cuDNN's plans anew for every key length (``training.inference.runtime``). Plain
-PyTorch: the gather copies every row's context once per layer and step; a paged
-attention kernel (vLLM's, FlashInfer's) reads the blocks in place instead.
+``[B, S, heads, D]`` with a causal mask per row (``attn_mask``, additive). In a prefill
+step the key/value heads come back repeated for every query head (grouped-query
+attention): with a mask, the fused kernel that CUDA has besides cuDNN's
+(memory-efficient) takes no grouped heads, and cuDNN's plans anew for every key length
+(``training.inference.runtime``). A decode step (one token a row) gets them as stored,
+``[B, S, groups, D]``: attention folds each group's query heads into queries of that
+group instead (``training.models.layers.SDPAttention``). Plain PyTorch: the gather copies
+every row's context once per layer and step; a paged attention kernel (vLLM's,
+FlashInfer's) reads the blocks in place instead.
 """
 
 from __future__ import annotations
@@ -134,11 +137,14 @@ class PagedStep:
 
     def update(self, layer: int, k: Tensor, v: Tensor, start_pos: int) -> tuple[Tensor, Tensor]:
         """Store ``k``/``v [B, T, groups, D]`` in their slots (``start_pos`` is unused: each
-        row has its own); return every row's keys/values ``[B, S, heads, D]``."""
+        row has its own); return every row's keys/values, ``[B, S, groups, D]`` when
+        decoding (``T = 1``), else ``[B, S, heads, D]``."""
         keys, values = self.cache.keys[layer], self.cache.values[layer]
         keys.index_copy_(0, self.write_slots, k.flatten(0, 1).to(keys.dtype))
         values.index_copy_(0, self.write_slots, v.flatten(0, 1).to(values.dtype))
         repeats = self.cache.head_repeats
+        if self.positions.size(1) == 1:
+            return keys[self.read_slots], values[self.read_slots]
         return (
             keys[self.read_slots].repeat_interleave(repeats, dim=2),
             values[self.read_slots].repeat_interleave(repeats, dim=2),

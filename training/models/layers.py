@@ -185,8 +185,14 @@ class SDPAttention(nn.Module):
         batch, length = q.shape[:2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         gqa = k.size(1) != q.size(1)
-        native_gqa = gqa and _native_gqa(q)
-        if gqa and not native_gqa:
+        # One query under a mask (a decode step over a paged cache): each KV group's query
+        # heads become that group's queries, [B, groups, heads/groups, D], so the masked
+        # (memory-efficient) kernel reads every key once instead of a copy per query head.
+        fold = gqa and length == 1 and attn_mask is not None
+        if fold:
+            q = q.reshape(batch, k.size(1), -1, self.head_dim)
+        native_gqa = gqa and not fold and _native_gqa(q)
+        if gqa and not fold and not native_gqa:
             repeats = q.size(1) // k.size(1)
             k = k.repeat_interleave(repeats, dim=1)
             v = v.repeat_interleave(repeats, dim=1)
@@ -207,6 +213,8 @@ class SDPAttention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             **extra,
         )
+        if fold:
+            out = out.reshape(batch, self.num_heads, 1, self.head_dim)
         return out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
 
 
