@@ -11,7 +11,9 @@ bottleneck: their CPU use is reported) that send one request after another for
 ``--ignore-eos``: past the end-of-document token, so each gets all of them).
 Reported: requests/s and output tokens/s inside the window, time to first token and
 between streamed chunks (one per token) p50/p99, the most and the mean KV blocks in use
-(``/metrics``, scraped every 0.5 s), and the engine's mean batch (static).
+(``/metrics``, scraped every 0.5 s), the engine's mean batch (static), and the server
+process's CPU time over the window (100% is one core, what its Python threads can use
+together under the GIL: near it, the server's own CPU work sets the pace).
 
 ``--hf`` then runs transformers' ``generate`` on the model exported to Hugging Face
 (``training.interop.export``): for each ``--clients`` value C, static batches of C of the
@@ -188,10 +190,13 @@ def run_server(model: str, prompts: list[str], args: argparse.Namespace, size: i
             print(f"{args.engine} {size}: {clients} clients ...", file=sys.stderr, flush=True)
             before = httpx.get(f"{url}/v1/model").json().get("stats", {})
             scraper = Scraper(url)
+            server_cpu = process_cpu_seconds(server.pid)
             samples, cpu, wall = load(url, request, prompts, clients, pool, args.seconds)
+            server_cpu = process_cpu_seconds(server.pid) - server_cpu
             scraper.stop()
             after = httpx.get(f"{url}/v1/model").json().get("stats", {})
             row = summarize(samples, args.seconds, wall, cpu, before, after, scraper)
+            row["server_cpu_percent"] = 100 * server_cpu / wall
             rows.append({"engine": args.engine, "size": size, "clients": clients, **row})
             print(format_table(rows[-1:]), file=sys.stderr, flush=True)
     finally:
@@ -308,6 +313,12 @@ def percentile(values: list[float], q: int) -> float:
     if len(values) < 2:
         return values[0] if values else 0.0
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` and its threads (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summarize(
@@ -439,7 +450,7 @@ def format_table(rows: list[dict]) -> str:
     head = (
         "| engine (batch) | clients | requests | req/s | output tok/s | TTFT p50 / p99 ms "
         "| ITL p50 / p99 ms | KV blocks max / mean | mean batch | tokens/request "
-        "| client CPU |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "| client CPU | server CPU |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [
         f"| {r['engine']} ({r['size']}) | {r['clients']} | {r['requests']} "
@@ -447,7 +458,8 @@ def format_table(rows: list[dict]) -> str:
         f"| {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
         f"| {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} "
         f"| {r['kv_blocks_max']:.0f} / {r['kv_blocks_mean']:.0f} | {r['mean_batch']:.1f} "
-        f"| {r['mean_completion_tokens']:.1f} | {r['client_cpu_percent']:.0f}% |"
+        f"| {r['mean_completion_tokens']:.1f} | {r['client_cpu_percent']:.0f}% "
+        f"| {r.get('server_cpu_percent', float('nan')):.0f}% |"
         for r in rows
     ]
     return "\n".join([head, *lines])
