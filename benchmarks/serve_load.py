@@ -302,6 +302,8 @@ async def one_request(http: httpx.AsyncClient, body: dict[str, Any]) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[len("data: ") :])
+            if "error" in event:
+                raise RuntimeError(f"the stream ended in an error: {event['error']}")
             if event.get("usage"):
                 usage = event["usage"]
             if event["choices"] and event["choices"][0]["text"]:

@@ -39,9 +39,11 @@ from training.inference.decode import (
     RowStream,
     SamplingConfig,
     exponential_noise,
+    exponential_of_bits,
     filter_logits,
     generate,
     next_tokens,
+    stream_bits,
 )
 from training.models.gpt import GPTModel
 from training.models.package import save_model_package
@@ -351,16 +353,26 @@ def test_sampling_follows_the_probabilities_and_a_row_draws_the_same_in_any_batc
     assert len(set(in_batches)) == 3  # draws 0, 1, 2 of one stream differ
     repeat = RowStream(5)
     assert [int(next_tokens(flat, sampling, [repeat])[0]) for _ in range(3)] == in_batches
+    # The extreme draws give finite, positive noise: a zero would make p / E NaN where p = 0
+    # (tokens past the tokenizer's vocabulary), and argmax would pick one of them.
+    extremes = exponential_of_bits(torch.tensor([0, 1, 2**23, 2**24 - 2, 2**24 - 1]))
+    assert torch.isfinite(extremes).all() and (extremes > 0).all(), extremes
+    logits = torch.full((1, 8), float("-inf"))
+    logits[0, :2] = 0.0
+    masked = torch.softmax(logits, -1) / exponential_of_bits(torch.tensor([[2**24 - 1] * 8]))
+    assert int(masked.argmax()) < 2
     # Seeds are any int, taken as the int64 they wrap to.
     assert RowStream(2**64 + 5).seed == 5 and RowStream(2**63).seed == -(2**63)
 
 
 @pytest.mark.gpu
-def test_row_streams_draw_the_same_numbers_on_cuda_as_on_cpu() -> None:
+def test_row_streams_draw_the_same_bits_on_cuda_as_on_cpu() -> None:
     streams = lambda: [RowStream(seed) for seed in (0, 1, 2**62, 2**63 - 1)]  # noqa: E731
-    cpu = exponential_noise(streams(), 4096, torch.device("cpu"))
-    cuda = exponential_noise(streams(), 4096, torch.device("cuda"))
+    cpu = stream_bits(streams(), 4096, torch.device("cpu"))
+    cuda = stream_bits(streams(), 4096, torch.device("cuda"))
     assert torch.equal(cpu, cuda.cpu())
+    noise = exponential_noise(streams(), 4096, torch.device("cuda")).cpu()
+    assert torch.allclose(noise, exponential_noise(streams(), 4096, torch.device("cpu")))
 
 
 def test_top_p_sampling_only_picks_tokens_inside_the_nucleus(

@@ -375,7 +375,8 @@ def next_tokens(
 class RowStream:
     """One row's random numbers. Draw ``i`` of seed ``s`` is a hash of ``(s, i)`` alone (a
     counter-based generator, as Philox is), so a row draws the same numbers whichever batch
-    it is in, on CPU and CUDA alike, and a batch draws all its rows' in one pass."""
+    it is in (the same random bits on CPU and CUDA), and a batch draws all its rows' in one
+    pass."""
 
     def __init__(self, seed: int) -> None:
         self.seed = (seed + 2**63) % 2**64 - 2**63  # any int, as the int64 it wraps to
@@ -401,18 +402,30 @@ def _mix(z: Tensor) -> Tensor:
     return z ^ _shift_right(z, 31)
 
 
-def exponential_noise(streams: Sequence[RowStream], width: int, device: torch.device) -> Tensor:
-    """``[len(streams), width]`` independent Exp(1) samples: row ``b`` is ``streams[b]``'s
-    next draw (which advances it)."""
+def stream_bits(streams: Sequence[RowStream], width: int, device: torch.device) -> Tensor:
+    """``[len(streams), width]`` random 24-bit integers: row ``b`` is ``streams[b]``'s next
+    draw (which advances it). Integer arithmetic only: the same bits on every device."""
     seeds = torch.tensor([s.seed for s in streams], dtype=torch.int64, device=device)
     draws = torch.tensor([s.draws for s in streams], dtype=torch.int64, device=device)
     for stream in streams:
         stream.draws += 1
     key = _mix(_mix(seeds) + draws)
     columns = torch.arange(width, dtype=torch.int64, device=device)
-    bits = _shift_right(_mix(key[:, None] + columns * _GOLDEN), 40)  # the top 24 bits
-    uniform = (bits.float() + 0.5) * 2.0**-24  # in (0, 1): never log(0)
-    return -torch.log(uniform)
+    return _shift_right(_mix(key[:, None] + columns * _GOLDEN), 40)  # the top 24 bits
+
+
+def exponential_noise(streams: Sequence[RowStream], width: int, device: torch.device) -> Tensor:
+    """``[len(streams), width]`` independent Exp(1) samples from :func:`stream_bits`
+    (``log`` may round differently on another device)."""
+    return exponential_of_bits(stream_bits(streams, width, device))
+
+
+def exponential_of_bits(bits: Tensor) -> Tensor:
+    """Exp(1) samples (float32, finite and > 0) of uniform 24-bit integers. The uniform
+    ``(bits + 0.5) / 2**24`` is formed in float64: in float32 the largest would round up to
+    1, whose sample 0 would make the race's ``p / E`` NaN for the tokens with ``p = 0``."""
+    uniform = (bits.double() + 0.5) * 2.0**-24  # in (0, 1), exactly
+    return (-torch.log(uniform)).float()
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
