@@ -268,16 +268,35 @@ class TokenStream:
     async def events(self, timeout_s: float) -> AsyncIterator[tuple[int, SampledToken | Finished]]:
         """``(row, token)`` pairs, and ``(row, Finished)`` once per row; ``TimeoutError`` if
         the engine is stuck, a row's exception if generation failed."""
+        async for batch in self.batches(timeout_s):
+            for event in batch:
+                yield event
+
+    async def batches(
+        self, timeout_s: float
+    ) -> AsyncIterator[list[tuple[int, SampledToken | Finished]]]:
+        """The events of :meth:`events`, as lists of all that have arrived when the caller
+        asks: one event a list while the loop keeps up; under load, when each request's
+        tokens pile up between visits, several, which a streamer can send as one chunk."""
         deadline = time.monotonic() + timeout_s + STUCK_GRACE_S
         queue = self._queue
         try:
             while self._open:
-                index, item = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
-                if isinstance(item, BaseException):
-                    raise item
-                if isinstance(item, Finished):
-                    self._open.discard(index)  # before the yield: the caller may stop there
-                yield index, item
+                arrived = []
+                if queue.empty():
+                    arrived.append(await asyncio.wait_for(queue.get(), deadline - time.monotonic()))
+                while not queue.empty():
+                    arrived.append(queue.get_nowait())
+                batch: list[tuple[int, SampledToken | Finished]] = []
+                for index, item in arrived:
+                    if isinstance(item, BaseException):
+                        if batch:
+                            yield batch  # what came before the failure still goes out
+                        raise item
+                    if isinstance(item, Finished):
+                        self._open.discard(index)  # before the yield: the caller may stop there
+                    batch.append((index, item))
+                yield batch
         finally:
             for index in self._open:  # the client left, or we gave up: stop those rows
                 self.requests[index].cancelled.set()

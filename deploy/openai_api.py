@@ -258,10 +258,17 @@ class Reply:
                 delta = {"role": "assistant", "content": ""}
                 yield self._chunk(choice, delta, None, None)
         try:
-            async for index, item in stream.events(timeout_s):
-                self.take(index, item, stream)
-                if (chunk := self._next_chunk(self.choices[index], item)) is not None:
-                    yield chunk
+            async for batch in stream.batches(timeout_s):
+                touched: dict[int, ChoiceText] = {}
+                for index, item in batch:
+                    self.take(index, item, stream)
+                    touched[index] = self.choices[index]
+                # One chunk a choice for everything that arrived together: under load a
+                # request's tokens pile up between the loop's visits, and a chunk each
+                # would cost the loop the same work per token that it is behind on.
+                for choice in touched.values():
+                    if (chunk := self._next_chunk(choice)) is not None:
+                        yield chunk
         except asyncio.TimeoutError:
             yield _error_event(504, "generation did not answer in time", "timeout")
         except Exception as error:
@@ -271,9 +278,9 @@ class Reply:
                 yield sse({**self._head(self._chunk_kind()), "choices": [], "usage": self.usage()})
         yield sse("[DONE]")
 
-    def _next_chunk(self, choice: ChoiceText, item: SampledToken | Finished) -> bytes | None:
-        """The chunk ``item`` makes: new text and log-probabilities, and the choice's end
-        (at a stop string, or when its row ends)."""
+    def _next_chunk(self, choice: ChoiceText) -> bytes | None:
+        """The chunk of what ``choice`` got since its last one: new text and
+        log-probabilities, and its end (at a stop string, or when its row ends)."""
         if choice.closed:
             return None  # a token after the stop string, or the stopped row's end
         done = choice.finish is not None

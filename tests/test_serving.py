@@ -30,8 +30,10 @@ from mlflow import MlflowClient
 from test_evaluation import tiny_model
 
 from deploy.continuous import ContinuousEngine
-from deploy.deployment import LoopMailbox
+from deploy.deployment import LoopMailbox, TokenStream
 from deploy.engine import BatchingEngine, EngineClosed, Finished, PendingRequest
+from deploy.openai_api import Reply
+from deploy.openai_schema import Choice, CompletionRequest
 from deploy.server import Deployment, ServeConfig, create_app
 from pipelines.cli import build_parser
 from preprocessing.chat import generation_prompt
@@ -45,7 +47,7 @@ from training.inference.decode import (
     generate,
     generate_ids,
 )
-from training.inference.loading import load_served_model
+from training.inference.loading import ModelInfo, ServedModel, load_served_model
 from training.mlflow_store.runs import ensure_tracking_store
 from training.models.gpt import GPTModel
 from training.models.package import save_model_package, sha256_file
@@ -1012,3 +1014,47 @@ def test_one_loop_wake_up_delivers_a_whole_burst_of_tokens_in_order() -> None:
         loop.close()
     assert odd == list(range(1, 100, 2)) and even == list(range(0, 100, 2))
     assert len(wake_ups) == 1, f"{len(wake_ups)} wake-ups for one burst of 100 tokens"
+
+
+def test_tokens_that_arrive_together_stream_as_one_chunk(
+    models: dict[int, GPTModel], tokenizer: Tokenizer
+) -> None:
+    """Under load a request's tokens pile up between the event loop's visits: those that
+    arrived together go out as one OpenAI chunk (text and log-probabilities of all of
+    them); one at a time, a chunk each. Both add up to the same text."""
+    info = ModelInfo("tiny", "tiny", None, None, "0" * 64, 64, 0.0)
+    served = ServedModel(models[1], tokenizer, info)
+    prompt = [tokenizer.eod_id, *tokenizer.encode(PROMPTS[0])]
+    new = tokenizer.encode(" the little dog ran home")
+    body = CompletionRequest(model="tiny", prompt=PROMPTS[0], max_tokens=len(new), stream=True,
+                             logprobs=1)  # fmt: skip
+    sampling = SamplingConfig(len(new), temperature=0.0)
+
+    def streamed(burst: bool) -> list[dict[str, Any]]:
+        async def run() -> list[bytes]:
+            stream = TokenStream()
+            request = stream.add(prompt, sampling, time.monotonic() + 60)
+            reply = Reply(body, served, [Choice(0, 0, prompt, sampling)])
+            chunks = reply.chunks(stream, 60)
+            events = [*(SampledToken(t, -0.5, ((t, -0.5),)) for t in new)]
+            events.append(Finished(new, "length", len(prompt)))
+            out = []
+            if burst:  # all posted before the loop reads any
+                for event in events[:-1]:
+                    request.on_token(event)
+                request.on_done(events[-1])
+                return [chunk async for chunk in chunks]
+            for event in events:
+                (request.on_done if isinstance(event, Finished) else request.on_token)(event)
+                out.append(await anext(chunks))
+            return out + [chunk async for chunk in chunks]
+
+        raw = asyncio.run(run())
+        return [json.loads(c.decode()[len("data: ") :]) for c in raw if b"[DONE]" not in c]
+
+    together, apart = streamed(burst=True), streamed(burst=False)
+    assert len(together) == 1 and len(apart) >= len(new)
+    text = "".join(chunk["choices"][0]["text"] for chunk in apart)
+    assert text and together[0]["choices"][0]["text"] == text
+    assert together[0]["choices"][0]["logprobs"]["token_logprobs"] == [-0.5] * len(new)
+    assert together[0]["choices"][0]["finish_reason"] == apart[-1]["choices"][0]["finish_reason"]
