@@ -22,7 +22,7 @@ from deploy.continuous import ContinuousEngine
 from deploy.engine import BatchingEngine, EngineBusy, EngineClosed, Finished, PendingRequest
 from deploy.metrics import ServingMetrics
 from deploy.request_body import DEFAULT_MAX_BODY_BYTES
-from training.inference.decode import SampledToken, SamplingConfig
+from training.inference.decode import SampledToken, SamplingConfig, continuation_text
 from training.inference.loading import ServedModel, load_served_model, source_version
 from training.inference.runtime import AUTOCAST_DTYPES, resolve_precision
 from training.runtime.device import resolve_device
@@ -170,6 +170,41 @@ class Deployment:
 def text_context(prompt_ids: list[int]) -> list[int]:
     """The end of a prompt that ``ServedModel.text`` needs to decode what an answer adds."""
     return prompt_ids[-TEXT_CONTEXT:]
+
+
+class AnswerText:
+    """An answer's text as its tokens arrive, decoding a bounded tail per token.
+
+    ``ServedModel.text(prompt, ids)`` over all the answer's ids at every token costs
+    O(length) a token, O(length²) an answer. Instead the text of the first ``settled``
+    tokens is kept once it is final (it does not end inside a character: no ``U+FFFD``
+    that the next byte token could complete), and only the tokens after them are decoded,
+    with the ``TEXT_CONTEXT`` tokens before them as context for the leading space and
+    merges across the boundary (as the prompt's end is for the first tokens).
+    """
+
+    SETTLE_AFTER = 16  # tokens decoded again at most, beyond the context
+
+    def __init__(self, served: ServedModel, prompt_ids: list[int]) -> None:
+        self.served = served
+        self.context = text_context(prompt_ids)
+        self.ids: list[int] = []
+        self.settled = 0  # tokens whose text is final
+        self.settled_text = ""
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        """Add a token; the whole answer's text so far."""
+        self.ids.append(token_id)
+        if self.settled == 0:
+            tail = self.served.text(self.context, self.ids)
+        else:
+            before = self.ids[max(0, self.settled - TEXT_CONTEXT) : self.settled]
+            tail = continuation_text(self.served.tokenizer, before, self.ids[self.settled :])
+        self.text = self.settled_text + tail
+        if len(self.ids) - self.settled >= self.SETTLE_AFTER and not tail.endswith("\ufffd"):
+            self.settled, self.settled_text = len(self.ids), self.text
+        return self.text
 
 
 def public_info(served: ServedModel) -> dict[str, Any]:

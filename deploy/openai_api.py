@@ -37,7 +37,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deploy.deployment import RETRY_AFTER_S, Deployment, Row, TokenStream, text_context
+from deploy.deployment import RETRY_AFTER_S, AnswerText, Deployment, Row, TokenStream
 from deploy.engine import EngineBusy, Finished
 from deploy.openai_schema import (
     ChatCompletionRequest,
@@ -129,9 +129,8 @@ class ChoiceText:
     """One choice's tokens as they arrive, and its text with the stop strings applied."""
 
     def __init__(self, served: ServedModel, choice: Choice, stops: tuple[str, ...]) -> None:
-        self.served = served
         self.choice = choice
-        self.context = text_context(choice.prompt_ids)
+        self.answer = AnswerText(served, choice.prompt_ids)
         self.stops = stops
         self.tokens: list[SampledToken] = []
         self.offsets: list[int] = []  # where each token's text starts in the full text
@@ -148,8 +147,7 @@ class ChoiceText:
             return False  # generated after the stop string, before the row stopped
         self.offsets.append(len(self.full))
         self.tokens.append(token)
-        ids = [t.id for t in self.tokens]
-        self.full = self.served.text(self.context, ids)
+        self.full = self.answer.push(token.id)
         cut = _first_stop(self.full, self.stops)
         self.text = self.full if cut is None else self.full[:cut]
         if cut is not None:

@@ -59,12 +59,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from deploy import openai_api
 from deploy.deployment import (
     RETRY_AFTER_S,
+    AnswerText,
     Deployment,
     Row,
     ServeConfig,
     TokenStream,
     public_info,
-    text_context,
 )
 from deploy.engine import EngineBusy, Finished
 from deploy.metrics import CONTENT_TYPE, RequestCounter
@@ -83,14 +83,11 @@ class TextDelta:
     """The text each new token adds, for streaming (held back while a character is split)."""
 
     def __init__(self, served: ServedModel, prompt_ids: list[int]) -> None:
-        self.served = served
-        self.prompt_ids = text_context(prompt_ids)
-        self.ids: list[int] = []
+        self.answer = AnswerText(served, prompt_ids)
         self.sent = ""
 
     def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.served.text(self.prompt_ids, self.ids)
+        text = self.answer.push(token)
         if not text.startswith(self.sent) or text.endswith("\ufffd"):
             return ""
         delta, self.sent = text[len(self.sent) :], text

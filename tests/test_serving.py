@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import socket
 import sys
 import threading
@@ -30,7 +31,7 @@ from mlflow import MlflowClient
 from test_evaluation import tiny_model
 
 from deploy.continuous import ContinuousEngine
-from deploy.deployment import LoopMailbox, TokenStream
+from deploy.deployment import TEXT_CONTEXT, AnswerText, LoopMailbox, TokenStream, text_context
 from deploy.engine import BatchingEngine, EngineClosed, Finished, PendingRequest
 from deploy.openai_api import Reply
 from deploy.openai_schema import Choice, CompletionRequest
@@ -1058,3 +1059,55 @@ def test_tokens_that_arrive_together_stream_as_one_chunk(
     assert text and together[0]["choices"][0]["text"] == text
     assert together[0]["choices"][0]["logprobs"]["token_logprobs"] == [-0.5] * len(new)
     assert together[0]["choices"][0]["finish_reason"] == apart[-1]["choices"][0]["finish_reason"]
+
+
+def test_answer_text_decodes_a_bounded_tail_and_equals_decoding_everything(
+    models: dict[int, GPTModel], tokenizer: Tokenizer
+) -> None:
+    """The streamed text of every prefix of an answer equals decoding the whole answer
+    after the prompt, with random tokens (byte pieces split characters, and some never
+    complete) and a run of byte pieces; and each step decodes at most a bounded tail."""
+    info = ModelInfo("tiny", "tiny", None, None, "0" * 64, 64, 0.0)
+    served = ServedModel(models[1], tokenizer, info)
+    prompt = [tokenizer.eod_id, *tokenizer.encode(PROMPTS[1])]
+    byte_ids = [i for i in range(tokenizer.vocab_size) if tokenizer.token_bytes(i) != b""
+                and len(tokenizer.token_bytes(i)) == 1 and tokenizer.token_bytes(i)[0] >= 0x80]  # fmt: skip
+    accented = tokenizer.encode(" café crème brûlée, naïve façade")
+    rng = random.Random(0)
+    answers = [
+        [rng.randrange(tokenizer.vocab_size) for _ in range(200)],
+        [
+            rng.choice(byte_ids) if rng.random() < 0.5 else rng.randrange(tokenizer.vocab_size)
+            for _ in range(200)
+        ],  # fmt: skip
+        accented * 8,
+    ]
+    counting = CountingTokenizer(tokenizer)
+    streamed = ServedModel(models[1], counting, info)  # type: ignore[arg-type]
+    longest = []
+    for answer in answers:
+        incremental = AnswerText(streamed, prompt)
+        counting.lengths.clear()
+        for end in range(1, len(answer) + 1):
+            expected = served.text(text_context(prompt), answer[:end])
+            assert incremental.push(answer[end - 1]) == expected, f"tokens {answer[:end]}"
+        assert incremental.settled > 0
+        longest.append(max(counting.lengths))
+    # Each push decodes the context and the unsettled tail: SETTLE_AFTER tokens, a few
+    # more while the text ends inside a character; not the whole answer (200 tokens).
+    assert max(longest) < 2 * (TEXT_CONTEXT + AnswerText.SETTLE_AFTER), longest
+
+
+class CountingTokenizer:
+    """A tokenizer that records how many ids each ``decode`` call gets."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner = inner
+        self.lengths: list[int] = []
+
+    def decode(self, ids: list[int]) -> str:
+        self.lengths.append(len(ids))
+        return self.inner.decode(ids)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
