@@ -468,7 +468,10 @@ def step_time(
     )
     dp = 0.0
     if d > 1:
-        factor = 3 / 2 if layout.data_parallel_mode == "fsdp" else 1.0
+        # In all-reduce volumes of fp32 parameters. FSDP (fp32, resharded after forward)
+        # all-gathers the parameters in every micro-batch's forward and backward, and
+        # reduce-scatters the gradients once (no sync on accumulation micro-batches).
+        factor = (2 * m + 1) / 2 if layout.data_parallel_mode == "fsdp" else 1.0
         comm = factor * ring(d) * 4 * params / cluster.bandwidth(layout.tp * d)
         dp = comm * (1 - cluster.dp_overlap)
     updated = params / (d if layout.data_parallel_mode != "ddp" else 1)
