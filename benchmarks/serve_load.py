@@ -11,9 +11,10 @@ bottleneck: their CPU use is reported) that send one request after another for
 ``--ignore-eos``: past the end-of-document token, so each gets all of them).
 Reported: requests/s and output tokens/s inside the window, time to first token and
 between streamed chunks (one per token) p50/p99, the most and the mean KV blocks in use
-(``/metrics``, scraped every 0.5 s), the engine's mean batch (static), and the server
-process's CPU time over the window (100% is one core, what its Python threads can use
-together under the GIL: near it, the server's own CPU work sets the pace).
+(``/metrics``, scraped every 0.5 s), the engine's mean batch (static), and the server's
+CPU time over the window, its engine process included (100% is one core, what one
+process's Python threads can use together under the GIL: a server of one process near it
+is paced by its own CPU work; ``--engine-process`` runs the engine in a second one).
 
 ``--hf`` then runs transformers' ``generate`` on the model exported to Hugging Face
 (``training.interop.export``): for each ``--clients`` value C, static batches of C of the
@@ -82,6 +83,9 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--threads", type=int, default=1, help="the server's torch threads (1)")
+    parser.add_argument(
+        "--engine-process", action="store_true", help="megalith serve --engine-process"
+    )
     parser.add_argument("--hf", action="store_true", help="also transformers' generate")
     parser.add_argument("--hf-batches", type=int, default=64, help="HF: prompts per C (/C, >=1)")
     parser.add_argument("--output", help="also write the results as JSON here")
@@ -168,6 +172,8 @@ def run_server(model: str, prompts: list[str], args: argparse.Namespace, size: i
         "--device", args.device, "--precision", args.precision,
         "--max-queue", str(max(256, *args.clients)),
     ]  # fmt: skip
+    if args.engine_process:
+        command.append("--engine-process")
     if args.engine == "static":
         command += ["--max-batch-size", str(size), "--batch-window-ms", str(args.batch_window_ms)]
     else:
@@ -318,9 +324,23 @@ def percentile(values: list[float], q: int) -> float:
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` and its threads (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time of process ``pid`` and the processes under it (an engine
+    process), their threads included (Linux ``/proc``)."""
+    parents, times = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        child = int(stat.parent.name)
+        parents[child] = int(fields[1])
+        times[child] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tree, grew = {pid}, True
+    while grew:
+        below = {child for child, parent in parents.items() if parent in tree}
+        grew = not below <= tree
+        tree |= below
+    return sum(times.get(process, 0.0) for process in tree)
 
 
 def summarize(
@@ -445,6 +465,7 @@ def header(args: argparse.Namespace) -> str:
         f"{args.shape if not args.model else args.model} {args.precision}, {args.seconds:g} s "
         f"a load, max_tokens {args.max_tokens}, ignore_eos {args.ignore_eos}, prompt tokens "
         f"{args.prompt_tokens or 'short'}, server threads {args.threads}"
+        + (", engine in its own process" if args.engine_process else "")
     )
 
 

@@ -140,6 +140,12 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         metavar="N",
         help="continuous: most prompt tokens read in one step, between decode steps (2048)",
     )
+    parser.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine in a process of its own, so that the decode loop and the HTTP "
+        "side do not share one Python interpreter (GIL); the model loads there",
+    )
     parser.add_argument("--max-batch-size", type=COUNT, default=8, metavar="N", help="static: (8)")
     parser.add_argument(
         "--batch-window-ms",
@@ -197,6 +203,7 @@ def _serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         kv_blocks=args.kv_blocks,
         prefill_chunk=args.prefill_chunk,
+        engine_process=args.engine_process,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         watch_s=args.watch,

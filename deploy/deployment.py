@@ -18,8 +18,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
+
 from deploy.continuous import ContinuousEngine
 from deploy.engine import BatchingEngine, EngineBusy, EngineClosed, Finished, PendingRequest
+from deploy.engine_process import ProcessEngine, make_engine
 from deploy.metrics import ServingMetrics
 from deploy.request_body import DEFAULT_MAX_BODY_BYTES
 from training.inference.decode import SampledToken, SamplingConfig, continuation_text
@@ -56,6 +59,7 @@ class ServeConfig:
     block_size: int = 16  # continuous: positions per KV block
     kv_blocks: int | None = None  # continuous: KV blocks; None: max_running full contexts
     prefill_chunk: int = 2048  # continuous: most prompt tokens read in one step
+    engine_process: bool = False  # the engine in a child process: no GIL shared with HTTP
     max_queue: int = 256
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies answer 413
     watch_s: float | None = None  # reload when the alias moves, checked this often
@@ -63,7 +67,7 @@ class ServeConfig:
     admin_token: str | None = field(default=None, repr=False)
 
 
-Engine = BatchingEngine | ContinuousEngine
+Engine = BatchingEngine | ContinuousEngine | ProcessEngine
 ENGINES = ("continuous", "static")
 
 
@@ -80,31 +84,30 @@ class Deployment:
         self._reload_lock = asyncio.Lock()
 
     def _load(self) -> ServedModel:
+        # A process engine's child moves the model to the device; here it stays in host
+        # memory, which the child maps rather than copies.
+        device = torch.device("cpu") if self.config.engine_process else self.device
         return load_served_model(
-            self.config.model, tracking_uri=self.config.tracking_uri, device=self.device
+            self.config.model, tracking_uri=self.config.tracking_uri, device=device
         )
 
     def _start(self, served: ServedModel) -> Engine:
         config = self.config
         if config.engine not in ENGINES:
             raise ValueError(f"engine {config.engine!r} is not one of {', '.join(ENGINES)}")
-        if config.engine == "continuous" and not served.seq2seq:
-            return ContinuousEngine(
-                served,
-                block_size=config.block_size,
-                num_blocks=config.kv_blocks,
-                max_running=config.max_running,
-                prefill_chunk=config.prefill_chunk,
-                max_queue=config.max_queue,
-                autocast_dtype=self.autocast_dtype,
-            ).start()
-        return BatchingEngine(
-            served,
-            max_batch_size=config.max_batch_size,
-            batch_window_s=config.batch_window_ms / 1000,
-            max_queue=config.max_queue,
-            autocast_dtype=self.autocast_dtype,
-        ).start()
+        options = {
+            "block_size": config.block_size,
+            "num_blocks": config.kv_blocks,
+            "max_running": config.max_running,
+            "prefill_chunk": config.prefill_chunk,
+            "max_queue": config.max_queue,
+            "max_batch_size": config.max_batch_size,
+            "batch_window_s": config.batch_window_ms / 1000,
+        }
+        if config.engine_process:
+            engine = ProcessEngine(served, config.engine, options, self.autocast_dtype, self.device)
+            return engine.start()
+        return make_engine(served, config.engine, options, self.autocast_dtype).start()
 
     async def reload(self) -> dict[str, Any]:
         """Serve what the source names now; a no-op when that is the version served."""

@@ -79,9 +79,9 @@ class EngineCollector(Collector):
         yield _gauge("megalith_running_sequences", "Rows being decoded", engine.running)
         yield _gauge("megalith_queued_sequences", "Rows waiting for the engine", engine.queued)
         kv_stats = getattr(engine, "kv_stats", None)
-        if kv_stats is None:
+        stats = kv_stats() if kv_stats is not None else None
+        if stats is None:  # a static engine (a process engine's says so with None)
             return
-        stats = kv_stats()
         yield _gauge("megalith_kv_blocks_used", "KV cache blocks in use", stats["blocks_used"])
         yield _gauge("megalith_kv_blocks_free", "KV cache blocks free", stats["blocks_free"])
         hits, queries = stats["prefix_hits"], stats["prefix_queries"]

@@ -33,6 +33,7 @@ from test_evaluation import tiny_model
 from deploy.continuous import ContinuousEngine
 from deploy.deployment import TEXT_CONTEXT, AnswerText, LoopMailbox, TokenStream, text_context
 from deploy.engine import BatchingEngine, EngineClosed, Finished, PendingRequest
+from deploy.engine_process import ProcessEngine, make_engine
 from deploy.openai_api import Reply
 from deploy.openai_schema import Choice, CompletionRequest
 from deploy.server import Deployment, ServeConfig, create_app
@@ -565,15 +566,18 @@ def test_watch_follows_the_alias(store: str) -> None:
 # --- the OpenAI-compatible API, through the official client ----------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[False, True], ids=["engine-thread", "engine-process"])
 def openai_server(
-    store: str, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, store: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, Path]]:
     """``megalith serve`` of ``models:/NAME@candidate`` (version 2 throughout), bound to
-    0.0.0.0 with no admin token (only loopback is contacted); yields its URL and log."""
+    0.0.0.0 with no admin token (only loopback is contacted), its engine in a thread of the
+    server or in a process of its own (``--engine-process``); yields its URL and log."""
     log = tmp_path_factory.mktemp("openai-serve") / "serve.log"
     source = f"models:/{MODEL_NAME}@candidate"
-    flags = ("--tracking-uri", store, "--max-tokens", "24", "--max-batch-size", "8")
+    flags = ["--tracking-uri", store, "--max-tokens", "24", "--max-batch-size", "8"]
+    if request.param:
+        flags.append("--engine-process")
     with megalith_serve(source, "0.0.0.0", None, log, *flags) as url:
         yield url, log
 
@@ -1111,3 +1115,61 @@ class CountingTokenizer:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+PROCESS_OPTIONS = {"block_size": 4, "num_blocks": None, "max_running": 4, "prefill_chunk": 64,
+                   "max_queue": 8, "max_batch_size": 4, "batch_window_s": 0.005}  # fmt: skip
+
+
+def test_an_engine_process_decodes_as_in_process_cancels_and_retires(
+    models: dict[int, GPTModel], tokenizer: Tokenizer
+) -> None:
+    """The engine in a child process: greedy and seeded sampled tokens as the in-process
+    engine gives them, a cancelled request ends 'cancelled' and frees its KV blocks, the
+    counters cross over, and a retired engine finishes and exits."""
+    info = ModelInfo("tiny", "tiny", None, None, "0" * 64, 64, 0.0)
+    served = ServedModel(models[1], tokenizer, info)
+    settings = [SamplingConfig(6, temperature=0.0), SamplingConfig(6, temperature=1.2, seed=5)]
+    engine = ProcessEngine(served, "continuous", PROCESS_OPTIONS, None, torch.device("cpu"))
+    engine.start()
+    local = make_engine(served, "continuous", PROCESS_OPTIONS, None).start()
+    try:
+        for sampling in settings:
+            there, here = Collector(), Collector()
+            engine.submit(pending(tokenizer, PROMPTS[0], sampling, there))
+            local.submit(pending(tokenizer, PROMPTS[0], sampling, here))
+            assert there.done.wait(60) and here.done.wait(60)
+            assert there.result == here.result and there.tokens == here.tokens
+        long = Collector()
+        request = pending(tokenizer, PROMPTS[1], SamplingConfig(40, temperature=0.0), long)
+        request.on_token = lambda token: (long.on_token(token), request.cancelled.set())
+        engine.submit(request)
+        assert long.done.wait(60)
+        assert isinstance(long.result, Finished) and long.result.finish_reason == "cancelled"
+        assert 1 <= len(long.tokens) < 40
+        assert engine.stats.requests == 3 and engine.kv_stats()["blocks_used"] == 0
+    finally:
+        local.retire()
+        engine.retire()
+    assert engine.join(60) and local.join(60)
+    with pytest.raises(EngineClosed):
+        engine.submit(pending(tokenizer, PROMPTS[0], settings[0], Collector()))
+
+
+def test_a_dead_engine_process_fails_its_requests_and_closes(
+    models: dict[int, GPTModel], tokenizer: Tokenizer
+) -> None:
+    """If the child dies mid-request, the request ends with an error naming it, not a hang,
+    and the engine refuses new requests (a server then reloads or restarts)."""
+    info = ModelInfo("tiny", "tiny", None, None, "0" * 64, 64, 0.0)
+    served = ServedModel(models[1], tokenizer, info)
+    engine = ProcessEngine(served, "static", PROCESS_OPTIONS, None, torch.device("cpu")).start()
+    sink = Collector()
+    request = pending(tokenizer, PROMPTS[1], SamplingConfig(40, temperature=0.0), sink)
+    request.on_token = lambda token: (sink.on_token(token), engine._process.kill())
+    engine.submit(request)
+    assert sink.done.wait(60)
+    assert isinstance(sink.result, RuntimeError) and "engine process ended" in str(sink.result)
+    assert engine.join(10)
+    with pytest.raises(EngineClosed):
+        engine.submit(pending(tokenizer, PROMPTS[0], SamplingConfig(2), Collector()))
