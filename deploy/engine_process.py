@@ -105,9 +105,14 @@ class ProcessEngine:
         self._process.start()
         for thread in self._threads:
             thread.start()
-        if not self._ready.wait(timeout_s) or self._failure is not None:
+        started = self._ready.wait(timeout_s)
+        if not started or self._failure is not None or self._closed:
             self._process.kill()
-            raise RuntimeError(f"the engine process did not start: {self._failure or 'timeout'}")
+            self._process.join()
+            reason = self._failure or (
+                f"it exited with code {self._process.exitcode}" if started else "timeout"
+            )
+            raise RuntimeError(f"the engine process did not start: {reason}")
         return self
 
     def submit(self, request: PendingRequest) -> None:
