@@ -1173,3 +1173,15 @@ def test_a_dead_engine_process_fails_its_requests_and_closes(
     assert engine.join(10)
     with pytest.raises(EngineClosed):
         engine.submit(pending(tokenizer, PROMPTS[0], SamplingConfig(2), Collector()))
+
+
+def test_an_engine_process_that_cannot_start_says_why(
+    models: dict[int, GPTModel], tokenizer: Tokenizer
+) -> None:
+    info = ModelInfo("tiny", "tiny", None, None, "0" * 64, 64, 0.0)
+    served = ServedModel(models[1], tokenizer, info)
+    options = {**PROCESS_OPTIONS, "block_size": 0}
+    engine = ProcessEngine(served, "continuous", options, None, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="did not start: ValueError: block_size"):
+        engine.start()
+    assert not engine._process.is_alive()
