@@ -107,8 +107,10 @@ class ProcessEngine:
             thread.start()
         started = self._ready.wait(timeout_s)
         if not started or self._failure is not None or self._closed:
-            self._process.kill()
-            self._process.join()
+            self._process.join(5 if started else 0)  # a child that failed exits by itself
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
             reason = self._failure or (
                 f"it exited with code {self._process.exitcode}" if started else "timeout"
             )
