@@ -32,7 +32,6 @@ from parallel_helpers import (
 )
 
 from megalith.config import ConfigError, LoRAConfig, ModelConfig
-from megalith.errors import MegalithError
 from training.checkpoint.sharded_reader import read_global_tensors
 from training.finetune.adapter import AdapterError, attach_adapter, load_adapter
 from training.finetune.base import content_id
@@ -42,8 +41,6 @@ from training.finetune.session import FineTune
 from training.models import GPTModel
 from training.models.flops import param_groups
 from training.models.package import load_model_package, model_tensors
-from training.parallel.groups import ParallelSizes
-from training.parallel.support import check_trainer_support
 from training.trainer import Trainer
 
 LORA = {"finetune.lora.rank": 4, "finetune.lora.alpha": 8, "finetune.lora.dropout": 0.0}
@@ -282,11 +279,6 @@ def test_model_keys_that_conflict_with_the_base_are_named(shards: Path, base: Pa
     assert "dropout" not in str(err.value)  # a runtime key may differ
     with pytest.raises(ConfigError, match="finetune.lora needs finetune.base"):
         config_of(trainer_settings(shards, LORA))
-    # LoRA runs under FSDP alone; FSDP × TP with adapters is refused, naming the keys.
-    fsdp = config_of(lora_settings(shards, base, **{"parallel.data_parallel_mode": "fsdp"}))
-    check_trainer_support(fsdp, ParallelSizes(dp=2))
-    with pytest.raises(MegalithError, match="finetune.lora with parallel.data_parallel_mode=fsdp"):
-        check_trainer_support(fsdp, ParallelSizes(tp=2, dp=2))
 
 
 def assert_reads_its_share(run: Path, base: Path, world: int, most: float, layout: str) -> None:
@@ -340,6 +332,31 @@ def test_tensor_and_data_parallel_lora_match_one_process(
             load_adapter(lora_run / "adapter").tensors,
             f"{layout} adapter",
         )
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_times_tensor_parallelism_matches_one_process(
+    shards: Path, base: Path, lora_run: Path, tmp_path: Path
+) -> None:
+    """TP=2 × FSDP=2 (4 processes, 2-D): adapters split by TP and then by FSDP rows; the
+    same losses, grad norms, whole checkpoint, exact resume, merged package and adapter
+    (gathered over FSDP rows, then TP shards) as one process."""
+    layout = "tp2-fsdp2"
+    settings = {"parallel.tensor": 2, "parallel.data_parallel_mode": "fsdp"}
+    cases = {layout: lora_settings(shards, base, **settings)}
+    run_trainer_worker(tmp_path, cases, world=4, label="LoRA TP=2 x FSDP=2")
+    run = tmp_path / layout
+    recorded = last_checkpoint_state(run)["layout"]
+    assert (recorded["parallel.tensor"], recorded["parallel.data"]) == (2, 2), recorded
+    assert_metrics_match(metrics(run), metrics(lora_run), layout)
+    assert_whole_checkpoint(run, lora_run, layout)
+    assert_resume_exact(run, tmp_path / f"{layout}-resumed", layout)
+    assert_package_logits_match(run, lora_run, layout)
+    assert_close_tensors(
+        load_adapter(run / "adapter").tensors,
+        load_adapter(lora_run / "adapter").tensors,
+        f"{layout} adapter",
+    )
 
 
 def test_full_finetune_under_fsdp_built_on_meta_matches_one_process(

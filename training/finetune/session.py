@@ -219,11 +219,11 @@ def load_base_weights(
 
 
 def gather_adapters(model: nn.Module, parallel: ParallelState) -> dict[str, Tensor]:
-    """Whole adapter tensors on CPU (collective over the TP group, or over the FSDP
-    ranks for their rows)."""
+    """Whole adapter tensors on CPU: collective over the FSDP ranks for their rows (which
+    gives this rank's TP shard), then over the TP group for the shards."""
     config, split = model.config, parallel.sizes.tp > 1
     return {
-        name: tp.gather_whole(name, param, config, parallel)
+        name: tp.gather_whole(name, whole_tensor(param), config, parallel)
         if split
         else whole_tensor(param).detach().cpu()
         for name, param in model.named_parameters()

@@ -110,12 +110,6 @@ def _finetune_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
             "finetune.lora with mixed_precision.fp8=true: the float8 conversion replaces the "
             "linear layers that carry the adapters; fine-tune LoRA in bf16"
         )
-    if config.finetune.lora and config.parallel.data_parallel_mode == "fsdp" and sizes.tp > 1:
-        problems.append(
-            f"finetune.lora with parallel.data_parallel_mode=fsdp and parallel.tensor="
-            f"{sizes.tp}: gathering adapters split by TP and by FSDP rows is not integrated; "
-            "use FSDP alone, or TP with ddp or distributed_optimizer"
-        )
     return problems
 
 
