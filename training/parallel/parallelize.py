@@ -85,6 +85,8 @@ def parallelize(
     docstring gives."""
     if state.sizes.pp > 1:  # gradients are averaged after the schedule, not by DDP
         pipeline = PipelineParallel(config, model_config, state, device, precision, family.pipeline)
+        if finetune is not None:  # this stage's layers of the base, before the optimizer
+            finetune.prepare(pipeline.model, state)
         # The stage chunks share the stage model's blocks: converting it converts them.
         prepare_fp8(pipeline.model, config.mixed_precision, precision)
         return ParallelModel(pipeline.model, pipeline.model, pipeline.model, pipeline)

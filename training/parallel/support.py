@@ -100,10 +100,11 @@ def _chat_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
 def _finetune_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """What fine-tuning (training.finetune) does not run with yet."""
     problems = []
-    if config.finetune.base and sizes.pp > 1:
+    if config.finetune.lora and sizes.pp > 1:
         problems.append(
-            f"finetune.base with parallel.pipeline={sizes.pp}: loading base weights into "
-            "pipeline stages is not integrated; use tensor or data parallelism"
+            f"finetune.lora with parallel.pipeline={sizes.pp}: gathering the adapters from "
+            "the pipeline stages is not integrated; fine-tune LoRA with tensor or data "
+            "parallelism (full fine-tuning runs with pipeline stages)"
         )
     if config.finetune.lora and config.mixed_precision.fp8:
         problems.append(
