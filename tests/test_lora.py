@@ -32,7 +32,6 @@ from parallel_helpers import (
 )
 
 from megalith.config import ConfigError, LoRAConfig, ModelConfig
-from megalith.errors import MegalithError
 from training.checkpoint.sharded_reader import read_global_tensors
 from training.finetune.adapter import AdapterError, attach_adapter, load_adapter
 from training.finetune.base import content_id
@@ -42,8 +41,6 @@ from training.finetune.session import FineTune
 from training.models import GPTModel
 from training.models.flops import param_groups
 from training.models.package import load_model_package, model_tensors
-from training.parallel.groups import ParallelSizes
-from training.parallel.support import check_trainer_support
 from training.trainer import Trainer
 
 LORA = {"finetune.lora.rank": 4, "finetune.lora.alpha": 8, "finetune.lora.dropout": 0.0}
@@ -382,27 +379,37 @@ def test_full_finetune_under_fsdp_built_on_meta_matches_one_process(
 
 
 @pytest.mark.slow
-def test_full_finetune_in_pipeline_stages_matches_one_process(
-    shards: Path, base: Path, tmp_path: Path
+def test_finetunes_in_pipeline_stages_match_one_process(
+    shards: Path, base: Path, lora_run: Path, tmp_path: Path
 ) -> None:
-    """Full fine-tuning with PP=2 (2 gloo processes): each stage reads its own layers of
-    the base (together all of it, each less), and the run gives one process's losses, grad
-    norms and whole checkpoint, and resumes exactly. LoRA in stages is refused, by name."""
+    """Full and LoRA fine-tuning with PP=2 (2 gloo processes): each stage reads its own
+    layers of the base (together all of it, each less); the runs give one process's losses,
+    grad norms and whole checkpoint and resume exactly; LoRA's adapter (gathered from both
+    stages) and merged package equal one process's."""
     settings = trainer_settings(shards, {"finetune.base": str(base / "model")})
     reference = fit_one_process(settings, tmp_path / "one")
-    cases = {"pp2": {**settings, "parallel.pipeline": 2}}
-    run_trainer_worker(tmp_path, cases, world=2, label="full fine-tune PP=2")
-    run = tmp_path / "pp2"
-    assert last_checkpoint_state(run)["layout"]["parallel.pipeline"] == 2
-    assert_metrics_match(metrics(run), metrics(reference), "pp2 full fine-tune")
-    assert_whole_checkpoint(run, reference, "pp2 full fine-tune")
-    assert_resume_exact(run, tmp_path / "pp2-resumed", "pp2 full fine-tune")
+    cases = {
+        "full-pp2": {**settings, "parallel.pipeline": 2},
+        "lora-pp2": lora_settings(shards, base, **{"parallel.pipeline": 2}),
+    }
+    run_trainer_worker(tmp_path, cases, world=2, label="fine-tunes PP=2")
     whole = sum(t.nbytes for t in model_tensors(load_model_package(base / "model")[0]).values())
-    reads = [json.loads((run / f"base_reads_rank{r}.json").read_text())["bytes"] for r in (0, 1)]
-    assert sum(reads) >= whole and max(reads) < whole, (reads, whole)
-    lora = config_of(lora_settings(shards, base, **{"parallel.pipeline": 2}))
-    with pytest.raises(MegalithError, match="finetune.lora with parallel.pipeline=2"):
-        check_trainer_support(lora, ParallelSizes(pp=2))
+    for layout, one in (("full-pp2", reference), ("lora-pp2", lora_run)):
+        run = tmp_path / layout
+        assert last_checkpoint_state(run)["layout"]["parallel.pipeline"] == 2
+        assert_metrics_match(metrics(run), metrics(one), layout)
+        assert_whole_checkpoint(run, one, layout)
+        assert_resume_exact(run, tmp_path / f"{layout}-resumed", layout)
+        reads = [
+            json.loads((run / f"base_reads_rank{r}.json").read_text())["bytes"] for r in (0, 1)
+        ]
+        assert sum(reads) >= whole and max(reads) < whole, (layout, reads, whole)
+    assert_package_logits_match(tmp_path / "lora-pp2", lora_run, "lora-pp2")
+    assert_close_tensors(
+        load_adapter(tmp_path / "lora-pp2" / "adapter").tensors,
+        load_adapter(lora_run / "adapter").tensors,
+        "lora-pp2 adapter",
+    )
 
 
 def test_megalith_train_runs_the_finetune_recipe(shards: Path, base: Path, tmp_path: Path) -> None:

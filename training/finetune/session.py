@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from megalith.config import MegalithConfig
@@ -223,15 +224,21 @@ def load_base_weights(
 
 def gather_adapters(model: nn.Module, parallel: ParallelState) -> dict[str, Tensor]:
     """Whole adapter tensors on CPU: collective over the FSDP ranks for their rows (which
-    gives this rank's TP shard), then over the TP group for the shards."""
+    gives this rank's TP shard), then over the TP group for the shards, then over the
+    pipeline group for the other stages' layers."""
     config, split = model.config, parallel.sizes.tp > 1
-    return {
+    adapters = {
         name: tp.gather_whole(name, whole_tensor(param), config, parallel)
         if split
         else whole_tensor(param).detach().cpu()
         for name, param in model.named_parameters()
         if is_adapter_param(name)
     }
+    if parallel.sizes.pp == 1:
+        return adapters
+    stages: list[dict[str, Tensor] | None] = [None] * parallel.sizes.pp
+    dist.all_gather_object(stages, adapters, group=parallel.pp_group)
+    return {name: tensor for stage in stages for name, tensor in (stage or {}).items()}
 
 
 def plain_copy(model: nn.Module) -> nn.Module:

@@ -100,12 +100,6 @@ def _chat_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
 def _finetune_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """What fine-tuning (training.finetune) does not run with yet."""
     problems = []
-    if config.finetune.lora and sizes.pp > 1:
-        problems.append(
-            f"finetune.lora with parallel.pipeline={sizes.pp}: gathering the adapters from "
-            "the pipeline stages is not integrated; fine-tune LoRA with tensor or data "
-            "parallelism (full fine-tuning runs with pipeline stages)"
-        )
     if config.finetune.lora and config.mixed_precision.fp8:
         problems.append(
             "finetune.lora with mixed_precision.fp8=true: the float8 conversion replaces the "
