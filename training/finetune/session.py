@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -236,9 +237,44 @@ def gather_adapters(model: nn.Module, parallel: ParallelState) -> dict[str, Tens
     }
     if parallel.sizes.pp == 1:
         return adapters
-    stages: list[dict[str, Tensor] | None] = [None] * parallel.sizes.pp
-    dist.all_gather_object(stages, adapters, group=parallel.pp_group)
-    return {name: tensor for stage in stages for name, tensor in (stage or {}).items()}
+    device = next(model.parameters()).device
+    return _gather_to_first_stage(adapters, parallel, device)
+
+
+def _gather_to_first_stage(
+    tensors: dict[str, Tensor], parallel: ParallelState, device: torch.device
+) -> dict[str, Tensor]:
+    """Every stage's ``tensors`` on the first stage of each pipeline group (the others
+    keep their own). Each stage sends a JSON header of names, shapes and dtypes, then the
+    tensors, over ``device`` (NCCL sends device tensors); nothing is unpickled."""
+    group = parallel.pp_group
+    if parallel.pp_rank != 0:
+        header = json.dumps(
+            [
+                [name, list(t.shape), str(t.dtype).removeprefix("torch.")]
+                for name, t in tensors.items()
+            ]
+        ).encode()
+        dist.send(torch.tensor([len(header)], device=device), group_dst=0, group=group)
+        payload = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+        dist.send(payload, group_dst=0, group=group)
+        for tensor in tensors.values():
+            dist.send(tensor.to(device).contiguous(), group_dst=0, group=group)
+        return tensors
+    gathered = dict(tensors)
+    for stage in range(1, parallel.sizes.pp):
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+        dist.recv(size, group_src=stage, group=group)
+        header = torch.empty(int(size), dtype=torch.uint8, device=device)
+        dist.recv(header, group_src=stage, group=group)
+        for name, shape, dtype in json.loads(bytes(header.cpu().tolist())):
+            buffer = torch.empty(shape, dtype=_DTYPES[dtype], device=device)
+            dist.recv(buffer, group_src=stage, group=group)
+            gathered[name] = buffer.cpu()
+    return gathered
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def plain_copy(model: nn.Module) -> nn.Module:
