@@ -22,7 +22,7 @@ import torch
 
 from deploy.continuous import ContinuousEngine
 from deploy.engine import BatchingEngine, EngineBusy, EngineClosed, Finished, PendingRequest
-from deploy.engine_process import ProcessEngine, make_engine
+from deploy.engine_process import EngineSpec, ProcessEngine, make_engine
 from deploy.metrics import ServingMetrics
 from deploy.request_body import DEFAULT_MAX_BODY_BYTES
 from training.inference.decode import SampledToken, SamplingConfig, continuation_text
@@ -104,10 +104,10 @@ class Deployment:
             "max_batch_size": config.max_batch_size,
             "batch_window_s": config.batch_window_ms / 1000,
         }
+        spec = EngineSpec(config.engine, options, self.autocast_dtype, self.device)
         if config.engine_process:
-            engine = ProcessEngine(served, config.engine, options, self.autocast_dtype, self.device)
-            return engine.start()
-        return make_engine(served, config.engine, options, self.autocast_dtype).start()
+            return ProcessEngine(served, spec).start()
+        return make_engine(served, spec).start()
 
     async def reload(self) -> dict[str, Any]:
         """Serve what the source names now; a no-op when that is the version served."""

@@ -30,6 +30,7 @@ import logging
 import multiprocessing
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,41 +47,48 @@ CANCEL_POLL_S = 0.02  # how often the parent looks for cancelled requests
 Engine = BatchingEngine | ContinuousEngine
 
 
-def make_engine(
-    served: ServedModel, kind: str, options: dict[str, Any], autocast_dtype: torch.dtype | None
-) -> Engine:
-    """The engine ``megalith serve`` runs: continuous batching for a GPT (unless ``kind`` is
-    ``static``), static batching for a T5; not started."""
-    if kind == "continuous" and not served.seq2seq:
+@dataclass(frozen=True)
+class EngineSpec:
+    """Which engine to build and how: ``kind`` continuous or static, its ``options``
+    (``megalith serve``'s flags, by the engines' argument names), its precision and device."""
+
+    kind: str
+    options: dict[str, Any]
+    autocast_dtype: torch.dtype | None = None
+    device: torch.device = torch.device("cpu")
+
+    def continuous(self, served: ServedModel) -> bool:
+        """Continuous batching for a GPT unless ``kind`` is static; a T5 is served statically."""
+        return self.kind == "continuous" and not served.seq2seq
+
+
+def make_engine(served: ServedModel, spec: EngineSpec) -> Engine:
+    """The engine ``megalith serve`` runs, not started."""
+    options = spec.options
+    if spec.continuous(served):
         keys = ("block_size", "num_blocks", "max_running", "prefill_chunk", "max_queue")
         return ContinuousEngine(
-            served, autocast_dtype=autocast_dtype, **{k: options[k] for k in keys}
+            served, autocast_dtype=spec.autocast_dtype, **{k: options[k] for k in keys}
         )
     keys = ("max_batch_size", "batch_window_s", "max_queue")
-    return BatchingEngine(served, autocast_dtype=autocast_dtype, **{k: options[k] for k in keys})
+    return BatchingEngine(
+        served, autocast_dtype=spec.autocast_dtype, **{k: options[k] for k in keys}
+    )
 
 
 class ProcessEngine:
     """An engine running in a child process (see the module docstring)."""
 
-    def __init__(
-        self,
-        served: ServedModel,
-        kind: str,
-        options: dict[str, Any],
-        autocast_dtype: torch.dtype | None,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, served: ServedModel, spec: EngineSpec) -> None:
         self.served = served
-        self.max_queue = options["max_queue"]
-        self.capacity = self.max_queue + options.get(
-            "max_running", options.get("max_batch_size", 1)
-        )
+        self.max_queue = spec.options["max_queue"]
+        rows = spec.options["max_running" if spec.continuous(served) else "max_batch_size"]
+        self.capacity = self.max_queue + rows
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
             target=_child_main,
-            args=(child_conn, served, kind, options, autocast_dtype, device),
+            args=(child_conn, served, spec),
             name=f"megalith-engine-{served.info.content_id[:8]}",
             daemon=True,
         )
@@ -278,17 +286,10 @@ def engine_stats(engine: Engine) -> dict[str, Any]:
     }
 
 
-def _child_main(
-    conn: Any,
-    served: ServedModel,
-    kind: str,
-    options: dict[str, Any],
-    autocast_dtype: torch.dtype | None,
-    device: torch.device,
-) -> None:
+def _child_main(conn: Any, served: ServedModel, spec: EngineSpec) -> None:
     try:
-        served = ServedModel(served.model.to(device), served.tokenizer, served.info)
-        engine = make_engine(served, kind, options, autocast_dtype).start()
+        served = ServedModel(served.model.to(spec.device), served.tokenizer, served.info)
+        engine = make_engine(served, spec).start()
     except Exception as error:  # the parent raises it from start()
         conn.send(("failed", f"{type(error).__name__}: {error}", None))
         return

@@ -33,7 +33,7 @@ from test_evaluation import tiny_model
 from deploy.continuous import ContinuousEngine
 from deploy.deployment import TEXT_CONTEXT, AnswerText, LoopMailbox, TokenStream, text_context
 from deploy.engine import BatchingEngine, EngineClosed, Finished, PendingRequest
-from deploy.engine_process import ProcessEngine, make_engine
+from deploy.engine_process import EngineSpec, ProcessEngine, make_engine
 from deploy.openai_api import Reply
 from deploy.openai_schema import Choice, CompletionRequest
 from deploy.server import Deployment, ServeConfig, create_app
@@ -1130,9 +1130,9 @@ def test_an_engine_process_decodes_as_in_process_cancels_and_retires(
     info = ModelInfo("tiny", "tiny", None, None, "0" * 64, 64, 0.0)
     served = ServedModel(models[1], tokenizer, info)
     settings = [SamplingConfig(6, temperature=0.0), SamplingConfig(6, temperature=1.2, seed=5)]
-    engine = ProcessEngine(served, "continuous", PROCESS_OPTIONS, None, torch.device("cpu"))
+    engine = ProcessEngine(served, EngineSpec("continuous", PROCESS_OPTIONS))
     engine.start()
-    local = make_engine(served, "continuous", PROCESS_OPTIONS, None).start()
+    local = make_engine(served, EngineSpec("continuous", PROCESS_OPTIONS)).start()
     try:
         for sampling in settings:
             there, here = Collector(), Collector()
@@ -1163,7 +1163,7 @@ def test_a_dead_engine_process_fails_its_requests_and_closes(
     and the engine refuses new requests (a server then reloads or restarts)."""
     info = ModelInfo("tiny", "tiny", None, None, "0" * 64, 64, 0.0)
     served = ServedModel(models[1], tokenizer, info)
-    engine = ProcessEngine(served, "static", PROCESS_OPTIONS, None, torch.device("cpu")).start()
+    engine = ProcessEngine(served, EngineSpec("static", PROCESS_OPTIONS)).start()
     sink = Collector()
     request = pending(tokenizer, PROMPTS[1], SamplingConfig(40, temperature=0.0), sink)
     request.on_token = lambda token: (sink.on_token(token), engine._process.kill())
@@ -1181,7 +1181,7 @@ def test_an_engine_process_that_cannot_start_says_why(
     info = ModelInfo("tiny", "tiny", None, None, "0" * 64, 64, 0.0)
     served = ServedModel(models[1], tokenizer, info)
     options = {**PROCESS_OPTIONS, "block_size": 0}
-    engine = ProcessEngine(served, "continuous", options, None, torch.device("cpu"))
+    engine = ProcessEngine(served, EngineSpec("continuous", options))
     with pytest.raises(RuntimeError, match="did not start: ValueError: block_size"):
         engine.start()
     assert not engine._process.is_alive()
