@@ -21,6 +21,7 @@ sums TP partial products in another order.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,13 @@ CASES = {
 # Untied output head (its own weight on the last stage) in bf16 autocast, against a
 # single-process run of the same settings.
 BF16_UNTIED = {"mixed_precision.dtype": "bf16", "model.tie_embeddings": "false"}
+# fp16 with a loss scale far too large at first: the scaled gradients overflow on some
+# stage, every rank must skip those steps and halve the scale together, then grow it.
+FP16 = {
+    "mixed_precision.dtype": "fp16",
+    "mixed_precision.initial_loss_scale": 2**30,
+    "mixed_precision.loss_scale_growth_interval": 2,
+}
 
 
 def layout(case: str, world: int = WORLD) -> str:
@@ -117,6 +125,7 @@ def parallel_runs(shards: Path, reference: Path, tmp_path_factory: pytest.TempPa
         cases={
             **{name: settings(shards, extra) for name, extra in CASES.items()},
             "pp2-bf16-untied": settings(shards, {**CASES["pp2"], **BF16_UNTIED}),
+            "pp2-fp16": settings(shards, {**CASES["pp2"], **FP16}),
         },
         grad_cases={
             f"grads-{name}": settings(shards, CASES[name])
@@ -187,6 +196,26 @@ def test_bf16_with_untied_output_head_matches_one_process(
     fit_one_process(settings(shards, BF16_UNTIED), tmp_path)
     assert_metrics_match(metrics(parallel_runs / case), metrics(tmp_path), name)
     assert_whole_checkpoint(parallel_runs / case, tmp_path, name)
+    assert_resume_exact(parallel_runs / case, parallel_runs / f"{case}-resumed", name)
+
+
+def test_fp16_loss_scaling_agrees_over_the_stages(
+    parallel_runs: Path, shards: Path, tmp_path: Path
+) -> None:
+    """fp16 under PP=2: the stages skip the overflowing steps and move the loss scale
+    together, as one process does (same scales step by step, same losses and grad norms),
+    and resume exactly."""
+    case, name = "pp2-fp16", layout("pp2 fp16 loss scaling")
+    fit_one_process(settings(shards, FP16), tmp_path)
+    got, want = metrics(parallel_runs / case), metrics(tmp_path)
+    scales = [r["loss_scale"] for r in got]
+    assert scales == [r["loss_scale"] for r in want], (scales, want)
+    assert scales[0] < 2**30 and len(set(scales)) > 2  # overflows halved it, clean steps grew it
+    # An overflowing step's gradient norm is inf or NaN on both; it is skipped on both.
+    overflowed = [not math.isfinite(r["grad_norm"]) for r in want]
+    assert [not math.isfinite(r["grad_norm"]) for r in got] == overflowed and any(overflowed)
+    finite = [(g, w) for g, w, o in zip(got, want, overflowed, strict=True) if not o]
+    assert_metrics_match([g for g, _ in finite], [w for _, w in finite], name)
     assert_resume_exact(parallel_runs / case, parallel_runs / f"{case}-resumed", name)
 
 
@@ -290,7 +319,6 @@ def test_layout_validation_names_the_split(shards: Path) -> None:
     ("values", "message"),
     [
         ({"parallel.data_parallel_mode": "fsdp"}, "fsdp with parallel.pipeline=2"),
-        ({"mixed_precision.dtype": "fp16"}, "fp16 with parallel.pipeline=2"),
         ({"training.compile": "true"}, "training.compile with parallel.pipeline=2"),
     ],
 )

@@ -44,9 +44,10 @@ with the row stride of ``tokens`` (seen as a hang on 2x H200: the first stage ra
 ``PipeliningShapeError`` and the last waited for it forever; :func:`training.runtime.distributed.distributed`
 now ends a failed rank at once so torchrun stops the job).
 
-Not integrated: fp16 (the loss scaler would need its inf checks over every stage),
-FSDP with pipeline stages, and ``training.compile``; :mod:`training.parallel.support`
-refuses them.
+fp16: the last stage's loss function returns the scaled loss, so every stage's gradients
+come out scaled; the trainer unscales them and ``AgreedGradScaler`` agrees on an inf over
+every rank (so all stages skip the step together). Not integrated: FSDP with pipeline
+stages, and ``training.compile``; :mod:`training.parallel.support` refuses them.
 
 Measuring the bubble (GPU): every step logs, from each pipeline rank's ``busy`` time (its
 chunks' forward and backward and the loss: CUDA events, no extra synchronisation; wall
@@ -288,9 +289,14 @@ class PipelineParallel:
         )  # fmt: skip
 
     def _loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
+        """The objective the schedule back-propagates: under fp16, scaled by the loss
+        scaler (every stage's gradients come out scaled; the trainer unscales them and
+        skips the step on an inf that any rank found, ``AgreedGradScaler``)."""
         with self.busy.span(), self.precision.autocast():
             loss = self.chunks[-1].output.loss(hidden, labels)
-        return loss / self.micro_batches
+        loss = loss / self.micro_batches
+        scaler = self.precision.scaler
+        return scaler.scale(loss) if scaler is not None else loss
 
     def forward_backward(self, batches: Iterator[dict[str, Tensor]]) -> tuple[Tensor, dict]:
         """Run one optimizer step's micro-batches through the schedule and average the
@@ -302,6 +308,8 @@ class PipelineParallel:
             [next(batches) for _ in range(self.micro_batches)]
         )
         args = args if self.state.is_first_stage else ()
+        if self.precision.scaler is not None and not self.state.is_last_stage:
+            self.precision.scaler.scale(self._zero())  # its scale exists here too, to unscale
         losses: list[Tensor] = []
         self.busy.reset()
         started = time.perf_counter()
@@ -310,6 +318,8 @@ class PipelineParallel:
         else:
             self.schedule.step(*args, return_outputs=False, **kwargs)
         loss = torch.stack([x.detach() for x in losses]).sum() if losses else self._zero()
+        if self.precision.scaler is not None and losses:  # the schedule's losses are scaled
+            loss = loss.float() / self.precision.scaler.get_scale()
         busy = self.busy.total()  # synchronises on CUDA
         elapsed = time.perf_counter() - started
         self.sync_grads()

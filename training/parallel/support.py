@@ -58,11 +58,6 @@ def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
             f"parallel.data_parallel_mode=fsdp with parallel.pipeline={sizes.pp}: FSDP over "
             "pipeline stages is not integrated; use ddp or distributed_optimizer"
         )
-    if config.mixed_precision.dtype == "fp16":
-        problems.append(
-            f"mixed_precision.dtype=fp16 with parallel.pipeline={sizes.pp}: the loss scaler's "
-            "inf checks are not coordinated over pipeline stages; use bf16"
-        )
     if sizes.cp > 1:
         problems.append(
             f"parallel.context={sizes.cp} with parallel.pipeline={sizes.pp}: context-parallel "
