@@ -392,13 +392,12 @@ def test_evaluation_scores_the_assistant_tokens_of_whole_conversations(chat_shar
 # --- config, trainer -----------------------------------------------------------------------
 
 
-def test_chat_training_refuses_pipeline_and_context_parallel_and_a_pretrain_shard_set(
+def test_chat_training_refuses_context_parallel_and_a_pretrain_shard_set(
     chat_shards: Path, shards: Path
 ) -> None:
     config = load_config(RECIPE, [f"data.output={chat_shards}"])
     check_trainer_support(config, ParallelSizes(tp=2, dp=2))  # TP and DP are fine
-    with pytest.raises(MegalithError, match=r"data.format=chat with parallel.pipeline=2"):
-        check_trainer_support(config, ParallelSizes(pp=2))
+    check_trainer_support(config, ParallelSizes(pp=2))  # and pipeline stages
     with pytest.raises(MegalithError, match=r"data.format=chat with parallel.context=2"):
         check_trainer_support(config, ParallelSizes(cp=2))
     pretrain_shards = load_config(RECIPE, [f"data.output={shards}"])
@@ -476,6 +475,7 @@ def test_parallel_fine_tuning_matches_one_process_and_resumes_exactly(
         "zero1": {**settings, "parallel.data_parallel_mode": "distributed_optimizer"},
         "tp2": {**settings, "parallel.tensor": 2},
         "tp2-sp": {**settings, "parallel.tensor": 2, "parallel.sequence_parallel": "true"},
+        "pp2": {**settings, "parallel.pipeline": 2},
     }
     run_trainer_worker(tmp_path, cases, world=2, label="SFT, 2 processes")
     last = f"checkpoints/step-{STEPS:08d}"
@@ -492,10 +492,9 @@ def test_parallel_fine_tuning_matches_one_process_and_resumes_exactly(
         )
         layout_of_run = last_checkpoint_state(run)["layout"]
         want_tp = cases[layout].get("parallel.tensor", 1)
-        assert (layout_of_run["parallel.tensor"], layout_of_run["parallel.data"]) == (
-            want_tp,
-            2 // want_tp,
-        ), f"{name} ran as {layout_of_run}"
+        want_pp = cases[layout].get("parallel.pipeline", 1)
+        got = [layout_of_run[f"parallel.{key}"] for key in ("tensor", "pipeline", "data")]
+        assert got == [want_tp, want_pp, 2 // (want_tp * want_pp)], f"{name} ran as {got}"
         assert_resume_exact(run, resumed, f"{name} resumed at step {RESUME_STEP}")
         assert_close_tensors(
             read_global_tensors(resumed / last),

@@ -103,6 +103,8 @@ from training.checkpoint.format import (
 )
 from training.models import GPTModel, T5Model, meta_model, model_from_tensors
 from training.models.flops import param_groups
+from training.models.layers import IGNORE_INDEX
+from training.models.packing import document_causal_mask, document_positions
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
 from training.parallel.groups import ParallelState
@@ -170,16 +172,22 @@ class StageChunk(nn.Module):
         self._autocast = autocast
         self._sequence_shards = sequence_shards  # TP size under sequence parallelism
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        """``document_ids [B, T]`` (packed chat samples, every stage gets them): positions
+        restart at each document and attention stays within it, as in ``GPTModel.forward``."""
+        positions = attn_mask = None
+        if document_ids is not None:
+            positions = document_positions(document_ids)
+            attn_mask = document_causal_mask(document_ids)
         with self._autocast():
             if self.embedding is not None:
                 length = x.size(1)
-                x = self.embedding(x, 0)
+                x = self.embedding(x, 0, positions)
             else:
                 length = x.size(1) * self._sequence_shards
-            rope = self.rope(0, length, x.device) if self.rope is not None else None
+            rope = self.rope(0, length, x.device, positions) if self.rope is not None else None
             for block in self.blocks:
-                x = self._run_block(block, x, rope, None, 0)
+                x = self._run_block(block, x, rope, None, 0, attn_mask)
             if self.final_norm is not None:
                 x = self.final_norm(x)
         return x
@@ -189,9 +197,20 @@ def schedule_inputs(
     batches: list[dict[str, Tensor]], device: torch.device
 ) -> tuple[tuple[Tensor, ...], dict[str, Tensor], Tensor]:
     """The schedule's whole-batch inputs of a GPT: the first stage's tokens, no keyword
-    inputs, the last stage's next-token targets (all contiguous)."""
-    tokens = torch.cat([b["tokens"] for b in batches]).to(device, non_blocking=True)
-    return (tokens[:, :-1].contiguous(),), {}, tokens[:, 1:].contiguous()
+    inputs, the last stage's next-token targets (all contiguous). Packed chat samples add
+    their document ids for every stage, and their targets are -100 (ignored) outside the
+    assistant tokens (``loss_mask``)."""
+
+    def stacked(key: str) -> Tensor:
+        return torch.cat([b[key] for b in batches]).to(device, non_blocking=True)
+
+    tokens = stacked("tokens")
+    targets = tokens[:, 1:]
+    if "document_ids" not in batches[0]:
+        return (tokens[:, :-1].contiguous(),), {}, targets.contiguous()
+    targets = targets.masked_fill(stacked("loss_mask") == 0, IGNORE_INDEX)
+    kwargs = {"document_ids": stacked("document_ids").contiguous()}
+    return (tokens[:, :-1].contiguous(),), kwargs, targets.contiguous()
 
 
 def activation_shapes(
@@ -273,6 +292,7 @@ class PipelineParallel:
         training = config.training
         self.micro_batches = training.global_batch_size // (training.micro_batch_size * sizes.dp)
         self.busy = _Busy(device)
+        self._loss_weight: Tensor | None = None
         self.schedule = self._schedule()
         self.whole_param_names = whole_param_names(model_config)
 
@@ -289,21 +309,31 @@ class PipelineParallel:
         )  # fmt: skip
 
     def _loss(self, hidden: Tensor, labels: Tensor) -> Tensor:
-        """The objective the schedule back-propagates: under fp16, scaled by the loss
-        scaler (every stage's gradients come out scaled; the trainer unscales them and
-        skips the step on an inf that any rank found, ``AgreedGradScaler``)."""
+        """The objective the schedule back-propagates: the micro-batch's mean loss over the
+        step's micro-batches, or with a ``loss_weight`` (packed chat samples) the sum of its
+        token losses times it; under fp16, scaled by the loss scaler (every stage's
+        gradients come out scaled; the trainer unscales them and skips the step on an inf
+        that any rank found, ``AgreedGradScaler``)."""
         with self.busy.span(), self.precision.autocast():
-            loss = self.chunks[-1].output.loss(hidden, labels)
-        loss = loss / self.micro_batches
+            if self._loss_weight is None:
+                loss = self.chunks[-1].output.loss(hidden, labels) / self.micro_batches
+            else:
+                losses = self.chunks[-1].output.loss(hidden, labels, reduction="none")
+                loss = losses.float().sum() * self._loss_weight
         scaler = self.precision.scaler
         return scaler.scale(loss) if scaler is not None else loss
 
-    def forward_backward(self, batches: Iterator[dict[str, Tensor]]) -> tuple[Tensor, dict]:
+    def forward_backward(
+        self, batches: Iterator[dict[str, Tensor]], loss_weight: Tensor | None = None
+    ) -> tuple[Tensor, dict]:
         """Run one optimizer step's micro-batches through the schedule and average the
         gradients over data parallelism (and the tied embedding over its copies).
+        ``loss_weight``: a token loss's weight in the step (packed chat samples,
+        ``objectives.sft.prefetch_step``) instead of the micro-batches' mean.
 
         Returns the step's loss (mean over micro-batches and data-parallel ranks, on every
         rank) and the bubble metrics."""
+        self._loss_weight = loss_weight
         args, kwargs, target = self._schedule_inputs(
             [next(batches) for _ in range(self.micro_batches)]
         )

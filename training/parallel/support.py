@@ -73,17 +73,11 @@ def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
 
 def _chat_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """Packed chat samples (data.format=chat) pass document ids to every attention layer:
-    the plain and tensor-parallel layers take them; pipeline stages and context-parallel
-    attention do not yet."""
+    the plain and tensor-parallel layers and pipeline stages take them; context-parallel
+    attention does not yet."""
     if config.data.format != "chat":
         return []
     problems = []
-    if sizes.pp > 1:
-        problems.append(
-            f"data.format=chat with parallel.pipeline={sizes.pp}: packed conversations' "
-            "attention masks are not passed through pipeline stages yet; use tensor or data "
-            "parallelism"
-        )
     if sizes.cp > 1:
         problems.append(
             f"data.format=chat with parallel.context={sizes.cp}: context-parallel attention "
