@@ -563,6 +563,58 @@ def test_watch_follows_the_alias(store: str) -> None:
         assert (info["version"], info["alias"], info["reloads"]) == (1, "watched", 1)
 
 
+def test_a_process_engine_is_swapped_on_reload_under_load_without_failures(
+    store: str, models: dict[int, GPTModel], tokenizer: Tokenizer
+) -> None:
+    """``--engine-process``: a reload starts the new version's engine process, new
+    requests go there, the old process finishes what it holds and exits; no request of
+    the clients running meanwhile fails, and each answer is its version's."""
+    expected = {
+        version: alone(model, tokenizer, PROMPTS[2], max_new_tokens=6, temperature=0)
+        for version, model in models.items()
+    }
+    set_alias(MODEL_NAME, "process", 1, tracking_uri=store)
+    config = ServeConfig(model=f"models:/{MODEL_NAME}@process", tracking_uri=store,
+                         max_tokens=24, engine_process=True)  # fmt: skip
+    stop, answers, failures = threading.Event(), [], []
+    with running(config) as (url, deployment):
+        old = deployment.engine
+        assert isinstance(old, ProcessEngine) and old._process.is_alive()
+
+        def client_loop() -> None:
+            with httpx.Client(base_url=url, timeout=60) as client:
+                while not stop.is_set():
+                    body = {"prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0}
+                    response = client.post("/v1/generate", json=body)
+                    target = answers if response.status_code == 200 else failures
+                    target.append(response.json() if response.status_code == 200 else response.text)
+
+        threads = [threading.Thread(target=client_loop) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        try:
+            deadline = time.monotonic() + 120
+            while len(answers) < 6:
+                assert not failures and time.monotonic() < deadline, (failures, len(answers))
+                time.sleep(0.01)
+            set_alias(MODEL_NAME, "process", 2, tracking_uri=store)
+            assert httpx.post(f"{url}/admin/reload", timeout=120).json()["reloaded"] is True
+            count = len(answers)
+            while len(answers) < count + 6:
+                assert not failures and time.monotonic() < deadline, (failures, len(answers))
+                time.sleep(0.01)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(60)
+        assert old.join(60), "the old engine process did not exit"
+        assert deployment.engine is not old and deployment.engine._process.is_alive()
+    assert failures == []
+    for answer in answers:
+        assert picked(answer) == expected[answer["model"]["version"]]
+    assert answers[-1]["model"]["version"] == 2
+
+
 # --- the OpenAI-compatible API, through the official client ----------------------------
 
 
