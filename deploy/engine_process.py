@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -287,6 +288,9 @@ def engine_stats(engine: Engine) -> dict[str, Any]:
 
 
 def _child_main(conn: Any, served: ServedModel, spec: EngineSpec) -> None:
+    # Ctrl-C reaches the whole process group: the server shuts down and retires this
+    # engine (it finishes or cancels what it holds), rather than each dying on its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         served = ServedModel(served.model.to(spec.device), served.tokenizer, served.info)
         engine = make_engine(served, spec).start()
