@@ -227,6 +227,27 @@ def test_model_package_loads_in_one_process(
 
 
 @pytest.mark.slow
+def test_compiled_pipeline_stages_match_one_compiled_process(shards: Path, tmp_path: Path) -> None:
+    """``training.compile`` with PP=2 (1F1B, and interleaved with selective recomputation):
+    each stage's blocks compiled in place give the compiled single process's losses and
+    grad norms, whole checkpoint tensors, and resume exactly."""
+    compiled = {"training.compile": "true"}
+    reference = fit_one_process(settings(shards, compiled), tmp_path / "one")
+    cases = {
+        "pp2-compiled": settings(shards, {**CASES["pp2"], **compiled}),
+        "pp2-interleaved-compiled": settings(
+            shards, {**CASES["pp2-interleaved-selective"], **compiled}
+        ),
+    }
+    runs = run_worker(tmp_path, WORLD, cases=cases)
+    for case in cases:
+        name = layout(case)
+        assert_metrics_match(metrics(runs / case), metrics(reference), name)
+        assert_whole_checkpoint(runs / case, reference, name)
+        assert_resume_exact(runs / case, runs / f"{case}-resumed", name)
+
+
+@pytest.mark.slow
 def test_tensor_pipeline_data_parallel_matches_one_process(
     shards: Path, reference: Path, tmp_path: Path
 ) -> None:
@@ -319,7 +340,14 @@ def test_layout_validation_names_the_split(shards: Path) -> None:
     ("values", "message"),
     [
         ({"parallel.data_parallel_mode": "fsdp"}, "fsdp with parallel.pipeline=2"),
-        ({"training.compile": "true"}, "training.compile with parallel.pipeline=2"),
+        (
+            {
+                "training.compile": "true",
+                **INTERLEAVED,
+                "parallel.pipeline_schedule": "zero-bubble",
+            },
+            "training.compile with parallel.pipeline_schedule=zero-bubble",
+        ),
     ],
 )
 def test_what_pipeline_parallelism_refuses(shards: Path, values: dict, message: str) -> None:

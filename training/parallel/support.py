@@ -63,10 +63,11 @@ def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
             f"parallel.context={sizes.cp} with parallel.pipeline={sizes.pp}: context-parallel "
             "pipeline stages are not integrated; use tensor or data parallelism beside CP"
         )
-    if config.training.compile:
+    if config.training.compile and config.parallel.pipeline_schedule == "zero-bubble":
         problems.append(
-            f"training.compile with parallel.pipeline={sizes.pp}: compiling pipeline stages is "
-            "not integrated; set training.compile=false"
+            "training.compile with parallel.pipeline_schedule=zero-bubble: its split backward "
+            "(input gradients first, weight gradients later) is not run through compiled "
+            "blocks; use 1f1b or interleaved"
         )
     return problems
 
@@ -105,6 +106,10 @@ FAMILY_UNSUPPORTED: dict[
     "gpt": {},
     "t5": {  # data parallelism, tensor/sequence parallelism and pipeline stages do run
         "parallel.context": (lambda c, s: s.cp > 1, "context-parallel cross-attention"),
+        "training.compile with parallel.pipeline": (
+            lambda c, s: c.training.compile and s.pp > 1,
+            "compiled encoder-decoder pipeline stages",
+        ),
         "data.format=chat": (
             lambda c, s: c.data.format == "chat",
             "chat fine-tuning of an encoder-decoder",

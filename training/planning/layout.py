@@ -128,8 +128,6 @@ class Layout:
             sets.append(f"parallel.pipeline_layers={self.pipeline_layers}")
         if self.precision == "fp8":
             sets.append("mixed_precision.fp8=true")
-        if self.pp > 1:  # pipeline stages are not compiled (training/parallel/support.py)
-            sets.append("training.compile=false")
         return sets
 
 
