@@ -206,7 +206,7 @@ class ContinuousEngine(QueuedEngine):
         cached = len(shared) * self.block_size
         self.pool.count_query(len(prompt), cached)
         self.stats.requests += 1
-        rows = BatchRows(sampling, 1, [sampling.seed], self.device)
+        rows = BatchRows(sampling, 1, [sampling.seed])
         return Sequence(request, prompt, hashes, blocks, rows, cached, len(shared))
 
     def _step(self) -> None:

@@ -144,12 +144,8 @@ def _check_forward_and_grads(layout: Layout, group: dist.ProcessGroup) -> dict[s
 
     expected.backward()
     got.backward()
-    full_grads = {name: param.grad for name, param in full.named_parameters()}
-    expected_grads = shard_full_state_dict(full_grads, config, rank, world)
-    for name, param in tp.named_parameters():
-        what = f"{where}: gradient of {name} after one backward"
-        report["grads"] += mismatch(what, param.grad, expected_grads[name], GRAD_TOL)
-    full_norm = sum(g.square().sum() for g in full_grads.values())
+    report["grads"] += grad_mismatches(full, tp, config, rank, world, f"{where}: gradient of")
+    full_norm = sum(p.grad.square().sum() for p in full.parameters())
     report["grads"] += mismatch(
         f"{where}: squared_grad_norm", squared_grad_norm(tp, group), full_norm, GRAD_TOL
     )
@@ -185,12 +181,21 @@ def _check_compiled(group: dist.ProcessGroup) -> dict[str, list[str]]:
         tp.zero_grad()
         expected.backward()
         got.backward()
-    full_grads = {name: param.grad for name, param in full.named_parameters()}
-    expected_grads = shard_full_state_dict(full_grads, config, rank, world)
-    for name, param in tp.named_parameters():
-        what = f"{where}: gradient of {name}"
-        report["grads"] += mismatch(what, param.grad, expected_grads[name], GRAD_TOL)
+    report["grads"] += grad_mismatches(full, tp, config, rank, world, f"{where}: gradient of")
     return report
+
+
+def grad_mismatches(
+    full: GPTModel, tp: GPTModel, config: ModelConfig, rank: int, world: int, what: str
+) -> list[str]:
+    """Every TP parameter's gradient against its slice of the single-process gradient."""
+    full_grads = {name: param.grad for name, param in full.named_parameters()}
+    expected = shard_full_state_dict(full_grads, config, rank, world)
+    return [
+        problem
+        for name, param in tp.named_parameters()
+        for problem in mismatch(f"{what} {name}", param.grad, expected[name], GRAD_TOL)
+    ]
 
 
 def _check_adamw_steps(layout: Layout, group: dist.ProcessGroup) -> dict[str, list[str]]:

@@ -441,20 +441,15 @@ class Trainer:
         scaler = self.precision.scaler
         pipeline_metrics = {}
         total_aux = torch.zeros((), device=self.device)
+        loss_weight = None  # chat: normalised by the step's global count of loss tokens
+        if self.config.data.format == "chat":
+            batches, loss_weight = sft.prefetch_step(
+                batches, accumulation, self.parallel, self.device
+            )
         if self.pipeline is not None:  # the schedule runs the accumulation micro-batches
-            loss_weight = None  # chat: normalised by the step's global count of loss tokens
-            if self.config.data.format == "chat":
-                batches, loss_weight = sft.prefetch_step(
-                    batches, accumulation, self.parallel, self.device
-                )
             total_loss, pipeline_metrics = self.pipeline.forward_backward(batches, loss_weight)
         else:
             total_loss = torch.zeros((), device=self.device)
-            loss_weight = None  # chat: normalised by the step's global count of loss tokens
-            if self.config.data.format == "chat":
-                batches, loss_weight = sft.prefetch_step(
-                    batches, accumulation, self.parallel, self.device
-                )
             for micro_step in range(accumulation):
                 # Gradients are averaged over data-parallel ranks on the last micro-step only.
                 with dp.no_sync(self.dp_model, skip=micro_step < accumulation - 1):

@@ -58,6 +58,7 @@ from training.finetune.lora import (
 )
 from training.mlflow_store.runs import resolve_tracking_uri
 from training.models import model_from_tensors
+from training.models.package import DTYPES
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
 from training.parallel.dtensor import local_tensor, whole_tensor
@@ -268,13 +269,10 @@ def _gather_to_first_stage(
         header = torch.empty(int(size), dtype=torch.uint8, device=device)
         dist.recv(header, group_src=stage, group=group)
         for name, shape, dtype in json.loads(bytes(header.cpu().tolist())):
-            buffer = torch.empty(shape, dtype=_DTYPES[dtype], device=device)
+            buffer = torch.empty(shape, dtype=DTYPES[dtype], device=device)
             dist.recv(buffer, group_src=stage, group=group)
             gathered[name] = buffer.cpu()
     return gathered
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def plain_copy(model: nn.Module) -> nn.Module:

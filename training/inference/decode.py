@@ -192,7 +192,7 @@ def generate_ids(
     ``stop(row)`` may end an unfinished row with the reason it returns.
     """
     device = model_device(model)
-    batch = BatchRows(sampling, len(prompts), seeds, device)
+    batch = BatchRows(sampling, len(prompts), seeds)
     max_new = [c.max_new_tokens for c in batch.configs]
     limit = model.config.max_position_embeddings
     prompts = [fit_prompt(p, limit, m) for p, m in zip(prompts, max_new, strict=True)]
@@ -230,7 +230,6 @@ class BatchRows:
         sampling: SamplingConfig | Sequence[SamplingConfig],
         rows: int,
         seeds: Sequence[int] | None,
-        device: torch.device,
     ) -> None:
         configs = [sampling] * rows if isinstance(sampling, SamplingConfig) else list(sampling)
         if len(configs) != rows:

@@ -123,7 +123,7 @@ def generate_seq2seq_ids(
         raise ValueError("every prompt needs at least one token")
     device = model_device(model)
     rows = len(prompts)
-    batch = BatchRows(sampling, rows, seeds, device)
+    batch = BatchRows(sampling, rows, seeds)
     steps = max(config.max_new_tokens for config in batch.configs)
     encoder_tokens, encoder_mask = _padded(prompts, pad_id, device)
     finish = batch.finish

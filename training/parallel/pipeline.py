@@ -299,6 +299,8 @@ class PipelineParallel:
         self.micro_batches = training.global_batch_size // (training.micro_batch_size * sizes.dp)
         self.busy = _Busy(device)
         self._loss_weight: Tensor | None = None
+        if precision.scaler is not None:  # only the last stage scales a loss: the scale
+            precision.scaler.scale(self._zero())  # must exist on every stage to unscale
         self.schedule = self._schedule()
         self.whole_param_names = whole_param_names(model_config)
 
@@ -344,8 +346,6 @@ class PipelineParallel:
             [next(batches) for _ in range(self.micro_batches)]
         )
         args = args if self.state.is_first_stage else ()
-        if self.precision.scaler is not None and not self.state.is_last_stage:
-            self.precision.scaler.scale(self._zero())  # its scale exists here too, to unscale
         losses: list[Tensor] = []
         self.busy.reset()
         started = time.perf_counter()
