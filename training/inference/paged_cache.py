@@ -91,23 +91,37 @@ class PagedKVCache:
         """The view one forward uses: row ``b`` feeds ``counts[b] >= 1`` tokens at
         positions ``starts[b]...``, within the blocks ``tables[b]``."""
         device = self.keys.device
-        size, scratch = self.block_size, self.num_blocks
         length = max(s + c for s, c in zip(starts, counts, strict=True))
-        width = math.ceil(length / size)
-        padded = [[*t[:width], *[scratch] * (width - len(t))] for t in tables]
-        table = torch.tensor(padded, device=device)
-        start = torch.tensor(starts, device=device)[:, None]
-        count = torch.tensor(counts, device=device)[:, None]
+        table = torch.tensor(self.padded_tables(tables, length), device=device)
+        start = torch.tensor(starts, device=device)
+        count = torch.tensor(counts, device=device)
+        return self.step_from(table, start, count, length, max(counts))
+
+    def padded_tables(self, tables: Sequence[Sequence[int]], length: int) -> list[list[int]]:
+        """Each table cut or padded (with the scratch block) to cover ``length`` positions."""
+        width = math.ceil(length / self.block_size)
+        scratch = self.num_blocks
+        return [[*t[:width], *[scratch] * (width - len(t))] for t in tables]
+
+    def step_from(
+        self, table: Tensor, start: Tensor, count: Tensor, length: int, tokens: int
+    ) -> PagedStep:
+        """:meth:`step` from tensors on the cache's device: ``table [B, W]`` covering
+        ``length <= W * block_size`` key positions, ``start``/``count [B]``, and ``tokens``,
+        the largest count. Nothing here reads a tensor back to the host, so a CUDA graph
+        can capture it (:mod:`training.inference.decode_graphs`)."""
+        size, scratch = self.block_size, self.num_blocks
+        start, count = start[:, None], count[:, None]
 
         def slots(positions: Tensor) -> Tensor:
             return table.gather(1, positions // size) * size + positions % size
 
-        offsets = torch.arange(max(counts), device=device)[None]
+        offsets = torch.arange(tokens, device=table.device)[None]
         # A padding token repeats its row's last position; it writes to scratch.
         positions = start + torch.minimum(offsets, count - 1)
         write = torch.where(offsets < count, slots(positions), scratch * size)
-        keys = torch.arange(length, device=device)
-        read = slots(keys.expand(len(tables), length))
+        keys = torch.arange(length, device=table.device)
+        read = slots(keys.expand(table.size(0), length))
         allowed = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
         return PagedStep(
             self, positions, self._bias(allowed), count[:, 0] - 1, write.flatten(), read

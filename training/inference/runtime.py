@@ -25,11 +25,14 @@ def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` for ``dtype``, or nothing for ``None`` (full precision)."""
+def autocast(
+    device: torch.device, dtype: torch.dtype | None, *, cache: bool = True
+) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` for ``dtype``, or nothing for ``None`` (full precision). ``cache``
+    False: no cache of cast weights (a CUDA graph capture must not keep one)."""
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=cache)
 
 
 # cuDNN's attention builds a new plan for every new key length (about 4 ms a call on an
@@ -39,10 +42,12 @@ DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, 
 
 
 @contextlib.contextmanager
-def decoding(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]:
+def decoding(
+    device: torch.device, dtype: torch.dtype | None, *, cache: bool = True
+) -> Iterator[None]:
     """:func:`autocast`, and on CUDA attention without cuDNN's kernel (``DECODE_ATTENTION``).
     The kernel choice is process-wide while it lasts (``sdpa_kernel``): two decode loops at
     once (a reload) may leave it either way, which changes speed, not results."""
     kernels = sdpa_kernel(DECODE_ATTENTION) if device.type == "cuda" else contextlib.nullcontext()
-    with autocast(device, dtype), kernels:
+    with autocast(device, dtype, cache=cache), kernels:
         yield

@@ -416,15 +416,17 @@ class GPTModel(nn.Module):
         ``kv_cache.update`` stores the new keys/values where they belong (it ignores
         ``start_pos``) and returns the keys/values the rows attend to, ``[B, S, groups, D]``
         or with the heads repeated, ``[B, S, heads, D]``; ``attn_mask [B, 1, T, S]`` (bool,
-        True: may attend, or added to the scores) says which. The training ``forward`` is untouched by this path; one
-        process only (no tensor parallelism).
+        True: may attend, or added to the scores) says which. The training ``forward`` is
+        untouched by this path; one process only (no tensor parallelism). Nothing here
+        reads a tensor back to the host: a CUDA graph can capture it.
         """
         if self.backend.tensor_parallel_size > 1:
             raise ValueError("forward_rows runs one process: no tensor-parallel backend")
         x = self.embedding(tokens, 0, positions)
         rope = None
         if self.rope is not None:
-            cos, sin = self.rope(0, int(positions.max()) + 1, tokens.device)
+            # The whole table, so that the step never waits for the positions' maximum.
+            cos, sin = self.rope(0, self.config.max_position_embeddings, tokens.device)
             rope = (cos[positions], sin[positions])  # the same table as forward's
         for block in self.layers:
             x = block(x, rope, kv_cache, 0, attn_mask)
