@@ -58,7 +58,13 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--requests", type=int, default=0, help="per run (default: 2 x C, >= 8)")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--engines", nargs="+", default=["continuous", "static"])
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=["continuous", "continuous-eager", "static"],
+        default=["continuous", "static"],
+        help="continuous-eager: the continuous engine without CUDA graphs for decode steps",
+    )
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--output", help="also write the results as JSON here")
     args = parser.parse_args()
@@ -193,13 +199,17 @@ class Load:
 def run(served: ServedModel, name: str, concurrency: int, args: argparse.Namespace) -> dict:
     total = args.requests or max(8, 2 * concurrency)
     texts = prompts(total, served.tokenizer.vocab_size, seed=concurrency)
-    if name == "continuous":
+    if name.startswith("continuous"):
         engine: Any = ContinuousEngine(
-            served, max_running=concurrency, prefill_chunk=args.prefill_chunk
+            served,
+            max_running=concurrency,
+            prefill_chunk=args.prefill_chunk,
+            cuda_graphs=name == "continuous",
         )
     else:
         engine = BatchingEngine(served, max_batch_size=concurrency)
     engine.start()
+    engine.ready.wait()  # CUDA graphs captured
     load = Load(engine, texts, concurrency, args.max_tokens)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()

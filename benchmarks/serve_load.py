@@ -46,6 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from datetime import UTC, datetime
@@ -85,6 +86,12 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="the server's torch threads (1)")
     parser.add_argument(
         "--engine-process", action="store_true", help="megalith serve --engine-process"
+    )
+    parser.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="megalith serve --no-cuda-graphs",
     )
     parser.add_argument("--hf", action="store_true", help="also transformers' generate")
     parser.add_argument("--hf-batches", type=int, default=64, help="HF: prompts per C (/C, >=1)")
@@ -174,6 +181,8 @@ def run_server(model: str, prompts: list[str], args: argparse.Namespace, size: i
     ]  # fmt: skip
     if args.engine_process:
         command.append("--engine-process")
+    if not args.cuda_graphs:
+        command.append("--no-cuda-graphs")
     if args.engine == "static":
         command += ["--max-batch-size", str(size), "--batch-window-ms", str(args.batch_window_ms)]
     else:
@@ -466,6 +475,7 @@ def header(args: argparse.Namespace) -> str:
         f"a load, max_tokens {args.max_tokens}, ignore_eos {args.ignore_eos}, prompt tokens "
         f"{args.prompt_tokens or 'short'}, server threads {args.threads}"
         + (", engine in its own process" if args.engine_process else "")
+        + ("" if args.cuda_graphs else ", no CUDA graphs")
     )
 
 
@@ -524,7 +534,7 @@ def plot(rows: list[dict], hf_rows: list[dict], title: str, path: Path) -> None:
         axis.grid(True, alpha=0.3)
         axis.legend()
     right.set_yscale("log")
-    fig.suptitle(title, fontsize=7)
+    fig.suptitle(textwrap.fill(title, 160), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

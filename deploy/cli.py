@@ -146,6 +146,13 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="run the engine in a process of its own, so that the decode loop and the HTTP "
         "side do not share one Python interpreter (GIL); the model loads there",
     )
+    parser.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="continuous on CUDA: launch each decode step kernel by kernel instead of "
+        "replaying it as a CUDA graph (slower; to rule graphs out when debugging)",
+    )
     parser.add_argument("--max-batch-size", type=COUNT, default=8, metavar="N", help="static: (8)")
     parser.add_argument(
         "--batch-window-ms",
@@ -204,6 +211,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_blocks=args.kv_blocks,
         prefill_chunk=args.prefill_chunk,
         engine_process=args.engine_process,
+        cuda_graphs=args.cuda_graphs,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         watch_s=args.watch,

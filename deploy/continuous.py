@@ -31,6 +31,11 @@ that short answers hold their budget's blocks until they end. Full prompt blocks
 published to the prefix cache once written, and a later prompt with the same leading
 blocks (a shared system prompt) reuses them; ``kv_stats()`` counts the hits.
 
+Speed on CUDA: each decode step is replayed as a CUDA graph
+(:mod:`training.inference.decode_graphs`, captured for every bucket of rows and key
+length when the worker starts; ``ready`` is set after that), and under bf16 the weights
+are cast once (:class:`deploy.engine.QueuedEngine`). Prefill steps run eagerly.
+
 Sampling is ``training.inference.decode``'s: each request its own ``SamplingConfig``,
 random stream seeded with its seed, EOD and stop tokens, token budget; each token
 reaches ``on_token`` as it is sampled. A request's tokens equal those it gets alone
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -56,6 +62,7 @@ from training.inference.decode import (
     mask_vocab,
     sample_tokens,
 )
+from training.inference.decode_graphs import DecodeGraphs
 from training.inference.loading import ServedModel
 from training.inference.paged_cache import PagedKVCache
 from training.inference.runtime import decoding
@@ -101,6 +108,7 @@ class ContinuousEngine(QueuedEngine):
         prefill_chunk: int = 2048,
         max_queue: int = 256,
         autocast_dtype: torch.dtype | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         if served.seq2seq or not isinstance(served.model, GPTModel):
             raise ValueError("continuous batching serves GPT models; serve a T5 statically")
@@ -124,6 +132,11 @@ class ContinuousEngine(QueuedEngine):
         self.pool = BlockPool(num_blocks)
         self.cache = PagedKVCache.for_model(self.model, num_blocks, block_size, autocast_dtype)
         self.device = self.cache.keys.device
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(
+                self.model, self.cache, max_running, autocast_dtype=autocast_dtype
+            )
         self.stats = ContinuousStats()
         self._running: list[Sequence] = []
 
@@ -150,6 +163,9 @@ class ContinuousEngine(QueuedEngine):
     # --- worker -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.graphs is not None:
+            self._capture_graphs()
+        self.ready.set()
         while self._schedule():
             try:
                 self._step()
@@ -157,6 +173,18 @@ class ContinuousEngine(QueuedEngine):
                 log.exception("a step of %d sequences failed", len(self._running))
                 for sequence in list(self._running):
                     self._finish(sequence, error)
+
+    def _capture_graphs(self) -> None:
+        assert self.graphs is not None
+        started = time.perf_counter()
+        try:
+            self.graphs.capture_all()
+        except Exception:  # serve without graphs rather than not at all
+            log.exception("capturing the decode steps as CUDA graphs failed; decoding eagerly")
+            self.graphs = None
+            return
+        seconds = time.perf_counter() - started
+        log.info("captured %d decode graphs in %.1f s", self.graphs.captured, seconds)
 
     def _schedule(self) -> bool:
         """Drop expired waiting requests and admit what fits; False once retired and idle."""
@@ -216,9 +244,7 @@ class ContinuousEngine(QueuedEngine):
                 self._finish(sequence, self._result(sequence))
         decoding = [s for s in self._running if s.next_token is not None]
         if decoding:
-            tokens = [[s.next_token] for s in decoding]
-            logits = self._forward(decoding, tokens)
-            self._sample(decoding, logits)
+            self._sample(decoding, self._decode(decoding))
         chunks = self._prefill_chunks()
         if chunks:
             prefilling = list(chunks)
@@ -239,6 +265,18 @@ class ContinuousEngine(QueuedEngine):
                 chunks[sequence] = min(left, budget)
                 budget -= chunks[sequence]
         return chunks
+
+    def _decode(self, sequences: list[Sequence]) -> Tensor:
+        """Feed each sequence its sampled token: the logits of the next, ``[B, V]``."""
+        tokens = [s.next_token for s in sequences if s.next_token is not None]
+        if self.graphs is None:
+            return self._forward(sequences, [[token] for token in tokens])
+        tables = [s.blocks for s in sequences]
+        logits = self.graphs.forward(tokens, tables, [s.computed for s in sequences])
+        for sequence in sequences:
+            sequence.computed += 1
+        self.stats.steps += 1
+        return logits
 
     def _forward(self, sequences: list[Sequence], tokens: list[list[int]]) -> Tensor:
         """Feed each sequence its ``tokens`` from position ``computed`` on; the logits of

@@ -60,6 +60,7 @@ class ServeConfig:
     kv_blocks: int | None = None  # continuous: KV blocks; None: max_running full contexts
     prefill_chunk: int = 2048  # continuous: most prompt tokens read in one step
     engine_process: bool = False  # the engine in a child process: no GIL shared with HTTP
+    cuda_graphs: bool = True  # continuous on CUDA: decode steps replayed as CUDA graphs
     max_queue: int = 256
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies answer 413
     watch_s: float | None = None  # reload when the alias moves, checked this often
@@ -79,6 +80,7 @@ class Deployment:
         self.device = resolve_device(config.device)
         self.autocast_dtype = AUTOCAST_DTYPES[resolve_precision(config.precision, self.device)]
         self.engine = self._start(self._load())
+        self.engine.ready.wait()  # answer the first request at full speed
         self.reloads = 0
         self.metrics = ServingMetrics(lambda: self.engine)
         self._reload_lock = asyncio.Lock()
@@ -100,6 +102,7 @@ class Deployment:
             "num_blocks": config.kv_blocks,
             "max_running": config.max_running,
             "prefill_chunk": config.prefill_chunk,
+            "cuda_graphs": config.cuda_graphs,
             "max_queue": config.max_queue,
             "max_batch_size": config.max_batch_size,
             "batch_window_s": config.batch_window_ms / 1000,
@@ -121,7 +124,10 @@ class Deployment:
             served = await asyncio.to_thread(self._load)
             if served.info.content_id == old.served.info.content_id:
                 return {"reloaded": False, "model": public_info(old.served)}
-            self.engine = self._start(served)  # new requests go to the new model from here
+            # The old engine serves while the new one starts and warms up.
+            new = await asyncio.to_thread(self._start, served)
+            await asyncio.to_thread(new.ready.wait)
+            self.engine = new  # new requests go to the new model from here
             old.retire()  # the old one finishes what it holds, then its thread ends
             self.reloads += 1
             log.info("now serving %s (was %s)", served.info, old.served.info)

@@ -104,6 +104,11 @@ class QueuedEngine:
     def __init__(
         self, served: ServedModel, *, max_queue: int, autocast_dtype: torch.dtype | None
     ) -> None:
+        if autocast_dtype == torch.bfloat16:
+            # The weights in bf16 once, rather than autocast casting each at every step (a
+            # 1B model: 4.4 GB read and 2.2 GB written a step). fp16 keeps fp32 weights
+            # under autocast: its range is too narrow for a whole residual stream.
+            served.model.to(autocast_dtype)
         self.served = served
         self.max_queue = max_queue
         self.autocast_dtype = autocast_dtype
@@ -111,6 +116,8 @@ class QueuedEngine:
         self._cond = threading.Condition()
         self._retiring = False
         self._closed = False
+        # Set once the worker serves (the continuous engine first captures its CUDA graphs).
+        self.ready = threading.Event()
         self._worker = threading.Thread(
             target=self._run, name=f"megalith-engine-{served.info.content_id[:8]}", daemon=True
         )
@@ -171,6 +178,7 @@ class BatchingEngine(QueuedEngine):
     # --- worker -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        self.ready.set()
         while (batch := self._gather()) is not None:
             self._decode(batch)
 

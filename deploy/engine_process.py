@@ -67,7 +67,8 @@ def make_engine(served: ServedModel, spec: EngineSpec) -> Engine:
     """The engine ``megalith serve`` runs, not started."""
     options = spec.options
     if spec.continuous(served):
-        keys = ("block_size", "num_blocks", "max_running", "prefill_chunk", "max_queue")
+        keys = ("block_size", "num_blocks", "max_running", "prefill_chunk", "cuda_graphs")
+        keys += ("max_queue",)
         return ContinuousEngine(
             served, autocast_dtype=spec.autocast_dtype, **{k: options[k] for k in keys}
         )
@@ -98,7 +99,7 @@ class ProcessEngine:
         self._lock = threading.Lock()  # _pending, _closed and the pipe's sending end
         self._next_id = 0
         self._closed = False
-        self._ready = threading.Event()
+        self.ready = threading.Event()
         self._failure: str | None = None
         self.stats: Any = None
         self._kv_stats: dict[str, Any] | None = None
@@ -114,7 +115,7 @@ class ProcessEngine:
         self._process.start()
         for thread in self._threads:
             thread.start()
-        started = self._ready.wait(timeout_s)
+        started = self.ready.wait(timeout_s)
         if not started or self._failure is not None or self._closed:
             self._process.join(5 if started else 0)  # a child that failed exits by itself
             if self._process.is_alive():
@@ -172,10 +173,10 @@ class ProcessEngine:
             while True:
                 kind, payload, stats = self._conn.recv()
                 if kind == "ready":
-                    self._ready.set()
+                    self.ready.set()
                 elif kind == "failed":
                     self._failure = payload
-                    self._ready.set()
+                    self.ready.set()
                     return
                 self._take_stats(stats)
                 for request_id, item in payload:
@@ -221,11 +222,11 @@ class ProcessEngine:
                 request.on_done(error)
             except Exception:
                 log.exception("a request's callback failed")
-        self._ready.set()
+        self.ready.set()
 
     def _watch(self) -> None:
         """Forward cancellations (the ``cancelled`` flags the server sets) to the child."""
-        while self._process.is_alive() or not self._ready.is_set():
+        while self._process.is_alive() or not self.ready.is_set():
             with self._lock:
                 ids = [
                     i for i, r in self._pending.items()
@@ -294,6 +295,7 @@ def _child_main(conn: Any, served: ServedModel, spec: EngineSpec) -> None:
     try:
         served = ServedModel(served.model.to(spec.device), served.tokenizer, served.info)
         engine = make_engine(served, spec).start()
+        engine.ready.wait()  # the continuous engine's CUDA graphs are captured
     except Exception as error:  # the parent raises it from start()
         conn.send(("failed", f"{type(error).__name__}: {error}", None))
         return

@@ -8,11 +8,13 @@ distributions, so greedy decoding has no near-ties) on the session's tokenizer.
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from test_evaluation import tiny_model
 from test_serving import Collector
 from test_t5_model import tiny_t5
@@ -22,7 +24,9 @@ from deploy.engine import EngineBusy, EngineClosed, Finished, PendingRequest
 from preprocessing.tokenizer import Tokenizer, load_tokenizer
 from training.inference.block_pool import BlockPool, block_hashes
 from training.inference.decode import SampledToken, SamplingConfig, generate_ids
+from training.inference.decode_graphs import DecodeGraphs, row_buckets
 from training.inference.loading import ModelInfo, ServedModel
+from training.inference.paged_cache import PagedKVCache
 from training.models.t5 import T5Model
 
 TEXTS = [
@@ -109,10 +113,13 @@ def stop_after(engine: ContinuousEngine) -> dict[str, Any]:
     return engine.kv_stats()
 
 
-def test_many_concurrent_requests_equal_each_alone(served: ServedModel) -> None:
+@pytest.mark.parametrize("padded", [False, True], ids=["steps", "padded-steps"])
+def test_many_concurrent_requests_equal_each_alone(served: ServedModel, padded: bool) -> None:
     """Prompts of different lengths and budgets, greedy and sampled rows with their own
     seeds, some asking for log-probabilities, more requests than may run at once: they
-    join as others leave. Tokens, finish reasons and log-probabilities are as alone."""
+    join as others leave. Tokens, finish reasons and log-probabilities are as alone.
+    ``padded``: decode steps padded as CUDA graphs run them (rows to a bucket, keys to a
+    multiple of 8), without a graph on CPU."""
     tokenizer = served.tokenizer
     prompts = [ids(tokenizer, text) for text in TEXTS]
     settings = [
@@ -121,6 +128,8 @@ def test_many_concurrent_requests_equal_each_alone(served: ServedModel) -> None:
         for i in range(len(prompts))
     ]  # fmt: skip
     engine = ContinuousEngine(served, block_size=4, max_running=5, prefill_chunk=16)
+    if padded:
+        engine.graphs = DecodeGraphs(engine.model, engine.cache, 5, key_bucket=8, capture=False)
     sinks = [Tokens() for _ in prompts]
     for prompt, sampling, sink in zip(prompts, settings, sinks, strict=True):
         engine.submit(request(prompt, sampling, sink))
@@ -138,6 +147,9 @@ def test_many_concurrent_requests_equal_each_alone(served: ServedModel) -> None:
             assert [i for i, _ in token.top_logprobs] == [i for i, _ in reference.top_logprobs]
     stats = stop_after(engine)
     assert stats["engine_largest_batch"] == 5 and stats["engine_requests"] == len(prompts)
+    if padded:  # rows 1..5 ran in the buckets 1, 2, 4 and 5
+        assert {rows for rows, _ in engine.graphs._buckets} <= {1, 2, 4, 5}
+        assert {keys % 8 for _, keys in engine.graphs._buckets} == {0}
     assert (stats["blocks_used"], stats["running"], stats["queued"]) == (0, 0, 0)
     with pytest.raises(EngineClosed):
         engine.submit(request(prompts[0], greedy(2), Collector()))
@@ -286,6 +298,44 @@ def test_a_failing_callback_does_not_stop_the_other_rows(served: ServedModel) ->
     assert results([failing, fine]) == [expected, expected]
     assert fine.tokens == expected.token_ids
     assert stop_after(engine)["blocks_used"] == 0
+
+
+def test_a_padded_decode_step_gives_the_plain_steps_logits_and_cache(
+    served: ServedModel,
+) -> None:
+    """The step a CUDA graph replays, run without one: three rows padded to the bucket of
+    four, keys padded to 16. Logits equal the plain step's; the blocks the rows own hold
+    the same keys and values (padding writes only the scratch block)."""
+    model: Any = served.model
+    prompts = [ids(served.tokenizer, text) for text in TEXTS[1:4]]
+    sizes = [math.ceil(len(p) / 4) for p in prompts]
+    blocks = list(range(sum(sizes)))[::-1]  # not in order
+    tables = [[blocks.pop() for _ in range(size)] for size in sizes]
+    caches = [PagedKVCache.for_model(model, sum(sizes), 4) for _ in range(2)]
+    for cache in caches:  # the prompts but their last token, as prefill leaves them
+        starts, counts = [0, 0, 0], [len(p) - 1 for p in prompts]
+        step = cache.step(tables, starts, counts)
+        width = max(counts)
+        rows = [p[:-1] + [p[-2]] * (width - len(p) + 1) for p in prompts]
+        model.forward_rows(torch.tensor(rows), step.positions, step, step.attn_mask, step.last)
+    last, starts = [p[-1] for p in prompts], [len(p) - 1 for p in prompts]
+    step = caches[0].step(tables, starts, [1, 1, 1])
+    plain = model.forward_rows(
+        torch.tensor(last)[:, None], step.positions, step, step.attn_mask, step.last
+    )
+    graphs = DecodeGraphs(model, caches[1], 6, key_bucket=16, capture=False)
+    assert graphs.bucket_of(3, max(starts) + 1) == (4, 16 * math.ceil(max(starts) / 16))
+    padded = graphs.forward(last, tables, starts)
+    torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
+    owned = sum(sizes) * 4  # the scratch block's slots come after
+    for stored in ("keys", "values"):
+        plain_kv, padded_kv = (getattr(c, stored)[:, :owned] for c in caches)
+        torch.testing.assert_close(padded_kv, plain_kv, rtol=1e-5, atol=1e-5)
+    assert row_buckets(5) == [1, 2, 4, 5] and row_buckets(20) == [1, 2, 4, 8, 16, 20]
+    with pytest.raises(ValueError, match="1 to 6"):
+        graphs.bucket_of(7, 10)
+    with pytest.raises(ValueError, match="CUDA device"):
+        DecodeGraphs(model, caches[1], 6)
 
 
 def test_the_block_pool_keeps_freed_prefix_blocks_until_evicted_least_recent_first() -> None:

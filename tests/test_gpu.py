@@ -1,7 +1,9 @@
-"""GPU-only checks (skipped without CUDA): bf16 training steps and CPU/GPU agreement.
+"""GPU-only checks (skipped without CUDA): bf16 training steps, CPU/GPU agreement, and
+the serving engine's decode step replayed as a CUDA graph.
 
-Last passed: 2026-11-25 on one NVIDIA H100 80GB (torch 2.11.0+cu130), 4 passed, through
-``bash benchmarks/gpu_tests.sh`` (benchmarks/RESULTS.md, "Tests that need a GPU").
+Last passed: 2026-11-27 on one NVIDIA H100 80GB (torch 2.11.0+cu130), 6 passed, with
+``python3 -m pytest -m gpu -p no:cacheprovider -rA tests/test_gpu.py`` (benchmarks/RESULTS.md,
+"Tests that need a GPU").
 """
 
 from __future__ import annotations
@@ -71,3 +73,42 @@ def test_checkpoint_rng_record_restores_this_devices_generator() -> None:
     torch.cuda.manual_seed(99)
     restore_rng(record)
     torch.testing.assert_close(torch.rand(5, device="cuda"), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_graphs_replay_the_paged_decode_step(dtype: torch.dtype) -> None:
+    """Continuous batching's decode step as CUDA graphs: eight steps of three rows, the
+    rows leaving one by one (buckets 4, 2, 1), each step's logits against the plain eager
+    step's on a second cache; the greedy tokens feed both."""
+    from training.inference.decode_graphs import DecodeGraphs
+    from training.inference.paged_cache import PagedKVCache
+
+    torch.manual_seed(0)
+    model = GPTModel(small_config(init_std=0.3)).cuda().eval().to(dtype)
+    autocast = torch.bfloat16 if dtype == torch.bfloat16 else None
+    caches = [PagedKVCache.for_model(model, 48, 16) for _ in range(2)]
+    lengths = [30, 70, 5]
+    tables = [list(range(16 * row, 16 * row + 16)) for row in range(3)]
+    prompts = torch.randint(0, 512, (3, max(lengths)), device="cuda")
+    for cache in caches:
+        step = cache.step(tables, [0, 0, 0], lengths)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast is not None):
+            model.forward_rows(prompts, step.positions, step, step.attn_mask, step.last)
+    graphs = DecodeGraphs(model, caches[1], 4, autocast_dtype=autocast, key_bucket=64)
+    tokens, starts, live = prompts[:, 0].tolist(), list(lengths), [0, 1, 2]
+    for index in range(8):
+        if index in (3, 6):
+            live.pop()  # a row finished
+        rows = [tokens[r] for r in live]
+        step = caches[0].step([tables[r] for r in live], [starts[r] for r in live], [1] * len(live))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast is not None):
+            plain = model.forward_rows(
+                torch.tensor(rows, device="cuda")[:, None], step.positions, step, step.attn_mask,
+                step.last,
+            )  # fmt: skip
+        replayed = graphs.forward(rows, [tables[r] for r in live], [starts[r] for r in live])
+        error = (replayed - plain).norm() / plain.norm()  # padding changes the kernels' shapes
+        assert error < (1e-5 if dtype == torch.float32 else 2e-2), f"step {index}: {error:.3g}"
+        for row, token in zip(live, plain.argmax(-1).tolist(), strict=True):
+            tokens[row], starts[row] = token, starts[row] + 1
+    assert graphs.captured == 3  # (4 rows, 128 keys), (2, 128), (1, 64)

@@ -1170,7 +1170,8 @@ class CountingTokenizer:
 
 
 PROCESS_OPTIONS = {"block_size": 4, "num_blocks": None, "max_running": 4, "prefill_chunk": 64,
-                   "max_queue": 8, "max_batch_size": 4, "batch_window_s": 0.005}  # fmt: skip
+                   "cuda_graphs": True, "max_queue": 8, "max_batch_size": 4,
+                   "batch_window_s": 0.005}  # fmt: skip
 
 
 def test_an_engine_process_decodes_as_in_process_cancels_and_retires(
