@@ -65,7 +65,8 @@ SHAPES: dict[str, dict] = {
 # Layout names: parts joined by "-", e.g. 1gpu, dp4, dp2-zero1, tp2-sp, pp4-v2, tp2-pp2,
 # tp2-dp2, cp2. dpN/tpN/ppN/cpN set the sizes (GPUs = their product), vN the virtual
 # pipeline stages (interleaved schedule), zb the zero-bubble schedule (ZB1P, with or
-# without vN), sp sequence parallelism, zero1/fsdp the data-parallel mode (default ddp).
+# without vN), sp sequence parallelism, async sequence parallelism with async TP (needs
+# --compile), zero1/fsdp the data-parallel mode (default ddp).
 _SIZE_KEYS = {
     "dp": None,
     "tp": "parallel.tensor",
@@ -75,6 +76,7 @@ _SIZE_KEYS = {
 }
 _FLAGS = {
     "sp": {"parallel.sequence_parallel": True},
+    "async": {"parallel.sequence_parallel": True, "parallel.async_tensor_parallel": True},
     "zero1": {"parallel.data_parallel_mode": "distributed_optimizer"},
     "fsdp": {"parallel.data_parallel_mode": "fsdp"},
     "zb": {"parallel.pipeline_schedule": "zero-bubble"},
@@ -94,7 +96,7 @@ def parse_layout(name: str) -> tuple[int, dict]:
         prefix = part.rstrip("0123456789")
         if prefix not in _SIZE_KEYS or prefix == part:
             raise SystemExit(
-                f"layout {name!r}: unknown part {part!r} (dpN tpN ppN cpN vN zb sp zero1 fsdp)"
+                f"layout {name!r}: unknown part {part!r} (dpN tpN ppN cpN vN zb sp async zero1 fsdp)"
             )
         size = int(part[len(prefix) :])
         if prefix == "v":

@@ -778,6 +778,12 @@ class ParallelConfig(StrictModel):
     sequence_parallel: bool = Field(
         default=False, description="With tensor > 1: norms and dropout on sequence shards."
     )
+    async_tensor_parallel: bool = Field(
+        default=False,
+        description="With sequence_parallel and training.compile on CUDA: Inductor splits each "
+        "all-gather and reduce-scatter of the TP linears into pieces overlapped with the "
+        "matmul (torch's async TP, symmetric memory).",
+    )
     data_parallel_mode: Literal["ddp", "distributed_optimizer", "fsdp"] = Field(
         default="ddp",
         description="ddp: bucketed all-reduce overlapped with backward; distributed_optimizer: "

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from parallel_helpers import (
     BACKEND,
     STEPS,
@@ -45,6 +46,7 @@ from parallel_helpers import (
 
 from megalith.errors import MegalithError
 from training.parallel.groups import ParallelSizes
+from training.parallel.parallelize import enable_async_tensor_parallel
 from training.parallel.support import check_trainer_support
 
 WORLD = 2
@@ -128,6 +130,29 @@ def test_fsdp_with_tensor_parallelism_is_refused_only_over_transformer_engine(
         check_trainer_support(
             config_of({**two_d, "model.backend": "te"}), ParallelSizes(tp=2, dp=2)
         )
+
+
+def test_async_tensor_parallelism_names_what_it_needs(shards: Path) -> None:
+    """Async TP fuses the sequence-parallel collectives into compiled CUDA matmuls: each
+    missing setting is named, before any process starts; on CPU the rank refuses it."""
+    settings = {**trainer_settings(shards), "parallel.async_tensor_parallel": True}
+    with pytest.raises(MegalithError) as refused:
+        check_trainer_support(config_of(settings), ParallelSizes(tp=2))
+    for key in ("parallel.sequence_parallel=true", "training.compile=true"):
+        assert key in str(refused.value)
+    complete = {**settings, "parallel.sequence_parallel": True, "training.compile": True}
+    check_trainer_support(config_of({**complete, "training.device": "auto"}), ParallelSizes(tp=2))
+    for key, value, named in (
+        ("training.device", "cpu", "training.device cuda or auto"),
+        ("model.backend", "te", "model.backend torch"),
+    ):
+        with pytest.raises(MegalithError, match=named):
+            check_trainer_support(config_of({**complete, key: value}), ParallelSizes(tp=2))
+    with pytest.raises(MegalithError, match="parallel.tensor > 1"):
+        check_trainer_support(config_of(complete), ParallelSizes(dp=2))
+    config = config_of(complete)
+    with pytest.raises(MegalithError, match="needs CUDA; this rank runs on cpu"):
+        enable_async_tensor_parallel(None, torch.device("cpu"), config.model)  # type: ignore[arg-type]
 
 
 @pytest.mark.slow

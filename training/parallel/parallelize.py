@@ -30,6 +30,9 @@ The trainer calls it once. It applies, in this order:
    build the whole (TP shard of the) model first.
 7. **compile** last, around the DDP/FSDP module: dynamo's DDP optimizer then splits the
    graph at the gradient buckets so that communication still overlaps the backward.
+   With ``parallel.async_tensor_parallel`` (set up first, before anything compiles)
+   Inductor also fuses the sequence-parallel collectives into the TP matmuls
+   (:func:`enable_async_tensor_parallel`).
 
 The kernel backend (``model.backend``: torch | te) chooses the layers' kernels only;
 :func:`~training.models.resolve_backend` resolves it and the sharding backends wrap it
@@ -40,12 +43,16 @@ process starts, in :mod:`training.parallel.support`.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
+import torch._inductor.config as inductor_config
+import torch.distributed._symmetric_memory as symmetric_memory
 from torch import nn
 
 from megalith.config import LoRAConfig, MegalithConfig, MixedPrecisionConfig, ModelConfig
+from megalith.errors import MegalithError
 from training import models
 from training.families.spec import ModelFamily
 from training.finetune.lora import add_adapters, is_adapter_param
@@ -83,6 +90,8 @@ def parallelize(
 ) -> ParallelModel:
     """This rank's model of ``model_config``, sharded and wrapped in the order the module
     docstring gives."""
+    if config.parallel.async_tensor_parallel:
+        enable_async_tensor_parallel(state, device, model_config)
     if state.sizes.pp > 1:  # gradients are averaged after the schedule, not by DDP
         pipeline = PipelineParallel(config, model_config, state, device, precision, family.pipeline)
         if finetune is not None:  # this stage's layers of the base, before the optimizer
@@ -107,6 +116,33 @@ def parallelize(
     dp_model = dp.wrap_model(model, state, config.parallel, device)
     forward_model = torch.compile(dp_model) if config.training.compile else dp_model
     return ParallelModel(model, dp_model, forward_model, None)
+
+
+def enable_async_tensor_parallel(
+    state: ParallelState, device: torch.device, model_config: ModelConfig
+) -> None:
+    """Turn on Inductor's micro-pipelined TP for what this process compiles: each
+    all-gather -> matmul and matmul -> reduce-scatter of the sequence-parallel linears
+    (:mod:`training.parallel.tensor_parallel.mappings`) becomes a fused op that moves one
+    shard while it multiplies another, over symmetric memory. ``support`` has checked the
+    settings; the device and the resolved kernel backend are known only here."""
+    if device.type != "cuda":
+        raise MegalithError(
+            f"parallel.async_tensor_parallel needs CUDA; this rank runs on {device}"
+        )
+    if resolve_backend(model_config.backend).name == "te":
+        raise MegalithError(
+            "parallel.async_tensor_parallel with model.backend resolving to te: TE overlaps its "
+            "own TP communication; set model.backend=torch"
+        )
+    group = state.tp_group
+    assert group is not None
+    name = group.group_name
+    if not symmetric_memory.is_symm_mem_enabled_for_group(name):
+        with warnings.catch_warnings():  # deprecated, and a no-op, from torch 2.13
+            warnings.simplefilter("ignore", FutureWarning)
+            symmetric_memory.enable_symm_mem_for_group(name)
+    inductor_config._micro_pipeline_tp = True
 
 
 def _fsdp_builds_on_meta(

@@ -30,6 +30,7 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
     problems += _chat_problems(config, sizes)
     problems += _finetune_problems(config, sizes)
     problems += fp8_problems(config, sizes)
+    problems += async_tp_problems(config, sizes)
     problems += family_problems(config, sizes)
     if problems:
         raise MegalithError("; ".join(problems))
@@ -167,6 +168,25 @@ def expert_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
             "keeps expert gradients apart from the dense ones yet"
         )
     return problems
+
+
+def async_tp_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
+    """Async TP is an Inductor pass over the sequence-parallel collectives of our TP linears."""
+    if not config.parallel.async_tensor_parallel:
+        return []
+    needs = {
+        f"parallel.tensor > 1 (it is {sizes.tp})": sizes.tp > 1,
+        "parallel.sequence_parallel=true": config.parallel.sequence_parallel,
+        "training.compile=true": config.training.compile,
+        "training.device cuda or auto (symmetric memory)": config.training.device != "cpu",
+        "model.backend torch (TE overlaps its own TP communication)": (
+            config.model.backend != "te"
+        ),
+    }
+    missing = [need for need, met in needs.items() if not met]
+    if not missing:
+        return []
+    return [f"parallel.async_tensor_parallel needs {', '.join(missing)}"]
 
 
 def fp8_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:

@@ -35,6 +35,10 @@ SEQUENCE_DIM = 1
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _OP_NAMES = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max"}
+_FUNCOL_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_FUNCOL_REDUCE_SCATTER = (
+    getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+)
 
 
 # Under torch.compile every collective is the functional (out-of-place) one. Dynamo
@@ -62,12 +66,14 @@ def all_gather(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
     world = dist.get_world_size(group)
     if world == 1:
         return x
-    x = x.movedim(dim, 0).contiguous()  # the collective concatenates along dim 0
     if torch.compiler.is_compiling():
-        out = funcol.wait_tensor(funcol.all_gather_tensor(x, 0, group))
-    else:
-        out = x.new_empty((world * x.size(0), *x.shape[1:]))
-        _ALL_GATHER(out, x, group=group)
+        # The dimension goes to the functional collective itself (it gathers along 0 and
+        # reassembles with chunk + cat): the all-gather -> matmul pattern that Inductor's
+        # async TP fuses (parallel.async_tensor_parallel).
+        return funcol.wait_tensor(_FUNCOL_ALL_GATHER(x.contiguous(), dim, group))
+    x = x.movedim(dim, 0).contiguous()  # the collective concatenates along dim 0
+    out = x.new_empty((world * x.size(0), *x.shape[1:]))
+    _ALL_GATHER(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -77,12 +83,11 @@ def reduce_scatter(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
     if world == 1:
         return x
     _check_divisible(x, dim, world)
+    if torch.compiler.is_compiling():  # matmul -> reduce-scatter, as all_gather's
+        return funcol.wait_tensor(_FUNCOL_REDUCE_SCATTER(x.contiguous(), "sum", dim, group))
     x = x.movedim(dim, 0).contiguous()
-    if torch.compiler.is_compiling():
-        out = funcol.wait_tensor(funcol.reduce_scatter_tensor(x, "sum", 0, group))
-    else:
-        out = x.new_empty((x.size(0) // world, *x.shape[1:]))
-        _REDUCE_SCATTER(out, x, group=group)
+    out = x.new_empty((x.size(0) // world, *x.shape[1:]))
+    _REDUCE_SCATTER(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
 
