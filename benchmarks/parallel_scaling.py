@@ -223,6 +223,7 @@ def run_layout(args, layout: str, shards: str) -> dict:
     else:
         result = json.loads(lines[-1].removeprefix("RESULT "))
         result["gpus"] = gpus
+        result["stderr_tail"] = done.stderr[-1500:]  # compiler warnings (async TP's, say)
     result["wall_s"] = round(time.perf_counter() - started, 1)
     return result
 
