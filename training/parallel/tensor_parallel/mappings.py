@@ -70,7 +70,9 @@ def all_gather(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
         # The dimension goes to the functional collective itself (it gathers along 0 and
         # reassembles with chunk + cat): the all-gather -> matmul pattern that Inductor's
         # async TP fuses (parallel.async_tensor_parallel).
-        return funcol.wait_tensor(_FUNCOL_ALL_GATHER(x.contiguous(), dim, group))
+        # No wait_tensor around it: traced, the collective already ends in one, and a
+        # second between the gather and the matmul hides the pattern.
+        return _FUNCOL_ALL_GATHER(x.contiguous(), dim, group)
     x = x.movedim(dim, 0).contiguous()  # the collective concatenates along dim 0
     out = x.new_empty((world * x.size(0), *x.shape[1:]))
     _ALL_GATHER(out, x, group=group)
@@ -84,7 +86,7 @@ def reduce_scatter(x: Tensor, dim: int, group: ProcessGroup) -> Tensor:
         return x
     _check_divisible(x, dim, world)
     if torch.compiler.is_compiling():  # matmul -> reduce-scatter, as all_gather's
-        return funcol.wait_tensor(_FUNCOL_REDUCE_SCATTER(x.contiguous(), "sum", dim, group))
+        return _FUNCOL_REDUCE_SCATTER(x.contiguous(), "sum", dim, group)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.size(0) // world, *x.shape[1:]))
     _REDUCE_SCATTER(out, x, group=group)
