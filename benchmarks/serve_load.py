@@ -179,8 +179,7 @@ def run_server(model: str, prompts: list[str], args: argparse.Namespace, size: i
         "--device", args.device, "--precision", args.precision,
         "--max-queue", str(max(256, *args.clients)),
     ]  # fmt: skip
-    if args.engine_process:
-        command.append("--engine-process")
+    command.append("--engine-process" if args.engine_process else "--no-engine-process")
     if not args.cuda_graphs:
         command.append("--no-cuda-graphs")
     if args.engine == "static":

@@ -142,9 +142,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--engine-process",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="run the engine in a process of its own, so that the decode loop and the HTTP "
-        "side do not share one Python interpreter (GIL); the model loads there",
+        "side do not share one Python interpreter (GIL); the model loads there (default: "
+        "on for CUDA devices, off on CPU)",
     )
     parser.add_argument(
         "--no-cuda-graphs",

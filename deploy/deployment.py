@@ -59,7 +59,8 @@ class ServeConfig:
     block_size: int = 16  # continuous: positions per KV block
     kv_blocks: int | None = None  # continuous: KV blocks; None: max_running full contexts
     prefill_chunk: int = 2048  # continuous: most prompt tokens read in one step
-    engine_process: bool = False  # the engine in a child process: no GIL shared with HTTP
+    # The engine in a child process (no GIL shared with HTTP); None: on CUDA devices only.
+    engine_process: bool | None = None
     cuda_graphs: bool = True  # continuous on CUDA: decode steps replayed as CUDA graphs
     max_queue: int = 256
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies answer 413
@@ -79,6 +80,9 @@ class Deployment:
         self.config = config
         self.device = resolve_device(config.device)
         self.autocast_dtype = AUTOCAST_DTYPES[resolve_precision(config.precision, self.device)]
+        self.engine_process = config.engine_process
+        if self.engine_process is None:  # measured faster on GPUs (docs/serving.md)
+            self.engine_process = self.device.type == "cuda"
         self.engine = self._start(self._load())
         self.engine.ready.wait()  # answer the first request at full speed
         self.reloads = 0
@@ -88,7 +92,7 @@ class Deployment:
     def _load(self) -> ServedModel:
         # A process engine's child moves the model to the device; here it stays in host
         # memory, which the child maps rather than copies.
-        device = torch.device("cpu") if self.config.engine_process else self.device
+        device = torch.device("cpu") if self.engine_process else self.device
         return load_served_model(
             self.config.model, tracking_uri=self.config.tracking_uri, device=device
         )
@@ -108,7 +112,7 @@ class Deployment:
             "batch_window_s": config.batch_window_ms / 1000,
         }
         spec = EngineSpec(config.engine, options, self.autocast_dtype, self.device)
-        if config.engine_process:
+        if self.engine_process:
             return ProcessEngine(served, spec).start()
         return make_engine(served, spec).start()
 

@@ -541,6 +541,7 @@ def test_reload_switches_version_under_load_without_failures(
     assert answers[-1]["model"]["version"] == 2
     assert http.get("/v1/model").json()["version"] == 2
     assert server[1].engine.served.info.version == 2
+    assert not isinstance(server[1].engine, ProcessEngine)  # the default on CPU: a thread
 
     MlflowClient(tracking_uri=store).delete_registered_model_alias(MODEL_NAME, "champion")
     refused = http.post("/admin/reload")
