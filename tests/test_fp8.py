@@ -25,6 +25,7 @@ from torch import nn
 from megalith.config import ConfigError, load_config
 from megalith.errors import MegalithError
 from training.checkpoint.sharded_reader import read_global_tensors
+from training.finetune.lora import LoRAAdapter
 from training.models import GPTModel
 from training.models.package import load_model_package
 from training.precision.fp8 import FP8Error, convert_linears, fp8_eligible, prepare_fp8
@@ -153,8 +154,7 @@ def test_config_errors_name_the_keys(
         check_trainer_support(odd, ParallelSizes())
     lora = load_config(None, ["mixed_precision.fp8=true", "finetune.base=some/package",
                               "finetune.lora.rank=4"])  # fmt: skip
-    with pytest.raises(MegalithError, match=r"finetune.lora with mixed_precision.fp8=true"):
-        check_trainer_support(lora, ParallelSizes())
+    check_trainer_support(lora, ParallelSizes())  # LoRA over float8 linears trains
     plain = load_config(None, []).mixed_precision  # the same layout without fp8 is fine
     check_trainer_support(odd.model_copy(update={"mixed_precision": plain}), ParallelSizes())
 
@@ -164,6 +164,30 @@ def test_config_errors_name_the_keys(
     precision = resolve_precision(fp8.mixed_precision, torch.device("cpu"))
     with pytest.raises(FP8Error, match=r"megalith\[gpu\]"):
         prepare_fp8(model, fp8.mixed_precision, precision)
+
+
+def test_lora_fine_tunes_beside_float8_base_linears(shards: Path, tmp_path: Path) -> None:
+    """LoRA x fp8: the base's linears run in float8 (torchao), each with its adapter beside
+    it in bf16. The adapters train, the base weights stay the base's, and the losses track
+    the same LoRA fine-tune in bf16 step by step."""
+    train(shards, tmp_path / "base")
+    lora = {"finetune.base": str(tmp_path / "base" / "model"), "finetune.lora.rank": 4,
+            "finetune.lora.alpha": 8, "finetune.lora.dropout": 0.0}  # fmt: skip
+    bf16 = train(shards, tmp_path / "lora-bf16", lora)
+    trainer = Trainer(config(shards, {**lora, "mixed_precision.fp8": "true"}), tmp_path / "fp8")
+    float8 = {n: m for n, m in trainer.model.named_modules() if type(m).__name__ == "Float8Linear"}
+    adapted = {n for n, m in trainer.model.named_modules() if isinstance(m, LoRAAdapter)}
+    assert float8 and {f"{name}.lora" for name in float8} <= adapted
+    base = load_file(tmp_path / "base" / "model" / "model.safetensors")
+    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    fp8 = [record["loss"] for record in trainer.fit(show_progress=False).metrics]
+    assert len(fp8) == len(bf16) == STEPS
+    for step, (got, want) in enumerate(zip(fp8, bf16, strict=True)):
+        assert abs(got - want) < LOSS_TOLERANCE, (step, fp8, bf16)
+    params = dict(trainer.model.named_parameters())
+    for name in float8:
+        assert torch.equal(params[f"{name}.weight"].detach().cpu(), base[f"{name}.weight"])
+        assert not torch.equal(params[f"{name}.lora.a"], start[f"{name}.lora.a"])
 
 
 def test_compile_and_selective_checkpointing_trace_the_float8_linears() -> None:

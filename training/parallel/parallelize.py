@@ -11,10 +11,13 @@ The trainer calls it once. It applies, in this order:
    replay of the single-device init (:mod:`training.parallel.meta_init`), so its weights
    equal one process's and no rank holds the whole model; EP ranks keep their experts
    (:mod:`training.parallel.expert_parallel_training`).
-3. **Fine-tuning**: base weights loaded into the shards, LoRA adapters added.
-4. **fp8**: linears swapped for torchao's float8 ones, or the TE recipe armed
+3. **fp8**: linears swapped for torchao's float8 ones, or the TE recipe armed
    (:mod:`training.precision.fp8`); after the sharding because it converts the layers
-   the sharding chose, before data parallelism because DDP/FSDP capture the parameters.
+   the sharding chose, before data parallelism because DDP/FSDP capture the parameters,
+   and before fine-tuning because the swap makes new linear modules (with the same
+   parameters), which would leave behind adapters attached to the old ones.
+4. **Fine-tuning**: base weights loaded into the shards (same names in float8 linears),
+   LoRA adapters added beside the base linears, in bf16 under autocast.
 5. **Activation checkpointing** is not a wrapping step: the blocks apply it themselves
    (``model.activation_checkpointing``, :mod:`training.models.gpt`), so it wraps the
    fp8 layers as they are.
@@ -25,7 +28,7 @@ The trainer calls it once. It applies, in this order:
    float8 there (step 4) or adds LoRA adapters there (step 3), shards, then materializes
    only this rank's rows of each parameter from the replayed single-device init
    (:func:`build_fsdp_on_meta`); a fine-tune then reads only its rows of each base
-   tensor over them and draws its adapters' rows from their seeded init (step 3, after
+   tensor over them and draws its adapters' rows from their seeded init (step 4, after
    the sharding here), so no device holds the whole model; the other FSDP layouts still
    build the whole (TP shard of the) model first.
 7. **compile** last, around the DDP/FSDP module: dynamo's DDP optimizer then splits the
@@ -94,10 +97,10 @@ def parallelize(
         enable_async_tensor_parallel(state, device, model_config)
     if state.sizes.pp > 1:  # gradients are averaged after the schedule, not by DDP
         pipeline = PipelineParallel(config, model_config, state, device, precision, family.pipeline)
-        if finetune is not None:  # this stage's layers of the base, before the optimizer
-            finetune.prepare(pipeline.model, state)
         # The stage chunks share the stage model's blocks: converting it converts them.
         prepare_fp8(pipeline.model, config.mixed_precision, precision)
+        if finetune is not None:  # this stage's layers of the base, before the optimizer
+            finetune.prepare(pipeline.model, state)
         return ParallelModel(pipeline.model, pipeline.model, pipeline.model, pipeline)
     if _fsdp_builds_on_meta(config, model_config, state):
         lora = finetune.lora if finetune is not None else None
@@ -109,9 +112,9 @@ def parallelize(
         forward_model = torch.compile(model) if config.training.compile else model
         return ParallelModel(model, model, forward_model, None)
     model = ep.build_model(model_config, state, config.parallel.sequence_parallel, device)
+    prepare_fp8(model, config.mixed_precision, precision)  # same parameters, new linears
     if finetune is not None:  # base weights and adapters: before DDP and the optimizer
         finetune.prepare(model, state)
-    prepare_fp8(model, config.mixed_precision, precision)  # same parameters, new linears
     ep.exclude_experts_from_ddp(model, state)
     dp_model = dp.wrap_model(model, state, config.parallel, device)
     forward_model = torch.compile(dp_model) if config.training.compile else dp_model

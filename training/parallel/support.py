@@ -28,7 +28,6 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
         )
     problems += _pipeline_problems(config, sizes)
     problems += _chat_problems(config, sizes)
-    problems += _finetune_problems(config, sizes)
     problems += fp8_problems(config, sizes)
     problems += async_tp_problems(config, sizes)
     problems += family_problems(config, sizes)
@@ -84,17 +83,6 @@ def _chat_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
         problems.append(
             f"data.format=chat with parallel.context={sizes.cp}: context-parallel attention "
             "does not take packed conversations' attention masks yet"
-        )
-    return problems
-
-
-def _finetune_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
-    """What fine-tuning (training.finetune) does not run with yet."""
-    problems = []
-    if config.finetune.lora and config.mixed_precision.fp8:
-        problems.append(
-            "finetune.lora with mixed_precision.fp8=true: the float8 conversion replaces the "
-            "linear layers that carry the adapters; fine-tune LoRA in bf16"
         )
     return problems
 
