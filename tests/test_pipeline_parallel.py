@@ -356,7 +356,18 @@ def test_what_pipeline_parallelism_refuses(shards: Path, values: dict, message: 
         check_trainer_support(config, ParallelSizes(pp=2, dp=2))
 
 
-def test_pipeline_with_context_parallelism_is_refused(shards: Path) -> None:
-    config = config_of({**settings(shards), "parallel.pipeline": 2, "parallel.context": 2})
-    with pytest.raises(MegalithError, match="parallel.context=2 with parallel.pipeline=2"):
-        check_trainer_support(config, ParallelSizes(pp=2, cp=2))
+@pytest.mark.slow
+def test_pipeline_with_context_parallelism_matches_one_process(
+    shards: Path, reference: Path, tmp_path: Path
+) -> None:
+    """PP=2 × CP=2 (4 processes): each CP rank sends its load-balanced part of every
+    sequence through the stages, with that part's positions; losses, grad norms and
+    validation losses, whole checkpoint tensors and an exact resume equal one process's."""
+    case = "pp2-cp2"
+    extra = {"parallel.pipeline": 2, "parallel.context": 2}
+    check_trainer_support(config_of(settings(shards, extra)), ParallelSizes(pp=2, cp=2))
+    runs = run_worker(tmp_path, 4, cases={case: settings(shards, extra)})
+    name = layout("PP=2 x CP=2", 4)
+    assert_metrics_match(metrics(runs / case), metrics(reference), name)
+    assert_whole_checkpoint(runs / case, reference, name)
+    assert_resume_exact(runs / case, runs / f"{case}-resumed", name)

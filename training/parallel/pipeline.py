@@ -108,6 +108,7 @@ from training.models import GPTModel, T5Model, meta_model, model_from_tensors
 from training.models.flops import param_groups
 from training.models.layers import IGNORE_INDEX
 from training.models.packing import document_causal_mask, document_positions
+from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
 from training.parallel.groups import ParallelState
@@ -175,10 +176,14 @@ class StageChunk(nn.Module):
         self._autocast = autocast
         self._sequence_shards = sequence_shards  # TP size under sequence parallelism
 
-    def forward(self, x: Tensor, document_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, document_ids: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
         """``document_ids [B, T]`` (packed chat samples, every stage gets them): positions
-        restart at each document and attention stays within it, as in ``GPTModel.forward``."""
-        positions = attn_mask = None
+        restart at each document and attention stays within it, as in ``GPTModel.forward``.
+        ``position_ids [B, T]``: the positions of a context-parallel rank's part of the
+        sequence (its attention, ``ContextParallelAttention``, knows the layout)."""
+        positions, attn_mask = position_ids, None
         if document_ids is not None:
             positions = document_positions(document_ids)
             attn_mask = document_causal_mask(document_ids)
@@ -366,8 +371,25 @@ class PipelineParallel:
         self, batches: list[dict[str, Tensor]]
     ) -> tuple[tuple[Tensor, ...], dict[str, Tensor], Tensor]:
         """The schedule's whole-batch inputs: the first stage's positional inputs, every
-        stage's keyword inputs, the last stage's loss target (all contiguous)."""
-        return self.split.schedule_inputs(batches, self.device)
+        stage's keyword inputs, the last stage's loss target (all contiguous). Under
+        context parallelism (GPT: ``support`` refuses it for the other families) each CP
+        rank keeps its load-balanced part of the tokens and targets, and every stage gets
+        that part's positions. Each part then holds as many targets, none ignored (packed
+        chat samples are refused with CP), so the mean of the CP ranks' mean losses, which
+        ``sync_grads`` and ``all_reduce_mean`` take over data × context, is the mean over
+        the whole sequence."""
+        args, kwargs, target = self.split.schedule_inputs(batches, self.device)
+        cp_size, cp_rank = self.state.sizes.cp, self.state.cp_rank
+        if cp_size == 1:
+            return args, kwargs, target
+        tokens = args[0]
+        local = cp.positions(tokens.size(1), cp_size, cp_rank, tokens.device)
+        kwargs = {**kwargs, "position_ids": local.expand(tokens.size(0), -1).contiguous()}
+        return (
+            (cp.split_sequence(tokens, cp_size, cp_rank).contiguous(),),
+            kwargs,
+            cp.split_sequence(target, cp_size, cp_rank).contiguous(),
+        )
 
     def _bubble_metrics(self, busy: float, elapsed: float) -> dict[str, float]:
         """``pipeline_bubble`` (critical stage), ``pipeline_idle``, ``pipeline_imbalance``
@@ -467,6 +489,7 @@ class PipelineParallel:
         inputs, kwargs, labels = self._schedule_inputs([batch])
         pp, group = self.state.sizes.pp, self.state.pp_group
         shards = self.state.sizes.tp if self.config.parallel.sequence_parallel else 1
+        shards *= self.state.sizes.cp  # a CP rank's part of the sequence
         hidden = self.model_config.hidden_size
         shapes = self.split.activation_shapes(batch, hidden, shards)
         dtype = next(self.model.parameters()).dtype

@@ -58,11 +58,6 @@ def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
             f"parallel.data_parallel_mode=fsdp with parallel.pipeline={sizes.pp}: FSDP over "
             "pipeline stages is not integrated; use ddp or distributed_optimizer"
         )
-    if sizes.cp > 1:
-        problems.append(
-            f"parallel.context={sizes.cp} with parallel.pipeline={sizes.pp}: context-parallel "
-            "pipeline stages are not integrated; use tensor or data parallelism beside CP"
-        )
     if config.training.compile and config.parallel.pipeline_schedule == "zero-bubble":
         problems.append(
             "training.compile with parallel.pipeline_schedule=zero-bubble: its split backward "
