@@ -336,6 +336,8 @@ def test_a_padded_decode_step_gives_the_plain_steps_logits_and_cache(
         graphs.bucket_of(7, 10)
     with pytest.raises(ValueError, match="CUDA device"):
         DecodeGraphs(model, caches[1], 6)
+    with pytest.raises(ValueError, match="key_bucket 6 is not whole blocks of 4"):
+        DecodeGraphs(model, caches[1], 6, key_bucket=6, capture=False)
 
 
 def test_the_block_pool_keeps_freed_prefix_blocks_until_evicted_least_recent_first() -> None:

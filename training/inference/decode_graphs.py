@@ -99,7 +99,11 @@ class DecodeGraphs:
         self.rows = row_buckets(max_rows)
         context = model.config.max_position_embeddings
         self.keys = key_buckets(context, cache.block_size)
-        if key_bucket is not None:  # fixed width (tests)
+        if key_bucket is not None:  # a fixed width (tests)
+            if key_bucket % cache.block_size:
+                raise ValueError(
+                    f"key_bucket {key_bucket} is not whole blocks of {cache.block_size}"
+                )
             self.keys = [*range(key_bucket, self.keys[-1], key_bucket), self.keys[-1]]
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -121,10 +125,12 @@ class DecodeGraphs:
     def capture_all(self) -> None:
         """Capture every bucket's graph now, on padding rows (they touch only the scratch
         block), so that no request waits for a capture later."""
+        if not self.capture:
+            return
         for rows in self.rows:
             for keys in self.keys:
                 bucket = self._bucket(rows, keys)
-                if bucket.graph is None and self.capture:
+                if bucket.graph is None:
                     self._write_inputs(bucket, [], [], [], keys)
                     self._capture(bucket)
 
@@ -184,8 +190,8 @@ class DecodeGraphs:
 
     def _capture(self, bucket: _Bucket) -> None:
         """Run the step once on a side stream (libraries set up their workspaces outside
-        the capture), then record it. Both write the same keys and values the replay
-        writes, so running the step three times changes nothing."""
+        the capture), then record it (recording runs nothing). The warm-up writes the
+        keys and values the replay writes again: running the step twice changes nothing."""
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
