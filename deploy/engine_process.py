@@ -67,8 +67,9 @@ def make_engine(served: ServedModel, spec: EngineSpec) -> Engine:
     """The engine ``megalith serve`` runs, not started."""
     options = spec.options
     if spec.continuous(served):
-        keys = ("block_size", "num_blocks", "max_running", "prefill_chunk", "cuda_graphs")
-        keys += ("max_queue",)
+        keys = (
+            "block_size", "num_blocks", "max_running", "prefill_chunk", "cuda_graphs", "max_queue"
+        )  # fmt: skip
         return ContinuousEngine(
             served, autocast_dtype=spec.autocast_dtype, **{k: options[k] for k in keys}
         )
