@@ -194,7 +194,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from deploy.continuous import ContinuousEngine
+    from deploy.deployment import engine_summary
     from deploy.server import Deployment, ServeConfig, create_app
 
     config = ServeConfig(
@@ -228,13 +228,6 @@ def _serve(args: argparse.Namespace) -> int:
     info = deployment.engine.served.info
     what = info.name if info.version is None else f"{info.name} version {info.version}"
     print(f"serving {what} ({info.content_id[:12]}) on http://{args.host}:{args.port}", flush=True)
-    if isinstance(deployment.engine, ContinuousEngine):
-        cache = deployment.engine.cache
-        mib = cache.num_blocks * cache.bytes_per_block / 2**20
-        print(
-            f"continuous batching: {cache.num_blocks} KV blocks of {cache.block_size} "
-            f"positions ({mib:.0f} MiB), up to {args.max_running} sequences at once",
-            flush=True,
-        )
+    print(engine_summary(deployment.engine, args.max_running), flush=True)
     uvicorn.run(create_app(deployment), host=args.host, port=args.port, log_level="info")
     return 0

@@ -348,3 +348,22 @@ class TokenStream:
         finally:
             for index in self._open:  # the client left, or we gave up: stop those rows
                 self.requests[index].cancelled.set()
+
+
+def engine_summary(engine: Engine, max_running: int) -> str:
+    """The startup line on the engine: where it runs, its batching, KV memory and graphs."""
+    where = f"in process {engine.pid}" if isinstance(engine, ProcessEngine) else "in a thread"
+    stats = None if isinstance(engine, BatchingEngine) else engine.kv_stats()
+    if not stats:
+        return f"engine {where}: static batches"
+    blocks = stats["blocks_used"] + stats["blocks_free"]
+    line = (
+        f"engine {where}: continuous batching, {blocks} KV blocks of {stats['block_size']} "
+        f"positions, up to {max_running} sequences at once"
+    )
+    if isinstance(engine, ContinuousEngine):
+        mib = blocks * engine.cache.bytes_per_block / 2**20
+        line += f" ({mib:.0f} MiB of KV)"
+        if engine.graphs is not None:
+            line += f", decode steps as {engine.graphs.captured} CUDA graphs"
+    return line

@@ -158,6 +158,10 @@ class ProcessEngine:
         self._process.join(timeout)
         return not self._process.is_alive()
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
     def kv_stats(self) -> dict[str, Any] | None:
         """The child's KV-cache counters as of its last message (None for a static engine)."""
         return self._kv_stats

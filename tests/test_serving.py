@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import socket
 import sys
 import threading
@@ -1043,6 +1044,8 @@ def test_megalith_serve_on_a_public_address_without_a_token_warns(
     assert (
         "warning: 0.0.0.0 is reachable from other hosts and MEGALITH_ADMIN_TOKEN is not set" in said
     ), said
+    engine = r"engine (in a thread|in process \d+): continuous batching, \d+ KV blocks of 16 "
+    assert re.search(engine + "positions, up to 64 sequences at once", said), said
 
 
 def test_one_loop_wake_up_delivers_a_whole_burst_of_tokens_in_order() -> None:
