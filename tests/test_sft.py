@@ -392,14 +392,15 @@ def test_evaluation_scores_the_assistant_tokens_of_whole_conversations(chat_shar
 # --- config, trainer -----------------------------------------------------------------------
 
 
-def test_chat_training_refuses_context_parallel_and_a_pretrain_shard_set(
+def test_chat_training_refuses_context_parallel_stages_and_a_pretrain_shard_set(
     chat_shards: Path, shards: Path
 ) -> None:
     config = load_config(RECIPE, [f"data.output={chat_shards}"])
     check_trainer_support(config, ParallelSizes(tp=2, dp=2))  # TP and DP are fine
     check_trainer_support(config, ParallelSizes(pp=2))  # and pipeline stages
-    with pytest.raises(MegalithError, match=r"data.format=chat with parallel.context=2"):
-        check_trainer_support(config, ParallelSizes(cp=2))
+    check_trainer_support(config, ParallelSizes(cp=2))  # and context parallelism
+    with pytest.raises(MegalithError, match=r"data.format=chat with parallel.context=2 and"):
+        check_trainer_support(config, ParallelSizes(cp=2, pp=2))
     pretrain_shards = load_config(RECIPE, [f"data.output={shards}"])
     with pytest.raises(ShardSetError, match=r"prepared with data.format=pretrain"):
         build_gpt_datasets(pretrain_shards.data, (8, 0, 0))
@@ -476,6 +477,7 @@ def test_parallel_fine_tuning_matches_one_process_and_resumes_exactly(
         "tp2": {**settings, "parallel.tensor": 2},
         "tp2-sp": {**settings, "parallel.tensor": 2, "parallel.sequence_parallel": "true"},
         "pp2": {**settings, "parallel.pipeline": 2},
+        "cp2": {**settings, "parallel.context": 2},
     }
     run_trainer_worker(tmp_path, cases, world=2, label="SFT, 2 processes")
     last = f"checkpoints/step-{STEPS:08d}"
@@ -491,10 +493,13 @@ def test_parallel_fine_tuning_matches_one_process_and_resumes_exactly(
             atol=1e-4 if "parallel.tensor" in cases[layout] else 1e-5,
         )
         layout_of_run = last_checkpoint_state(run)["layout"]
-        want_tp = cases[layout].get("parallel.tensor", 1)
-        want_pp = cases[layout].get("parallel.pipeline", 1)
-        got = [layout_of_run[f"parallel.{key}"] for key in ("tensor", "pipeline", "data")]
-        assert got == [want_tp, want_pp, 2 // (want_tp * want_pp)], f"{name} ran as {got}"
+        want = [
+            cases[layout].get(f"parallel.{key}", 1) for key in ("tensor", "pipeline", "context")
+        ]
+        got = [
+            layout_of_run[f"parallel.{key}"] for key in ("tensor", "pipeline", "context", "data")
+        ]
+        assert got == [*want, 2 // math.prod(want)], f"{name} ran as {got}"
         assert_resume_exact(run, resumed, f"{name} resumed at step {RESUME_STEP}")
         assert_close_tensors(
             read_global_tensors(resumed / last),

@@ -415,7 +415,9 @@ class Trainer:
             return self.pipeline.forward_loss(batch)
         if self.config.data.format == "chat":  # assistant tokens of packed conversations
             with self.precision.autocast():
-                return sft.micro_batch_loss(self.forward_model, batch, self.device, loss_weight)
+                return sft.micro_batch_loss(
+                    self.forward_model, batch, self.device, loss_weight, self.parallel
+                )
         with self.precision.autocast():  # next tokens (GPT), span targets (T5)
             return self.family.micro_batch_loss(
                 self.forward_model, batch, self.device, self.parallel

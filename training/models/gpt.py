@@ -376,22 +376,26 @@ class GPTModel(nn.Module):
         start_pos: int = 0,
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,
+        attn_mask: Tensor | None = None,
     ) -> Tensor:
         """``tokens [B, T]`` -> fp32 logits ``[B, T, V]``, or with ``labels [B, T]`` the
         cross-entropy (mean over labels != -100, or ``[B, T]`` with ``loss_reduction="none"``).
 
         With ``kv_cache``, ``tokens`` are positions ``start_pos .. start_pos+T-1`` and attend
         to the cached positions before them; the cache is updated in place.
-        ``position_ids [T]`` gives the tokens' positions instead (for RoPE or learned
-        positions), for a sequence part that is not contiguous (context parallelism).
-        ``document_ids [B, T]`` marks packed documents (:mod:`training.models.packing`):
-        attention stays within each document and positions restart at each one.
+        ``position_ids [T]`` (or ``[B, T]``) gives the tokens' positions instead (for RoPE
+        or learned positions), for a sequence part that is not contiguous (context
+        parallelism). ``document_ids [B, T]`` marks packed documents
+        (:mod:`training.models.packing`): attention stays within each document and
+        positions restart at each one. ``attn_mask [B, 1, T, S]`` (bool, True: may attend)
+        replaces the causal mask: a context-parallel rank's rows of its packed documents'
+        mask, against the whole sequence's keys (:func:`training.parallel.context_parallel.
+        packed_documents_part`).
         """
         self._check_positions(tokens, kv_cache, start_pos)
         self._check_position_ids(tokens, position_ids, kv_cache)
-        attn_mask = None
         if document_ids is not None:
-            self._check_document_ids(tokens, document_ids, position_ids, kv_cache)
+            self._check_document_ids(tokens, document_ids, position_ids, kv_cache, attn_mask)
             position_ids = document_positions(document_ids)
             attn_mask = document_causal_mask(document_ids)
         x = self.embedding(tokens, start_pos, position_ids)
@@ -457,10 +461,11 @@ class GPTModel(nn.Module):
     ) -> None:
         if position_ids is None:
             return
-        if kv_cache is not None or position_ids.shape != tokens.shape[1:]:
+        if kv_cache is not None or position_ids.shape not in (tokens.shape[1:], tokens.shape):
             raise ValueError(
-                f"position_ids must be [length] = [{tokens.size(1)}] and without a kv_cache, "
-                f"got shape {tuple(position_ids.shape)}"
+                f"position_ids must be [length] = [{tokens.size(1)}] or [batch, length] = "
+                f"{list(tokens.shape)} and without a kv_cache, got shape "
+                f"{tuple(position_ids.shape)}"
             )
 
     def _check_document_ids(
@@ -469,9 +474,12 @@ class GPTModel(nn.Module):
         document_ids: Tensor,
         position_ids: Tensor | None,
         kv_cache: KVCache | None,
+        attn_mask: Tensor | None,
     ) -> None:
-        if kv_cache is not None or position_ids is not None:
-            raise ValueError("document_ids cannot be combined with a kv_cache or position_ids")
+        if kv_cache is not None or position_ids is not None or attn_mask is not None:
+            raise ValueError(
+                "document_ids cannot be combined with a kv_cache, position_ids or attn_mask"
+            )
         if document_ids.shape != tokens.shape:
             raise ValueError(
                 f"document_ids must be [batch, length] = {list(tokens.shape)}, "

@@ -17,6 +17,11 @@ whatever the layout (tests/test_sft.py checks the loss against a manual computat
 
 Validation reports the mean over each validation micro-batch's assistant tokens,
 averaged over micro-batches (it needs no step-wide count).
+
+Context parallelism: each CP rank feeds its load-balanced part of the sequence with its
+part of the positions and of the packed documents' attention mask (keys: the whole
+sequence's, gathered); it counts its part of the loss tokens, so the all-reduced count is
+still the global one, and DDP's average over data × context leaves the global token mean.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from training.parallel import context_parallel as cp
 from training.parallel.data_parallel import data_parallel_size
 from training.parallel.groups import ParallelState
 
@@ -41,7 +47,10 @@ def prefetch_step(
 ) -> tuple[Iterator[dict[str, Tensor]], Tensor]:
     """This step's micro-batches, and the weight of a token's loss: ``DP / global count``."""
     step = [next(batches) for _ in range(accumulation)]
-    count = sum(batch["loss_mask"].sum() for batch in step).to(device=device, dtype=torch.float64)
+    cp_size, cp_rank = parallel.sizes.cp, parallel.cp_rank
+    # Under CP each rank counts its part of the sequence: the sum is the global count.
+    masks = [cp.split_sequence(batch["loss_mask"], cp_size, cp_rank) for batch in step]
+    count = sum(mask.sum() for mask in masks).to(device=device, dtype=torch.float64)
     if data_parallel_size(parallel) > 1:
         dist.all_reduce(count, op=dist.ReduceOp.SUM, group=parallel.dp_cp_group)
     weight = data_parallel_size(parallel) / count.clamp(min=1.0)
@@ -49,14 +58,28 @@ def prefetch_step(
 
 
 def micro_batch_loss(
-    model: nn.Module, batch: dict[str, Tensor], device: torch.device, weight: Tensor | None
+    model: nn.Module,
+    batch: dict[str, Tensor],
+    device: torch.device,
+    weight: Tensor | None,
+    parallel: ParallelState | None = None,
 ) -> Tensor:
-    """``sum(assistant-token losses) · weight``; without a weight, their mean in this batch."""
+    """``sum(assistant-token losses) · weight``; without a weight, their mean in this batch.
+    Under context parallelism (``parallel``) this rank's part of the sequence: its loss
+    tokens' sum times the weight, or without one ``CP ·`` that sum over the whole batch's
+    count, which the mean over data × context turns into the batch's mean."""
     tokens, mask, documents = (batch[key].to(device, non_blocking=True) for key in SFT_KEYS)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    cp_size = 1 if parallel is None else parallel.sizes.cp
+    if cp_size == 1:
+        losses = model(inputs, labels=labels, loss_reduction="none", document_ids=documents)
+        total = (losses.float() * mask).sum()
+        return total * weight if weight is not None else total / mask.sum().clamp(min=1.0)
+    assert parallel is not None
+    positions, attn_mask = cp.packed_documents_part(documents, parallel)
+    part = [cp.split_sequence(x, cp_size, parallel.cp_rank) for x in (inputs, labels, mask)]
     losses = model(
-        tokens[:, :-1], labels=tokens[:, 1:], loss_reduction="none", document_ids=documents
+        part[0], labels=part[1], loss_reduction="none", position_ids=positions, attn_mask=attn_mask
     )
-    total = (losses.float() * mask).sum()
-    if weight is None:
-        return total / mask.sum().clamp(min=1.0)
-    return total * weight
+    total = (losses.float() * part[2]).sum()
+    return total * weight if weight is not None else total * cp_size / mask.sum().clamp(min=1.0)

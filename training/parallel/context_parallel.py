@@ -52,6 +52,7 @@ from torch.distributed import ProcessGroup
 from megalith.errors import MegalithError
 from training.models.backend import LayerBackend
 from training.models.layers import IGNORE_INDEX, NormSpec
+from training.models.packing import document_causal_mask, document_positions
 from training.parallel.groups import ParallelState
 from training.parallel.random import RankForked
 from training.parallel.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -119,10 +120,12 @@ class ContextParallelAttention(nn.Module):
         self.inner = inner
         self.group = group
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        """``attn_mask [B, 1, T, S]``: this rank's rows of packed documents' mask against
+        the whole sequence's keys (:func:`packed_documents_part`), else causal."""
         cp_size, cp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if cp_size == 1:
-            return self.inner(q, k, v)
+            return self.inner(q, k, v) if attn_mask is None else self.inner(q, k, v, attn_mask)
         if k.size(1) != q.size(1):
             raise MegalithError(
                 "a KV cache is not supported under context parallelism; build the model "
@@ -134,8 +137,14 @@ class ContextParallelAttention(nn.Module):
         # Chunk m (global) sees keys 0 .. (m+1)·chunk − 1, causally within itself.
         seen_early = (cp_rank + 1) * chunk
         seen_late = (2 * cp_size - cp_rank) * chunk
-        out_early = self.inner(early, k[:, :seen_early], v[:, :seen_early])
-        out_late = self.inner(late, k[:, :seen_late], v[:, :seen_late])
+        if attn_mask is None:
+            out_early = self.inner(early, k[:, :seen_early], v[:, :seen_early])
+            out_late = self.inner(late, k[:, :seen_late], v[:, :seen_late])
+        else:  # a chunk's rows are False past its causal prefix of keys anyway
+            mask_early = attn_mask[:, :, :chunk, :seen_early]
+            mask_late = attn_mask[:, :, chunk:, :seen_late]
+            out_early = self.inner(early, k[:, :seen_early], v[:, :seen_early], mask_early)
+            out_late = self.inner(late, k[:, :seen_late], v[:, :seen_late], mask_late)
         return torch.cat([out_early, out_late], dim=1)
 
 
@@ -216,11 +225,23 @@ def micro_batch_loss(
     return losses.sum() * cp_size / count
 
 
+def packed_documents_part(document_ids: Tensor, state: ParallelState) -> tuple[Tensor, Tensor]:
+    """This CP rank's positions ``[B, T]`` and attention-mask rows ``[B, 1, T, S]`` of
+    packed documents ``document_ids [B, S]`` (the whole micro-batch, the same on every CP
+    rank): positions restart at each document, queries attend within theirs, causally,
+    to the whole sequence's keys that the attention gathers."""
+    cp_size, cp_rank = state.sizes.cp, state.cp_rank
+    positions = split_sequence(document_positions(document_ids), cp_size, cp_rank)
+    mask = split_sequence(document_causal_mask(document_ids), cp_size, cp_rank, dim=2)
+    return positions, mask
+
+
 __all__ = [
     "ContextParallelAttention",
     "ContextParallelBackend",
     "merge_sequence",
     "micro_batch_loss",
+    "packed_documents_part",
     "positions",
     "split_sequence",
     "wrap_backend",

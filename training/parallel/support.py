@@ -69,17 +69,15 @@ def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
 
 def _chat_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """Packed chat samples (data.format=chat) pass document ids to every attention layer:
-    the plain and tensor-parallel layers and pipeline stages take them; context-parallel
-    attention does not yet."""
-    if config.data.format != "chat":
+    the plain, tensor- and context-parallel layers and pipeline stages take them; pipeline
+    stages do not cut them into context-parallel parts yet."""
+    if config.data.format != "chat" or sizes.cp == 1 or sizes.pp == 1:
         return []
-    problems = []
-    if sizes.cp > 1:
-        problems.append(
-            f"data.format=chat with parallel.context={sizes.cp}: context-parallel attention "
-            "does not take packed conversations' attention masks yet"
-        )
-    return problems
+    return [
+        f"data.format=chat with parallel.context={sizes.cp} and parallel.pipeline={sizes.pp}: "
+        "pipeline stages do not split packed conversations over context-parallel ranks yet; "
+        "use context parallelism or pipeline stages"
+    ]
 
 
 # Settings a model family's trainer does not run with yet, by model.family (as data:
