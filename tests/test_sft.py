@@ -392,15 +392,13 @@ def test_evaluation_scores_the_assistant_tokens_of_whole_conversations(chat_shar
 # --- config, trainer -----------------------------------------------------------------------
 
 
-def test_chat_training_refuses_context_parallel_stages_and_a_pretrain_shard_set(
+def test_chat_training_takes_every_layout_and_refuses_a_pretrain_shard_set(
     chat_shards: Path, shards: Path
 ) -> None:
     config = load_config(RECIPE, [f"data.output={chat_shards}"])
     check_trainer_support(config, ParallelSizes(tp=2, dp=2))  # TP and DP are fine
     check_trainer_support(config, ParallelSizes(pp=2))  # and pipeline stages
-    check_trainer_support(config, ParallelSizes(cp=2))  # and context parallelism
-    with pytest.raises(MegalithError, match=r"data.format=chat with parallel.context=2 and"):
-        check_trainer_support(config, ParallelSizes(cp=2, pp=2))
+    check_trainer_support(config, ParallelSizes(cp=2, pp=2))  # and context parallelism
     pretrain_shards = load_config(RECIPE, [f"data.output={shards}"])
     with pytest.raises(ShardSetError, match=r"prepared with data.format=pretrain"):
         build_gpt_datasets(pretrain_shards.data, (8, 0, 0))
@@ -439,8 +437,9 @@ def test_a_short_sft_run_lowers_the_assistant_token_loss(chat_shards: Path, tmp_
 def test_parallel_fine_tuning_matches_one_process_and_resumes_exactly(
     chat_shards: Path, tmp_path: Path
 ) -> None:
-    """One torchrun job of 2 processes (gloo), each layout through ``Trainer.fit`` for
-    STEPS steps against one process: DP=2 (DDP and ZeRO-1), where each rank's
+    """One torchrun job of 2 processes (gloo) and one of 4 (PP=2 x CP=2), each layout
+    through ``Trainer.fit`` for STEPS steps against one process: DP=2 (DDP and ZeRO-1),
+    CP=2, where each rank's
     micro-batches hold different numbers of assistant tokens, so only the step-wide count
     gives one process's losses and gradients (a per-rank mean would not); and TP=2 with
     and without sequence parallelism (packed rows with document ids, the masked loss over
@@ -480,6 +479,9 @@ def test_parallel_fine_tuning_matches_one_process_and_resumes_exactly(
         "cp2": {**settings, "parallel.context": 2},
     }
     run_trainer_worker(tmp_path, cases, world=2, label="SFT, 2 processes")
+    four = {"pp2-cp2": {**settings, "parallel.pipeline": 2, "parallel.context": 2}}
+    run_trainer_worker(tmp_path, four, world=4, label="SFT, 4 processes")
+    cases.update(four)
     last = f"checkpoints/step-{STEPS:08d}"
     for layout in cases:
         name = f"SFT {layout}"
@@ -499,7 +501,8 @@ def test_parallel_fine_tuning_matches_one_process_and_resumes_exactly(
         got = [
             layout_of_run[f"parallel.{key}"] for key in ("tensor", "pipeline", "context", "data")
         ]
-        assert got == [*want, 2 // math.prod(want)], f"{name} ran as {got}"
+        world = 4 if layout in four else 2
+        assert got == [*want, world // math.prod(want)], f"{name} ran as {got}"
         assert_resume_exact(run, resumed, f"{name} resumed at step {RESUME_STEP}")
         assert_close_tensors(
             read_global_tensors(resumed / last),

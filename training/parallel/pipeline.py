@@ -177,13 +177,18 @@ class StageChunk(nn.Module):
         self._sequence_shards = sequence_shards  # TP size under sequence parallelism
 
     def forward(
-        self, x: Tensor, document_ids: Tensor | None = None, position_ids: Tensor | None = None
+        self,
+        x: Tensor,
+        document_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        attn_mask: Tensor | None = None,
     ) -> Tensor:
         """``document_ids [B, T]`` (packed chat samples, every stage gets them): positions
         restart at each document and attention stays within it, as in ``GPTModel.forward``.
-        ``position_ids [B, T]``: the positions of a context-parallel rank's part of the
-        sequence (its attention, ``ContextParallelAttention``, knows the layout)."""
-        positions, attn_mask = position_ids, None
+        Under context parallelism instead ``position_ids [B, T]``, the positions of this
+        rank's part of the sequence, and for packed chat samples ``attn_mask [B, 1, T, S]``,
+        its rows of their mask (``context_parallel.packed_documents_part``)."""
+        positions = position_ids
         if document_ids is not None:
             positions = document_positions(document_ids)
             attn_mask = document_causal_mask(document_ids)
@@ -374,17 +379,30 @@ class PipelineParallel:
         stage's keyword inputs, the last stage's loss target (all contiguous). Under
         context parallelism (GPT: ``support`` refuses it for the other families) each CP
         rank keeps its load-balanced part of the tokens and targets, and every stage gets
-        that part's positions. Each part then holds as many targets, none ignored (packed
-        chat samples are refused with CP), so the mean of the CP ranks' mean losses, which
-        ``sync_grads`` and ``all_reduce_mean`` take over data × context, is the mean over
-        the whole sequence."""
-        args, kwargs, target = self.split.schedule_inputs(batches, self.device)
+        that part's positions (and rows of the packed chat samples' mask). Pretraining
+        parts hold as many targets each, so the mean of the CP ranks' mean losses, which
+        ``sync_grads`` and ``all_reduce_mean`` take over data × context, is the whole
+        sequence's; packed chat samples weigh every token by the step's global count
+        (``objectives.sft.prefetch_step`` counts each rank's part)."""
+        return self._context_parallel_part(*self.split.schedule_inputs(batches, self.device))
+
+    def _context_parallel_part(
+        self, args: tuple[Tensor, ...], kwargs: dict[str, Tensor], target: Tensor
+    ) -> tuple[tuple[Tensor, ...], dict[str, Tensor], Tensor]:
+        """This CP rank's part of the tokens and targets, and every stage's keyword inputs
+        for it: the part's positions, and for packed chat samples its rows of their mask
+        in place of the document ids."""
         cp_size, cp_rank = self.state.sizes.cp, self.state.cp_rank
         if cp_size == 1:
             return args, kwargs, target
-        tokens = args[0]
-        local = cp.positions(tokens.size(1), cp_size, cp_rank, tokens.device)
-        kwargs = {**kwargs, "position_ids": local.expand(tokens.size(0), -1).contiguous()}
+        tokens, kwargs = args[0], dict(kwargs)
+        documents = kwargs.pop("document_ids", None)
+        if documents is None:
+            local = cp.positions(tokens.size(1), cp_size, cp_rank, tokens.device)
+            kwargs["position_ids"] = local.expand(tokens.size(0), -1).contiguous()
+        else:
+            positions, mask = cp.packed_documents_part(documents, self.state)
+            kwargs.update(position_ids=positions.contiguous(), attn_mask=mask.contiguous())
         return (
             (cp.split_sequence(tokens, cp_size, cp_rank).contiguous(),),
             kwargs,
@@ -486,7 +504,9 @@ class PipelineParallel:
     def forward_loss(self, batch: dict[str, Tensor]) -> Tensor:
         """One micro-batch's mean loss, forward only through every virtual stage; the
         value is on the last stage (zero elsewhere: combine with :meth:`from_last_stage`)."""
-        inputs, kwargs, labels = self._schedule_inputs([batch])
+        inputs, kwargs, labels = self.split.schedule_inputs([batch], self.device)
+        counted = (labels != IGNORE_INDEX).sum().clamp(min=1)  # over the whole sequence
+        inputs, kwargs, labels = self._context_parallel_part(inputs, kwargs, labels)
         pp, group = self.state.sizes.pp, self.state.pp_group
         shards = self.state.sizes.tp if self.config.parallel.sequence_parallel else 1
         shards *= self.state.sizes.cp  # a CP rank's part of the sequence
@@ -504,9 +524,21 @@ class PipelineParallel:
                 for x in out if isinstance(out, tuple) else (out,):
                     dist.send(x.to(dtype).contiguous(), group_dst=(stage + 1) % pp, group=group)
             else:
-                with self.precision.autocast():
-                    loss = chunk.output.loss(out, labels)
+                loss = self._validation_loss(chunk, out, labels, counted)
         return loss
+
+    def _validation_loss(
+        self, chunk: nn.Module, out: Tensor, labels: Tensor, counted: Tensor
+    ) -> Tensor:
+        """The micro-batch's mean loss; under CP, ``CP ·`` this part's sum over the whole
+        sequence's count, whose mean over the CP ranks (the trainer takes it over data ×
+        context) is the micro-batch's mean, however unevenly the part holds its targets."""
+        cp_size = self.state.sizes.cp
+        with self.precision.autocast():
+            if cp_size == 1:
+                return chunk.output.loss(out, labels)
+            losses = chunk.output.loss(out, labels, reduction="none")
+        return losses.float().sum() * cp_size / counted
 
     # ---------------------------------------------------------------- whole tensors
 

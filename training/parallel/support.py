@@ -27,7 +27,6 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
             "does not handle sharded gradients; use bf16"
         )
     problems += _pipeline_problems(config, sizes)
-    problems += _chat_problems(config, sizes)
     problems += fp8_problems(config, sizes)
     problems += async_tp_problems(config, sizes)
     problems += family_problems(config, sizes)
@@ -65,19 +64,6 @@ def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
             "blocks; use 1f1b or interleaved"
         )
     return problems
-
-
-def _chat_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
-    """Packed chat samples (data.format=chat) pass document ids to every attention layer:
-    the plain, tensor- and context-parallel layers and pipeline stages take them; pipeline
-    stages do not cut them into context-parallel parts yet."""
-    if config.data.format != "chat" or sizes.cp == 1 or sizes.pp == 1:
-        return []
-    return [
-        f"data.format=chat with parallel.context={sizes.cp} and parallel.pipeline={sizes.pp}: "
-        "pipeline stages do not split packed conversations over context-parallel ranks yet; "
-        "use context parallelism or pipeline stages"
-    ]
 
 
 # Settings a model family's trainer does not run with yet, by model.family (as data:
