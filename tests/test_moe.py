@@ -94,12 +94,14 @@ CASES = {
     },
     # No EP: experts replicated, sharded by FSDP2 like any block's weights.
     "dp2-fsdp": {**MOE, "parallel.data_parallel_mode": "fsdp"},
+    # Each rank routes its part of the sequence; the load balance is the whole one's.
+    "cp2": {**MOE, "parallel.context": 2},
 }
 
 
 def layout(case: str) -> str:
-    ep = CASES[case].get("parallel.expert", 1)
-    return f"{case} (EP={ep} x DP=2, {BACKEND}, {WORLD} processes)"
+    ep, cp = (CASES[case].get(f"parallel.{key}", 1) for key in ("expert", "context"))
+    return f"{case} (EP={ep} x CP={cp} x DP={WORLD // cp}, {BACKEND}, {WORLD} processes)"
 
 
 def tiny_model_config(**values: Any) -> ModelConfig:
@@ -357,9 +359,9 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
             "num_experts=4 with parallel.pipeline=2",
         ),
         (
-            {"model.num_experts": 4},
+            {"model.num_experts": 4, "model.moe_capacity_factor": 1.0},
             ParallelSizes(cp=2),
-            "num_experts=4 with parallel.context=2",
+            "moe_capacity_factor=1.0 with parallel.context=2",
         ),
     ],
     ids=[
@@ -369,7 +371,7 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
         "fsdp",
         "tensor",
         "pipeline",
-        "context",
+        "context-capacity",
     ],  # fmt: skip
 )
 def test_refused_layouts_name_the_keys(values: dict, sizes: ParallelSizes, message: str) -> None:
@@ -382,7 +384,7 @@ def test_refused_layouts_name_the_keys(values: dict, sizes: ParallelSizes, messa
 
 
 def single_process(values: dict[str, Any]) -> dict[str, Any]:
-    parallel = ("parallel.expert", "parallel.data_parallel_mode")
+    parallel = ("parallel.expert", "parallel.data_parallel_mode", "parallel.context")
     return {k: v for k, v in values.items() if k not in parallel}
 
 

@@ -459,7 +459,10 @@ class Trainer:
                     loss = loss if loss_weight is not None else loss / accumulation
                     # MoE load balancing; dense models skip the walk over their modules.
                     aux = moe_aux_loss(self.model) if self.model_config.num_experts else None
-                    objective = loss if aux is None else loss + aux / accumulation
+                    # Under CP every rank holds the whole sequence's value but only its
+                    # tokens' gradient, and DDP averages over CP: hence the factor.
+                    cp_size = self.parallel.sizes.cp
+                    objective = loss if aux is None else loss + aux * cp_size / accumulation
                     (scaler.scale(objective) if scaler else objective).backward()
                 total_loss += loss.detach()
                 total_aux += 0.0 if aux is None else aux.detach() / accumulation

@@ -18,7 +18,8 @@ with ``f_e`` the share of the micro-batch's N·k routing assignments that chose 
 e (counted before capacity dropping) and ``P_e`` the mean over tokens of the softmax
 over all E router logits. Balanced routing gives ``aux = coeff``. During training the
 layer keeps the value of its last forward in ``aux_loss``; :func:`moe_aux_loss` sums
-and clears them for the trainer, which adds the sum to the training loss.
+and clears them for the trainer, which adds the sum to the training loss. Under context
+parallelism (``cp_group``) f and P are the whole sequence's, summed over the CP parts.
 
 Capacity (``moe_capacity_factor``): each expert takes at most
 ``ceil(N · k / E · factor)`` tokens of the micro-batch; beyond that, the assignments
@@ -52,6 +53,10 @@ from torch import Tensor, nn
 
 from megalith.config import ModelConfig
 from training.models.layers import gelu, scaled_init_std, swiglu
+from training.parallel.tensor_parallel.mappings import (
+    all_reduce,
+    reduce_from_tensor_parallel_region,
+)
 
 EXPERT_PARAM_MARK = ".mlp.experts."
 
@@ -76,13 +81,25 @@ class Routing:
     balance_loss: Tensor
 
 
-def load_balancing_loss(probs: Tensor, experts: Tensor, num_experts: int) -> Tensor:
-    """``E · Σ_e f_e · P_e`` (see the module docstring); ``probs [N, E]``, ``experts [N, k]``."""
+def load_balancing_loss(
+    probs: Tensor, experts: Tensor, num_experts: int, group: dist.ProcessGroup | None = None
+) -> Tensor:
+    """``E · Σ_e f_e · P_e`` (see the module docstring); ``probs [N, E]``, ``experts [N, k]``.
+
+    With ``group`` (context parallelism: each rank holds an equal part of the sequence)
+    ``f`` and ``P`` are over the whole sequence: the parts' counts and probability sums
+    are summed over the group, the sums with an identity backward, so each rank's
+    gradient is that of its own tokens' probabilities (the trainer scales it by the
+    group's size, as DDP averages over it)."""
     num_tokens, top_k = experts.shape
     assignments = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype)
+    prob_sums = probs.sum(dim=0)
+    if group is not None and dist.get_world_size(group) > 1:
+        assignments = all_reduce(assignments, group)
+        prob_sums = reduce_from_tensor_parallel_region(prob_sums, group)
+        num_tokens *= dist.get_world_size(group)
     share = assignments / (num_tokens * top_k)
-    mean_prob = probs.mean(dim=0)
-    return num_experts * torch.sum(share * mean_prob)
+    return num_experts * torch.sum(share * prob_sums / num_tokens)
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
@@ -104,12 +121,18 @@ def within_capacity(weights: Tensor, experts: Tensor, num_experts: int, capacity
     return keep.view_as(experts)
 
 
-def route(logits: Tensor, top_k: int, capacity_factor: float | None = None) -> Routing:
-    """Top-k routing of ``logits [N, E]`` (fp32): top-k first, softmax over the chosen k."""
+def route(
+    logits: Tensor,
+    top_k: int,
+    capacity_factor: float | None = None,
+    balance_group: dist.ProcessGroup | None = None,
+) -> Routing:
+    """Top-k routing of ``logits [N, E]`` (fp32): top-k first, softmax over the chosen k;
+    ``balance_group``: see :func:`load_balancing_loss`."""
     num_tokens, num_experts = logits.shape
     top_logits, experts = logits.topk(top_k, dim=-1)
     weights = top_logits.softmax(dim=-1)
-    balance = load_balancing_loss(logits.softmax(dim=-1), experts, num_experts)
+    balance = load_balancing_loss(logits.softmax(dim=-1), experts, num_experts, balance_group)
     keep = None
     if capacity_factor is not None:
         capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
@@ -248,11 +271,14 @@ class MoELayer(nn.Module):
         self.experts = Experts(config, self.num_experts)
         self.dropout = nn.Dropout(config.dropout)
         self.ep_group: dist.ProcessGroup | None = None  # set by expert-parallel training
+        # Set under context parallelism: the load balance is the whole sequence's.
+        self.cp_group: dist.ProcessGroup | None = None
         self.aux_loss: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         hidden = self.norm(x).reshape(-1, x.size(-1))
-        routing = route(self.router(hidden), self.top_k, self.capacity_factor)
+        logits = self.router(hidden)
+        routing = route(logits, self.top_k, self.capacity_factor, self.cp_group)
         if self.training and torch.is_grad_enabled():
             self.aux_loss = self.aux_loss_coeff * routing.balance_loss
         tokens = torch.arange(hidden.size(0), device=x.device).repeat_interleave(self.top_k)

@@ -55,7 +55,16 @@ def build_model(
         for layer in moe_layers(model):
             layer.experts.keep_shard(state.ep_rank, state.sizes.ep)
             layer.ep_group = state.ep_group
+    balance_over_context(model, state)
     return model
+
+
+def balance_over_context(model: nn.Module, state: ParallelState) -> None:
+    """Under context parallelism each MoE layer's load-balancing loss covers the whole
+    sequence, its CP group's parts (``training.models.moe.load_balancing_loss``)."""
+    if state.sizes.cp > 1:
+        for layer in moe_layers(model):
+            layer.cp_group = state.cp_group
 
 
 def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -186,6 +186,7 @@ def build_fsdp_on_meta(
     with the weights they adapt (no second all-gather per block, none replicated)."""
     backend = cp.wrap_backend(resolve_backend(model_config.backend), state)
     model = models.meta_model(model_config, backend)  # shapes only: the replay initializes
+    ep.balance_over_context(model, state)
     if mixed_precision is not None and mixed_precision.fp8:
         check_device(device)  # prepare_fp8 sees meta parameters, not the device
         prepare_fp8(model, mixed_precision, precision)

@@ -109,10 +109,12 @@ def expert_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
             f"model.num_experts={experts} with parallel.pipeline={sizes.pp}: MoE layers in "
             "pipeline stages are not integrated yet"
         )
-    if experts and sizes.cp > 1:
+    capacity = config.model.moe_capacity_factor
+    if experts and sizes.cp > 1 and capacity is not None:
         problems.append(
-            f"model.num_experts={experts} with parallel.context={sizes.cp}: the load-balancing "
-            "loss over context-parallel sequence parts is not integrated yet"
+            f"model.moe_capacity_factor={capacity} with parallel.context={sizes.cp}: each "
+            "context-parallel rank would drop tokens against its part of the sequence, not "
+            "the whole; leave the factor unset (dropless)"
         )
     if experts and sizes.tp > 1:
         problems.append(
