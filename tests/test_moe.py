@@ -96,12 +96,17 @@ CASES = {
     "dp2-fsdp": {**MOE, "parallel.data_parallel_mode": "fsdp"},
     # Each rank routes its part of the sequence; the load balance is the whole one's.
     "cp2": {**MOE, "parallel.context": 2},
+    # One MoE block per stage: the balance loss's gradient rides on the stage output.
+    "pp2": {**MOE, "parallel.pipeline": 2},
 }
 
 
 def layout(case: str) -> str:
-    ep, cp = (CASES[case].get(f"parallel.{key}", 1) for key in ("expert", "context"))
-    return f"{case} (EP={ep} x CP={cp} x DP={WORLD // cp}, {BACKEND}, {WORLD} processes)"
+    ep, cp, pp = (
+        CASES[case].get(f"parallel.{key}", 1) for key in ("expert", "context", "pipeline")
+    )
+    dp = WORLD // (cp * pp)
+    return f"{case} (EP={ep} x CP={cp} x PP={pp} x DP={dp}, {BACKEND}, {WORLD} processes)"
 
 
 def tiny_model_config(**values: Any) -> ModelConfig:
@@ -355,8 +360,8 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
         ),
         (
             {"model.num_experts": 4},
-            ParallelSizes(pp=2),
-            "num_experts=4 with parallel.pipeline=2",
+            ParallelSizes(pp=2, dp=2, ep=2),
+            "parallel.expert=2 with parallel.pipeline=2",
         ),
         (
             {"model.num_experts": 4, "model.moe_capacity_factor": 1.0},
@@ -370,7 +375,7 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
         "distributed-optimizer",
         "fsdp",
         "tensor",
-        "pipeline",
+        "expert-pipeline",
         "context-capacity",
     ],  # fmt: skip
 )
@@ -385,6 +390,7 @@ def test_refused_layouts_name_the_keys(values: dict, sizes: ParallelSizes, messa
 
 def single_process(values: dict[str, Any]) -> dict[str, Any]:
     parallel = ("parallel.expert", "parallel.data_parallel_mode", "parallel.context")
+    parallel += ("parallel.pipeline",)
     return {k: v for k, v in values.items() if k not in parallel}
 
 

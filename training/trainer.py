@@ -487,8 +487,8 @@ class Trainer:
         self.checkpoint = None
         self.consumed_samples += training.global_batch_size
         metrics = {"loss": total_loss, "lr": lr, "grad_norm": grad_norm}
-        metrics.update(pipeline_metrics)
-        if self.model_config.num_experts:
+        metrics.update(pipeline_metrics)  # pipeline stages report their moe_aux_loss
+        if self.model_config.num_experts and self.pipeline is None:
             metrics["moe_aux_loss"] = dp.all_reduce_mean(total_aux, self.parallel)
         if scaler:
             metrics["loss_scale"] = scaler.get_scale()

@@ -20,6 +20,8 @@ over all E router logits. Balanced routing gives ``aux = coeff``. During trainin
 layer keeps the value of its last forward in ``aux_loss``; :func:`moe_aux_loss` sums
 and clears them for the trainer, which adds the sum to the training loss. Under context
 parallelism (``cp_group``) f and P are the whole sequence's, summed over the CP parts.
+In pipeline stages (``aux_grad_scale``) there is no loss to add it to before the last
+stage: :class:`AuxLossGradient` gives it its gradient in backward instead.
 
 Capacity (``moe_capacity_factor``): each expert takes at most
 ``ceil(N · k / E · factor)`` tokens of the micro-batch; beyond that, the assignments
@@ -274,13 +276,21 @@ class MoELayer(nn.Module):
         # Set under context parallelism: the load balance is the whole sequence's.
         self.cp_group: dist.ProcessGroup | None = None
         self.aux_loss: Tensor | None = None
+        # Pipeline stages compute no loss to add the balance to: set, it makes backward
+        # give the balance loss this gradient (see AuxLossGradient); the values of the
+        # forwards back-propagated go to aux_values, for the step's metric.
+        self.aux_grad_scale: float | None = None
+        self.aux_values: list[Tensor] = []
 
     def forward(self, x: Tensor) -> Tensor:
         hidden = self.norm(x).reshape(-1, x.size(-1))
         logits = self.router(hidden)
         routing = route(logits, self.top_k, self.capacity_factor, self.cp_group)
+        aux = None
         if self.training and torch.is_grad_enabled():
-            self.aux_loss = self.aux_loss_coeff * routing.balance_loss
+            aux = self.aux_loss_coeff * routing.balance_loss
+            if self.aux_grad_scale is None:
+                self.aux_loss = aux
         tokens = torch.arange(hidden.size(0), device=x.device).repeat_interleave(self.top_k)
         experts, weights = routing.experts.reshape(-1), routing.weights.reshape(-1)
         if routing.keep is not None:
@@ -293,7 +303,15 @@ class MoELayer(nn.Module):
         # Weighted and summed in fp32 (the weights' dtype), as Megatron's unpermute does.
         out = out * weights.unsqueeze(-1)
         combined = out.new_zeros(hidden.shape).index_add(0, tokens, out)
-        return self.dropout(combined.view(x.shape).to(x.dtype))
+        out = self.dropout(combined.view(x.shape).to(x.dtype))
+        if aux is not None and self.aux_grad_scale is not None:
+            out = AuxLossGradient.apply(out, aux, self)
+        return out
+
+    def record_aux(self, aux: Tensor) -> None:
+        """A back-propagated forward's balance loss (pipeline stages), recorded in
+        backward, so that a forward a checkpoint recomputes counts once."""
+        self.aux_values.append(aux)
 
     def _run_experts(self, rows: Tensor, counts: Tensor) -> Tensor:
         """Rows sorted by expert -> expert outputs, same order (through EP ranks if any)."""
@@ -314,6 +332,23 @@ class MoELayer(nn.Module):
         out = self.experts(arrived[order], received.sum(dim=0).tolist())
         out = out[torch.argsort(order)]
         return all_to_all(out, send_splits, recv_splits, group)
+
+
+class AuxLossGradient(torch.autograd.Function):
+    """``out`` unchanged; in backward the balance loss ``aux`` gets the gradient
+    ``layer.aux_grad_scale``, as if ``scale · aux`` had been added to the loss (Megatron's
+    MoEAuxLossAutoScaler): a pipeline stage before the last has no loss to add it to.
+    The layer records the value then (:meth:`MoELayer.record_aux`)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, aux: Tensor, layer: MoELayer) -> Tensor:
+        ctx.layer, ctx.scale, ctx.aux = layer, layer.aux_grad_scale, aux.detach()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.layer.record_aux(ctx.aux)
+        return grad, torch.full_like(ctx.aux, ctx.scale), None
 
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:

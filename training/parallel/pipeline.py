@@ -107,6 +107,7 @@ from training.checkpoint.format import (
 from training.models import GPTModel, T5Model, meta_model, model_from_tensors
 from training.models.flops import param_groups
 from training.models.layers import IGNORE_INDEX
+from training.models.moe import moe_layers
 from training.models.packing import document_causal_mask, document_positions
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
@@ -313,6 +314,7 @@ class PipelineParallel:
             precision.scaler.scale(self._zero())  # must exist on every stage to unscale
         self.schedule = self._schedule()
         self.whole_param_names = whole_param_names(model_config)
+        self.moe_layers = moe_layers(self.model)
 
     # ---------------------------------------------------------------- schedule
 
@@ -352,6 +354,7 @@ class PipelineParallel:
         Returns the step's loss (mean over micro-batches and data-parallel ranks, on every
         rank) and the bubble metrics."""
         self._loss_weight = loss_weight
+        self._arm_load_balancing()
         args, kwargs, target = self._schedule_inputs(
             [next(batches) for _ in range(self.micro_batches)]
         )
@@ -370,7 +373,32 @@ class PipelineParallel:
         elapsed = time.perf_counter() - started
         self.sync_grads()
         loss = self.from_last_stage(dp.all_reduce_mean(loss.float(), self.state))
-        return loss, self._bubble_metrics(busy, elapsed)
+        metrics = self._bubble_metrics(busy, elapsed)
+        if self.moe_layers:
+            metrics["moe_aux_loss"] = self._load_balancing_loss()
+        return loss, metrics
+
+    def _arm_load_balancing(self) -> None:
+        """Each MoE layer's balance loss gets its gradient in backward, as ``aux · CP /
+        micro-batches`` (times the fp16 loss scale) added to the loss would give it: what
+        the trainer adds without pipeline stages (CP: see ``Trainer.train_step``)."""
+        scale = self.state.sizes.cp / self.micro_batches
+        if self.precision.scaler is not None:
+            scale *= float(self.precision.scaler.get_scale())
+        for layer in self.moe_layers:
+            layer.aux_grad_scale, layer.aux_values = scale, []
+
+    def _load_balancing_loss(self) -> Tensor:
+        """The step's balance loss as the trainer logs it without stages: the layers' sum
+        of their mean over the micro-batches, summed over the stages, averaged over data.
+        The last micro-batches' values: torch's first step also runs a metadata forward
+        and backward through the last stage before them."""
+        total = self._zero()
+        for layer in self.moe_layers:
+            if layer.aux_values:
+                total = total + torch.stack(layer.aux_values[-self.micro_batches :]).mean()
+        dist.all_reduce(total, group=self.state.pp_group)
+        return dp.all_reduce_mean(total, self.state)
 
     def _schedule_inputs(
         self, batches: list[dict[str, Tensor]]
