@@ -45,7 +45,8 @@ def prefetch_step(
     parallel: ParallelState,
     device: torch.device,
 ) -> tuple[Iterator[dict[str, Tensor]], Tensor]:
-    """This step's micro-batches, and the weight of a token's loss: ``DP / global count``."""
+    """This step's micro-batches, and the weight of a token's loss: ``DP · CP / global
+    count`` (DDP divides the data × context ranks back out)."""
     step = [next(batches) for _ in range(accumulation)]
     cp_size, cp_rank = parallel.sizes.cp, parallel.cp_rank
     # Under CP each rank counts its part of the sequence: the sum is the global count.
