@@ -27,13 +27,16 @@ from megalith.config import ModelConfig
 from megalith.errors import MegalithError
 from preprocessing.manifest import read_manifest
 from training.data.t5_dataset import span_corruption_lengths
+from training.finetune.lora import is_adapter_param
 from training.models import T5Model, build_model
 from training.models.flops import encoder_decoder_flops
+from training.models.package import load_model_package, model_tensors
 from training.parallel.groups import ParallelSizes
 from training.parallel.support import check_trainer_support
 from training.trainer import Trainer
 
 WORLD = 2
+LORA = {"finetune.lora.rank": 4, "finetune.lora.alpha": 8, "finetune.lora.dropout": 0.0}
 DP_CASES = {
     "dp2-ddp": {"parallel.data_parallel_mode": "ddp"},
     "dp2-distributed-optimizer": {"parallel.data_parallel_mode": "distributed_optimizer"},
@@ -155,6 +158,39 @@ def test_unsupported_t5_layouts_are_refused(t5_shards: Path, sizes, setting, key
     full = {"tp": 1, "cp": 1, "pp": 1, "dp": 1, "ep": 1, **sizes}
     with pytest.raises(MegalithError, match=f"{key} with model.family=t5"):
         check_trainer_support(config, ParallelSizes(**full))
+
+
+def test_t5_fine_tunes_from_its_package_fully_and_with_lora(
+    t5_shards: Path, reference: Path, tmp_path: Path
+) -> None:
+    """``finetune.base`` with a T5 package: the model starts as the base (its weights, and
+    the same first-step loss whether every weight trains or only LoRA adapters); the full
+    fine-tune moves the weights, the LoRA one only its adapters, and both packages load."""
+    base, _, _ = load_model_package(reference / "model")
+    base_tensors = model_tensors(base)
+    runs = {}
+    for name, extra in {"full": {}, "lora": LORA}.items():
+        settings = t5_settings(t5_shards, {"finetune.base": str(reference / "model"), **extra})
+        trainer = Trainer(t5_config(settings), tmp_path / name)
+        start = {n: t.clone() for n, t in model_tensors(trainer.model).items()}
+        for tensor_name, tensor in base_tensors.items():
+            assert torch.equal(start[tensor_name], tensor), (
+                f"{name}: {tensor_name} is not the base's"
+            )
+        trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+        runs[name] = (trainer.fit(show_progress=False).metrics, trainable)
+        package, config, _ = load_model_package(tmp_path / name / "model")
+        assert config.family == "t5" and isinstance(package, T5Model)
+        moved = [n for n, t in model_tensors(trainer.model).items() if not torch.equal(t, start[n])]
+        if name == "full":
+            assert set(moved) == set(base_tensors), set(base_tensors) - set(moved)
+        else:
+            assert moved and all(is_adapter_param(n) for n in moved), moved
+            assert trainable == {n for n in start if is_adapter_param(n)}
+            assert (tmp_path / name / "adapter").is_dir()
+    (full, _), (lora, _) = runs["full"], runs["lora"]
+    assert full[0]["loss"] == pytest.approx(lora[0]["loss"], abs=1e-6)
+    assert len(full) == len(lora) == STEPS
 
 
 # --- evaluation ----------------------------------------------------------------------------

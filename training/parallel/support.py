@@ -82,10 +82,6 @@ FAMILY_UNSUPPORTED: dict[
             lambda c, s: c.data.format == "chat",
             "chat fine-tuning of an encoder-decoder",
         ),
-        "finetune.base": (
-            lambda c, s: c.finetune.base is not None,
-            "fine-tuning an encoder-decoder",
-        ),
     },
 }
 
