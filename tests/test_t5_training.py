@@ -193,6 +193,35 @@ def test_t5_fine_tunes_from_its_package_fully_and_with_lora(
     assert len(full) == len(lora) == STEPS
 
 
+@pytest.mark.slow
+def test_parallel_t5_lora_fine_tunes_match_one_process(
+    t5_shards: Path, reference: Path, tmp_path: Path
+) -> None:
+    """A T5 LoRA fine-tune under DP=2, TP=2 and PP=2 (encoder and decoder stages; each reads
+    only its layers of the base) against the same fine-tune in one process: losses,
+    validation losses and grad norms step by step, and an exact resume."""
+    settings = t5_settings(t5_shards, {"finetune.base": str(reference / "model"), **LORA})
+    one = tmp_path / "one"
+    Trainer(t5_config(settings), one).fit(show_progress=False)
+    cases = {
+        "lora-dp2": settings,
+        "lora-tp2": {**settings, "parallel.tensor": 2},
+        "lora-pp2": {**settings, "parallel.pipeline": 2},
+    }
+    spec = {
+        "recipe": str(T5_RECIPE),
+        "device": DEVICE,
+        "cases": cases,
+        "resume_step": RESUME_STEP,
+        "out": str(tmp_path),
+    }
+    runs = run_torchrun_worker("tp_trainer_worker.py", spec, tmp_path, WORLD, "T5 LoRA")
+    for case in cases:
+        layout = f"T5 {case} ({BACKEND}, {WORLD} processes)"
+        assert_metrics_match(metrics(runs / case), metrics(one), layout)
+        assert_resume_exact(runs / case, runs / f"{case}-resumed", layout)
+
+
 # --- evaluation ----------------------------------------------------------------------------
 
 
