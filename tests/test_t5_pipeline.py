@@ -210,6 +210,31 @@ def test_t5_pipeline_package_gives_one_process_logits(
         )  # fmt: skip
 
 
+@pytest.mark.slow
+def test_compiled_t5_pipeline_stages_match_one_compiled_process(
+    t5_shards: Path, tmp_path: Path
+) -> None:
+    """``training.compile`` with T5 stages (PP=2: encoder, then decoder): each encoder and
+    decoder block compiled in place gives the compiled single process's losses and grad
+    norms, whole checkpoint tensors, and resumes exactly."""
+    compiled = t5_settings(t5_shards, {"training.compile": "true"})
+    one = tmp_path / "one"
+    Trainer(t5_config(compiled), one).fit(show_progress=False)
+    case = "pp2-compiled"
+    spec = {
+        "recipe": str(T5_RECIPE),
+        "device": DEVICE,
+        "resume_step": RESUME_STEP,
+        "out": str(tmp_path),
+        "cases": {case: {**compiled, "parallel.pipeline": 2}},
+    }
+    runs = run_torchrun_worker("pp_worker.py", spec, tmp_path, WORLD, "T5 compiled pipeline")
+    name = f"T5 {case} ({BACKEND}, {WORLD} processes)"
+    assert_metrics_match(metrics(runs / case), metrics(one), name)
+    assert_whole_checkpoint(runs / case, one, name)
+    assert_resume_exact(runs / case, runs / f"{case}-resumed", name)
+
+
 def test_t5_split_counts_encoder_then_decoder_layers(t5_shards: Path) -> None:
     config = t5_config(t5_settings(t5_shards, {"model.num_decoder_layers": 3})).model
     assert pipelined_layers(config) == 5

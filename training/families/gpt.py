@@ -78,6 +78,7 @@ FAMILY = ModelFamily(
         activation_shapes=pipeline.activation_shapes,
         owner=lambda name, counts, pp, model: owner_of_parameter(name, counts, pp),
         on_every_stage=lambda name: False,  # the tied embedding's copy is summed apart
+        blocks=lambda model: list(model.layers.values()),
     ),
     memory=MemoryModel(
         stage_activations=memory.stage_activations,

@@ -51,6 +51,8 @@ class PipelineSplit:
     owner: Callable[[str, list[int], int, ModelConfig], int]
     # parameter name -> whether every stage holds a copy (gradients summed over the pipeline)
     on_every_stage: Callable[[str], bool]
+    # stage model -> its transformer blocks (``training.compile`` compiles each in place)
+    blocks: Callable[[nn.Module], list[nn.Module]]
 
 
 @dataclass(frozen=True)

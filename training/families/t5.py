@@ -77,6 +77,7 @@ FAMILY = ModelFamily(
         ),
         # Every stage holds both relative-bias tables (pipeline_t5's docstring).
         on_every_stage=lambda name: ".relative_bias." in name,
+        blocks=lambda model: [*model.encoder.layers.values(), *model.decoder.layers.values()],
     ),
     memory=MemoryModel(
         stage_activations=memory.stage_activations,

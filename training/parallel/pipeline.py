@@ -48,9 +48,9 @@ fp16: the last stage's loss function returns the scaled loss, so every stage's g
 come out scaled; the trainer unscales them and ``AgreedGradScaler`` agrees on an inf over
 every rank (so all stages skip the step together). ``training.compile`` compiles each
 block of the stage in place (``nn.Module.compile``: names, chunks and checkpoints stay as
-they are), as torchtitan does, not the schedule. Not integrated: FSDP with pipeline stages,
-compiled zero-bubble schedules and compiled T5 stages; :mod:`training.parallel.support`
-refuses them.
+they are; the family names its blocks, ``PipelineSplit.blocks``), as torchtitan does, not
+the schedule. Not integrated: FSDP with pipeline stages and compiled zero-bubble
+schedules; :mod:`training.parallel.support` refuses them.
 
 Measuring the bubble (GPU): every step logs, from each pipeline rank's ``busy`` time (its
 chunks' forward and backward and the loss: CUDA events, no extra synchronisation; wall
@@ -294,7 +294,7 @@ class PipelineParallel:
         whole = tp.build_model(model_config, state, config.parallel.sequence_parallel, device)
         self.model, chunk_layers = split.build_stage(whole, state, self.counts)
         if config.training.compile:  # each block in place: names and chunks stay as they are
-            for block in self.model.layers.values():
+            for block in split.blocks(self.model):
                 block.compile()
         self.virtual_stages = virtual_stages_of(state.pp_rank, sizes.pp, sizes.vpp)
         self.num_virtual = sizes.pp * sizes.vpp

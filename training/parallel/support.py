@@ -74,10 +74,6 @@ FAMILY_UNSUPPORTED: dict[
     "gpt": {},
     "t5": {  # data parallelism, tensor/sequence parallelism and pipeline stages do run
         "parallel.context": (lambda c, s: s.cp > 1, "context-parallel cross-attention"),
-        "training.compile with parallel.pipeline": (
-            lambda c, s: c.training.compile and s.pp > 1,
-            "compiled encoder-decoder pipeline stages",
-        ),
         "data.format=chat": (
             lambda c, s: c.data.format == "chat",
             "chat fine-tuning of an encoder-decoder",
