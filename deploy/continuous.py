@@ -273,9 +273,7 @@ class ContinuousEngine(QueuedEngine):
             return self._forward(sequences, [[token] for token in tokens])
         tables = [s.blocks for s in sequences]
         logits = self.graphs.forward(tokens, tables, [s.computed for s in sequences])
-        for sequence in sequences:
-            sequence.computed += 1
-        self.stats.steps += 1
+        self._advance(sequences, [1] * len(sequences))
         return logits
 
     def _forward(self, sequences: list[Sequence], tokens: list[list[int]]) -> Tensor:
@@ -290,10 +288,14 @@ class ContinuousEngine(QueuedEngine):
         batch = torch.tensor(padded, device=self.device)
         with decoding(self.device, self.autocast_dtype):
             logits = self.model.forward_rows(batch, step.positions, step, step.attn_mask, step.last)
+        self._advance(sequences, counts)
+        return logits
+
+    def _advance(self, sequences: list[Sequence], counts: list[int]) -> None:
+        """A forward cached ``counts[i]`` more positions of sequence ``i``."""
         for sequence, count in zip(sequences, counts, strict=True):
             sequence.computed += count
         self.stats.steps += 1
-        return logits
 
     def _sample(self, sequences: list[Sequence], logits: Tensor) -> None:
         """Each sequence's next token from its logits row; a finished sequence leaves."""

@@ -14,7 +14,8 @@ the scratch block, masked out). The graph takes its inputs from a tensor it owns
 host writes each step's tokens, start positions and block tables there (one copy), and
 everything else, slots, positions and the mask, is computed inside the graph
 (:meth:`PagedKVCache.step_from`). The engine captures every bucket when it starts
-(:meth:`DecodeGraphs.capture_all`: ~80 graphs for 256 rows and 2048 positions); a bucket
+(:meth:`DecodeGraphs.capture_all`: 19 row sizes × 4 key lengths = 76 graphs for 256
+rows and 2048 positions); a bucket
 not captured yet is captured when first used. The graphs share one memory pool (only one
 runs at a time). Padding changes the shapes the kernels see, so logits may differ from
 the unpadded step by rounding (the tests check them on CPU through ``capture=False``,

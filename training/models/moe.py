@@ -284,8 +284,7 @@ class MoELayer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         hidden = self.norm(x).reshape(-1, x.size(-1))
-        logits = self.router(hidden)
-        routing = route(logits, self.top_k, self.capacity_factor, self.cp_group)
+        routing = route(self.router(hidden), self.top_k, self.capacity_factor, self.cp_group)
         aux = None
         if self.training and torch.is_grad_enabled():
             aux = self.aux_loss_coeff * routing.balance_loss
