@@ -613,11 +613,14 @@ class ModelConfig(StrictModel):
         description="Layer backend: Transformer Engine when importable (auto) or plain torch.",
     )
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = Field(
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "flex"] = Field(
         default="auto",
         description="The SDPA kernel tried first: auto keeps torch's order (flash, "
         "memory-efficient, math, cuDNN); cudnn puts cuDNN attention first (Hopper). Kernels "
-        "that cannot run an input fall through to the next.",
+        "that cannot run an input fall through to the next. T5's biased attentions (relative "
+        "positions, padding) run through FlexAttention when compiled on CUDA under auto, "
+        "always under flex (which needs CUDA to train), and as a dense SDPA mask under a "
+        "named SDPA kernel.",
     )
     loss_chunk_tokens: int = Field(
         default=0,
