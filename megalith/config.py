@@ -613,14 +613,11 @@ class ModelConfig(StrictModel):
         description="Layer backend: Transformer Engine when importable (auto) or plain torch.",
     )
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math", "flex"] = Field(
+    attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = Field(
         default="auto",
         description="The SDPA kernel tried first: auto keeps torch's order (flash, "
         "memory-efficient, math, cuDNN); cudnn puts cuDNN attention first (Hopper). Kernels "
-        "that cannot run an input fall through to the next. T5's biased attentions (relative "
-        "positions, padding) run through FlexAttention when compiled on CUDA under auto, "
-        "always under flex (which needs CUDA to train), and as a dense SDPA mask under a "
-        "named SDPA kernel.",
+        "that cannot run an input fall through to the next.",
     )
     loss_chunk_tokens: int = Field(
         default=0,

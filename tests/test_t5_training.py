@@ -159,13 +159,6 @@ def test_unsupported_t5_layouts_are_refused(t5_shards: Path, sizes, setting, key
         check_trainer_support(config, ParallelSizes(**full))
 
 
-def test_flex_attention_on_cpu_is_refused_before_a_step(t5_shards: Path, tmp_path: Path) -> None:
-    config = t5_config(t5_settings(t5_shards, {"model.attention_backend": "flex"}))
-    with pytest.raises(MegalithError, match="model.attention_backend=flex on cpu"):
-        Trainer(config, tmp_path / "run")
-    assert not (tmp_path / "run").exists()
-
-
 def test_t5_fine_tunes_from_its_package_fully_and_with_lora(
     t5_shards: Path, reference: Path, tmp_path: Path
 ) -> None:

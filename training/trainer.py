@@ -69,7 +69,7 @@ from training.parallel import expert_parallel_training as ep
 from training.parallel.dtensor import is_dtensor
 from training.parallel.groups import ParallelState, build_parallel_state, validate_layout
 from training.parallel.parallelize import parallelize
-from training.parallel.support import check_device_support, check_trainer_support
+from training.parallel.support import check_trainer_support
 from training.precision.mixed import Precision, resolve_precision
 from training.runtime.distributed import env_from_torchrun, local_device
 
@@ -202,7 +202,6 @@ class Trainer:
         if parallel_state is not None:
             check_same_layout(config, parallel_state)
         check_trainer_support(config, self.parallel.sizes)
-        check_device_support(config, self.device.type)
         self.is_main = self.parallel.rank == 0
         if self.is_main:
             self.output.mkdir(parents=True, exist_ok=True)

@@ -12,12 +12,11 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import flex_attention
 
 from megalith.config import RopeScaling
 from training.models.fused_cross_entropy import linear_cross_entropy
@@ -145,10 +144,10 @@ SDPA_KERNELS = ("cudnn", "flash", "efficient", "math")
 
 def attention_kernels(first: str) -> Callable[[], contextlib.AbstractContextManager] | None:
     """A context that makes SDPA try ``first`` before its other kernels (``model.
-    attention_backend``), or None for ``auto`` and ``flex``: torch's own order (flash, memory-efficient,
+    attention_backend``), or None for ``auto``: torch's own order (flash, memory-efficient,
     math, cuDNN since torch 2.5). A kernel that cannot run an input falls through to the
     next, so ``cudnn`` is safe on CPU and on GPUs without it."""
-    if first in ("auto", "flex"):
+    if first == "auto":
         return None
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -160,73 +159,6 @@ def attention_kernels(first: str) -> Callable[[], contextlib.AbstractContextMana
     }
     order = [by_name[first]] + [by_name[name] for name in SDPA_KERNELS if name != first]
     return functools.partial(sdpa_kernel, order, set_priority=True)
-
-
-class AttentionBias(NamedTuple):
-    """What an attention adds to its scores, kept in parts rather than as one dense
-    ``[B, heads, T, S]`` float mask (T5's attentions, :mod:`training.models.t5`).
-
-    ``scores [1, heads, T, S]`` float, added (T5's relative position bias), or None;
-    ``keys [B, S]`` bool, False where a key is padding that no query reads, or None;
-    ``causal``: query ``i`` (the last ``T`` of ``S`` positions) sees keys ``0 .. S-T+i``.
-
-    ``kernel`` says how :class:`SDPAttention` runs it: ``"flex"`` through FlexAttention
-    (the parts go into a ``score_mod``, so no mask is built and the bias gets its gradient
-    inside the fused kernel), ``"auto"`` through FlexAttention when the attention runs
-    compiled on CUDA (eager FlexAttention is an unfused reference with no CPU backward),
-    ``"dense"`` always through SDPA with :meth:`dense`.
-    """
-
-    scores: Tensor | None
-    keys: Tensor | None
-    causal: bool
-    kernel: Literal["auto", "flex", "dense"] = "auto"
-
-    def dense(self, queries: int, keys: int, device: torch.device) -> Tensor:
-        """The float mask SDPA adds: ``scores`` (or 0) where a key may be read, the most
-        negative value elsewhere; broadcastable to ``[B, heads, T, S]``."""
-        mask = self.scores
-        if mask is None:
-            mask = torch.zeros(1, 1, queries, keys, device=device)
-        allowed = None if self.keys is None else self.keys[:, None, None, :]
-        if self.causal:
-            causal = torch.ones(queries, keys, dtype=torch.bool, device=device)
-            causal = causal.tril(keys - queries)[None, None]
-            allowed = causal if allowed is None else allowed & causal
-        if allowed is None:
-            return mask
-        return mask.masked_fill(~allowed, torch.finfo(mask.dtype).min)
-
-    def uses_flex(self, q: Tensor) -> bool:
-        if self.kernel == "auto":
-            return q.is_cuda and torch.compiler.is_compiling()
-        return self.kernel == "flex"
-
-
-def flex_attention_kernel(attention_backend: str) -> Literal["auto", "flex", "dense"]:
-    """:attr:`AttentionBias.kernel` for ``model.attention_backend``: a named SDPA kernel
-    keeps the dense mask (that kernel is what was asked for)."""
-    if attention_backend in ("auto", "flex"):
-        return attention_backend
-    return "dense"
-
-
-def biased_flex_attention(q: Tensor, k: Tensor, v: Tensor, bias: AttentionBias) -> Tensor:
-    """``q [B, heads, T, D]``, ``k``/``v [B, groups, S, D]`` -> ``[B, heads, T, D]``, the
-    scores shifted by ``bias`` inside FlexAttention's kernel."""
-    scores, keys = bias.scores, bias.keys
-    offset = k.size(2) - q.size(2)
-
-    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        if scores is not None:
-            score = score + scores[0, h, q_idx, kv_idx]
-        if keys is not None:
-            score = torch.where(keys[b, kv_idx], score, -float("inf"))
-        if bias.causal:
-            score = torch.where(q_idx + offset >= kv_idx, score, -float("inf"))
-        return score
-
-    return flex_attention(q, k, v, score_mod=score_mod, enable_gqa=k.size(1) != q.size(1))
 
 
 class SDPAttention(nn.Module):
@@ -245,19 +177,13 @@ class SDPAttention(nn.Module):
 
         With ``S > T`` (a KV cache) the queries are the last ``T`` positions. ``attn_mask``
         replaces the causal mask: bool ``[B, 1, T, S]`` (True = may attend) for packed
-        documents (:mod:`training.models.packing`), a float mask broadcastable to
-        ``[B, heads, T, S]`` added to the scores (cast to the queries' dtype, as SDPA
-        needs, so that masked keys stay finite there too), or an :class:`AttentionBias`
-        (T5's relative position biases, padding and causality,
-        :mod:`training.models.t5`), run through FlexAttention or as that float mask.
+        documents (:mod:`training.models.packing`), or a float mask broadcastable to
+        ``[B, heads, T, S]`` added to the scores (T5's relative position biases and
+        padding, :mod:`training.models.t5`; cast to the queries' dtype, as SDPA needs,
+        so that masked keys stay finite there too).
         """
         batch, length = q.shape[:2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if isinstance(attn_mask, AttentionBias):
-            if attn_mask.uses_flex(q) and not (self.dropout and self.training):
-                out = biased_flex_attention(q, k, v, attn_mask)
-                return out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
-            attn_mask = attn_mask.dense(length, k.size(2), q.device)
         gqa = k.size(1) != q.size(1)
         # One query under a mask (a decode step over a paged cache): each KV group's query
         # heads become that group's queries, [B, groups, heads/groups, D], so the masked

@@ -31,14 +31,10 @@ rotates queries and keys of both self-attentions instead. Scores are scaled by
 ``1/sqrt(head_dim)`` as everywhere else in Megalith (T5 does not scale: the HF export
 folds the factor into the query weights, :mod:`training.interop.hf_t5`).
 
-Masks reach the core attention as an :class:`~training.models.layers.AttentionBias`,
-built once per stack and forward: the relative bias ``[1, heads, T, S]``, the padding
-keys ``[B, S]`` and causality, kept apart. Compiled on CUDA they go into FlexAttention's
-``score_mod`` (no ``[B, heads, S, S]`` mask is ever built, and the bias's gradient is
-summed inside the kernel); otherwise they become one float mask added to the scores
-(relative bias, the most negative value where a key is padding or in the future).
-Padded encoder positions are never attended to, by the encoder's self-attention nor by
-the decoder's cross-attention.
+Masks reach the core attention as one float tensor added to the scores (relative bias,
+the most negative value where a key is padding or in the future), built once per
+stack and forward; padded encoder positions are never attended to, by the encoder's
+self-attention nor by the decoder's cross-attention.
 
 Tensor/sequence parallelism come from the backend, as for GPT: heads (and this rank's
 columns of each relative-bias table) are split over TP ranks, the cross-attention's
@@ -69,12 +65,7 @@ from training.models.gpt import (
     _selective_context,
     reset_submodules,
 )
-from training.models.layers import (
-    AttentionBias,
-    RotaryEmbedding,
-    flex_attention_kernel,
-    scaled_init_std,
-)
+from training.models.layers import RotaryEmbedding, scaled_init_std
 
 
 def relative_position_bucket(
@@ -135,6 +126,24 @@ class RelativePositionBias(nn.Module):
         return self.weight[buckets].permute(2, 0, 1).unsqueeze(0)
 
 
+def additive_mask(
+    bias: Tensor | None, allowed: Tensor | None, queries: int, keys: int, device: torch.device
+) -> Tensor:
+    """The float mask added to the attention scores: ``bias`` (or 0) where ``allowed``
+    (bool, broadcastable to ``[B, heads, T, S]``), the most negative value elsewhere."""
+    if bias is None:
+        bias = torch.zeros(1, 1, queries, keys, device=device)
+    if allowed is None:
+        return bias
+    return bias.masked_fill(~allowed, torch.finfo(bias.dtype).min)
+
+
+def causal_allowed(queries: int, keys: int, device: torch.device) -> Tensor:
+    """``[1, 1, T, S]`` True where query ``i`` (the last ``T`` of ``S``) may see the key."""
+    allowed = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+    return allowed[None, None]
+
+
 class CrossAttention(nn.Module):
     """Decoder queries attend to every (non-padding) encoder position; no positions."""
 
@@ -161,7 +170,7 @@ class CrossAttention(nn.Module):
         )
         self.dropout = backend.dropout(config.dropout)
 
-    def forward(self, x: Tensor, encoded: Tensor, attn_mask: AttentionBias) -> Tensor:
+    def forward(self, x: Tensor, encoded: Tensor, attn_mask: Tensor) -> Tensor:
         q = self.q(x)
         batch, length = q.shape[:2]
         k, v = self.kv(encoded).chunk(2, dim=-1)  # each rank's [k; v] parts, per chunk
@@ -186,8 +195,8 @@ class DecoderBlock(nn.Module):
         x: Tensor,
         encoded: Tensor,
         rope: Rope | None,
-        self_mask: AttentionBias | None,
-        cross_mask: AttentionBias,
+        self_mask: Tensor | None,
+        cross_mask: Tensor,
         kv_cache: KVCache | None = None,
         start_pos: int = 0,
     ) -> Tensor:
@@ -234,7 +243,6 @@ class T5Model(nn.Module):
         self.config = config
         self.backend = backend or resolve_backend(config.backend)
         self.activation_checkpointing = config.activation_checkpointing
-        self._attention_kernel = flex_attention_kernel(config.attention_backend)
         self.embedding = Embeddings(config, self.backend)
         self.rope = None
         if config.position_embedding == "rope":
@@ -342,35 +350,43 @@ class T5Model(nn.Module):
                 f"encoder_mask must be bool {list(tokens.shape)} like encoder_tokens, "
                 f"got {mask.dtype} {list(mask.shape)}"
             )
-        attn_mask = self.encoder_attention_mask(length, mask)
+        attn_mask = self.encoder_attention_mask(length, mask, tokens.device)
         x = self.embedding(tokens, 0)
         rope = self.rope(0, length, x.device) if self.rope is not None else None
         for block in self.encoder.layers:
             x = self._run_block(block, x, rope, attn_mask=attn_mask)
         return self.encoder.dropout(self.encoder.final_norm(x))
 
-    def encoder_attention_mask(self, length: int, mask: Tensor | None) -> AttentionBias:
-        """The encoder self-attention's bias: relative positions ``[1, heads, S, S]`` and
-        the padding keys (``mask`` False) that no query reads. Pipeline stages build it
-        from the full lengths (:mod:`training.parallel.pipeline_t5`)."""
+    def encoder_attention_mask(
+        self, length: int, mask: Tensor | None, device: torch.device
+    ) -> Tensor:
+        """The encoder self-attention's float mask ``[B or 1, heads, S, S]``: relative
+        bias, padding keys (``mask`` False) at the most negative value. Pipeline stages
+        build it from the full lengths (:mod:`training.parallel.pipeline_t5`)."""
+        allowed = None if mask is None else mask[:, None, None, :]
         bias = self.encoder.position_bias(length, length)
-        return AttentionBias(bias, mask, causal=False, kernel=self._attention_kernel)
+        return additive_mask(bias, allowed, length, length, device)
 
     def decoder_attention_masks(
         self,
         length: int,
         encoder_mask: Tensor | None,
+        device: torch.device,
         start_pos: int = 0,
-    ) -> tuple[AttentionBias | None, AttentionBias]:
+    ) -> tuple[Tensor | None, Tensor]:
         """``(self_mask, cross_mask)`` of the decoder's ``length`` queries at positions
-        ``start_pos ..``: causal with the relative bias (None: SDPA's own causal mask), and
-        the cross-attention's padding keys over the encoder positions."""
-        kernel = self._attention_kernel
+        ``start_pos ..``: causal (with the relative bias; None: SDPA's own causal mask),
+        and the cross-attention's padding mask over the encoder positions."""
+        keys = start_pos + length
         self_mask = None  # SDPA's own causal mask (rope, nothing cached before)
-        bias = self.decoder.position_bias(length, start_pos + length, start_pos)
+        bias = self.decoder.position_bias(length, keys, start_pos)
         if bias is not None or start_pos:
-            self_mask = AttentionBias(bias, None, causal=True, kernel=kernel)
-        return self_mask, AttentionBias(None, encoder_mask, causal=False, kernel=kernel)
+            allowed = causal_allowed(length, keys, device)
+            self_mask = additive_mask(bias, allowed, length, keys, device)
+        source = encoder_mask.size(1) if encoder_mask is not None else None
+        cross_allowed = None if encoder_mask is None else encoder_mask[:, None, None, :]
+        cross_mask = additive_mask(None, cross_allowed, length, source or 1, device)
+        return self_mask, cross_mask
 
     def decode_hidden(
         self,
@@ -387,7 +403,9 @@ class T5Model(nn.Module):
         length = tokens.size(1)
         if start_pos and kv_cache is None:
             raise ValueError("start_pos > 0 needs a kv_cache holding the earlier positions")
-        self_mask, cross_mask = self.decoder_attention_masks(length, encoder_mask, start_pos)
+        self_mask, cross_mask = self.decoder_attention_masks(
+            length, encoder_mask, tokens.device, start_pos
+        )
         x = self.embedding(tokens, start_pos)
         rope = self.rope(start_pos, length, x.device) if self.rope is not None else None
         for block in self.decoder.layers:

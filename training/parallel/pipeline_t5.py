@@ -138,7 +138,7 @@ class T5StageChunk(nn.Module):
                 target_length = target.size(1) * self._sequence_shards
             passed_source, passed_target = True, True
             if self.encoder_blocks:
-                mask = self._encoder_mask(source_length, encoder_mask)
+                mask = self._encoder_mask(source_length, encoder_mask, device)
                 rope = self._rope(source_length, device)
                 for block in self.encoder_blocks:
                     source = self._run_block(block, source, rope, attn_mask=mask)
@@ -147,7 +147,7 @@ class T5StageChunk(nn.Module):
                 source = self.encoder_dropout(self.encoder_norm(source))
                 passed_source = False
             if self.decoder_blocks:
-                self_mask, cross_mask = self._decoder_masks(target_length, encoder_mask)
+                self_mask, cross_mask = self._decoder_masks(target_length, encoder_mask, device)
                 rope = self._rope(target_length, device)
                 for block in self.decoder_blocks:
                     target = self._run_block(block, target, source, rope, self_mask, cross_mask)

@@ -34,15 +34,6 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
         raise MegalithError("; ".join(problems))
 
 
-def check_device_support(config: MegalithConfig, device_type: str) -> None:
-    """Raise for settings the resolved device cannot train with."""
-    if config.model.attention_backend == "flex" and device_type != "cuda":
-        raise MegalithError(
-            f"model.attention_backend=flex on {device_type}: FlexAttention has no backward "
-            "there; use auto (FlexAttention when compiled on CUDA, dense masks elsewhere)"
-        )
-
-
 def fsdp_te_problems(mode: str, sizes: ParallelSizes) -> list[str]:
     """FSDP × TP (2-D) runs with the torch kernels; over Transformer Engine's own
     tensor-parallel modules it is not verified (the check needs CUDA and 4 GPUs).
