@@ -4,7 +4,9 @@ The trainer calls it once. It applies, in this order:
 
 1. **Pipeline split** (``parallel.pipeline`` > 1): this rank's stages
    (:class:`~training.parallel.pipeline.PipelineParallel`, which builds them through
-   step 2 and keeps this rank's layers).
+   step 2 and keeps this rank's layers); with FSDP the stages are sharded after steps 3
+   and 4, one unit per block and each stage chunk the root of the rest
+   (:meth:`~training.parallel.pipeline.PipelineParallel.shard_data_parallel`).
 2. **Tensor / sequence / context / expert parallelism**: the model is built on the meta
    device with the sharding backend (tensor-parallel linears and vocabulary, context-
    parallel attention around the kernel backend) and materialized shard by shard from a
@@ -101,6 +103,8 @@ def parallelize(
         prepare_fp8(pipeline.model, config.mixed_precision, precision)
         if finetune is not None:  # this stage's layers of the base, before the optimizer
             finetune.prepare(pipeline.model, state)
+        if config.parallel.data_parallel_mode == "fsdp" and dp.data_parallel_size(state) > 1:
+            pipeline.shard_data_parallel()
         return ParallelModel(pipeline.model, pipeline.model, pipeline.model, pipeline)
     if _fsdp_builds_on_meta(config, model_config, state):
         lora = finetune.lora if finetune is not None else None

@@ -97,6 +97,7 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megalith.config import MegalithConfig, ModelConfig
+from megalith.errors import MegalithError
 from training.checkpoint.format import (
     load_model_tensors,
     optimizer_group_indices,
@@ -112,6 +113,7 @@ from training.models.packing import document_causal_mask, document_positions
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
+from training.parallel.dtensor import local_tensor, whole_tensor
 from training.parallel.groups import ParallelState
 from training.parallel.pipeline_layout import (
     bubble_fraction,
@@ -173,6 +175,10 @@ class StageChunk(nn.Module):
         self.blocks = nn.ModuleList(model.layers[str(i)] for i in layers)
         self.final_norm = model.final_norm if last else None
         self.output = model.output if last else None
+        # The last stage's tied head shares the embedding's Parameter: FSDP must see both
+        # modules that hold it to swap both to its sharded and gathered forms.
+        tied = last and not first and model.config.tie_embeddings
+        self.tied_embedding = model.embedding if tied else None
         self._run_block = model._run_block  # activation checkpointing as configured
         self._autocast = autocast
         self._sequence_shards = sequence_shards  # TP size under sequence parallelism
@@ -315,6 +321,28 @@ class PipelineParallel:
         self.schedule = self._schedule()
         self.whole_param_names = whole_param_names(model_config)
         self.moe_layers = moe_layers(self.model)
+        self.sharded = False  # FSDP over data x context (shard_data_parallel)
+
+    def shard_data_parallel(self) -> None:
+        """FSDP2 over data × context: one unit per block, and each chunk the root of what
+        else it runs (embedding, final norm, head), so that torch's pipeline stages drive
+        FSDP: gradients reduce-scattered once, after the step's last micro-batch, and the
+        parameters resharded then (Megatron's and torchtitan's FSDP × PP)."""
+        from torch.distributed.fsdp import fully_shard  # as data_parallel.shard_model
+
+        mesh = self.state.dp_cp_mesh
+        for chunk in self.chunks:
+            for block in chunk.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(chunk, mesh=mesh)
+        self.sharded = True
+
+    def reshard(self) -> None:
+        """A forward without backward (validation) leaves the chunks' own parameters
+        gathered: shard them again, so that the stage model holds what the optimizer steps."""
+        if self.sharded:
+            for chunk in self.chunks:
+                chunk.reshard()
 
     # ---------------------------------------------------------------- schedule
 
@@ -474,7 +502,7 @@ class PipelineParallel:
         T5's relative-bias tables over the pipeline (every stage holds them)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         size = dp.data_parallel_size(self.state)
-        if size > 1:
+        if size > 1 and not self.sharded:  # FSDP has reduce-scattered them
             by_dtype: dict[torch.dtype, list[Tensor]] = {}
             for grad in grads:
                 by_dtype.setdefault(grad.dtype, []).append(grad)
@@ -488,7 +516,8 @@ class PipelineParallel:
             grad = self._tied_copy().grad
             if grad is None:
                 grad = self._tied_copy().grad = torch.zeros_like(self._tied_copy())
-            dist.all_reduce(grad, group=self.state.embedding_group)
+            # Under FSDP both copies hold the same rows of it: sum those.
+            dist.all_reduce(local_tensor(grad), group=self.state.embedding_group)
         for name, param in self.model.named_parameters():
             if self.split.on_every_stage(name):
                 if param.grad is None:
@@ -510,7 +539,10 @@ class PipelineParallel:
         for name, param in self.model.named_parameters():
             if param.grad is None or not self._owned(name):
                 continue
-            totals[0 if name in split_names else 1] += param.grad.detach().float().square().sum()
+            square = local_tensor(param.grad.detach()).float().square().sum()
+            totals[0 if name in split_names else 1] += square
+        if self.sharded:  # each data-parallel rank holds its rows of every gradient
+            dist.all_reduce(totals, group=self.state.dp_cp_group)
         if self.state.sizes.tp > 1:
             split = totals[:1].clone()
             dist.all_reduce(split, group=self.state.tp_group)
@@ -523,7 +555,7 @@ class PipelineParallel:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for param in self.model.parameters():
                 if param.grad is not None:
-                    param.grad.mul_(scale)
+                    local_tensor(param.grad).mul_(scale)
         return norm
 
     # ---------------------------------------------------------------- validation
@@ -553,6 +585,7 @@ class PipelineParallel:
                     dist.send(x.to(dtype).contiguous(), group_dst=(stage + 1) % pp, group=group)
             else:
                 loss = self._validation_loss(chunk, out, labels, counted)
+        self.reshard()
         return loss
 
     def _validation_loss(
@@ -584,6 +617,7 @@ class PipelineParallel:
         ``local`` maps names this rank owns to its (TP-sharded) tensors, in an order
         its TP peers share; ranks off the first data-parallel replica only return."""
         coords = self.state.coords
+        local = {n: whole_tensor(t) for n, t in local.items()}  # FSDP rows: collective
         if coords.dp or coords.cp:
             return None
         if self.state.sizes.tp == 1:
@@ -637,6 +671,12 @@ class PipelineParallel:
         """Load this rank's part of a whole checkpoint (written at any layout) into the
         stage model and optimizer, and restore the RNG; returns state.json."""
         path = Path(path)
+        if self.sharded:
+            raise MegalithError(
+                f"{path}: a whole-tensor (v1) checkpoint does not resume under "
+                "parallel.data_parallel_mode=fsdp with pipeline stages; resume it once with ddp "
+                "(the next checkpoint is sharded, v2), then switch to fsdp"
+            )
         index, saved = verify_checkpoint_state(path, self.config.checkpoint.require_signature)
         tensors = read_checkpoint_tensors(path / "model.safetensors", index)
 

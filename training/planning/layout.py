@@ -579,7 +579,9 @@ def candidates(shapes: Shapes, cluster: Cluster, global_batch: int, space: Searc
                     ):
                         continue
                     if mode == "fsdp" and pp > 1:
-                        continue  # Megalith runs FSDP without pipeline stages only
+                        # FSDP over stages runs, but this time model does not count its
+                        # all-gathers per micro-batch yet: not proposed.
+                        continue
                     if mode != "ddp" and dp * cp == 1:
                         continue
                     yield Layout(tp, cp, pp, dp, ep, vpp, tp > 1, prec, rc, mbs, mode, split)
