@@ -365,9 +365,9 @@ def test_fsdp_over_pipeline_stages_matches_one_process(
     shards: Path, reference: Path, tmp_path: Path
 ) -> None:
     """PP=2 × DP=2 with FSDP (4 processes): 1F1B, interleaved with selective
-    recomputation, and bf16 with an untied head (against one bf16 process); each stage's blocks and chunks sharded over the data-parallel ranks,
-    gradients reduce-scattered once a step, the tied embedding's rows summed over its two
-    stages. Losses, validation losses and grad norms, whole checkpoint tensors (sharded
+    recomputation, and bf16 with an untied head (against one bf16 process). Each stage's
+    blocks and chunks are sharded over the data-parallel ranks, gradients reduce-scattered
+    once a step, the tied embedding's rows summed over its two stages. Losses, validation losses and grad norms, whole checkpoint tensors (sharded
     rows reassembled), an exact resume and the package's logits equal one process's."""
     fsdp = {"parallel.pipeline": 2, "parallel.data_parallel_mode": "fsdp"}
     cases = {

@@ -142,7 +142,7 @@ def shard_model(model: nn.Module, state: ParallelState) -> nn.Module:
     """FSDP2 over data × context: one unit per transformer block (a T5's encoder blocks,
     then its decoder blocks), the rest in the root (embedding, final norms, relative-bias
     tables and a tied output head share the root's all-gather)."""
-    problems = fsdp_te_problems("fsdp", state.sizes) if _kernels(model) == "te" else []
+    problems = fsdp_te_problems("fsdp", state.sizes) if kernel_backend(model) == "te" else []
     if problems:  # model.backend=auto chose Transformer Engine
         raise MegalithError(problems[0])
     # Imported here, not at the top: DTensor and sympy cost ~1 s of CPU in every process
@@ -156,7 +156,7 @@ def shard_model(model: nn.Module, state: ParallelState) -> nn.Module:
     return model
 
 
-def _kernels(model: nn.Module) -> str:
+def kernel_backend(model: nn.Module) -> str:
     """The kernel backend under the sharding backends' names (``te+context_parallel``)."""
     return model.backend.name.split("+")[0]
 

@@ -330,6 +330,11 @@ class PipelineParallel:
         parameters resharded then (Megatron's and torchtitan's FSDP × PP)."""
         from torch.distributed.fsdp import fully_shard  # as data_parallel.shard_model
 
+        if dp.kernel_backend(self.model) == "te":  # model.backend=auto chose it
+            raise MegalithError(
+                "parallel.data_parallel_mode=fsdp with parallel.pipeline and the Transformer "
+                "Engine backend: not verified yet; set model.backend=torch or use ddp"
+            )
         mesh = self.state.dp_cp_mesh
         for chunk in self.chunks:
             for block in chunk.blocks:
