@@ -264,6 +264,18 @@ def last_checkpoint_state(run: Path) -> dict[str, Any]:
     return json.loads((run / "checkpoints" / f"step-{STEPS:08d}" / "state.json").read_text())
 
 
+def assert_saved_in_row_halves(run: Path, layout: str) -> None:
+    """FSDP over 2 data-parallel ranks sharded, not replicated: the last checkpoint holds
+    every tensor as two row halves, one written by each rank."""
+    index = json.loads((run / "checkpoints" / f"step-{STEPS:08d}" / "index.json").read_text())
+    for tensor, entry in index["tensors"].items():
+        if not entry["shape"]:  # AdamW's step counts
+            continue
+        rows = sorted(tuple(shard["box"][0]) for shard in entry["shards"])
+        half = entry["shape"][0] // 2
+        assert rows == [(0, half), (half, 2 * half)], f"{layout}: {tensor} saved as {rows}"
+
+
 def assert_resume_exact(run: Path, resumed_run: Path, layout: str) -> None:
     """RESUMED_RUN (resumed from RUN's checkpoint of RESUME_STEP) repeats RUN's losses."""
     straight = {r["step"]: r["loss"] for r in metrics(run)}

@@ -22,6 +22,7 @@ from parallel_helpers import (
     assert_one_process_resume,
     assert_package_logits_match,
     assert_resume_exact,
+    assert_saved_in_row_halves,
     assert_whole_checkpoint,
     config_of,
     fit_one_process,
@@ -409,6 +410,38 @@ def test_finetunes_in_pipeline_stages_match_one_process(
         load_adapter(tmp_path / "lora-pp2" / "adapter").tensors,
         load_adapter(lora_run / "adapter").tensors,
         "lora-pp2 adapter",
+    )
+
+
+@pytest.mark.slow
+def test_finetunes_in_fsdp_pipeline_stages_match_one_process(
+    shards: Path, base: Path, lora_run: Path, tmp_path: Path
+) -> None:
+    """Full and LoRA fine-tuning with PP=2 × DP=2 under FSDP (4 gloo processes): each
+    stage reads its layers of the base, then FSDP shards them over the data-parallel ranks
+    (LoRA: the frozen base and its adapters in the same units); losses, grad norms, whole
+    checkpoint, exact resume, adapter and merged package equal one process's."""
+    settings = trainer_settings(shards, {"finetune.base": str(base / "model")})
+    reference = fit_one_process(settings, tmp_path / "one")
+    fsdp = {"parallel.pipeline": 2, "parallel.data_parallel_mode": "fsdp"}
+    cases = {
+        "full-pp2-dp2-fsdp": {**settings, **fsdp},
+        "lora-pp2-dp2-fsdp": lora_settings(shards, base, **fsdp),
+    }
+    run_trainer_worker(tmp_path, cases, world=4, label="fine-tunes PP=2 x DP=2 FSDP")
+    for layout, one in (("full-pp2-dp2-fsdp", reference), ("lora-pp2-dp2-fsdp", lora_run)):
+        run = tmp_path / layout
+        state = last_checkpoint_state(run)
+        assert (state["layout"]["parallel.pipeline"], state["layout"]["parallel.data"]) == (2, 2)
+        assert_metrics_match(metrics(run), metrics(one), layout)
+        assert_whole_checkpoint(run, one, layout)
+        assert_resume_exact(run, tmp_path / f"{layout}-resumed", layout)
+        assert_saved_in_row_halves(run, layout)
+    assert_package_logits_match(tmp_path / "lora-pp2-dp2-fsdp", lora_run, "lora-pp2-dp2-fsdp")
+    assert_close_tensors(
+        load_adapter(tmp_path / "lora-pp2-dp2-fsdp" / "adapter").tensors,
+        load_adapter(lora_run / "adapter").tensors,
+        "lora-pp2-dp2-fsdp adapter",
     )
 
 

@@ -21,7 +21,6 @@ sums TP partial products in another order.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from parallel_helpers import (
     assert_one_process_resume,
     assert_package_logits_match,
     assert_resume_exact,
+    assert_saved_in_row_halves,
     assert_whole_checkpoint,
     config_of,
     fit_one_process,
@@ -391,16 +391,7 @@ def test_fsdp_over_pipeline_stages_matches_one_process(
         assert_package_logits_match(runs / case, one, name)
         state = last_checkpoint_state(runs / case)
         assert (state["layout"]["parallel.pipeline"], state["layout"]["parallel.data"]) == (2, 2)
-        # Sharded, not replicated: each data-parallel rank wrote its half of every tensor.
-        index = json.loads(
-            (runs / case / "checkpoints" / f"step-{STEPS:08d}" / "index.json").read_text()
-        )
-        for tensor, entry in index["tensors"].items():
-            if not entry["shape"]:  # AdamW's step counts
-                continue
-            rows = sorted(tuple(shard["box"][0]) for shard in entry["shards"])
-            half = entry["shape"][0] // 2
-            assert rows == [(0, half), (half, 2 * half)], f"{name}: {tensor} saved as {rows}"
+        assert_saved_in_row_halves(runs / case, name)
 
 
 @pytest.mark.slow

@@ -65,8 +65,8 @@ def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
 
 def _fsdp_pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """FSDP over pipeline stages (``PipelineParallel.shard_data_parallel``) is verified for
-    GPT with the torch kernels in fp32/bf16, 1F1B and interleaved, tied or untied heads;
-    these settings beside it are not verified yet (T5: ``FAMILY_UNSUPPORTED``)."""
+    GPT with the torch kernels in fp32/bf16, 1F1B and interleaved, tied or untied heads,
+    full and LoRA fine-tuning; these settings beside it are not verified yet (T5: ``FAMILY_UNSUPPORTED``)."""
     unverified = {
         f"parallel.tensor={sizes.tp}": sizes.tp > 1,
         f"parallel.context={sizes.cp}": sizes.cp > 1,
@@ -75,7 +75,6 @@ def _fsdp_pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> lis
         "parallel.pipeline_schedule=zero-bubble": (
             config.parallel.pipeline_schedule == "zero-bubble"
         ),
-        "finetune.base": config.finetune.base is not None,
         "model.num_experts": bool(config.model.num_experts),
         "model.backend=te": config.model.backend == "te",
         "data.format=chat": config.data.format == "chat",
