@@ -89,6 +89,17 @@ FP16 = {
 }
 
 
+# Mixture of experts in every block (4 experts, top 2, balance loss), and torchao float8
+# linears over bf16 autocast: each against one process of the same settings.
+MOE = {
+    "model.num_experts": 4,
+    "model.moe_top_k": 2,
+    "model.moe_ffn_hidden_size": 32,
+    "model.moe_aux_loss_coeff": 0.1,
+}
+FP8 = {"mixed_precision.dtype": "bf16", "mixed_precision.fp8": "true"}
+
+
 def layout(case: str, world: int = WORLD) -> str:
     return f"{case} ({BACKEND}, {world} processes)"
 
@@ -365,7 +376,8 @@ def test_fsdp_over_pipeline_stages_matches_one_process(
     shards: Path, reference: Path, tmp_path: Path
 ) -> None:
     """PP=2 × DP=2 with FSDP (4 processes): 1F1B, interleaved with selective
-    recomputation, and bf16 with an untied head (against one bf16 process). Each stage's
+    recomputation, bf16 with an untied head, mixture-of-experts blocks and float8 linears
+    (each against one process of its settings). Each stage's
     blocks and chunks are sharded over the data-parallel ranks, gradients reduce-scattered
     once a step, the tied embedding's rows summed over its two stages. Losses, validation losses and grad norms, whole checkpoint tensors (sharded
     rows reassembled), an exact resume and the package's logits equal one process's."""
@@ -376,15 +388,20 @@ def test_fsdp_over_pipeline_stages_matches_one_process(
             shards, {**CASES["pp2-interleaved-selective"], **fsdp}
         ),
         "pp2-dp2-fsdp-bf16-untied": settings(shards, {**fsdp, **BF16_UNTIED}),
+        "pp2-dp2-fsdp-moe": settings(shards, {**fsdp, **MOE}),
+        "pp2-dp2-fsdp-fp8": settings(shards, {**fsdp, **FP8}),
     }
     for values in cases.values():
         check_trainer_support(config_of(values), ParallelSizes(pp=2, dp=2))
     (tmp_path / "runs").mkdir()
     runs = run_worker(tmp_path / "runs", 4, cases=cases)
-    bf16_reference = fit_one_process(settings(shards, BF16_UNTIED), tmp_path / "bf16")
+    references = {
+        name: fit_one_process(settings(shards, values), tmp_path / name)
+        for name, values in (("bf16", BF16_UNTIED), ("moe", MOE), ("fp8", FP8))
+    }
     for case in cases:
         name = layout(case, 4)
-        one = bf16_reference if "bf16" in case else reference
+        one = next((references[k] for k in references if k in case), reference)
         assert_metrics_match(metrics(runs / case), metrics(one), name)
         assert_whole_checkpoint(runs / case, one, name)
         assert_resume_exact(runs / case, runs / f"{case}-resumed", name)

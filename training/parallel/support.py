@@ -65,17 +65,16 @@ def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
 
 def _fsdp_pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """FSDP over pipeline stages (``PipelineParallel.shard_data_parallel``) is verified for
-    GPT with the torch kernels in fp32/bf16, 1F1B and interleaved, tied or untied heads,
-    full and LoRA fine-tuning; these settings beside it are not verified yet (T5: ``FAMILY_UNSUPPORTED``)."""
+    GPT with the torch kernels in fp32/bf16 and torchao fp8, 1F1B and interleaved, tied or
+    untied heads, mixture-of-experts blocks (EP × PP is refused apart), full and LoRA
+    fine-tuning; these settings beside it are not verified yet (T5: ``FAMILY_UNSUPPORTED``)."""
     unverified = {
         f"parallel.tensor={sizes.tp}": sizes.tp > 1,
         f"parallel.context={sizes.cp}": sizes.cp > 1,
-        "mixed_precision.fp8": config.mixed_precision.fp8,
         "training.compile": config.training.compile,
         "parallel.pipeline_schedule=zero-bubble": (
             config.parallel.pipeline_schedule == "zero-bubble"
         ),
-        "model.num_experts": bool(config.model.num_experts),
         "model.backend=te": config.model.backend == "te",
         "data.format=chat": config.data.format == "chat",
     }
