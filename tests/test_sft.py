@@ -437,7 +437,8 @@ def test_a_short_sft_run_lowers_the_assistant_token_loss(chat_shards: Path, tmp_
 def test_parallel_fine_tuning_matches_one_process_and_resumes_exactly(
     chat_shards: Path, tmp_path: Path
 ) -> None:
-    """One torchrun job of 2 processes (gloo) and one of 4 (PP=2 x CP=2), each layout
+    """One torchrun job of 2 processes (gloo) and one of 4 (PP=2 x CP=2, and PP=2 x DP=2
+    with FSDP over the stages), each layout
     through ``Trainer.fit`` for STEPS steps against one process: DP=2 (DDP and ZeRO-1),
     CP=2, where each rank's
     micro-batches hold different numbers of assistant tokens, so only the step-wide count
@@ -479,7 +480,14 @@ def test_parallel_fine_tuning_matches_one_process_and_resumes_exactly(
         "cp2": {**settings, "parallel.context": 2},
     }
     run_trainer_worker(tmp_path, cases, world=2, label="SFT, 2 processes")
-    four = {"pp2-cp2": {**settings, "parallel.pipeline": 2, "parallel.context": 2}}
+    four = {
+        "pp2-cp2": {**settings, "parallel.pipeline": 2, "parallel.context": 2},
+        "pp2-dp2-fsdp": {
+            **settings,
+            "parallel.pipeline": 2,
+            "parallel.data_parallel_mode": "fsdp",
+        },
+    }
     run_trainer_worker(tmp_path, four, world=4, label="SFT, 4 processes")
     cases.update(four)
     last = f"checkpoints/step-{STEPS:08d}"

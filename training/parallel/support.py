@@ -67,7 +67,7 @@ def _fsdp_pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> lis
     """FSDP over pipeline stages (``PipelineParallel.shard_data_parallel``) is verified for
     GPT with the torch kernels in fp32/bf16 and torchao fp8, 1F1B and interleaved, tied or
     untied heads, mixture-of-experts blocks (EP × PP is refused apart), full and LoRA
-    fine-tuning; these settings beside it are not verified yet (T5: ``FAMILY_UNSUPPORTED``)."""
+    fine-tuning, chat fine-tuning; these settings beside it are not verified yet (T5: ``FAMILY_UNSUPPORTED``)."""
     unverified = {
         f"parallel.tensor={sizes.tp}": sizes.tp > 1,
         f"parallel.context={sizes.cp}": sizes.cp > 1,
@@ -76,7 +76,6 @@ def _fsdp_pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> lis
             config.parallel.pipeline_schedule == "zero-bubble"
         ),
         "model.backend=te": config.model.backend == "te",
-        "data.format=chat": config.data.format == "chat",
     }
     return [
         f"parallel.data_parallel_mode=fsdp with parallel.pipeline={sizes.pp} and {key}: not "
