@@ -376,8 +376,9 @@ def test_fsdp_over_pipeline_stages_matches_one_process(
     shards: Path, reference: Path, tmp_path: Path
 ) -> None:
     """PP=2 × DP=2 with FSDP (4 processes): 1F1B, interleaved with selective
-    recomputation, bf16 with an untied head, mixture-of-experts blocks and float8 linears
-    (each against one process of its settings). Each stage's
+    recomputation, bf16 with an untied head, mixture-of-experts blocks and
+    float8 linears (each against one process of its settings); and PP=2 × CP=2, FSDP over
+    the context-parallel ranks. Each stage's
     blocks and chunks are sharded over the data-parallel ranks, gradients reduce-scattered
     once a step, the tied embedding's rows summed over its two stages. Losses, validation losses and grad norms, whole checkpoint tensors (sharded
     rows reassembled), an exact resume and the package's logits equal one process's."""
@@ -390,9 +391,11 @@ def test_fsdp_over_pipeline_stages_matches_one_process(
         "pp2-dp2-fsdp-bf16-untied": settings(shards, {**fsdp, **BF16_UNTIED}),
         "pp2-dp2-fsdp-moe": settings(shards, {**fsdp, **MOE}),
         "pp2-dp2-fsdp-fp8": settings(shards, {**fsdp, **FP8}),
+        "pp2-cp2-fsdp": settings(shards, {**fsdp, "parallel.context": 2}),
     }
-    for values in cases.values():
-        check_trainer_support(config_of(values), ParallelSizes(pp=2, dp=2))
+    for case, values in cases.items():
+        sizes = ParallelSizes(pp=2, cp=2) if "cp2" in case else ParallelSizes(pp=2, dp=2)
+        check_trainer_support(config_of(values), sizes)
     (tmp_path / "runs").mkdir()
     runs = run_worker(tmp_path / "runs", 4, cases=cases)
     references = {
@@ -406,9 +409,10 @@ def test_fsdp_over_pipeline_stages_matches_one_process(
         assert_whole_checkpoint(runs / case, one, name)
         assert_resume_exact(runs / case, runs / f"{case}-resumed", name)
         assert_package_logits_match(runs / case, one, name)
-        state = last_checkpoint_state(runs / case)
-        assert (state["layout"]["parallel.pipeline"], state["layout"]["parallel.data"]) == (2, 2)
-        assert_saved_in_row_halves(runs / case, name)
+        ran = last_checkpoint_state(runs / case)["layout"]
+        want = (2, 1, 2) if "cp2" in case else (2, 2, 1)
+        assert (ran["parallel.pipeline"], ran["parallel.data"], ran["parallel.context"]) == want
+        assert_saved_in_row_halves(runs / case, name)  # over data x context
 
 
 @pytest.mark.slow
