@@ -263,20 +263,26 @@ def test_compiled_pipeline_stages_match_one_compiled_process(shards: Path, tmp_p
 def test_tensor_pipeline_data_parallel_matches_one_process(
     shards: Path, reference: Path, tmp_path: Path
 ) -> None:
-    """TP=2 × PP=2 × DP=2 (8 processes) with sequence parallelism and the distributed
-    optimizer: losses, grad norms, whole checkpoint tensors, an exact resume."""
-    case = "tp2-pp2-dp2"
+    """TP=2 × PP=2 × DP=2 (8 processes) with sequence parallelism, with the distributed
+    optimizer and with FSDP over the stages (rows of each rank's TP shard): losses, grad
+    norms, whole checkpoint tensors, an exact resume, the package's logits."""
     extra = {
         "parallel.tensor": 2,
         "parallel.pipeline": 2,
         "parallel.sequence_parallel": "true",
-        "parallel.data_parallel_mode": "distributed_optimizer",
     }
-    runs = run_worker(tmp_path, 8, cases={case: settings(shards, extra)})
-    name = layout("TP=2 x PP=2 x DP=2 distributed_optimizer", 8)
-    assert_metrics_match(metrics(runs / case), metrics(reference), name)
-    assert_resume_exact(runs / case, runs / f"{case}-resumed", name)
-    assert_whole_checkpoint(runs / case, reference, name)
+    modes = {"tp2-pp2-dp2": "distributed_optimizer", "tp2-pp2-dp2-fsdp": "fsdp"}
+    cases = {
+        case: settings(shards, {**extra, "parallel.data_parallel_mode": mode})
+        for case, mode in modes.items()
+    }
+    runs = run_worker(tmp_path, 8, cases=cases)
+    for case, mode in modes.items():
+        name = layout(f"TP=2 x PP=2 x DP=2 {mode}", 8)
+        assert_metrics_match(metrics(runs / case), metrics(reference), name)
+        assert_resume_exact(runs / case, runs / f"{case}-resumed", name)
+        assert_whole_checkpoint(runs / case, reference, name)
+        assert_package_logits_match(runs / case, reference, name)
 
 
 # --- the layer split, the bubble and what is refused ----------------------------------------
