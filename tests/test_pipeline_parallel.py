@@ -240,9 +240,10 @@ def test_model_package_loads_in_one_process(
 
 @pytest.mark.slow
 def test_compiled_pipeline_stages_match_one_compiled_process(shards: Path, tmp_path: Path) -> None:
-    """``training.compile`` with PP=2 (1F1B, and interleaved with selective recomputation):
-    each stage's blocks compiled in place give the compiled single process's losses and
-    grad norms, whole checkpoint tensors, and resume exactly."""
+    """``training.compile`` with PP=2 (1F1B, and interleaved with selective recomputation)
+    and with PP=2 × DP=2 under FSDP (4 processes): each stage's blocks compiled in place
+    give the compiled single process's losses and grad norms, whole checkpoint tensors,
+    and resume exactly."""
     compiled = {"training.compile": "true"}
     reference = fit_one_process(settings(shards, compiled), tmp_path / "one")
     cases = {
@@ -252,8 +253,11 @@ def test_compiled_pipeline_stages_match_one_compiled_process(shards: Path, tmp_p
         ),
     }
     runs = run_worker(tmp_path, WORLD, cases=cases)
-    for case in cases:
-        name = layout(case)
+    fsdp = {"pp2-dp2-fsdp-compiled": {"parallel.data_parallel_mode": "fsdp"}}
+    run_worker(tmp_path, 4, cases={k: settings(shards, {**CASES["pp2"], **compiled, **v})
+                                   for k, v in fsdp.items()})  # fmt: skip
+    for case in [*cases, *fsdp]:
+        name = layout(case, 4 if case in fsdp else WORLD)
         assert_metrics_match(metrics(runs / case), metrics(reference), name)
         assert_whole_checkpoint(runs / case, reference, name)
         assert_resume_exact(runs / case, runs / f"{case}-resumed", name)

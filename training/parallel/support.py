@@ -65,12 +65,11 @@ def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
 
 def _fsdp_pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """FSDP over pipeline stages (``PipelineParallel.shard_data_parallel``) is verified for
-    GPT with the torch kernels in fp32/bf16 and torchao fp8; 1F1B and interleaved; over
-    data and context ranks, and with tensor/sequence parallelism (2-D); tied or untied heads, mixture-of-experts
+    GPT with the torch kernels in fp32/bf16 and torchao fp8, compiled or not; 1F1B and
+    interleaved; over data and context ranks, and with tensor/sequence parallelism (2-D); tied or untied heads, mixture-of-experts
     blocks (EP × PP is refused apart); full, LoRA and chat fine-tuning. These settings
     beside it are not verified yet (T5: ``FAMILY_UNSUPPORTED``)."""
     unverified = {
-        "training.compile": config.training.compile,
         "model.backend=te": config.model.backend == "te",
         # Tried on gloo: a last-stage weight got no gradient (its checkpoint had no AdamW
         # state for it), so it never trained.
