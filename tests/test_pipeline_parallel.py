@@ -362,8 +362,16 @@ def test_layout_validation_names_the_split(shards: Path) -> None:
     ("values", "message"),
     [
         (
-            {"parallel.data_parallel_mode": "fsdp", "training.compile": "true"},
-            "fsdp with parallel.pipeline=2 and training.compile: not verified",
+            {"parallel.data_parallel_mode": "fsdp", "model.backend": "te"},
+            "fsdp with parallel.pipeline=2 and model.backend=te: FSDP over TE's modules",
+        ),
+        (
+            {
+                "parallel.data_parallel_mode": "fsdp",
+                **INTERLEAVED,
+                "parallel.pipeline_schedule": "zero-bubble",
+            },
+            "fsdp with parallel.pipeline=2 and parallel.pipeline_schedule=zero-bubble: its split",
         ),
         (
             {

@@ -64,24 +64,27 @@ def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
 
 
 def _fsdp_pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
-    """FSDP over pipeline stages (``PipelineParallel.shard_data_parallel``) is verified for
-    GPT with the torch kernels in fp32/bf16 and torchao fp8, compiled or not; 1F1B and
-    interleaved; over data and context ranks, and with tensor/sequence parallelism (2-D); tied or untied heads, mixture-of-experts
-    blocks (EP × PP is refused apart); full, LoRA and chat fine-tuning. These settings
-    beside it are not verified yet (T5: ``FAMILY_UNSUPPORTED``)."""
-    unverified = {
-        "model.backend=te": config.model.backend == "te",
-        # Tried on gloo: a last-stage weight got no gradient (its checkpoint had no AdamW
-        # state for it), so it never trained.
+    """FSDP over pipeline stages (``PipelineParallel.shard_data_parallel``) runs GPT with
+    the torch kernels in fp32/bf16 and torchao fp8, compiled or not; 1F1B and interleaved;
+    over data and context ranks, and with tensor/sequence parallelism (2-D); tied or
+    untied heads, mixture-of-experts blocks (EP × PP is refused apart); full, LoRA and
+    chat fine-tuning. T5 is refused through ``FAMILY_UNSUPPORTED``."""
+    refused = {
+        "model.backend=te": (
+            config.model.backend == "te",
+            "FSDP over TE's modules in stages is not verified yet",
+        ),
         "parallel.pipeline_schedule=zero-bubble": (
-            config.parallel.pipeline_schedule == "zero-bubble"
+            config.parallel.pipeline_schedule == "zero-bubble",
+            "its split weight-gradient steps are not wired to FSDP's gradient reduction (on "
+            "gloo a last-stage weight got no gradient and never trained)",
         ),
     }
     return [
-        f"parallel.data_parallel_mode=fsdp with parallel.pipeline={sizes.pp} and {key}: not "
-        "verified yet; use ddp or distributed_optimizer for this layout"
-        for key, refused in unverified.items()
-        if refused
+        f"parallel.data_parallel_mode=fsdp with parallel.pipeline={sizes.pp} and {key}: "
+        f"{why}; use ddp or distributed_optimizer for this layout"
+        for key, (applies, why) in refused.items()
+        if applies
     ]
 
 
