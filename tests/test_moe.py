@@ -359,11 +359,6 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
             "num_experts=4 with parallel.tensor=2",
         ),
         (
-            {"model.num_experts": 4},
-            ParallelSizes(pp=2, dp=2, ep=2),
-            "parallel.expert=2 with parallel.pipeline=2",
-        ),
-        (
             {"model.num_experts": 4, "model.moe_capacity_factor": 1.0},
             ParallelSizes(cp=2),
             "moe_capacity_factor=1.0 with parallel.context=2",
@@ -375,7 +370,6 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
         "distributed-optimizer",
         "fsdp",
         "tensor",
-        "expert-pipeline",
         "context-capacity",
     ],  # fmt: skip
 )
@@ -484,13 +478,24 @@ def test_step_gradients_match_unsharded(parallel_runs: Path, shards: Path, tmp_p
 def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) -> None:
     """EP=2 inside DP=4 (4 processes): each expert lives on two expert-data-parallel
     ranks, whose gradients are summed over the edp group. Losses, grad norms, whole
-    checkpoint tensors, an exact resume and step 1's gradients."""
+    checkpoint tensors, an exact resume and step 1's gradients. In the same job EP=2 ×
+    PP=2 (each stage's two data-parallel ranks exchange tokens by all-to-all): losses,
+    grad norms, whole checkpoint tensors, an exact resume and the package's logits; and
+    CP=2 × PP=2, whose balance loss must cover each whole sequence."""
     name = f"EP=2 x DP=4 (EDP=2, {BACKEND}, 4 processes)"
     values = trainer_settings(shards, {**MOE, "parallel.expert": 2, "training.eval_iters": 4})
+    staged = trainer_settings(
+        shards,
+        {**MOE, "parallel.expert": 2, "parallel.pipeline": 2, "training.eval_iters": 4},
+    )
+    context_staged = trainer_settings(
+        shards,
+        {**MOE, "parallel.context": 2, "parallel.pipeline": 2, "training.eval_iters": 4},
+    )
     spec = {
         "recipe": str(RECIPE),
         "device": DEVICE,
-        "cases": {"ep2-dp4": values},
+        "cases": {"ep2-dp4": values, "ep2-pp2": staged, "cp2-pp2": context_staged},
         "grads": values,
         "resume_step": RESUME_STEP,
         "out": str(tmp_path / "runs"),
@@ -504,3 +509,14 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
     want_grads = single_process_grads(values, tmp_path / "grads")
     got_grads = load_file(str(runs / "grads" / "grads.safetensors"))
     assert_close_tensors(got_grads, want_grads, f"{name} step 1 gradients", atol=1e-6)
+    name = f"EP=2 x PP=2 ({BACKEND}, 4 processes)"
+    check_metrics(runs / "ep2-pp2", reference, name)
+    assert_resume_exact(runs / "ep2-pp2", runs / "ep2-pp2-resumed", name)
+    assert_whole_checkpoint(runs / "ep2-pp2", reference, name)
+    assert_package_logits_match(runs / "ep2-pp2", reference, name)
+    ran = last_checkpoint_state(runs / "ep2-pp2")["layout"]
+    assert (ran["parallel.expert"], ran["parallel.pipeline"], ran["parallel.data"]) == (2, 2, 2)
+    name = f"CP=2 x PP=2 ({BACKEND}, 4 processes)"  # the balance loss over the whole sequence
+    check_metrics(runs / "cp2-pp2", reference, name)
+    assert_resume_exact(runs / "cp2-pp2", runs / "cp2-pp2-resumed", name)
+    assert_whole_checkpoint(runs / "cp2-pp2", reference, name)

@@ -139,6 +139,14 @@ def _on_first_ep_group(state: ParallelState) -> bool:
     return coords.edp == 0 and coords.pp == 0 and coords.tp == 0
 
 
+def whole_experts(name: str, tensor: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """Parameter ``name`` with every EP rank's experts (collective over the EP group for
+    an expert parameter; any other as it is)."""
+    if not _expert_parallel(state) or not is_expert_param(name) or tensor.dim() == 0:
+        return tensor
+    return _gather_experts(tensor, state)
+
+
 def _gather_experts(tensor: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """Collective over the EP group: every rank's experts concatenated, on CPU."""
     local = tensor.detach().contiguous()

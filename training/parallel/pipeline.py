@@ -112,6 +112,7 @@ from training.models.moe import moe_layers
 from training.models.packing import document_causal_mask, document_positions
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
+from training.parallel import expert_parallel_training as ep
 from training.parallel import tensor_parallel_training as tp
 from training.parallel.dtensor import local_tensor, whole_tensor
 from training.parallel.groups import ParallelState
@@ -297,7 +298,8 @@ class PipelineParallel:
         self.counts = layer_counts(
             pipelined_layers(model_config), sizes.pp, sizes.vpp, config.parallel.pipeline_layers
         )
-        whole = tp.build_model(model_config, state, config.parallel.sequence_parallel, device)
+        # This rank's TP shard, its EP rank's experts and the MoE layers' CP group.
+        whole = ep.build_model(model_config, state, config.parallel.sequence_parallel, device)
         self.model, chunk_layers = split.build_stage(whole, state, self.counts)
         if config.training.compile:  # each block in place: names and chunks stay as they are
             for block in split.blocks(self.model):
@@ -505,7 +507,13 @@ class PipelineParallel:
         """Average over data × context (as DDP would), then sum the tied embedding's
         gradient over its first- and last-stage copies (Megatron's embedding group) and
         T5's relative-bias tables over the pipeline (every stage holds them)."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        experts = ep.expert_parameters(self.model) if self.state.sizes.ep > 1 else {}
+        grads = [
+            p.grad
+            for name, p in self.model.named_parameters()
+            if p.grad is not None and name not in experts  # EP ranks hold different ones
+        ]
+        ep.reduce_expert_grads(self.model, self.state)
         size = dp.data_parallel_size(self.state)
         if size > 1 and not self.sharded:  # FSDP has reduce-scattered them
             by_dtype: dict[torch.dtype, list[Tensor]] = {}
@@ -540,14 +548,20 @@ class PipelineParallel:
         stages, the tied embedding or T5's relative-bias tables, counted on its owner
         only); returns the norm before clipping."""
         split_names = set(tensor_parallel_partition(self.model)) if self.state.sizes.tp > 1 else ()
-        totals = torch.zeros(2, dtype=torch.float32, device=self.device)  # split, replicated
+        experts = ep.expert_parameters(self.model) if self.state.sizes.ep > 1 else {}
+        # TP-split, replicated, and (under EP) this EP rank's experts.
+        totals = torch.zeros(3, dtype=torch.float32, device=self.device)
         for name, param in self.model.named_parameters():
             if param.grad is None or not self._owned(name):
                 continue
             square = local_tensor(param.grad.detach()).float().square().sum()
-            totals[0 if name in split_names else 1] += square
+            totals[2 if name in experts else 0 if name in split_names else 1] += square
         if self.sharded:  # each data-parallel rank holds its rows of every gradient
             dist.all_reduce(totals, group=self.state.dp_cp_group)
+        if experts:
+            expert_total = totals[2:].clone()
+            dist.all_reduce(expert_total, group=self.state.ep_group)
+            totals[2] = expert_total[0]
         if self.state.sizes.tp > 1:
             split = totals[:1].clone()
             dist.all_reduce(split, group=self.state.tp_group)
@@ -623,6 +637,8 @@ class PipelineParallel:
         its TP peers share; ranks off the first data-parallel replica only return."""
         coords = self.state.coords
         local = {n: whole_tensor(t) for n, t in local.items()}  # FSDP rows: collective
+        if self.state.sizes.ep > 1:  # every EP rank's experts: collective over EP
+            local = {n: ep.whole_experts(n.split("/")[0], t, self.state) for n, t in local.items()}
         if coords.dp or coords.cp:
             return None
         if self.state.sizes.tp == 1:
@@ -686,7 +702,7 @@ class PipelineParallel:
         tensors = read_checkpoint_tensors(path / "model.safetensors", index)
 
         def mine(name: str, tensor: Tensor) -> Tensor:
-            return tp.shard_loaded(name, tensor, self.model_config, self.state)
+            return ep.shard_loaded(name, tensor, self.model_config, self.state)
 
         model_tensors = {n: mine(n, tensors[n]) for n, _ in self.model.named_parameters()}
         load_model_tensors(self.model, model_tensors, path)

@@ -122,12 +122,6 @@ def expert_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """What mixture-of-experts and expert parallelism cannot run with (each names its keys)."""
     experts, mode = config.model.num_experts or 0, config.parallel.data_parallel_mode
     problems = []
-    if sizes.ep > 1 and sizes.pp > 1:
-        problems.append(
-            f"parallel.expert={sizes.ep} with parallel.pipeline={sizes.pp}: expert-parallel "
-            "all-to-alls inside pipeline stages are not verified yet; use MoE stages without "
-            "parallel.expert, or expert parallelism without stages"
-        )
     capacity = config.model.moe_capacity_factor
     if experts and sizes.cp > 1 and capacity is not None:
         problems.append(
