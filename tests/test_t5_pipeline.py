@@ -39,6 +39,7 @@ from parallel_helpers import (
     assert_close_tensors,
     assert_metrics_match,
     assert_resume_exact,
+    assert_saved_in_row_halves,
     assert_whole_checkpoint,
     metrics,
     one_step_gradients,
@@ -164,6 +165,11 @@ WIDE_CASES: dict[str, dict[str, Any]] = {
         "parallel.pipeline": 2,
         "parallel.data_parallel_mode": "distributed_optimizer",
     },
+    "pp2-dp2-fsdp": {"parallel.pipeline": 2, "parallel.data_parallel_mode": "fsdp"},
+    "pp2-v2-dp2-fsdp": {
+        **CASES["pp2-interleaved"],
+        "parallel.data_parallel_mode": "fsdp",
+    },
 }
 
 
@@ -191,6 +197,8 @@ def test_t5_pipeline_beside_tensor_and_data_parallelism_matches_one_process(
     for rank in range(4):
         boxes = json.loads((wide_runs / case / f"boxes-rank{rank}.json").read_text())
         assert boxes == [], f"{name}: checkpoint boxes differ from the load paths: {boxes}"
+    if "fsdp" in case:  # the relative-bias tables stay whole on every stage
+        assert_saved_in_row_halves(wide_runs / case, name, whole="relative_bias")
 
 
 @pytest.mark.parametrize("case", ["pp2", "pp2-layers-3-1"])

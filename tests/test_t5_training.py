@@ -150,11 +150,6 @@ def test_parallel_trainer_matches_one_process(case: str, dp_runs: Path, referenc
     [
         ({"cp": 2}, {}, "parallel.context"),
         ({}, {"data.format": "chat"}, "data.format=chat"),
-        (
-            {"pp": 2, "dp": 2},
-            {"parallel.pipeline": 2, "parallel.data_parallel_mode": "fsdp"},
-            "parallel.data_parallel_mode=fsdp with parallel.pipeline",
-        ),
     ],
 )
 def test_unsupported_t5_layouts_are_refused(t5_shards: Path, sizes, setting, key) -> None:

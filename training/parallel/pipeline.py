@@ -114,7 +114,7 @@ from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import expert_parallel_training as ep
 from training.parallel import tensor_parallel_training as tp
-from training.parallel.dtensor import local_tensor, whole_tensor
+from training.parallel.dtensor import is_dtensor, local_tensor, whole_tensor
 from training.parallel.groups import ParallelState
 from training.parallel.pipeline_layout import (
     bubble_fraction,
@@ -338,10 +338,14 @@ class PipelineParallel:
                 "Engine backend: not verified yet; set model.backend=torch or use ddp"
             )
         mesh = self.state.dp_cp_mesh
+        # T5's relative-bias tables: every stage holds them but a chunk registers only those
+        # it reads, so FSDP would shard them on some stages only. They stay whole:
+        # sync_grads averages them over data, then sums them over the stages.
+        shared = {p for n, p in self.model.named_parameters() if self.split.on_every_stage(n)}
+        for block in self.split.blocks(self.model):
+            fully_shard(block, mesh=mesh)
         for chunk in self.chunks:
-            for block in chunk.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(chunk, mesh=mesh)
+            fully_shard(chunk, mesh=mesh, ignored_params=shared or None)
         self.sharded = True
 
     def reshard(self) -> None:
@@ -511,11 +515,12 @@ class PipelineParallel:
         grads = [
             p.grad
             for name, p in self.model.named_parameters()
-            if p.grad is not None and name not in experts  # EP ranks hold different ones
+            # EP ranks hold different experts; FSDP has reduce-scattered its rows.
+            if p.grad is not None and name not in experts and not is_dtensor(p.grad)
         ]
         ep.reduce_expert_grads(self.model, self.state)
         size = dp.data_parallel_size(self.state)
-        if size > 1 and not self.sharded:  # FSDP has reduce-scattered them
+        if size > 1 and grads:
             by_dtype: dict[torch.dtype, list[Tensor]] = {}
             for grad in grads:
                 by_dtype.setdefault(grad.dtype, []).append(grad)
@@ -535,7 +540,8 @@ class PipelineParallel:
             if self.split.on_every_stage(name):
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                dist.all_reduce(param.grad, group=self.state.pp_group)
+                # Under FSDP every stage holds the same rows of it.
+                dist.all_reduce(local_tensor(param.grad), group=self.state.pp_group)
 
     def _tied_copy(self) -> nn.Parameter | None:
         """The word embedding where it is tied and held by a first or last stage."""
@@ -549,15 +555,18 @@ class PipelineParallel:
         only); returns the norm before clipping."""
         split_names = set(tensor_parallel_partition(self.model)) if self.state.sizes.tp > 1 else ()
         experts = ep.expert_parameters(self.model) if self.state.sizes.ep > 1 else {}
-        # TP-split, replicated, and (under EP) this EP rank's experts.
+        # TP-split, replicated, and (under EP) this EP rank's experts; FSDP rows apart.
         totals = torch.zeros(3, dtype=torch.float32, device=self.device)
+        rows = torch.zeros(3, dtype=torch.float32, device=self.device)
         for name, param in self.model.named_parameters():
             if param.grad is None or not self._owned(name):
                 continue
             square = local_tensor(param.grad.detach()).float().square().sum()
-            totals[2 if name in experts else 0 if name in split_names else 1] += square
-        if self.sharded:  # each data-parallel rank holds its rows of every gradient
-            dist.all_reduce(totals, group=self.state.dp_cp_group)
+            kind = 2 if name in experts else 0 if name in split_names else 1
+            (rows if is_dtensor(param.grad) else totals)[kind] += square
+        if self.sharded:  # each data-parallel rank holds its rows of those gradients
+            dist.all_reduce(rows, group=self.state.dp_cp_group)
+            totals += rows
         if experts:
             expert_total = totals[2:].clone()
             dist.all_reduce(expert_total, group=self.state.ep_group)

@@ -68,7 +68,7 @@ def _fsdp_pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> lis
     the torch kernels in fp32/bf16 and torchao fp8, compiled or not; 1F1B and interleaved;
     over data and context ranks, and with tensor/sequence parallelism (2-D); tied or
     untied heads, mixture-of-experts blocks (EP × PP is refused apart); full, LoRA and
-    chat fine-tuning. T5 is refused through ``FAMILY_UNSUPPORTED``."""
+    chat fine-tuning; T5 (its relative-bias tables left whole on every stage)."""
     refused = {
         "model.backend=te": (
             config.model.backend == "te",
@@ -99,10 +99,6 @@ FAMILY_UNSUPPORTED: dict[
         "data.format=chat": (
             lambda c, s: c.data.format == "chat",
             "chat fine-tuning of an encoder-decoder",
-        ),
-        "parallel.data_parallel_mode=fsdp with parallel.pipeline": (
-            lambda c, s: s.pp > 1 and c.parallel.data_parallel_mode == "fsdp",
-            "FSDP over T5 stages, whose relative-bias tables every stage holds",
         ),
     },
 }
