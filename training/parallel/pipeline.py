@@ -508,9 +508,10 @@ class PipelineParallel:
     # ---------------------------------------------------------------- gradients
 
     def sync_grads(self) -> None:
-        """Average over data × context (as DDP would), then sum the tied embedding's
-        gradient over its first- and last-stage copies (Megatron's embedding group) and
-        T5's relative-bias tables over the pipeline (every stage holds them)."""
+        """Average over data × context (as DDP would) the gradients FSDP does not hold,
+        reduce the experts' over their expert-data group (EP), then sum the tied
+        embedding's gradient over its first- and last-stage copies (Megatron's embedding
+        group) and T5's relative-bias tables over the pipeline (every stage holds them)."""
         experts = ep.expert_parameters(self.model) if self.state.sizes.ep > 1 else {}
         grads = [
             p.grad
