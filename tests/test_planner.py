@@ -83,6 +83,32 @@ def test_memory_per_gpu_is_the_memory_planners(sets):
     assert planned == pytest.approx(expected, rel=0.02)
 
 
+def test_fsdp_over_pipeline_stages_memory_is_the_memory_planners():
+    """FSDP over stages (PP=2 × DP=2), which the search now proposes: the planner's
+    per-stage rows, divided over the data-parallel ranks, reproduce training.memory."""
+    config = load_config(LLAMA_1B, ["parallel.pipeline=2", "parallel.data_parallel_mode=fsdp"])
+    sizes = resolve_layout(config, 4)
+    assert (sizes.pp, sizes.dp) == (2, 2)
+    expected = memory_report(config, sizes).total
+    layout = Layout(
+        tp=1,
+        cp=1,
+        pp=2,
+        dp=2,
+        data_parallel_mode="fsdp",
+        recompute=config.model.activation_checkpointing,
+        micro_batch_size=config.training.micro_batch_size,
+    )
+    m = config.training.global_batch_size // (config.training.micro_batch_size * 2)
+    planned = memory(config, Shapes.of(config, config.data.seq_length), layout, m).total
+    assert planned == pytest.approx(expected, rel=0.02)
+    ddp = memory(config, Shapes.of(config, config.data.seq_length), Layout(
+        tp=1, cp=1, pp=2, dp=2, recompute=layout.recompute,
+        micro_batch_size=layout.micro_batch_size,
+    ), m).total  # fmt: skip
+    assert planned < ddp
+
+
 @pytest.mark.parametrize("recipe", [LLAMA_1B, MOE])
 def test_flops_per_token_is_flops_module(recipe):
     config = load_config(recipe)
@@ -148,6 +174,23 @@ def test_search_refuses_what_does_not_fit_and_names_why():
         (p.layout.tp, p.layout.cp, p.layout.pp, p.layout.dp, p.layout.vpp) for p in bigger.best
     ]
     assert len(set(sizes)) == len(sizes), "one row per set of parallel sizes"
+
+
+def test_the_plan_never_proposes_what_the_trainer_refuses():
+    """An MoE recipe on a node: expert parallelism with FSDP or the distributed optimizer
+    and MoE with TP are refused by the trainer (training.parallel.support), so the search
+    lists them as refused with the trainer's reason and ranks only what trains."""
+    config = load_config(MOE)
+    result = search(config, H100_NODE, global_batch=64, seq=2048, top=50)
+    assert result.best
+    for prediction in result.best:
+        lo = prediction.layout
+        sizes = ParallelSizes(tp=lo.tp, cp=lo.cp, pp=lo.pp, dp=lo.dp, ep=lo.ep, vpp=lo.vpp)
+        trained = load_config(MOE, lo.overrides())
+        check_trainer_support(trained, sizes)  # raises if the trainer would refuse it
+    reasons = [r.reason for r in result.refused if r.reason.startswith("the trainer refuses")]
+    assert any("only ddp keeps expert gradients" in r for r in reasons), reasons[:3]
+    assert any("MoE layers are not tensor-parallel" in r for r in reasons), reasons[:3]
 
 
 def test_pinned_search_space_keeps_the_pinned_sizes(llama):

@@ -47,6 +47,7 @@ from training.memory.activations import (
     saved_bytes_per_token,
 )
 from training.parallel.groups import ParallelSizes
+from training.parallel.support import check_trainer_support
 from training.planning import hardware
 from training.planning.hardware import GPUKind
 
@@ -404,6 +405,37 @@ def _with_parallel(config: MegalithConfig, layout: Layout) -> MegalithConfig:
     return config.model_copy(update={"parallel": parallel, "mixed_precision": precision})
 
 
+def trainer_refusal(config: MegalithConfig, layout: Layout) -> str | None:
+    """Why the trainer would refuse ``layout`` for this recipe
+    (:func:`~training.parallel.support.check_trainer_support`), or None: the plan never
+    proposes what ``megalith train`` then refuses."""
+    parallel = config.parallel.model_copy(
+        update={
+            "tensor": layout.tp,
+            "context": layout.cp,
+            "pipeline": layout.pp,
+            "expert": layout.ep,
+            "virtual_pipeline": layout.vpp,
+            "sequence_parallel": layout.sequence_parallel,
+            "data_parallel_mode": layout.data_parallel_mode,
+            "pipeline_schedule": "interleaved" if layout.vpp > 1 else "1f1b",
+        }
+    )
+    model = config.model.model_copy(update={"activation_checkpointing": layout.recompute})
+    precision = config.mixed_precision.model_copy(update={"fp8": layout.precision == "fp8"})
+    trained = config.model_copy(
+        update={"parallel": parallel, "model": model, "mixed_precision": precision}
+    )
+    sizes = ParallelSizes(
+        tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=layout.dp, ep=layout.ep, vpp=layout.vpp
+    )
+    try:
+        check_trainer_support(trained, sizes)
+    except MegalithError as error:
+        return f"the trainer refuses it: {error}"
+    return None
+
+
 def usable_bytes(gpu: GPUKind) -> float:
     """90% of the GPU less 1.5 GiB, the memory planner's margin."""
     return gpu.memory_gib * GIB * (1 - SAFETY_FRACTION) - OVERHEAD_BYTES
@@ -578,10 +610,6 @@ def candidates(shapes: Shapes, cluster: Cluster, global_batch: int, space: Searc
                         cluster.gpu.fp8_tflops is None or shapes.hidden < hardware.FP8_MIN_HIDDEN
                     ):
                         continue
-                    if mode == "fsdp" and pp > 1:
-                        # FSDP over stages runs, but this time model does not count its
-                        # all-gathers per micro-batch yet: not proposed.
-                        continue
                     if mode != "ddp" and dp * cp == 1:
                         continue
                     yield Layout(tp, cp, pp, dp, ep, vpp, tp > 1, prec, rc, mbs, mode, split)
@@ -609,7 +637,10 @@ def search(
         considered += 1
         prediction = predict(config, shapes, layout, cluster, global_batch)
         need = prediction.memory.total
-        if need > budget:
+        unsupported = trainer_refusal(config, layout)
+        if unsupported is not None:
+            refused.append(Refusal(layout, unsupported, need))
+        elif need > budget:
             refused.append(Refusal(layout, _memory_reason(prediction, budget, cluster.gpu), need))
         else:
             fitting.append(prediction)
