@@ -53,7 +53,7 @@ def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
         return []
     problems = []
     if config.parallel.data_parallel_mode == "fsdp":
-        problems += _fsdp_pipeline_problems(config, sizes)
+        problems += fsdp_pipeline_problems(config, sizes)
     if config.training.compile and config.parallel.pipeline_schedule == "zero-bubble":
         problems.append(
             "training.compile with parallel.pipeline_schedule=zero-bubble: its split backward "
@@ -63,15 +63,18 @@ def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
     return problems
 
 
-def _fsdp_pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
+def fsdp_pipeline_problems(
+    config: MegalithConfig, sizes: ParallelSizes, kernels: str | None = None
+) -> list[str]:
     """FSDP over pipeline stages (``PipelineParallel.shard_data_parallel``) runs GPT with
     the torch kernels in fp32/bf16 and torchao fp8, compiled or not; 1F1B and interleaved;
     over data and context ranks, and with tensor/sequence parallelism (2-D); tied or
     untied heads, mixture-of-experts blocks (EP × PP is refused apart); full, LoRA and
-    chat fine-tuning; T5 (its relative-bias tables left whole on every stage)."""
+    chat fine-tuning; T5 (its relative-bias tables left whole on every stage).
+    ``kernels``: the backend ``model.backend=auto`` resolved to, where it is known."""
     refused = {
         "model.backend=te": (
-            config.model.backend == "te",
+            (kernels or config.model.backend) == "te",
             "FSDP over TE's modules in stages is not verified yet",
         ),
         "parallel.pipeline_schedule=zero-bubble": (

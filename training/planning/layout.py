@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from megalith.config import FAMILY_RULES, MegalithConfig
 from megalith.errors import MegalithError
@@ -106,30 +107,35 @@ class Layout:
             parts.append(f"v{self.vpp}")
         return " ".join(parts)
 
+    def settings(self) -> dict[str, Any]:
+        """The config keys (dotted) and values that train this layout."""
+        values: dict[str, Any] = {
+            "parallel.tensor": self.tp,
+            "parallel.context": self.cp,
+            "parallel.pipeline": self.pp,
+            "parallel.data_parallel_mode": self.data_parallel_mode,
+            "model.activation_checkpointing": self.recompute,
+            "training.micro_batch_size": self.micro_batch_size,
+        }
+        if self.ep > 1:
+            values["parallel.expert"] = self.ep
+        if self.sequence_parallel:
+            values["parallel.sequence_parallel"] = True
+        if self.vpp > 1:
+            values["parallel.virtual_pipeline"] = self.vpp
+            values["parallel.pipeline_schedule"] = "interleaved"
+        if self.pp > 1 and self.pipeline_layers != "even":
+            values["parallel.pipeline_layers"] = self.pipeline_layers
+        if self.precision == "fp8":
+            values["mixed_precision.fp8"] = True
+        return values
+
     def overrides(self) -> list[str]:
         """``--set`` overrides that train this layout with ``megalith train``."""
-        sets = [
-            f"parallel.tensor={self.tp}",
-            f"parallel.context={self.cp}",
-            f"parallel.pipeline={self.pp}",
-            f"parallel.data_parallel_mode={self.data_parallel_mode}",
-            f"model.activation_checkpointing={self.recompute}",
-            f"training.micro_batch_size={self.micro_batch_size}",
+        return [
+            f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+            for key, value in self.settings().items()
         ]
-        if self.ep > 1:
-            sets.append(f"parallel.expert={self.ep}")
-        if self.sequence_parallel:
-            sets.append("parallel.sequence_parallel=true")
-        if self.vpp > 1:
-            sets += [
-                f"parallel.virtual_pipeline={self.vpp}",
-                "parallel.pipeline_schedule=interleaved",
-            ]
-        if self.pp > 1 and self.pipeline_layers != "even":
-            sets.append(f"parallel.pipeline_layers={self.pipeline_layers}")
-        if self.precision == "fp8":
-            sets.append("mixed_precision.fp8=true")
-        return sets
 
 
 @dataclass
@@ -408,23 +414,17 @@ def _with_parallel(config: MegalithConfig, layout: Layout) -> MegalithConfig:
 def trainer_refusal(config: MegalithConfig, layout: Layout) -> str | None:
     """Why the trainer would refuse ``layout`` for this recipe
     (:func:`~training.parallel.support.check_trainer_support`), or None: the plan never
-    proposes what ``megalith train`` then refuses."""
-    parallel = config.parallel.model_copy(
-        update={
-            "tensor": layout.tp,
-            "context": layout.cp,
-            "pipeline": layout.pp,
-            "expert": layout.ep,
-            "virtual_pipeline": layout.vpp,
-            "sequence_parallel": layout.sequence_parallel,
-            "data_parallel_mode": layout.data_parallel_mode,
-            "pipeline_schedule": "interleaved" if layout.vpp > 1 else "1f1b",
-        }
-    )
-    model = config.model.model_copy(update={"activation_checkpointing": layout.recompute})
-    precision = config.mixed_precision.model_copy(update={"fp8": layout.precision == "fp8"})
+    proposes what ``megalith train`` then refuses. The recipe takes the layout's
+    :meth:`Layout.settings` unvalidated (a search checks thousands of layouts)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in layout.settings().items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
     trained = config.model_copy(
-        update={"parallel": parallel, "model": model, "mixed_precision": precision}
+        update={
+            section: getattr(config, section).model_copy(update=values)
+            for section, values in sections.items()
+        }
     )
     sizes = ParallelSizes(
         tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=layout.dp, ep=layout.ep, vpp=layout.vpp
