@@ -367,14 +367,6 @@ def test_layout_validation_names_the_split(shards: Path) -> None:
         ),
         (
             {
-                "parallel.data_parallel_mode": "fsdp",
-                **INTERLEAVED,
-                "parallel.pipeline_schedule": "zero-bubble",
-            },
-            "fsdp with parallel.pipeline=2 and parallel.pipeline_schedule=zero-bubble: its split",
-        ),
-        (
-            {
                 "training.compile": "true",
                 **INTERLEAVED,
                 "parallel.pipeline_schedule": "zero-bubble",
@@ -394,7 +386,7 @@ def test_fsdp_over_pipeline_stages_matches_one_process(
     shards: Path, reference: Path, tmp_path: Path
 ) -> None:
     """PP=2 × DP=2 with FSDP (4 processes): 1F1B, interleaved with selective
-    recomputation, bf16 with an untied head, mixture-of-experts blocks and
+    recomputation, zero bubble with full recomputation, bf16 with an untied head, mixture-of-experts blocks and
     float8 linears (each against one process of its settings); and PP=2 × CP=2, FSDP over
     the context-parallel ranks. Each stage's
     blocks and chunks are sharded over the data-parallel ranks, gradients reduce-scattered
@@ -406,6 +398,7 @@ def test_fsdp_over_pipeline_stages_matches_one_process(
         "pp2-dp2-fsdp-interleaved": settings(
             shards, {**CASES["pp2-interleaved-selective"], **fsdp}
         ),
+        "pp2-dp2-fsdp-zero-bubble": settings(shards, {**CASES["pp2-zero-bubble-v2"], **fsdp}),
         "pp2-dp2-fsdp-bf16-untied": settings(shards, {**fsdp, **BF16_UNTIED}),
         "pp2-dp2-fsdp-moe": settings(shards, {**fsdp, **MOE}),
         "pp2-dp2-fsdp-fp8": settings(shards, {**fsdp, **FP8}),

@@ -49,8 +49,8 @@ come out scaled; the trainer unscales them and ``AgreedGradScaler`` agrees on an
 every rank (so all stages skip the step together). ``training.compile`` compiles each
 block of the stage in place (``nn.Module.compile``: names, chunks and checkpoints stay as
 they are; the family names its blocks, ``PipelineSplit.blocks``), as torchtitan does, not
-the schedule. Not integrated: FSDP with pipeline stages and compiled zero-bubble
-schedules; :mod:`training.parallel.support` refuses them.
+the schedule. Not integrated: compiled zero-bubble schedules;
+:mod:`training.parallel.support` refuses them.
 
 Measuring the bubble (GPU): every step logs, from each pipeline rank's ``busy`` time (its
 chunks' forward and backward and the loss: CUDA events, no extra synchronisation; wall
@@ -342,8 +342,13 @@ class PipelineParallel:
         # it reads, so FSDP would shard them on some stages only. They stay whole:
         # sync_grads averages them over data, then sums them over the stages.
         shared = {p for n, p in self.model.named_parameters() if self.split.on_every_stage(n)}
+        # Zero bubble's split backward finds the weights to differentiate through the
+        # chunk's parameters() when the input-gradient step runs: they must be the gathered
+        # tensors the forward used, so blocks stay gathered from the first forward to the
+        # step's gradient reduction (ZeRO-2 within the step; torchtitan's default under PP).
+        keep_gathered = self.config.parallel.pipeline_schedule == "zero-bubble"
         for block in self.split.blocks(self.model):
-            fully_shard(block, mesh=mesh)
+            fully_shard(block, mesh=mesh, reshard_after_forward=not keep_gathered)
         for chunk in self.chunks:
             fully_shard(chunk, mesh=mesh, ignored_params=shared or None)
         self.sharded = True

@@ -67,20 +67,16 @@ def fsdp_pipeline_problems(
     config: MegalithConfig, sizes: ParallelSizes, kernels: str | None = None
 ) -> list[str]:
     """FSDP over pipeline stages (``PipelineParallel.shard_data_parallel``) runs GPT with
-    the torch kernels in fp32/bf16 and torchao fp8, compiled or not; 1F1B and interleaved;
-    over data and context ranks, and with tensor/sequence parallelism (2-D); tied or
-    untied heads, mixture-of-experts blocks (EP × PP is refused apart); full, LoRA and
-    chat fine-tuning; T5 (its relative-bias tables left whole on every stage).
+    the torch kernels in fp32/bf16 and torchao fp8, compiled or not; 1F1B, interleaved
+    and zero-bubble (blocks then stay gathered through the step); over data and context
+    ranks, and with tensor/sequence parallelism (2-D); tied or untied heads,
+    mixture-of-experts blocks; full, LoRA and chat fine-tuning; T5 (its relative-bias
+    tables left whole on every stage).
     ``kernels``: the backend ``model.backend=auto`` resolved to, where it is known."""
     refused = {
         "model.backend=te": (
             (kernels or config.model.backend) == "te",
             "FSDP over TE's modules in stages is not verified yet",
-        ),
-        "parallel.pipeline_schedule=zero-bubble": (
-            config.parallel.pipeline_schedule == "zero-bubble",
-            "its split weight-gradient steps are not wired to FSDP's gradient reduction (on "
-            "gloo a last-stage weight got no gradient and never trained)",
         ),
     }
     return [
