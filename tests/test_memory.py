@@ -96,6 +96,18 @@ def test_fsdp_and_distributed_optimizer_shard_over_data_parallel(stepped):
     assert owner.buffers == whole.gradients  # DDP buckets
 
 
+def test_fsdp_over_pipeline_stages_holds_the_whole_stage_gathered_until_the_reduction():
+    """torch's PipelineStage leaves each micro-batch's backward unsharded and unreduced,
+    so a stage's gathered parameters and their gradients stay until the step's one
+    reduce-scatter: FSDP's buffers are two whole copies of the stage, not three units."""
+    stage = load_config(LLAMA_1B, ["parallel.pipeline=2"])
+    whole = static_memory(stage, resolve_layout(stage, 2))
+    fsdp = load_config(LLAMA_1B, ["parallel.pipeline=2", "parallel.data_parallel_mode=fsdp"])
+    sharded = static_memory(fsdp, resolve_layout(fsdp, 4))
+    assert sharded.buffers == 2 * whole.parameters
+    assert sharded.parameters == pytest.approx(whole.parameters / 2, rel=1e-3)
+
+
 def test_activations_order_and_linearity():
     config = load_config(LLAMA_1B)
     sizes = resolve_layout(config, 1)

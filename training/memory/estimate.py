@@ -19,8 +19,10 @@ With data parallelism over ddp or distributed_optimizer, DDP's gradient buckets 
 one more fp32 copy of the gradients: despite ``gradient_as_bucket_view=True`` the 1B
 recipe peaked at 54.4 GiB with DP=2 ddp against 50.3 GiB on one GPU (benchmarks/
 RESULTS.md, the +4.1 GiB of its gradients). FSDP holds two gathered units (the current
-and the prefetched) and one unit's unsharded gradients. The distributed optimizer's
-broadcast buffer lives after backward, when the activations are gone, so it is left out.
+and the prefetched) and one unit's unsharded gradients; over pipeline stages, the whole
+stage's gathered parameters and gradients (they stay gathered until the step's gradient
+reduction). The distributed optimizer's broadcast buffer lives after backward, when the
+activations are gone, so it is left out.
 
 Activations, per layer per micro-batch: Korthikanti et al. (2022), "Reducing Activation
 Recomputation in Large Transformer Models", give ``s·b·h·(34 + 5·a·s/h)`` bytes for a
@@ -253,7 +255,13 @@ def static_memory(config: MegalithConfig, sizes: ParallelSizes, stage: int = 0) 
         out.optimizer = _ADAM_BYTES * loads[busiest] + _STEP_BYTES * counts[busiest]
     if mode in ("ddp", "distributed_optimizer") and dp > 1:
         out.buffers = 4 * out.params  # DDP's gradient buckets (measured: see the docstring)
-    if mode == "fsdp" and dp > 1:
+    if mode == "fsdp" and dp > 1 and sizes.pp > 1:
+        # Pipeline stages hold FSDP's gathers from the first backward to the step's one
+        # gradient reduction (torch's PipelineStage leaves every micro-batch's backward
+        # unsharded and unreduced): the stage's whole parameters and gradients. Measured on
+        # 4x H100, 1B, PP=2 x DP=2: FSDP's peak 2.4 GiB under DDP's (this rule: 2.0).
+        out.buffers = 4 * 2 * sum(block_numel.values())
+    elif mode == "fsdp" and dp > 1:
         # Two gathered units in flight (current + prefetched) and one unit's full gradients.
         out.buffers = 4 * 3 * max(block_numel.values())
     return out

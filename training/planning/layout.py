@@ -382,7 +382,9 @@ def memory(config: MegalithConfig, shapes: Shapes, layout: Layout, micro_batches
         shard = d if fsdp else 1
         held = params / shard
         optimizer = 8 * params / (d if layout.data_parallel_mode != "ddp" else 1)
-        if fsdp:
+        if fsdp and layout.pp > 1:  # the stage's gathers and gradients until the reduction
+            buffers = 4 * 2 * params
+        elif fsdp:
             buffers = 4 * 3 * shapes.layer_params(layout)
         elif d > 1:
             buffers = 4 * params
