@@ -344,14 +344,9 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
             "num_experts=3 is not divisible by parallel.expert=2",
         ),
         (
-            {"model.num_experts": 4, "parallel.data_parallel_mode": "distributed_optimizer"},
-            ParallelSizes(dp=2, ep=2),
-            "data_parallel_mode=distributed_optimizer: only ddp",
-        ),
-        (
             {"model.num_experts": 4, "parallel.data_parallel_mode": "fsdp"},
             ParallelSizes(dp=2, ep=2),
-            "data_parallel_mode=fsdp: only ddp",
+            "data_parallel_mode=fsdp: sharding the experts",
         ),
         (
             {"model.num_experts": 4},
@@ -367,7 +362,6 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
     ids=[
         "dense",
         "indivisible",
-        "distributed-optimizer",
         "fsdp",
         "tensor",
         "context-capacity",
@@ -481,9 +475,13 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
     checkpoint tensors, an exact resume and step 1's gradients. In the same job EP=2 ×
     PP=2 (each stage's two data-parallel ranks exchange tokens by all-to-all): losses,
     grad norms, whole checkpoint tensors, an exact resume and the package's logits; and
-    CP=2 × PP=2, whose balance loss must cover each whole sequence."""
+    CP=2 × PP=2, whose balance loss must cover each whole sequence; and EP=2 inside DP=4
+    with the distributed optimizer (each expert weight's AdamW state on one of its two
+    expert-data-parallel ranks): losses, whole checkpoint, exact resume, and a resume in
+    one process (the owners' optimizer shards reassembled)."""
     name = f"EP=2 x DP=4 (EDP=2, {BACKEND}, 4 processes)"
     values = trainer_settings(shards, {**MOE, "parallel.expert": 2, "training.eval_iters": 4})
+    zero1 = {**values, "parallel.data_parallel_mode": "distributed_optimizer"}
     staged = trainer_settings(
         shards,
         {**MOE, "parallel.expert": 2, "parallel.pipeline": 2, "training.eval_iters": 4},
@@ -495,7 +493,12 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
     spec = {
         "recipe": str(RECIPE),
         "device": DEVICE,
-        "cases": {"ep2-dp4": values, "ep2-pp2": staged, "cp2-pp2": context_staged},
+        "cases": {
+            "ep2-dp4": values,
+            "ep2-dp4-zero1": zero1,
+            "ep2-pp2": staged,
+            "cp2-pp2": context_staged,
+        },
         "grads": values,
         "resume_step": RESUME_STEP,
         "out": str(tmp_path / "runs"),
@@ -509,6 +512,13 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
     want_grads = single_process_grads(values, tmp_path / "grads")
     got_grads = load_file(str(runs / "grads" / "grads.safetensors"))
     assert_close_tensors(got_grads, want_grads, f"{name} step 1 gradients", atol=1e-6)
+    name = f"EP=2 x DP=4 distributed optimizer ({BACKEND}, 4 processes)"
+    check_metrics(runs / "ep2-dp4-zero1", reference, name)
+    assert_resume_exact(runs / "ep2-dp4-zero1", runs / "ep2-dp4-zero1-resumed", name)
+    assert_whole_checkpoint(runs / "ep2-dp4-zero1", reference, name)
+    assert_one_process_resume(
+        runs / "ep2-dp4-zero1", single_process(values), tmp_path / "zero1-one", name
+    )
     name = f"EP=2 x PP=2 ({BACKEND}, 4 processes)"
     check_metrics(runs / "ep2-pp2", reference, name)
     assert_resume_exact(runs / "ep2-pp2", runs / "ep2-pp2-resumed", name)

@@ -228,7 +228,7 @@ def static_memory(config: MegalithConfig, sizes: ParallelSizes, stage: int = 0) 
     dp = sizes.dp * sizes.cp  # gradients are averaged over data x context
     half = compute_dtype(config) != "fp32"
     out = StaticMemory()
-    sizes_local, tensors = [], 0
+    sizes_local, experts, tensors = [], [], 0
     block_numel: dict[str, int] = {}  # whole elements per FSDP unit (layers.i, or the root)
     for name, shape in _stage_params(config, sizes, stage):
         numel = local_numel(name, shape, config.model, sizes)
@@ -238,6 +238,7 @@ def static_memory(config: MegalithConfig, sizes: ParallelSizes, stage: int = 0) 
             rows = shape[0] if len(shape) else 1
             numel = math.ceil(rows / dp) * (numel // max(rows, 1))
         sizes_local.append(numel)
+        experts.append(sizes.ep > 1 and is_expert_param(name))
         tensors += 1
         if half and len(shape) >= 2 and not name.startswith("embedding."):
             out.weight_copies += 2 * local_numel(name, shape, config.model, sizes)
@@ -245,12 +246,7 @@ def static_memory(config: MegalithConfig, sizes: ParallelSizes, stage: int = 0) 
     out.parameters = out.gradients = 4 * out.params
     out.optimizer = _ADAM_BYTES * out.params + _STEP_BYTES * tensors
     if mode == "distributed_optimizer" and dp > 1:
-        owners = partition(sizes_local, dp)
-        loads = [0] * dp
-        counts = [0] * dp
-        for numel, owner in zip(sizes_local, owners, strict=True):
-            loads[owner] += numel
-            counts[owner] += 1
+        loads, counts = _owned_per_rank(sizes_local, experts, dp, sizes.ep)
         busiest = max(range(dp), key=lambda r: loads[r])
         out.optimizer = _ADAM_BYTES * loads[busiest] + _STEP_BYTES * counts[busiest]
     if mode in ("ddp", "distributed_optimizer") and dp > 1:
@@ -265,6 +261,24 @@ def static_memory(config: MegalithConfig, sizes: ParallelSizes, stage: int = 0) 
         # Two gathered units in flight (current + prefetched) and one unit's full gradients.
         out.buffers = 4 * 3 * max(block_numel.values())
     return out
+
+
+def _owned_per_rank(
+    numels: list[int], experts: list[bool], dp: int, ep: int
+) -> tuple[list[int], list[int]]:
+    """Elements and tensors whose AdamW state each data × context rank owns under the
+    distributed optimizer: dense tensors partitioned over all ``dp`` ranks, expert tensors
+    over their ``dp / ep`` expert-data-parallel ranks (data-parallel rank ``r`` is in
+    expert-data-parallel rank ``r // ep``), as ``data_parallel.DistributedOptimizer``."""
+    loads, counts = [0] * dp, [0] * dp
+    for is_expert, ranks in ((False, dp), (True, dp // ep)):
+        mine = [n for n, e in zip(numels, experts, strict=True) if e == is_expert]
+        for numel, owner in zip(mine, partition(mine, ranks), strict=True):
+            holders = range(owner * ep, (owner + 1) * ep) if is_expert else (owner,)
+            for rank in holders:
+                loads[rank] += numel
+                counts[rank] += 1
+    return loads, counts
 
 
 # --------------------------------------------------------------------------- activations

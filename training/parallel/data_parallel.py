@@ -37,6 +37,7 @@ from megalith.errors import MegalithError
 from training.checkpoint.format import optimizer_group_indices
 from training.models import build_model
 from training.models.flops import param_groups
+from training.models.moe import is_expert_param
 from training.optim.adamw import build_optimizer as build_adamw
 from training.parallel.dtensor import is_dtensor, is_fsdp_module, whole_tensor
 from training.parallel.groups import ParallelState
@@ -228,7 +229,16 @@ def build_optimizer(
             fused=fused or None,
         )
 
-    return DistributedOptimizer(groups, adamw, state.dp_cp_group), names
+    replicas = [_replica_group(name, state) for name in names]
+    return DistributedOptimizer(groups, adamw, state.dp_cp_group, replicas), names
+
+
+def _replica_group(name: str, state: ParallelState) -> dist.ProcessGroup:
+    """The ranks holding the same copy of parameter ``name``: the data × context ranks,
+    or under expert parallelism, for an expert weight, its expert-data-parallel ranks."""
+    if state.sizes.ep > 1 and is_expert_param(name):
+        return state.edp_group
+    return state.dp_cp_group
 
 
 def partition(sizes: list[int], ranks: int) -> list[int]:
@@ -244,7 +254,9 @@ def partition(sizes: list[int], ranks: int) -> list[int]:
 
 class DistributedOptimizer:
     """ZeRO-1 over a process group: each rank steps an inner optimizer on the parameters
-    it owns, then every owner broadcasts its updated parameters.
+    it owns, then every owner broadcasts its updated parameters. ``replicas`` (one group
+    per parameter, default ``group``): the ranks holding the same copy of it, among
+    which it has its owner (expert weights under EP: their expert-data-parallel ranks).
 
     Offers what the trainer and GradScaler use of an optimizer: ``param_groups`` (set
     the learning rate here), ``zero_grad``, ``step``, ``load_state_dict`` (the full,
@@ -258,23 +270,29 @@ class DistributedOptimizer:
         groups: list[dict[str, Any]],
         make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
         group: dist.ProcessGroup,
+        replicas: list[dist.ProcessGroup] | None = None,
     ):
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
         self.params = [p for g in groups for p in g["params"]]
-        self.owners = partition([p.numel() for p in self.params], self.world)
-        owner_of = {id(p): o for p, o in zip(self.params, self.owners, strict=True)}
-        local_groups = [
-            {**g, "params": [p for p in g["params"] if owner_of[id(p)] == self.rank]}
-            for g in groups
-        ]
+        self.replicas = replicas or [group] * len(self.params)
+        self.owners = [0] * len(self.params)
+        for replica in _distinct(self.replicas):  # each group's parameters, partitioned
+            positions = [i for i, r in enumerate(self.replicas) if r is replica]
+            sizes = [self.params[i].numel() for i in positions]
+            for i, owner in zip(positions, partition(sizes, replica.size()), strict=True):
+                self.owners[i] = owner
+        mine = {id(p) for i, p in enumerate(self.params) if self.owns(i)}
+        local_groups = [{**g, "params": [p for p in g["params"] if id(p) in mine]} for g in groups]
         self.optim = make_optimizer(local_groups)
         # The global view: the inner groups' hyperparameters over every parameter.
         self.param_groups = [
             {**inner, "params": list(outer["params"])}
             for inner, outer in zip(self.optim.param_groups, groups, strict=True)
         ]
+
+    def owns(self, position: int) -> bool:
+        """Whether this rank keeps the state of, and updates, parameter ``position``."""
+        return self.owners[position] == self.replicas[position].rank()
 
     @property
     def state(self) -> dict[torch.Tensor, dict[str, Any]]:
@@ -295,22 +313,27 @@ class DistributedOptimizer:
         self._broadcast_params()
 
     def _broadcast_params(self) -> None:
-        for owner, params in self._buckets():
+        for replica, owner, params in self._buckets():
+            if replica.size() == 1:
+                continue
             flat = _flatten_dense_tensors([p.data for p in params])
-            dist.broadcast(flat, group_src=owner, group=self.group)
-            if owner != self.rank:
+            dist.broadcast(flat, group_src=owner, group=replica)
+            if owner != replica.rank():
                 for param, value in zip(
                     params, _unflatten_dense_tensors(flat, params), strict=True
                 ):
                     param.data.copy_(value)
 
-    def _buckets(self) -> Iterator[tuple[int, list[torch.Tensor]]]:
-        """Parameters grouped by owner and dtype, in an order every rank agrees on."""
-        buckets: dict[tuple[int, str], list[torch.Tensor]] = {}
-        for owner, param in zip(self.owners, self.params, strict=True):
-            buckets.setdefault((owner, str(param.dtype)), []).append(param)
-        for (owner, _), params in sorted(buckets.items(), key=lambda item: item[0]):
-            yield owner, params
+    def _buckets(self) -> Iterator[tuple[dist.ProcessGroup, int, list[torch.Tensor]]]:
+        """Parameters grouped by replica group, owner and dtype, in an order every rank
+        agrees on."""
+        order = {id(r): i for i, r in enumerate(_distinct(self.replicas))}
+        buckets: dict[tuple[int, int, str], list[torch.Tensor]] = {}
+        for replica, owner, param in zip(self.replicas, self.owners, self.params, strict=True):
+            buckets.setdefault((order[id(replica)], owner, str(param.dtype)), []).append(param)
+        replicas = _distinct(self.replicas)
+        for (which, owner, _), params in sorted(buckets.items(), key=lambda item: item[0]):
+            yield replicas[which], owner, params
 
     # --- checkpoints: the single-process AdamW format (sharded checkpoints write each
     # rank's own share: training.checkpoint.sharded_writer) -----------------------------------
@@ -332,7 +355,7 @@ class DistributedOptimizer:
         for saved in saved_groups:
             local_indices = []
             for index in saved["params"]:
-                if self.owners[index] != self.rank:
+                if not self.owns(index):
                     continue
                 if index in state_dict["state"]:
                     local_state[position] = state_dict["state"][index]
@@ -342,6 +365,14 @@ class DistributedOptimizer:
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
         for outer, saved in zip(self.param_groups, saved_groups, strict=True):
             outer.update(_hyperparameters(saved))
+
+
+def _distinct(groups: list[dist.ProcessGroup]) -> list[dist.ProcessGroup]:
+    """Each group once, in order of first appearance (the same on every rank)."""
+    seen: dict[int, dist.ProcessGroup] = {}
+    for group in groups:
+        seen.setdefault(id(group), group)
+    return list(seen.values())
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

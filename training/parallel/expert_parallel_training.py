@@ -13,6 +13,9 @@ the expert-data-parallel (``edp``) group and hold the same experts.
   data × context, the same scaling DDP applies, because an expert's local gradient
   already sums the tokens that every rank of its EP group sent it.
 - :func:`clip_grad_norm`: expert gradients count once across EP ranks.
+- The distributed optimizer (ZeRO-1) gives each expert weight an owner among its
+  expert-data-parallel ranks, each dense one among the data × context ranks
+  (``data_parallel.build_optimizer``).
 - :func:`full_model` / :func:`shard_loaded`: the model package holds whole
   single-process tensors (experts gathered over the first EP group to rank 0); whole
   (v1) checkpoints load at any EP size.

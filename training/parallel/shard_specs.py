@@ -205,7 +205,7 @@ def _saves(
 def holds_state(optimizer: object, position: int) -> bool:
     """Whether this rank keeps the AdamW state of parameter number ``position``."""
     if isinstance(optimizer, DistributedOptimizer):
-        return optimizer.owners[position] == optimizer.rank
+        return optimizer.owns(position)
     return True
 
 

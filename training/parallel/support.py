@@ -139,10 +139,11 @@ def expert_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
         problems.append(
             f"model.num_experts={experts} is not divisible by parallel.expert={sizes.ep}"
         )
-    if mode != "ddp":
+    if mode == "fsdp":
         problems.append(
-            f"parallel.expert={sizes.ep} with parallel.data_parallel_mode={mode}: only ddp "
-            "keeps expert gradients apart from the dense ones yet"
+            f"parallel.expert={sizes.ep} with parallel.data_parallel_mode=fsdp: sharding the "
+            "experts over their expert-data-parallel ranks is not integrated yet; use ddp or "
+            "distributed_optimizer"
         )
     return problems
 
