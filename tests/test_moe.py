@@ -96,6 +96,14 @@ CASES = {
     "dp2-fsdp": {**MOE, "parallel.data_parallel_mode": "fsdp"},
     # Each rank routes its part of the sequence; the load balance is the whole one's.
     "cp2": {**MOE, "parallel.context": 2},
+    # Capacity decided over the whole sequence: top-1 weights all tie at 1, so which
+    # assignments an expert drops follows the whole micro-batch's token order.
+    "cp2-top1-capacity": {
+        **MOE,
+        "parallel.context": 2,
+        "model.moe_top_k": 1,
+        "model.moe_capacity_factor": 0.75,
+    },
     # One MoE block per stage: the balance loss's gradient rides on the stage output.
     "pp2": {**MOE, "parallel.pipeline": 2},
 }
@@ -353,18 +361,12 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
             ParallelSizes(tp=2),
             "num_experts=4 with parallel.tensor=2",
         ),
-        (
-            {"model.num_experts": 4, "model.moe_capacity_factor": 1.0},
-            ParallelSizes(cp=2),
-            "moe_capacity_factor=1.0 with parallel.context=2",
-        ),
     ],
     ids=[
         "dense",
         "indivisible",
         "fsdp",
         "tensor",
-        "context-capacity",
     ],  # fmt: skip
 )
 def test_refused_layouts_name_the_keys(values: dict, sizes: ParallelSizes, message: str) -> None:

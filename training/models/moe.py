@@ -27,6 +27,8 @@ Capacity (``moe_capacity_factor``): each expert takes at most
 ``ceil(N · k / E · factor)`` tokens of the micro-batch; beyond that, the assignments
 with the lowest routing weight are dropped (Megatron's "probs" drop policy), and the
 token keeps only its other experts' outputs (and the residual). ``None`` is dropless.
+Under context parallelism the ranks' assignments are gathered and cut in the whole
+micro-batch's token order, so each rank drops what one device would.
 
 Experts are stored stacked, one tensor per weight for all experts of the layer::
 
@@ -45,6 +47,7 @@ travel to their experts' ranks and back by all-to-all (:class:`AllToAll`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +59,7 @@ from torch import Tensor, nn
 from megalith.config import ModelConfig
 from training.models.layers import gelu, scaled_init_std, swiglu
 from training.parallel.tensor_parallel.mappings import (
+    all_gather,
     all_reduce,
     reduce_from_tensor_parallel_region,
 )
@@ -128,18 +132,49 @@ def route(
     top_k: int,
     capacity_factor: float | None = None,
     balance_group: dist.ProcessGroup | None = None,
+    token_index: Tensor | None = None,
 ) -> Routing:
     """Top-k routing of ``logits [N, E]`` (fp32): top-k first, softmax over the chosen k;
-    ``balance_group``: see :func:`load_balancing_loss`."""
+    ``balance_group``: see :func:`load_balancing_loss`. With a ``balance_group`` of
+    several ranks (context parallelism), ``token_index [N]`` gives each token's place in
+    the whole micro-batch, and capacity is decided over the whole sequence as one device
+    decides it (:func:`within_capacity_over`)."""
     num_tokens, num_experts = logits.shape
     top_logits, experts = logits.topk(top_k, dim=-1)
     weights = top_logits.softmax(dim=-1)
     balance = load_balancing_loss(logits.softmax(dim=-1), experts, num_experts, balance_group)
     keep = None
-    if capacity_factor is not None:
+    if capacity_factor is not None and token_index is not None:
+        keep = within_capacity_over(
+            weights, experts, num_experts, capacity_factor, token_index, balance_group
+        )
+    elif capacity_factor is not None:
         capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
         keep = within_capacity(weights, experts, num_experts, capacity)
     return Routing(experts=experts, weights=weights, keep=keep, balance_loss=balance)
+
+
+def within_capacity_over(
+    weights: Tensor,
+    experts: Tensor,
+    num_experts: int,
+    factor: float,
+    token_index: Tensor,
+    group: dist.ProcessGroup,
+) -> Tensor:
+    """``keep [N, k]`` of this rank's part of a sequence split over ``group``: every
+    rank's assignments gathered, put in the whole micro-batch's token order
+    (``token_index``) and cut to capacity as :func:`within_capacity` does on one device;
+    then this rank's rows."""
+    num_tokens, top_k = experts.shape
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    every = [all_gather(t, 0, group) for t in (weights.detach(), experts, token_index)]
+    order = torch.argsort(every[2])
+    capacity = expert_capacity(num_tokens * world, top_k, num_experts, factor)
+    in_order = within_capacity(every[0][order], every[1][order], num_experts, capacity)
+    keep = torch.empty_like(in_order)
+    keep[order] = in_order
+    return keep[rank * num_tokens : (rank + 1) * num_tokens]
 
 
 class Router(nn.Module):
@@ -273,8 +308,10 @@ class MoELayer(nn.Module):
         self.experts = Experts(config, self.num_experts)
         self.dropout = nn.Dropout(config.dropout)
         self.ep_group: dist.ProcessGroup | None = None  # set by expert-parallel training
-        # Set under context parallelism: the load balance is the whole sequence's.
+        # Set under context parallelism: the load balance and capacity are the whole
+        # sequence's; cp_positions(length) gives this rank's tokens' global positions.
         self.cp_group: dist.ProcessGroup | None = None
+        self.cp_positions: Callable[[int], Tensor] | None = None
         self.aux_loss: Tensor | None = None
         # Pipeline stages compute no loss to add the balance to: set, it makes backward
         # give the balance loss this gradient (see AuxLossGradient); the values of the
@@ -284,7 +321,13 @@ class MoELayer(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         hidden = self.norm(x).reshape(-1, x.size(-1))
-        routing = route(self.router(hidden), self.top_k, self.capacity_factor, self.cp_group)
+        routing = route(
+            self.router(hidden),
+            self.top_k,
+            self.capacity_factor,
+            self.cp_group,
+            self._token_index(x) if self.capacity_factor is not None else None,
+        )
         aux = None
         if self.training and torch.is_grad_enabled():
             aux = self.aux_loss_coeff * routing.balance_loss
@@ -306,6 +349,15 @@ class MoELayer(nn.Module):
         if aux is not None and self.aux_grad_scale is not None:
             out = AuxLossGradient.apply(out, aux, self)
         return out
+
+    def _token_index(self, x: Tensor) -> Tensor | None:
+        """Under context parallelism, the place of each of this rank's tokens ``x [B, S, H]``
+        in the whole micro-batch (``b · length + position``); None otherwise."""
+        if self.cp_group is None or self.cp_positions is None:
+            return None
+        batch, length = x.size(0), x.size(1) * dist.get_world_size(self.cp_group)
+        rows = torch.arange(batch, device=x.device).unsqueeze(1) * length
+        return (rows + self.cp_positions(length).to(x.device)).reshape(-1)
 
     def record_aux(self, aux: Tensor) -> None:
         """A back-propagated forward's balance loss (pipeline stages), recorded in

@@ -29,6 +29,7 @@ or FSDP). What EP cannot run with is refused in :mod:`training.parallel.support`
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from megalith.config import ModelConfig
 from training.models import GPTModel, model_from_tensors
 from training.models.moe import is_expert_param, moe_layers
+from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
 from training.parallel.groups import ParallelState
@@ -63,11 +65,14 @@ def build_model(
 
 
 def balance_over_context(model: nn.Module, state: ParallelState) -> None:
-    """Under context parallelism each MoE layer's load-balancing loss covers the whole
-    sequence, its CP group's parts (``training.models.moe.load_balancing_loss``)."""
+    """Under context parallelism each MoE layer's load-balancing loss and expert capacity
+    cover the whole sequence, its CP group's parts (``training.models.moe``): the layer
+    learns the group and where this rank's tokens sit in the sequence."""
     if state.sizes.cp > 1:
+        where = functools.partial(cp.positions, cp_size=state.sizes.cp, cp_rank=state.cp_rank)
         for layer in moe_layers(model):
             layer.cp_group = state.cp_group
+            layer.cp_positions = where
 
 
 def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

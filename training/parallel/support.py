@@ -117,13 +117,6 @@ def expert_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """What mixture-of-experts and expert parallelism cannot run with (each names its keys)."""
     experts, mode = config.model.num_experts or 0, config.parallel.data_parallel_mode
     problems = []
-    capacity = config.model.moe_capacity_factor
-    if experts and sizes.cp > 1 and capacity is not None:
-        problems.append(
-            f"model.moe_capacity_factor={capacity} with parallel.context={sizes.cp}: each "
-            "context-parallel rank would drop tokens against its part of the sequence, not "
-            "the whole; leave the factor unset (dropless)"
-        )
     if experts and sizes.tp > 1:
         problems.append(
             f"model.num_experts={experts} with parallel.tensor={sizes.tp}: MoE layers are not "
