@@ -238,28 +238,34 @@ def test_model_package_loads_in_one_process(
     assert_package_logits_match(parallel_runs / case, reference, layout(case))
 
 
+COMPILED = {"training.compile": "true"}
+
+
+@pytest.fixture(scope="module")
+def compiled_reference(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The compiled single process (the FSDP × PP job runs a compiled case too)."""
+    return fit_one_process(settings(shards, COMPILED), tmp_path_factory.mktemp("compiled-one"))
+
+
 @pytest.mark.slow
-def test_compiled_pipeline_stages_match_one_compiled_process(shards: Path, tmp_path: Path) -> None:
-    """``training.compile`` with PP=2 (1F1B, and interleaved with selective recomputation)
-    and with PP=2 × DP=2 under FSDP (4 processes): each stage's blocks compiled in place
+def test_compiled_pipeline_stages_match_one_compiled_process(
+    shards: Path, compiled_reference: Path, tmp_path: Path
+) -> None:
+    """``training.compile`` with PP=2 (1F1B, and interleaved with selective recomputation;
+    PP=2 × DP=2 under FSDP runs in the FSDP job): each stage's blocks compiled in place
     give the compiled single process's losses and grad norms, whole checkpoint tensors,
     and resume exactly."""
-    compiled = {"training.compile": "true"}
-    reference = fit_one_process(settings(shards, compiled), tmp_path / "one")
     cases = {
-        "pp2-compiled": settings(shards, {**CASES["pp2"], **compiled}),
+        "pp2-compiled": settings(shards, {**CASES["pp2"], **COMPILED}),
         "pp2-interleaved-compiled": settings(
-            shards, {**CASES["pp2-interleaved-selective"], **compiled}
+            shards, {**CASES["pp2-interleaved-selective"], **COMPILED}
         ),
     }
     runs = run_worker(tmp_path, WORLD, cases=cases)
-    fsdp = {"pp2-dp2-fsdp-compiled": {"parallel.data_parallel_mode": "fsdp"}}
-    run_worker(tmp_path, 4, cases={k: settings(shards, {**CASES["pp2"], **compiled, **v})
-                                   for k, v in fsdp.items()})  # fmt: skip
-    for case in [*cases, *fsdp]:
-        name = layout(case, 4 if case in fsdp else WORLD)
-        assert_metrics_match(metrics(runs / case), metrics(reference), name)
-        assert_whole_checkpoint(runs / case, reference, name)
+    for case in cases:
+        name = layout(case)
+        assert_metrics_match(metrics(runs / case), metrics(compiled_reference), name)
+        assert_whole_checkpoint(runs / case, compiled_reference, name)
         assert_resume_exact(runs / case, runs / f"{case}-resumed", name)
 
 
@@ -383,15 +389,16 @@ def test_what_pipeline_parallelism_refuses(shards: Path, values: dict, message: 
 
 @pytest.mark.slow
 def test_fsdp_over_pipeline_stages_matches_one_process(
-    shards: Path, reference: Path, tmp_path: Path
+    shards: Path, reference: Path, compiled_reference: Path, tmp_path: Path
 ) -> None:
     """PP=2 × DP=2 with FSDP (4 processes): 1F1B, interleaved with selective
-    recomputation, zero bubble with full recomputation, bf16 with an untied head, mixture-of-experts blocks and
-    float8 linears (each against one process of its settings); and PP=2 × CP=2, FSDP over
-    the context-parallel ranks. Each stage's
+    recomputation, zero bubble with full recomputation, compiled stages, bf16 with an
+    untied head, mixture-of-experts blocks and float8 linears (each against one process of
+    its settings); and PP=2 × CP=2, FSDP over the context-parallel ranks. Each stage's
     blocks and chunks are sharded over the data-parallel ranks, gradients reduce-scattered
-    once a step, the tied embedding's rows summed over its two stages. Losses, validation losses and grad norms, whole checkpoint tensors (sharded
-    rows reassembled), an exact resume and the package's logits equal one process's."""
+    once a step, the tied embedding's rows summed over its two stages. Losses, validation
+    losses and grad norms, whole checkpoint tensors (sharded rows reassembled), an exact
+    resume and the package's logits equal one process's."""
     fsdp = {"parallel.pipeline": 2, "parallel.data_parallel_mode": "fsdp"}
     cases = {
         "pp2-dp2-fsdp": settings(shards, fsdp),
@@ -399,6 +406,7 @@ def test_fsdp_over_pipeline_stages_matches_one_process(
             shards, {**CASES["pp2-interleaved-selective"], **fsdp}
         ),
         "pp2-dp2-fsdp-zero-bubble": settings(shards, {**CASES["pp2-zero-bubble-v2"], **fsdp}),
+        "pp2-dp2-fsdp-compiled": settings(shards, {**fsdp, **COMPILED}),
         "pp2-dp2-fsdp-bf16-untied": settings(shards, {**fsdp, **BF16_UNTIED}),
         "pp2-dp2-fsdp-moe": settings(shards, {**fsdp, **MOE}),
         "pp2-dp2-fsdp-fp8": settings(shards, {**fsdp, **FP8}),
@@ -413,6 +421,7 @@ def test_fsdp_over_pipeline_stages_matches_one_process(
         name: fit_one_process(settings(shards, values), tmp_path / name)
         for name, values in (("bf16", BF16_UNTIED), ("moe", MOE), ("fp8", FP8))
     }
+    references["compiled"] = compiled_reference
     for case in cases:
         name = layout(case, 4)
         one = next((references[k] for k in references if k in case), reference)
