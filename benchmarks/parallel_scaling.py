@@ -63,7 +63,8 @@ SHAPES: dict[str, dict] = {
 }
 
 # Layout names: parts joined by "-", e.g. 1gpu, dp4, dp2-zero1, tp2-sp, pp4-v2, tp2-pp2,
-# tp2-dp2, cp2. dpN/tpN/ppN/cpN set the sizes (GPUs = their product), vN the virtual
+# tp2-dp2, cp2, dp2-ep2. dpN/tpN/ppN/cpN set the sizes (GPUs = their product), epN the
+# expert-parallel size (carved out of data x context, no GPUs of its own), vN the virtual
 # pipeline stages (interleaved schedule), zb the zero-bubble schedule (ZB1P, with or
 # without vN), sp sequence parallelism, async sequence parallelism with async TP (needs
 # --compile), zero1/fsdp the data-parallel mode (default ddp).
@@ -85,20 +86,26 @@ _FLAGS = {
 
 def parse_layout(name: str) -> tuple[int, dict]:
     """``(GPUs, config overrides)`` of a layout name."""
+    # Expert parallelism only where the name says epN: a recipe's own parallel.expert
+    # (moe-8x350m's 8) assumes its GPU count.
     if name == "1gpu":
-        return 1, {}
-    gpus, overrides = 1, {"parallel.data_parallel_mode": "ddp"}
+        return 1, {"parallel.expert": 1}
+    gpus, overrides = 1, {"parallel.data_parallel_mode": "ddp", "parallel.expert": 1}
     parts = name.split("-")
     for part in sorted(parts, key=lambda part: part in _FLAGS):  # flags last: zb overrides vN
         if part in _FLAGS:
             overrides.update(_FLAGS[part])
             continue
         prefix = part.rstrip("0123456789")
-        if prefix not in _SIZE_KEYS or prefix == part:
+        if prefix not in (*_SIZE_KEYS, "ep") or prefix == part:
             raise SystemExit(
-                f"layout {name!r}: unknown part {part!r} (dpN tpN ppN cpN vN zb sp async zero1 fsdp)"
+                f"layout {name!r}: unknown part {part!r} "
+                "(dpN tpN ppN cpN epN vN zb sp async zero1 fsdp)"
             )
         size = int(part[len(prefix) :])
+        if prefix == "ep":  # carved out of data x context: no GPUs of its own
+            overrides["parallel.expert"] = size
+            continue
         if prefix == "v":
             overrides["parallel.virtual_pipeline"] = size
             overrides["parallel.pipeline_schedule"] = "interleaved"
