@@ -327,11 +327,11 @@ class DistributedOptimizer:
     def _buckets(self) -> Iterator[tuple[dist.ProcessGroup, int, list[torch.Tensor]]]:
         """Parameters grouped by replica group, owner and dtype, in an order every rank
         agrees on."""
-        order = {id(r): i for i, r in enumerate(_distinct(self.replicas))}
+        replicas = _distinct(self.replicas)
+        order = {id(r): i for i, r in enumerate(replicas)}
         buckets: dict[tuple[int, int, str], list[torch.Tensor]] = {}
         for replica, owner, param in zip(self.replicas, self.owners, self.params, strict=True):
             buckets.setdefault((order[id(replica)], owner, str(param.dtype)), []).append(param)
-        replicas = _distinct(self.replicas)
         for (which, owner, _), params in sorted(buckets.items(), key=lambda item: item[0]):
             yield replicas[which], owner, params
 

@@ -345,7 +345,7 @@ class PipelineParallel:
         # Zero bubble's split backward finds the weights to differentiate through the
         # chunk's parameters() when the input-gradient step runs: they must be the gathered
         # tensors the forward used, so blocks stay gathered from the first forward to the
-        # step's gradient reduction (ZeRO-2 within the step; torchtitan's default under PP).
+        # step's gradient reduction (as every stage holds them after its first backward).
         keep_gathered = self.config.parallel.pipeline_schedule == "zero-bubble"
         for block in self.split.blocks(self.model):
             fully_shard(block, mesh=mesh, reshard_after_forward=not keep_gathered)
