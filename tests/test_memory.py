@@ -19,6 +19,7 @@ from training.memory.estimate import (
     usable_bytes,
 )
 from training.models import GPTModel
+from training.models.moe import is_expert_param
 from training.optim.adamw import build_optimizer
 from training.parallel.tensor_parallel.sharding import shard_full_state_dict
 
@@ -106,6 +107,24 @@ def test_fsdp_over_pipeline_stages_holds_the_whole_stage_gathered_until_the_redu
     sharded = static_memory(fsdp, resolve_layout(fsdp, 4))
     assert sharded.buffers == 2 * whole.parameters
     assert sharded.parameters == pytest.approx(whole.parameters / 2, rel=1e-3)
+
+
+def test_fsdp_with_expert_parallelism_splits_experts_over_their_expert_data_ranks():
+    """EP=2 inside DP=4 under FSDP: dense rows over the 4 data ranks, each EP rank's
+    experts over its 2 expert-data ranks (as expert_parallel_training.shard_experts)."""
+    sets = [
+        "parallel.expert=2",
+        "parallel.data_parallel_mode=fsdp",
+        "training.global_batch_size=32",
+    ]
+    config = load_config(REPO / "configs" / "moe-tiny-cpu.yaml", sets)
+    model = GPTModel(config.model)
+    expected = sum(
+        p.numel() / (2 * 2) if is_expert_param(name) else p.numel() / 4
+        for name, p in model.named_parameters()
+    )
+    sharded = static_memory(config, resolve_layout(config, 4))
+    assert sharded.params == pytest.approx(expected, rel=1e-3)
 
 
 def test_activations_order_and_linearity():

@@ -353,8 +353,8 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
         ),
         (
             {"model.num_experts": 4, "parallel.data_parallel_mode": "fsdp"},
-            ParallelSizes(dp=2, ep=2),
-            "data_parallel_mode=fsdp: sharding the experts",
+            ParallelSizes(dp=2, ep=2, pp=2),
+            "data_parallel_mode=fsdp and parallel.pipeline=2: sharding a stage's experts",
         ),
         (
             {"model.num_experts": 4},
@@ -484,6 +484,7 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
     name = f"EP=2 x DP=4 (EDP=2, {BACKEND}, 4 processes)"
     values = trainer_settings(shards, {**MOE, "parallel.expert": 2, "training.eval_iters": 4})
     zero1 = {**values, "parallel.data_parallel_mode": "distributed_optimizer"}
+    fsdp = {**values, "parallel.data_parallel_mode": "fsdp"}
     staged = trainer_settings(
         shards,
         {**MOE, "parallel.expert": 2, "parallel.pipeline": 2, "training.eval_iters": 4},
@@ -498,6 +499,7 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
         "cases": {
             "ep2-dp4": values,
             "ep2-dp4-zero1": zero1,
+            "ep2-dp4-fsdp": fsdp,
             "ep2-pp2": staged,
             "cp2-pp2": context_staged,
         },
@@ -520,6 +522,14 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
     assert_whole_checkpoint(runs / "ep2-dp4-zero1", reference, name)
     assert_one_process_resume(
         runs / "ep2-dp4-zero1", single_process(values), tmp_path / "zero1-one", name
+    )
+    name = f"EP=2 x DP=4 FSDP ({BACKEND}, 4 processes)"
+    check_metrics(runs / "ep2-dp4-fsdp", reference, name)
+    assert_resume_exact(runs / "ep2-dp4-fsdp", runs / "ep2-dp4-fsdp-resumed", name)
+    assert_whole_checkpoint(runs / "ep2-dp4-fsdp", reference, name)
+    assert_package_logits_match(runs / "ep2-dp4-fsdp", reference, name)
+    assert_one_process_resume(
+        runs / "ep2-dp4-fsdp", single_process(values), tmp_path / "fsdp-one", name
     )
     name = f"EP=2 x PP=2 ({BACKEND}, 4 processes)"
     check_metrics(runs / "ep2-pp2", reference, name)

@@ -236,7 +236,12 @@ def static_memory(config: MegalithConfig, sizes: ParallelSizes, stage: int = 0) 
             unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else ""
             block_numel[unit] = block_numel.get(unit, 0) + numel
             rows = shape[0] if len(shape) else 1
-            numel = math.ceil(rows / dp) * (numel // max(rows, 1))
+            if sizes.ep > 1 and is_expert_param(name):
+                rows //= sizes.ep  # this EP rank's experts, split over expert-data ranks
+                shard = dp // sizes.ep
+            else:
+                shard = dp
+            numel = math.ceil(rows / shard) * (numel // max(rows, 1))
         sizes_local.append(numel)
         experts.append(sizes.ep > 1 and is_expert_param(name))
         tensors += 1

@@ -15,7 +15,8 @@ the expert-data-parallel (``edp``) group and hold the same experts.
 - :func:`clip_grad_norm`: expert gradients count once across EP ranks.
 - The distributed optimizer (ZeRO-1) gives each expert weight an owner among its
   expert-data-parallel ranks, each dense one among the data × context ranks
-  (``data_parallel.build_optimizer``).
+  (``data_parallel.build_optimizer``). FSDP shards each layer's experts over those ranks
+  (:func:`shard_experts`), the rest over data × context.
 - :func:`full_model` / :func:`shard_loaded`: the model package holds whole
   single-process tensors (experts gathered over the first EP group to rank 0); whole
   (v1) checkpoints load at any EP size.
@@ -44,6 +45,7 @@ from training.models.moe import is_expert_param, moe_layers
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
+from training.parallel.dtensor import local_tensor, whole_tensor
 from training.parallel.groups import ParallelState
 
 
@@ -87,12 +89,32 @@ def exclude_experts_from_ddp(model: nn.Module, state: ParallelState) -> None:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
 
 
+def shard_experts(model: nn.Module, state: ParallelState) -> None:
+    """Under FSDP, each MoE layer's experts one FSDP unit over their expert-data-parallel
+    ranks (before the blocks and the root are sharded over data × context, which then
+    leave them out). Their reduce-scatter averages over that group; :func:`reduce_expert_grads`
+    then divides by the EP size, for the sum over data × context that DDP's scaling gives.
+    (FSDP's own ``set_gradient_divide_factor`` needs NCCL's PREMUL_SUM, which gloo lacks.)"""
+    if not _expert_parallel(state):
+        return
+    from torch.distributed.fsdp import fully_shard  # as data_parallel.shard_model
+
+    mesh = state.expert_mesh["edp"]
+    for layer in moe_layers(model):
+        fully_shard(layer.experts, mesh=mesh)
+
+
 def reduce_expert_grads(model: nn.Module, state: ParallelState) -> None:
     """After the last micro-step's backward: expert gradients summed over the
-    expert-data-parallel ranks and divided by data × context (DDP's scaling)."""
+    expert-data-parallel ranks and divided by data × context (DDP's scaling). Under FSDP
+    their reduce-scatter averaged them over expert-data ranks: divided by EP to match."""
     if not _expert_parallel(state):
         return
     grads = [p.grad for p in expert_parameters(model).values() if p.grad is not None]
+    if dp.is_sharded(model):
+        for grad in grads:
+            local_tensor(grad).div_(state.sizes.ep)
+        return
     if state.sizes.edp > 1:
         for grad in grads:
             dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=state.edp_group)
@@ -102,29 +124,35 @@ def reduce_expert_grads(model: nn.Module, state: ParallelState) -> None:
 
 def clip_grad_norm(model: nn.Module, max_norm: float, state: ParallelState) -> torch.Tensor:
     """Clip by the global gradient norm; returns it unclipped. Under EP the experts'
-    squared norms are summed over the EP group, the replicated rest counted once."""
+    squared norms are summed over the EP group, the replicated rest counted once; under
+    FSDP every rank's rows are summed over data × context (expert-data × expert), which
+    hold each dense and each expert row once between them."""
     if not _expert_parallel(state):
         return tp.clip_grad_norm(model, max_norm, state)
-    experts = expert_parameters(model)
-    dense_sq = _squared_norm([p for n, p in model.named_parameters() if n not in experts])
-    expert_sq = _squared_norm(list(experts.values()))
-    dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=state.ep_group)
-    norm = (dense_sq + expert_sq).sqrt()
+    named = {n: p for n, p in model.named_parameters() if p.grad is not None}
+    device = next(model.parameters()).device
+    if dp.is_sharded(model):
+        squared = _squared_norm([local_tensor(p.grad) for p in named.values()], device)
+        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=state.dp_cp_group)
+    else:
+        experts = {n: p.grad for n, p in named.items() if is_expert_param(n)}
+        dense = [p.grad for n, p in named.items() if n not in experts]
+        expert_sq = _squared_norm(list(experts.values()), device)
+        dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=state.ep_group)
+        squared = _squared_norm(dense, device) + expert_sq
+    norm = squared.sqrt()
     if max_norm > 0:
         # torch.nn.utils.clip_grad_norm_'s rule, as without EP.
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for param in model.parameters():
-            if param.grad is not None:
-                param.grad.mul_(scale)
+        for param in named.values():
+            local_tensor(param.grad).mul_(scale)
     return norm
 
 
-def _squared_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    grads = [p.grad.detach().float() for p in params if p.grad is not None]
-    device = params[0].device if params else torch.device("cpu")
+def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float32, device=device)
     for grad in grads:
-        total += grad.pow(2).sum()
+        total += grad.detach().float().pow(2).sum()
     return total
 
 
@@ -165,10 +193,20 @@ def _gather_experts(tensor: torch.Tensor, state: ParallelState) -> torch.Tensor:
 
 @contextlib.contextmanager
 def full_model(model: nn.Module, state: ParallelState, is_main: bool) -> Iterator[Any]:
-    """The whole model on rank 0 (None elsewhere). Collective over the first EP group."""
+    """The whole model on rank 0 (None elsewhere). Collective over the first EP group;
+    under FSDP over every rank (each parameter's rows gathered first, then the experts)."""
     if not _expert_parallel(state):
         with tp.full_model(model, state, is_main) as whole:
             yield whole
+        return
+    if dp.is_sharded(model):
+        params = {n: whole_experts(n, whole_tensor(p), state) for n, p in model.named_parameters()}
+        whole = {n: p.detach().cpu() for n, p in params.items()} if is_main else None
+        yield (
+            None
+            if whole is None
+            else model_from_tensors(model.config, whole, dict(model.named_buffers()))
+        )
         return
     if not _on_first_ep_group(state):
         yield None

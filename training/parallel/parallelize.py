@@ -120,6 +120,8 @@ def parallelize(
     if finetune is not None:  # base weights and adapters: before DDP and the optimizer
         finetune.prepare(model, state)
     ep.exclude_experts_from_ddp(model, state)
+    if config.parallel.data_parallel_mode == "fsdp" and dp.data_parallel_size(state) > 1:
+        ep.shard_experts(model, state)  # their own FSDP units, before the blocks'
     dp_model = dp.wrap_model(model, state, config.parallel, device)
     forward_model = torch.compile(dp_model) if config.training.compile else dp_model
     return ParallelModel(model, dp_model, forward_model, None)

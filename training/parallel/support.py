@@ -132,10 +132,11 @@ def expert_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
         problems.append(
             f"model.num_experts={experts} is not divisible by parallel.expert={sizes.ep}"
         )
-    if mode == "fsdp":
+    if mode == "fsdp" and sizes.pp > 1:
         problems.append(
-            f"parallel.expert={sizes.ep} with parallel.data_parallel_mode=fsdp: sharding the "
-            "experts over their expert-data-parallel ranks is not integrated yet; use ddp or "
+            f"parallel.expert={sizes.ep} with parallel.data_parallel_mode=fsdp and "
+            f"parallel.pipeline={sizes.pp}: sharding a stage's experts over their "
+            "expert-data-parallel ranks is not integrated yet; use ddp or "
             "distributed_optimizer"
         )
     return problems
