@@ -43,6 +43,7 @@ from parallel_helpers import (
     assert_one_process_resume,
     assert_package_logits_match,
     assert_resume_exact,
+    assert_saved_in_row_halves,
     assert_whole_checkpoint,
     config_of,
     fit_one_process,
@@ -352,11 +353,6 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
             "num_experts=3 is not divisible by parallel.expert=2",
         ),
         (
-            {"model.num_experts": 4, "parallel.data_parallel_mode": "fsdp"},
-            ParallelSizes(dp=2, ep=2, pp=2),
-            "data_parallel_mode=fsdp and parallel.pipeline=2: sharding a stage's experts",
-        ),
-        (
             {"model.num_experts": 4},
             ParallelSizes(tp=2),
             "num_experts=4 with parallel.tensor=2",
@@ -365,7 +361,6 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
     ids=[
         "dense",
         "indivisible",
-        "fsdp",
         "tensor",
     ],  # fmt: skip
 )
@@ -489,6 +484,7 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
         shards,
         {**MOE, "parallel.expert": 2, "parallel.pipeline": 2, "training.eval_iters": 4},
     )
+    staged_fsdp = {**staged, "parallel.data_parallel_mode": "fsdp"}
     context_staged = trainer_settings(
         shards,
         {**MOE, "parallel.context": 2, "parallel.pipeline": 2, "training.eval_iters": 4},
@@ -501,6 +497,7 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
             "ep2-dp4-zero1": zero1,
             "ep2-dp4-fsdp": fsdp,
             "ep2-pp2": staged,
+            "ep2-pp2-fsdp": staged_fsdp,
             "cp2-pp2": context_staged,
         },
         "grads": values,
@@ -538,6 +535,12 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
     assert_package_logits_match(runs / "ep2-pp2", reference, name)
     ran = last_checkpoint_state(runs / "ep2-pp2")["layout"]
     assert (ran["parallel.expert"], ran["parallel.pipeline"], ran["parallel.data"]) == (2, 2, 2)
+    name = f"EP=2 x PP=2 FSDP ({BACKEND}, 4 processes)"
+    check_metrics(runs / "ep2-pp2-fsdp", reference, name)
+    assert_resume_exact(runs / "ep2-pp2-fsdp", runs / "ep2-pp2-fsdp-resumed", name)
+    assert_whole_checkpoint(runs / "ep2-pp2-fsdp", reference, name)
+    assert_package_logits_match(runs / "ep2-pp2-fsdp", reference, name)
+    assert_saved_in_row_halves(runs / "ep2-pp2-fsdp", name)  # dense rows over DP=2 too
     name = f"CP=2 x PP=2 ({BACKEND}, 4 processes)"  # the balance loss over the whole sequence
     check_metrics(runs / "cp2-pp2", reference, name)
     assert_resume_exact(runs / "cp2-pp2", runs / "cp2-pp2-resumed", name)

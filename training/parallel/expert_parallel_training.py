@@ -89,7 +89,9 @@ def exclude_experts_from_ddp(model: nn.Module, state: ParallelState) -> None:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
 
 
-def shard_experts(model: nn.Module, state: ParallelState) -> None:
+def shard_experts(
+    model: nn.Module, state: ParallelState, reshard_after_forward: bool = True
+) -> None:
     """Under FSDP, each MoE layer's experts one FSDP unit over their expert-data-parallel
     ranks (before the blocks and the root are sharded over data × context, which then
     leave them out). Their reduce-scatter averages over that group; :func:`reduce_expert_grads`
@@ -101,7 +103,7 @@ def shard_experts(model: nn.Module, state: ParallelState) -> None:
 
     mesh = state.expert_mesh["edp"]
     for layer in moe_layers(model):
-        fully_shard(layer.experts, mesh=mesh)
+        fully_shard(layer.experts, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
 def reduce_expert_grads(model: nn.Module, state: ParallelState) -> None:

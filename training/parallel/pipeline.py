@@ -347,6 +347,7 @@ class PipelineParallel:
         # tensors the forward used, so blocks stay gathered from the first forward to the
         # step's gradient reduction (as every stage holds them after its first backward).
         keep_gathered = self.config.parallel.pipeline_schedule == "zero-bubble"
+        ep.shard_experts(self.model, self.state, reshard_after_forward=not keep_gathered)
         for block in self.split.blocks(self.model):
             fully_shard(block, mesh=mesh, reshard_after_forward=not keep_gathered)
         for chunk in self.chunks:
@@ -568,7 +569,14 @@ class PipelineParallel:
             if param.grad is None or not self._owned(name):
                 continue
             square = local_tensor(param.grad.detach()).float().square().sum()
-            kind = 2 if name in experts else 0 if name in split_names else 1
+            # Experts' FSDP rows: the data × context ranks hold each expert's rows once.
+            kind = (
+                2
+                if name in experts and not is_dtensor(param.grad)
+                else 0
+                if name in split_names
+                else 1
+            )
             (rows if is_dtensor(param.grad) else totals)[kind] += square
         if self.sharded:  # each data-parallel rank holds its rows of those gradients
             dist.all_reduce(rows, group=self.state.dp_cp_group)

@@ -115,7 +115,7 @@ def family_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
 
 def expert_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """What mixture-of-experts and expert parallelism cannot run with (each names its keys)."""
-    experts, mode = config.model.num_experts or 0, config.parallel.data_parallel_mode
+    experts = config.model.num_experts or 0
     problems = []
     if experts and sizes.tp > 1:
         problems.append(
@@ -131,13 +131,6 @@ def expert_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     elif experts % sizes.ep:
         problems.append(
             f"model.num_experts={experts} is not divisible by parallel.expert={sizes.ep}"
-        )
-    if mode == "fsdp" and sizes.pp > 1:
-        problems.append(
-            f"parallel.expert={sizes.ep} with parallel.data_parallel_mode=fsdp and "
-            f"parallel.pipeline={sizes.pp}: sharding a stage's experts over their "
-            "expert-data-parallel ranks is not integrated yet; use ddp or "
-            "distributed_optimizer"
         )
     return problems
 
