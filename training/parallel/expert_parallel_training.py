@@ -203,12 +203,11 @@ def full_model(model: nn.Module, state: ParallelState, is_main: bool) -> Iterato
         return
     if dp.is_sharded(model):
         params = {n: whole_experts(n, whole_tensor(p), state) for n, p in model.named_parameters()}
-        whole = {n: p.detach().cpu() for n, p in params.items()} if is_main else None
-        yield (
-            None
-            if whole is None
-            else model_from_tensors(model.config, whole, dict(model.named_buffers()))
-        )
+        if not is_main:
+            yield None
+            return
+        whole = {n: p.detach().cpu() for n, p in params.items()}
+        yield model_from_tensors(model.config, whole, dict(model.named_buffers()))
         return
     if not _on_first_ep_group(state):
         yield None

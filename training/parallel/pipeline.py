@@ -569,14 +569,10 @@ class PipelineParallel:
             if param.grad is None or not self._owned(name):
                 continue
             square = local_tensor(param.grad.detach()).float().square().sum()
-            # Experts' FSDP rows: the data × context ranks hold each expert's rows once.
-            kind = (
-                2
-                if name in experts and not is_dtensor(param.grad)
-                else 0
-                if name in split_names
-                else 1
-            )
+            if name in experts and not is_dtensor(param.grad):
+                kind = 2  # this EP rank's experts (under FSDP their rows count as rows)
+            else:
+                kind = 0 if name in split_names else 1
             (rows if is_dtensor(param.grad) else totals)[kind] += square
         if self.sharded:  # each data-parallel rank holds its rows of those gradients
             dist.all_reduce(rows, group=self.state.dp_cp_group)
