@@ -467,15 +467,17 @@ def test_step_gradients_match_unsharded(parallel_runs: Path, shards: Path, tmp_p
 
 @pytest.mark.slow
 def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) -> None:
-    """EP=2 inside DP=4 (4 processes): each expert lives on two expert-data-parallel
-    ranks, whose gradients are summed over the edp group. Losses, grad norms, whole
-    checkpoint tensors, an exact resume and step 1's gradients. In the same job EP=2 ×
-    PP=2 (each stage's two data-parallel ranks exchange tokens by all-to-all): losses,
-    grad norms, whole checkpoint tensors, an exact resume and the package's logits; and
-    CP=2 × PP=2, whose balance loss must cover each whole sequence; and EP=2 inside DP=4
-    with the distributed optimizer (each expert weight's AdamW state on one of its two
-    expert-data-parallel ranks): losses, whole checkpoint, exact resume, and a resume in
-    one process (the owners' optimizer shards reassembled)."""
+    """One 4-process job, each layout against one process: losses, grad norms, whole
+    checkpoint tensors, an exact resume and the package's logits.
+
+    - EP=2 inside DP=4: each expert lives on two expert-data-parallel ranks, whose
+      gradients are summed over the edp group (and step 1's gradients);
+    - the same with the distributed optimizer (each expert weight's AdamW state on one of
+      its two expert-data ranks) and with FSDP (each layer's experts an FSDP unit over
+      them); both checkpoints also resume in one process;
+    - EP=2 × PP=2, with DDP and with FSDP (each stage's two data-parallel ranks exchange
+      tokens by all-to-all);
+    - CP=2 × PP=2, whose balance loss must cover each whole sequence."""
     name = f"EP=2 x DP=4 (EDP=2, {BACKEND}, 4 processes)"
     values = trainer_settings(shards, {**MOE, "parallel.expert": 2, "training.eval_iters": 4})
     zero1 = {**values, "parallel.data_parallel_mode": "distributed_optimizer"}
@@ -507,41 +509,26 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
     (tmp_path / "runs").mkdir()
     runs = run_torchrun_worker("moe_trainer_worker.py", spec, tmp_path / "runs", 4, name)
     reference = fit_one_process(single_process(values), tmp_path / "reference")
-    check_metrics(runs / "ep2-dp4", reference, name)
-    assert_resume_exact(runs / "ep2-dp4", runs / "ep2-dp4-resumed", name)
-    assert_whole_checkpoint(runs / "ep2-dp4", reference, name)
+    layouts = {
+        "ep2-dp4": name,
+        "ep2-dp4-zero1": f"EP=2 x DP=4 distributed optimizer ({BACKEND}, 4 processes)",
+        "ep2-dp4-fsdp": f"EP=2 x DP=4 FSDP ({BACKEND}, 4 processes)",
+        "ep2-pp2": f"EP=2 x PP=2 ({BACKEND}, 4 processes)",
+        "ep2-pp2-fsdp": f"EP=2 x PP=2 FSDP ({BACKEND}, 4 processes)",
+        # the balance loss over the whole sequence
+        "cp2-pp2": f"CP=2 x PP=2 ({BACKEND}, 4 processes)",
+    }
+    for case, label in layouts.items():
+        check_metrics(runs / case, reference, label)
+        assert_resume_exact(runs / case, runs / f"{case}-resumed", label)
+        assert_whole_checkpoint(runs / case, reference, label)
+        assert_package_logits_match(runs / case, reference, label)
     want_grads = single_process_grads(values, tmp_path / "grads")
     got_grads = load_file(str(runs / "grads" / "grads.safetensors"))
     assert_close_tensors(got_grads, want_grads, f"{name} step 1 gradients", atol=1e-6)
-    name = f"EP=2 x DP=4 distributed optimizer ({BACKEND}, 4 processes)"
-    check_metrics(runs / "ep2-dp4-zero1", reference, name)
-    assert_resume_exact(runs / "ep2-dp4-zero1", runs / "ep2-dp4-zero1-resumed", name)
-    assert_whole_checkpoint(runs / "ep2-dp4-zero1", reference, name)
-    assert_one_process_resume(
-        runs / "ep2-dp4-zero1", single_process(values), tmp_path / "zero1-one", name
-    )
-    name = f"EP=2 x DP=4 FSDP ({BACKEND}, 4 processes)"
-    check_metrics(runs / "ep2-dp4-fsdp", reference, name)
-    assert_resume_exact(runs / "ep2-dp4-fsdp", runs / "ep2-dp4-fsdp-resumed", name)
-    assert_whole_checkpoint(runs / "ep2-dp4-fsdp", reference, name)
-    assert_package_logits_match(runs / "ep2-dp4-fsdp", reference, name)
-    assert_one_process_resume(
-        runs / "ep2-dp4-fsdp", single_process(values), tmp_path / "fsdp-one", name
-    )
-    name = f"EP=2 x PP=2 ({BACKEND}, 4 processes)"
-    check_metrics(runs / "ep2-pp2", reference, name)
-    assert_resume_exact(runs / "ep2-pp2", runs / "ep2-pp2-resumed", name)
-    assert_whole_checkpoint(runs / "ep2-pp2", reference, name)
-    assert_package_logits_match(runs / "ep2-pp2", reference, name)
+    for case in ("ep2-dp4-zero1", "ep2-dp4-fsdp"):  # the owners' and rows' shards reassembled
+        one = tmp_path / f"{case}-one"
+        assert_one_process_resume(runs / case, single_process(values), one, layouts[case])
+    assert_saved_in_row_halves(runs / "ep2-pp2-fsdp", layouts["ep2-pp2-fsdp"])  # dense rows too
     ran = last_checkpoint_state(runs / "ep2-pp2")["layout"]
     assert (ran["parallel.expert"], ran["parallel.pipeline"], ran["parallel.data"]) == (2, 2, 2)
-    name = f"EP=2 x PP=2 FSDP ({BACKEND}, 4 processes)"
-    check_metrics(runs / "ep2-pp2-fsdp", reference, name)
-    assert_resume_exact(runs / "ep2-pp2-fsdp", runs / "ep2-pp2-fsdp-resumed", name)
-    assert_whole_checkpoint(runs / "ep2-pp2-fsdp", reference, name)
-    assert_package_logits_match(runs / "ep2-pp2-fsdp", reference, name)
-    assert_saved_in_row_halves(runs / "ep2-pp2-fsdp", name)  # dense rows over DP=2 too
-    name = f"CP=2 x PP=2 ({BACKEND}, 4 processes)"  # the balance loss over the whole sequence
-    check_metrics(runs / "cp2-pp2", reference, name)
-    assert_resume_exact(runs / "cp2-pp2", runs / "cp2-pp2-resumed", name)
-    assert_whole_checkpoint(runs / "cp2-pp2", reference, name)
