@@ -41,6 +41,9 @@ from benchmarks.parallel_scaling import SHAPES, parse_layout  # noqa: E402
 from benchmarks.train_throughput import prepare_shards  # noqa: E402
 
 RESUMED = re.compile(r"resumed from \S+ at step (\d+) in ([0-9.]+) s")
+# The background writer's log line: its time reaches metrics.jsonl only if the write ends
+# before the run's last step.
+WRITTEN = re.compile(r"checkpoint step (\d+): training blocked [0-9.]+ s, written in ([0-9.]+) s")
 
 
 def settings(args, layout: str, shards: str, checkpoint_interval: int) -> dict:
@@ -91,6 +94,9 @@ def train(args, layout: str, output: Path, values: dict, resume: bool = False) -
         return {"error": (done.stdout[-1500:] + "\n" + done.stderr[-4000:]).strip(), "wall_s": wall}
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     result = {"gpus": gpus, "wall_s": round(wall, 1), "records": records}
+    written = WRITTEN.findall(done.stderr + done.stdout)
+    if written:
+        result["checkpoint_write_s"] = {int(step): float(s) for step, s in written}
     found = RESUMED.findall(done.stderr + done.stdout)
     if found:
         result["resumed_at"] = int(found[0][0])
@@ -151,6 +157,9 @@ def reshard(args, shards: str, work: Path, out: Path, report: dict) -> None:
         key: next((round(r[key], 2) for r in saved["records"] if key in r), None)
         for key in ("checkpoint_blocked_s", "checkpoint_write_s")
     }
+    if timings["checkpoint_write_s"] is None:  # still writing at the last step: its log line
+        logged = saved.get("checkpoint_write_s", {}).get(args.save_step)
+        timings["checkpoint_write_s"] = None if logged is None else round(logged, 2)
     report["reshard"] = {**timings, "resumed": {}}
     for layout in args.resume_layouts.split(","):
         output = work / f"resume-{layout}"
