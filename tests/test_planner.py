@@ -83,6 +83,30 @@ def test_memory_per_gpu_is_the_memory_planners(sets):
     assert planned == pytest.approx(expected, rel=0.02)
 
 
+@pytest.mark.parametrize("mode", ["distributed_optimizer", "fsdp"])
+def test_expert_parallel_sharded_memory_is_the_memory_planners(mode):
+    """EP=2 inside DP=4: ZeRO-1 and FSDP split the experts over their 2 expert-data
+    ranks, the dense weights over all 4; the planner's rows reproduce training.memory."""
+    config = load_config(MOE, ["parallel.expert=2", f"parallel.data_parallel_mode={mode}"])
+    sizes = resolve_layout(config, 4)
+    assert (sizes.dp, sizes.ep) == (4, 2)
+    expected = memory_report(config, sizes)
+    layout = Layout(
+        tp=1,
+        cp=1,
+        pp=1,
+        dp=4,
+        ep=2,
+        data_parallel_mode=mode,
+        recompute=config.model.activation_checkpointing,
+        micro_batch_size=config.training.micro_batch_size,
+    )
+    m = config.training.global_batch_size // (config.training.micro_batch_size * 4)
+    planned = memory(config, Shapes.of(config, config.data.seq_length), layout, m)
+    assert planned.optimizer == pytest.approx(expected.static.optimizer, rel=0.02)
+    assert planned.parameters == pytest.approx(expected.static.parameters, rel=0.02)
+
+
 def test_fsdp_over_pipeline_stages_memory_is_the_memory_planners():
     """FSDP over stages (PP=2 × DP=2), which the search now proposes: the planner's
     per-stage rows, divided over the data-parallel ranks, reproduce training.memory."""

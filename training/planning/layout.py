@@ -292,6 +292,11 @@ class Shapes:
         norms = 2 * self.hidden
         return (self.dense_layers * dense + self.moe_layers * moe) / self.layers + norms
 
+    def layer_expert_params(self, layout: Layout) -> float:
+        """The expert weights within :meth:`layer_params` (this rank's EP shard): the part
+        ZeRO-1 and FSDP split over expert-data ranks, not over data × context."""
+        return self.moe_layers * self.experts * self.expert / (layout.tp * layout.ep) / self.layers
+
     def layer_matmul_params(self, layout: Layout) -> float:
         return self.layer_params(layout) - 2 * self.hidden
 
@@ -379,9 +384,12 @@ def memory(config: MegalithConfig, shapes: Shapes, layout: Layout, micro_batches
         (params_first, first, True, layout.pp == 1),
         (params_last, last, layout.pp == 1, True),
     ):
-        shard = d if fsdp else 1
-        held = params / shard
-        optimizer = 8 * params / (d if layout.data_parallel_mode != "ddp" else 1)
+        # What ZeRO-1 and FSDP split: dense weights over data × context, experts over
+        # their expert-data ranks.
+        experts = layers * shapes.layer_expert_params(layout)
+        split = (params - experts) / d + experts / max(d // layout.ep, 1)
+        held = split if fsdp else params
+        optimizer = 8 * (params if layout.data_parallel_mode == "ddp" else split)
         if fsdp and layout.pp > 1:  # the stage's gathers and gradients until the reduction
             buffers = 4 * 2 * params
         elif fsdp:
