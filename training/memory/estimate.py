@@ -261,7 +261,7 @@ def static_memory(config: MegalithConfig, sizes: ParallelSizes, stage: int = 0) 
         # gradient reduction (torch's PipelineStage leaves every micro-batch's backward
         # unsharded and unreduced): the stage's whole parameters and gradients. 1B recipe,
         # PP=2 x DP=2, micro-batch 8, 1F1B: 34.9 GiB estimated, 34.7 measured on H100 and
-        # H200 (DDP: 37.0 and 37.1); the previous rule gave 31.5.
+        # H200 (DDP: 37.0 estimated, 37.1 measured on H100); the previous rule gave 31.5.
         out.buffers = 4 * 2 * sum(block_numel.values())
     elif mode == "fsdp" and dp > 1:
         # Two gathered units in flight (current + prefetched) and one unit's full gradients.

@@ -284,13 +284,10 @@ class Shapes:
     def layer_params(self, layout: Layout) -> float:
         """Mean parameters of one block on one rank (TP and EP shards; norms whole)."""
         dense = (self.attention + self.mlp) / layout.tp
-        moe = (
-            self.attention / layout.tp
-            + self.hidden * self.experts
-            + self.experts * self.expert / (layout.tp * layout.ep)
-        )
+        moe = self.attention / layout.tp + self.hidden * self.experts  # experts apart
         norms = 2 * self.hidden
-        return (self.dense_layers * dense + self.moe_layers * moe) / self.layers + norms
+        shared = (self.dense_layers * dense + self.moe_layers * moe) / self.layers
+        return shared + self.layer_expert_params(layout) + norms
 
     def layer_expert_params(self, layout: Layout) -> float:
         """The expert weights within :meth:`layer_params` (this rank's EP shard): the part
