@@ -117,12 +117,13 @@ def test_a_layout_the_trainer_cannot_run_yet_is_refused_before_launch(
 ) -> None:
     pipelined = {
         "parallel.pipeline": 2,
-        "parallel.data_parallel_mode": "fsdp",
-        "model.backend": "te",
+        "parallel.pipeline_schedule": "zero-bubble",
+        "training.compile": True,
     }
     args = train_args(shards, tmp_path / "run", pipelined)
     assert main([*args, "--nproc-per-node", "2"]) == 1
-    assert "fsdp with parallel.pipeline=2 and model.backend=te" in capsys.readouterr().err
+    assert "training.compile with parallel.pipeline_schedule=zero-bubble" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
     settings = {"parallel.data_parallel_mode": "fsdp", "mixed_precision.dtype": "fp16"}
     assert main([*train_args(shards, tmp_path / "run", settings), "--nproc-per-node", "2"]) == 1
     assert "fsdp with mixed_precision.dtype=fp16" in capsys.readouterr().err

@@ -368,10 +368,6 @@ def test_layout_validation_names_the_split(shards: Path) -> None:
     ("values", "message"),
     [
         (
-            {"parallel.data_parallel_mode": "fsdp", "model.backend": "te"},
-            "fsdp with parallel.pipeline=2 and model.backend=te: FSDP over TE's modules",
-        ),
-        (
             {
                 "training.compile": "true",
                 **INTERLEAVED,

@@ -43,7 +43,8 @@ from training.models import GPTModel, TorchBackend
 from training.models import backend as backend_module
 from training.models.te_backend import TransformerEngineBackend
 from training.models.tp_backend import TensorParallelBackend
-from training.parallel.groups import ParallelSizes
+from training.parallel.data_parallel import shard_model
+from training.parallel.groups import ParallelSizes, build_parallel_state
 from training.parallel.support import check_trainer_support
 from training.parallel.te_tensor_parallel import (
     TETensorParallelBackend,
@@ -201,6 +202,42 @@ def _check_stand_in(layout: Layout, group: dist.ProcessGroup) -> list[str]:
     return failures
 
 
+def _check_fsdp_over_engines(style: str) -> list[str]:
+    """FSDP over the data ranks (the trainer's ``shard_model``) of a model whose linears
+    run TE engines (the stand-in): FSDP swaps gathered weights into the modules before
+    each forward and backward, so the engines must read those and write their gradients,
+    which FSDP reduce-scatters into the shards."""
+    config, rank = tiny(style), dist.get_rank()
+    where = f"{style} fsdp{WORLD} over TE engines rank {rank}"
+    torch.manual_seed(0)
+    full = GPTModel(config, TorchBackend())
+    model = GPTModel(config, TransformerEngineBackend(te=lambda: _StandInTE, devices=("cpu",)))
+    model.load_state_dict(full.state_dict())
+    shard_model(
+        model, build_parallel_state(load_config(None, ["parallel.data_parallel_mode=fsdp"]))
+    )
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, config.vocab_size, (2 * WORLD, 16), generator=generator)
+    labels = torch.randint(0, config.vocab_size, (2 * WORLD, 16), generator=generator)
+    mine = slice(2 * rank, 2 * rank + 2)  # each rank its own samples; FSDP averages
+    got = model(tokens[mine], labels[mine])
+    failures = mismatch(f"{where}: loss", got, full(tokens[mine], labels[mine]), LOSS_TOL)
+    full.zero_grad()
+    full(tokens, labels).backward()  # the whole batch: the mean of the ranks' losses
+    got.backward()
+    built = [engine.module for engine in engines(model) if engine.module is not None]
+    if len(built) != 4 * config.num_layers:
+        failures.append(f"{where}: engines built: {len(built)}")
+    whole = dict(full.named_parameters())
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor()
+        failures += mismatch(f"{where}: gradient of {name}", grad, whole[name].grad, GRAD_TOL)
+    return failures
+
+
+FSDP_STYLES = ("llama", "gpt2")
+
+
 def _cpu_worker(rank: int, world: int, out_dir: str) -> None:
     init_gloo(rank, world, out_dir)
     results = {}
@@ -210,6 +247,11 @@ def _cpu_worker(rank: int, world: int, out_dir: str) -> None:
                 results[layout.id] = _check_stand_in(layout, dist.group.WORLD)
             except Exception:
                 results[layout.id] = [traceback.format_exc()]
+        for style in FSDP_STYLES:
+            try:
+                results[f"{style} fsdp"] = _check_fsdp_over_engines(style)
+            except Exception:
+                results[f"{style} fsdp"] = [traceback.format_exc()]
     finally:
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -227,6 +269,15 @@ def test_te_tensor_parallel_wiring_matches_one_process(stand_in_results, layout:
     """Loss, gradients (as slices of the whole ones) and split parameters of the TE
     tensor-parallel model over the stand-in, against one process's torch model."""
     failures = [line for by_layout in stand_in_results for line in by_layout[layout]]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("style", FSDP_STYLES)
+def test_fsdp_over_te_engines_matches_one_process(stand_in_results, style: str) -> None:
+    """FSDP2 over TE engines (the stand-in) on 2 gloo ranks: each rank's loss, and every
+    reduce-scattered gradient (gathered) against one process on the whole batch. On GPUs
+    with the real TE, FSDP × TP and FSDP × PP: benchmarks/RESULTS.md."""
+    failures = [line for by_rank in stand_in_results for line in by_rank[f"{style} fsdp"]]
     assert not failures, "\n".join(failures)
 
 

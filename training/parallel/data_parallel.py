@@ -41,7 +41,6 @@ from training.models.moe import is_expert_param
 from training.optim.adamw import build_optimizer as build_adamw
 from training.parallel.dtensor import is_dtensor, is_fsdp_module, whole_tensor
 from training.parallel.groups import ParallelState
-from training.parallel.support import fsdp_te_problems
 
 DATA_PARALLEL_MODES = ("ddp", "distributed_optimizer", "fsdp")
 
@@ -143,9 +142,6 @@ def shard_model(model: nn.Module, state: ParallelState) -> nn.Module:
     """FSDP2 over data × context: one unit per transformer block (a T5's encoder blocks,
     then its decoder blocks), the rest in the root (embedding, final norms, relative-bias
     tables and a tied output head share the root's all-gather)."""
-    problems = fsdp_te_problems("fsdp", state.sizes) if kernel_backend(model) == "te" else []
-    if problems:  # model.backend=auto chose Transformer Engine
-        raise MegalithError(problems[0])
     # Imported here, not at the top: DTensor and sympy cost ~1 s of CPU in every process
     # (see training/parallel/dtensor.py), and only FSDP runs need them.
     from torch.distributed.fsdp import fully_shard
@@ -155,11 +151,6 @@ def shard_model(model: nn.Module, state: ParallelState) -> nn.Module:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
-
-
-def kernel_backend(model: nn.Module) -> str:
-    """The kernel backend under the sharding backends' names (``te+context_parallel``)."""
-    return model.backend.name.split("+")[0]
 
 
 def is_sharded(model: nn.Module) -> bool:

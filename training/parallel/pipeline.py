@@ -123,7 +123,6 @@ from training.parallel.pipeline_layout import (
     stage_layers,
     virtual_stages_of,
 )
-from training.parallel.support import fsdp_pipeline_problems
 from training.parallel.tensor_parallel.layers import tensor_parallel_partition
 from training.precision.mixed import Precision
 
@@ -333,10 +332,6 @@ class PipelineParallel:
         parameters resharded then (Megatron's and torchtitan's FSDP × PP)."""
         from torch.distributed.fsdp import fully_shard  # as data_parallel.shard_model
 
-        kernels = dp.kernel_backend(self.model)  # what model.backend=auto chose
-        problems = fsdp_pipeline_problems(self.config, self.state.sizes, kernels)
-        if problems:
-            raise MegalithError(problems[0])
         mesh = self.state.dp_cp_mesh
         # T5's relative-bias tables: every stage holds them but a chunk registers only those
         # it reads, so FSDP would shard them on some stages only. They stay whole:

@@ -19,8 +19,6 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
     """Raise, naming every setting the trainer cannot run yet."""
     problems = expert_problems(config, sizes)
     mode = config.parallel.data_parallel_mode
-    if config.model.backend == "te":
-        problems += fsdp_te_problems(mode, sizes)
     if mode == "fsdp" and config.mixed_precision.dtype == "fp16":
         problems.append(
             "parallel.data_parallel_mode=fsdp with mixed_precision.dtype=fp16: the loss scaler "
@@ -34,26 +32,11 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
         raise MegalithError("; ".join(problems))
 
 
-def fsdp_te_problems(mode: str, sizes: ParallelSizes) -> list[str]:
-    """FSDP × TP (2-D) runs with the torch kernels; over Transformer Engine's own
-    tensor-parallel modules it is not verified (the check needs CUDA and 4 GPUs).
-    Also checked when ``model.backend=auto`` resolves to TE (``data_parallel.shard_model``)."""
-    if mode != "fsdp" or sizes.tp == 1 or sizes.dp * sizes.cp == 1:
-        return []
-    return [
-        f"parallel.data_parallel_mode=fsdp with parallel.tensor={sizes.tp} and the Transformer "
-        "Engine backend: FSDP over TE's tensor-parallel modules is not verified yet; set "
-        "model.backend=torch (FSDP x TP runs with it) or use ddp or distributed_optimizer"
-    ]
-
-
 def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """What pipeline stages (training.parallel.pipeline) do not run with yet."""
     if sizes.pp == 1:
         return []
     problems = []
-    if config.parallel.data_parallel_mode == "fsdp":
-        problems += fsdp_pipeline_problems(config, sizes)
     if config.training.compile and config.parallel.pipeline_schedule == "zero-bubble":
         problems.append(
             "training.compile with parallel.pipeline_schedule=zero-bubble: its split backward "
@@ -61,30 +44,6 @@ def _pipeline_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str
             "blocks; use 1f1b or interleaved"
         )
     return problems
-
-
-def fsdp_pipeline_problems(
-    config: MegalithConfig, sizes: ParallelSizes, kernels: str | None = None
-) -> list[str]:
-    """FSDP over pipeline stages (``PipelineParallel.shard_data_parallel``) runs GPT with
-    the torch kernels in fp32/bf16 and torchao fp8, compiled or not; 1F1B, interleaved
-    and zero-bubble (blocks then stay gathered through the step); over data and context
-    ranks, and with tensor/sequence parallelism (2-D); tied or untied heads,
-    mixture-of-experts blocks; full, LoRA and chat fine-tuning; T5 (its relative-bias
-    tables left whole on every stage).
-    ``kernels``: the backend ``model.backend=auto`` resolved to, where it is known."""
-    refused = {
-        "model.backend=te": (
-            (kernels or config.model.backend) == "te",
-            "FSDP over TE's modules in stages is not verified yet",
-        ),
-    }
-    return [
-        f"parallel.data_parallel_mode=fsdp with parallel.pipeline={sizes.pp} and {key}: "
-        f"{why}; use ddp or distributed_optimizer for this layout"
-        for key, (applies, why) in refused.items()
-        if applies
-    ]
 
 
 # Settings a model family's trainer does not run with yet, by model.family (as data:
