@@ -174,11 +174,8 @@ def _prompt_ids(
 def chat_prompt_ids(
     messages: list[dict[str, str]], served: ServedModel
 ) -> tuple[list[int], tuple[int, ...]]:
-    """A chat's prompt through the model's template, and its end-of-turn token; raises
-    ``RequestRejected`` naming the message at fault."""
-    if served.seq2seq:
-        message = "chat needs a decoder-only model fine-tuned on chat; this is a T5"
-        raise RequestRejected(422, "messages", message, "value_error.no_chat_template")
+    """A chat's prompt through the model's template (a T5's encoder input), and its
+    end-of-turn token; raises ``RequestRejected`` naming the message at fault."""
     try:
         messages = prompt_messages(messages)
         tokens, end_of_turn = generation_prompt(served.tokenizer, messages)
@@ -187,7 +184,7 @@ def chat_prompt_ids(
     except ChatTemplateError:
         message = "this model's tokenizer has no chat template tokens; use /v1/generate"
         raise RequestRejected(422, "messages", message, "value_error.no_chat_template") from None
-    return tokens, (end_of_turn,)
+    return served.chat_prompt_ids(tokens), (end_of_turn,)
 
 
 def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:

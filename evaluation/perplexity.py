@@ -314,7 +314,10 @@ SCORERS: dict[str, Scorer] = {
         _next_token_loss_sum,
         lambda data: "assistant tokens" if data.format == "chat" else "every next token",
     ),
-    "t5": Scorer(_span_loss_sum, lambda data: "span targets"),
+    "t5": Scorer(
+        _span_loss_sum,
+        lambda data: "assistant turns" if data.format == "chat" else "span targets",
+    ),
 }
 
 

@@ -163,14 +163,16 @@ class SpanCorruptionConfig(StrictModel):
         default=None,
         ge=8,
         le=MAX_POSITIONS,
-        description="Encoder tokens per sample (S); None: data.seq_length.",
+        description="Encoder tokens per sample (S); None: data.seq_length. Also a T5 chat "
+        "fine-tune's (data.format chat) encoder length.",
     )
     decoder_length: int | None = Field(
         default=None,
         ge=2,
         le=MAX_POSITIONS,
         description="Decoder tokens per sample (T); None: exactly what the encoder length and "
-        "noise density need (T5's random_spans_helper: 114 for S 512 at 0.15 / 3.0).",
+        "noise density need (T5's random_spans_helper: 114 for S 512 at 0.15 / 3.0). A T5 "
+        "chat fine-tune's answer length (None: data.seq_length).",
     )
 
 

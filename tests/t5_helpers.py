@@ -10,6 +10,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 T5_RECIPE = REPO / "configs" / "t5-tiny-cpu.yaml"
+CHAT = REPO / "preprocessing" / "sample_corpus" / "chat.jsonl"
 SENTINELS = 16
 
 
@@ -71,3 +72,34 @@ def t5_config(settings: dict):
     from megalith.config import load_config
 
     return load_config(T5_RECIPE, [f"{k}={v}" for k, v in settings.items()])
+
+
+def t5_chat_shard_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped chat sample as a chat shard set (90/10 split) with a 512-piece tokenizer
+    trained on its contents (<|pad|> and the chat template's tokens: the defaults), built
+    once per session."""
+    import fcntl
+
+    from megalith.config import DataConfig, TokenizerConfig
+    from preprocessing.chat import conversation_contents
+    from preprocessing.corpus import Corpus
+    from preprocessing.prepare import prepare_dataset
+    from preprocessing.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.getbasetemp() / "megalith-t5-chat-shards"
+    root.mkdir(exist_ok=True)
+    output = root / "shards"
+    with (root / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (output / "manifest.json").exists():
+            corpus = Corpus.open(DataConfig(inputs=[str(CHAT)], format="chat"))
+            texts = list(conversation_contents(corpus.documents()))
+            tokenizer = train_tokenizer(
+                texts, TokenizerConfig(vocab_size=512), str(root / "tokenizer")
+            )
+            data = DataConfig(
+                inputs=[str(CHAT)], output=str(output), format="chat", workers=1,
+                split=[0.9, 0.1, 0.0],
+            )  # fmt: skip
+            prepare_dataset(data, tokenizer, show_progress=False)
+    return output

@@ -19,7 +19,7 @@ from parallel_helpers import (
     metrics,
     run_torchrun_worker,
 )
-from t5_helpers import REPO, T5_RECIPE, t5_config, t5_settings, t5_shard_set
+from t5_helpers import REPO, T5_RECIPE, t5_chat_shard_set, t5_config, t5_settings, t5_shard_set
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -42,6 +42,14 @@ DP_CASES = {
     "dp2-distributed-optimizer": {"parallel.data_parallel_mode": "distributed_optimizer"},
     "dp2-fsdp": {"parallel.data_parallel_mode": "fsdp"},
     "tp2": {"parallel.tensor": 2},  # the trainer's T5 path under tensor parallelism too
+}
+# Chat fine-tuning: answers differ in length, so only the step-wide count of answer tokens
+# gives one process's losses (a per-rank or per-micro-batch mean would not).
+CHAT = {"data.format": "chat", "data.span_corruption.decoder_length": 16}
+CHAT_CASES = {
+    "chat-dp2": {},
+    "chat-tp2": {"parallel.tensor": 2},
+    "chat-pp2": {"parallel.pipeline": 2},
 }
 
 
@@ -119,14 +127,30 @@ def test_t5_resumes_exactly(t5_shards: Path, reference: Path, tmp_path: Path) ->
 
 
 @pytest.fixture(scope="module")
-def dp_runs(t5_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The three data-parallel modes and TP=2 in one torchrun job of 2 gloo ranks (fit, then
-    resume)."""
+def chat_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return t5_chat_shard_set(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def chat_reference(chat_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A chat fine-tune in one process (fit, then the RESUME_STEP checkpoint resumed)."""
+    out = tmp_path_factory.mktemp("t5-chat-reference")
+    Trainer(t5_config(t5_settings(chat_shards, CHAT)), out / "run").fit(show_progress=False)
+    return out / "run"
+
+
+@pytest.fixture(scope="module")
+def dp_runs(t5_shards: Path, chat_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The three data-parallel modes and TP=2, and the chat fine-tune's DP, TP and PP, in
+    one torchrun job of 2 gloo ranks (fit, then resume)."""
     out = tmp_path_factory.mktemp("t5-dp")
+    cases = {name: t5_settings(t5_shards, extra) for name, extra in DP_CASES.items()}
+    for name, extra in CHAT_CASES.items():
+        cases[name] = t5_settings(chat_shards, {**CHAT, **extra})
     spec = {
         "recipe": str(T5_RECIPE),
         "device": DEVICE,
-        "cases": {name: t5_settings(t5_shards, extra) for name, extra in DP_CASES.items()},
+        "cases": cases,
         "resume_step": RESUME_STEP,
         "out": str(out),
     }
@@ -145,11 +169,23 @@ def test_parallel_trainer_matches_one_process(case: str, dp_runs: Path, referenc
     assert_resume_exact(dp_runs / case, dp_runs / f"{case}-resumed", layout)
 
 
+@pytest.mark.parametrize("case", CHAT_CASES)
+def test_parallel_chat_fine_tune_matches_one_process(
+    case: str, dp_runs: Path, chat_reference: Path
+) -> None:
+    """A T5 chat fine-tune (one sample per assistant turn) under DP=2, TP=2 and PP=2: the
+    same per-step losses, validation losses and grad norms as one process, the same last
+    checkpoint, and an exact resume."""
+    layout = f"T5 {case} ({BACKEND}, {WORLD} processes)"
+    assert_metrics_match(metrics(dp_runs / case), metrics(chat_reference), layout)
+    assert_whole_checkpoint(dp_runs / case, chat_reference, layout)
+    assert_resume_exact(dp_runs / case, dp_runs / f"{case}-resumed", layout)
+
+
 @pytest.mark.parametrize(
     "sizes,setting,key",
     [
         ({"cp": 2}, {}, "parallel.context"),
-        ({}, {"data.format": "chat"}, "data.format=chat"),
     ],
 )
 def test_unsupported_t5_layouts_are_refused(t5_shards: Path, sizes, setting, key) -> None:
@@ -348,7 +384,7 @@ def test_t5_base_recipe_has_the_t5_v1_1_base_shape() -> None:
 def test_a_t5_package_is_served_like_seq2seq_generation(reference: Path, tmp_path: Path) -> None:
     """``megalith serve`` takes a T5 package: one batch of requests with their own settings
     gives each the output of ``generate_seq2seq`` alone, and so does HTTP, through the
-    server's own API and the OpenAI client (completions; chat is refused)."""
+    server's own API and the OpenAI client (completions; a chat as its template)."""
     import time
     from dataclasses import replace
 
@@ -357,6 +393,7 @@ def test_a_t5_package_is_served_like_seq2seq_generation(reference: Path, tmp_pat
     from test_serving import Collector, megalith_serve
 
     from deploy.engine import BatchingEngine, Finished, PendingRequest
+    from preprocessing.chat import generation_prompt
     from registry.mlflow_pyfunc import MegalithPyfunc
     from training.inference.decode import SamplingConfig
     from training.inference.decode_t5 import generate_seq2seq
@@ -403,10 +440,13 @@ def test_a_t5_package_is_served_like_seq2seq_generation(reference: Path, tmp_pat
             answer = client.post("/v1/generate", json=body).json()
             assert answer["text"] == greedy.generations[0].text != ""
             assert answer["prompt_tokens"] == len(tokenizer.encode(prompts[0])) + 1
-            chat = {"messages": [{"role": "user", "content": "hi"}]}
-            refused = client.post("/v1/chat", json=chat)
-            assert refused.status_code == 422
-            assert refused.json()["detail"][0]["loc"] == ["body", "messages"]
+            # A chat reaches the encoder as its template and EOS (a chat fine-tune's
+            # input, tests/test_t5_chat.py); this pretrained T5 answers it all the same.
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            answered = client.post("/v1/chat", json=chat)
+            assert answered.status_code == 200, answered.text
+            templated, _ = generation_prompt(tokenizer, chat["messages"])
+            assert answered.json()["prompt_tokens"] == len(templated) + 1
         # The OpenAI client: a package is named by its directory's name.
         with openai.OpenAI(base_url=f"{url}/v1", api_key="unused") as client:
             [model] = client.models.list().data
@@ -420,9 +460,8 @@ def test_a_t5_package_is_served_like_seq2seq_generation(reference: Path, tmp_pat
                 model="model", prompt=prompts[1], max_tokens=5, temperature=1.0, seed=21, n=2
             )
             assert [c.text for c in two.choices] == [s.generations[0].text for s in samples]
-            with pytest.raises(openai.BadRequestError) as no_chat:
-                client.chat.completions.create(model="model", messages=[chat["messages"][0]])
-            assert no_chat.value.body["param"] == "messages"
+            reply = client.chat.completions.create(model="model", **chat, temperature=0)
+            assert reply.usage.prompt_tokens == len(templated) + 1
         metrics = httpx.get(f"{url}/metrics", timeout=60).text  # a static engine: no KV blocks
         assert "megalith_generation_tokens_total" in metrics and "megalith_kv_" not in metrics
 

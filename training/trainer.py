@@ -413,9 +413,9 @@ class Trainer:
     ) -> torch.Tensor:
         if self.pipeline is not None:  # forward only (validation); the last stage's loss
             return self.pipeline.forward_loss(batch)
-        if self.config.data.format == "chat":  # assistant tokens of packed conversations
+        if self.config.data.format == "chat":  # assistant tokens, weighed over the step
             with self.precision.autocast():
-                return sft.micro_batch_loss(
+                return self.family.chat_loss(
                     self.forward_model, batch, self.device, loss_weight, self.parallel
                 )
         with self.precision.autocast():  # next tokens (GPT), span targets (T5)

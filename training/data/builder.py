@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from torch.utils.data import Dataset
@@ -27,22 +28,27 @@ def index_cache_dir(data: DataConfig, shard_set: ShardSet) -> Path:
 
 
 def build_gpt_datasets(
-    data: DataConfig, num_samples: tuple[int, int, int]
+    data: DataConfig,
+    num_samples: tuple[int, int, int],
+    split_samples: Callable[..., Dataset] | None = None,
 ) -> tuple[Dataset | None, Dataset | None, Dataset | None]:
     """Train, valid and test datasets of ``num_samples`` samples each; ``None`` for an empty split.
 
     Each item is ``{"tokens": LongTensor[seq_length + 1]}``. With several sources in
     ``data.blend`` every split is a weighted blend of that split of each shard set.
     With ``data.format == "chat"`` the samples are packed conversations with a loss mask
-    and document ids (:class:`~training.data.sft_dataset.SFTDataset`).
+    and document ids (:class:`~training.data.sft_dataset.SFTDataset`). ``split_samples``: another
+    :class:`~training.data.gpt_dataset.SplitSamples` constructor for one shard set's split
+    (a T5's chat turns), blended the same way.
     """
     sources = data.training_sources()
     shard_sets = [open_source(s, data) for s in sources]
     check_same_tokenizer(shard_sets)
     check_data_format(data, shard_sets)
     weights = [s.weight for s in sources]
+    split_samples = split_samples or (SFTDataset if data.format == "chat" else GPTDataset)
     train, valid, test = (
-        _build_split(data, shard_sets, weights, split, count)
+        _build_split(data, shard_sets, weights, split, count, split_samples)
         for split, count in zip(SPLIT_NAMES, num_samples, strict=True)
     )
     return train, valid, test
@@ -71,7 +77,12 @@ def check_data_format(data: DataConfig, shard_sets: list[ShardSet]) -> None:
 
 
 def _build_split(
-    data: DataConfig, shard_sets: list[ShardSet], weights: list[float], split: str, count: int
+    data: DataConfig,
+    shard_sets: list[ShardSet],
+    weights: list[float],
+    split: str,
+    count: int,
+    split_samples: Callable[..., Dataset],
 ) -> Dataset | None:
     if count <= 0:
         return None
@@ -89,7 +100,7 @@ def _build_split(
 
     def component(member: tuple[ShardSet, range, float], samples: int) -> Dataset:
         shard_set, documents, _ = member
-        return (SFTDataset if data.format == "chat" else GPTDataset)(
+        return split_samples(
             shard_set,
             split,
             documents,

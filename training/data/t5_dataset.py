@@ -153,20 +153,20 @@ def corrupt_spans(
 
 
 def t5_sample(
-    encoder: np.ndarray, targets: np.ndarray, lengths: SpanLengths, pad_id: int
+    encoder: np.ndarray, targets: np.ndarray, encoder_length: int, decoder_length: int, pad_id: int
 ) -> dict[str, torch.Tensor]:
     """The fixed-length batch item: padded encoder tokens and mask, decoder input, labels."""
-    encoder_tokens = np.full(lengths.encoder, pad_id, dtype=np.int64)
+    encoder_tokens = np.full(encoder_length, pad_id, dtype=np.int64)
     encoder_tokens[: encoder.size] = encoder
-    labels = np.full(lengths.decoder, IGNORE_INDEX, dtype=np.int64)
+    labels = np.full(decoder_length, IGNORE_INDEX, dtype=np.int64)
     labels[: targets.size] = targets
-    decoder_tokens = np.full(lengths.decoder, pad_id, dtype=np.int64)
+    decoder_tokens = np.full(decoder_length, pad_id, dtype=np.int64)
     decoder_tokens[1 : targets.size] = targets[:-1]
     return {
         "encoder_tokens": torch.from_numpy(encoder_tokens),
         "decoder_tokens": torch.from_numpy(decoder_tokens),
         "labels": torch.from_numpy(labels),
-        "encoder_mask": torch.arange(lengths.encoder) < encoder.size,
+        "encoder_mask": torch.arange(encoder_length) < encoder.size,
     }
 
 
@@ -211,7 +211,7 @@ class SpanCorruptionDataset(Dataset):
         encoder, targets = corrupt_spans(
             self.raw_tokens(index), self.noise_mask(index), self.sentinels, self.eos_id
         )
-        return t5_sample(encoder, targets, self.lengths, self.pad_id)
+        return t5_sample(encoder, targets, self.lengths.encoder, self.lengths.decoder, self.pad_id)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from training.interop import hf
 from training.memory import gpt as memory
 from training.models.flops import flops_per_token
 from training.models.gpt import GPTModel
+from training.objectives import sft
 from training.parallel import context_parallel as cp
 from training.parallel import pipeline
 from training.parallel.groups import ParallelState
@@ -70,6 +71,7 @@ FAMILY = ModelFamily(
     context_length=context_length,
     sample_window=lambda data: data.seq_length,
     micro_batch_loss=micro_batch_loss,
+    chat_loss=sft.micro_batch_loss,
     tokens_and_flops=tokens_and_flops,
     pipeline=PipelineSplit(
         build_stage=pipeline.build_stage_model,
@@ -88,6 +90,7 @@ FAMILY = ModelFamily(
     generator=Generator(
         seq2seq=False,
         prompt_ids=decode.prompt_ids,
+        chat_prompt=lambda tokenizer, ids: list(ids),  # the answer follows the template
         answer_text=decode.continuation_text,
         generate=decode.generate,
         generate_batch=decode.generate_batch,

@@ -63,6 +63,8 @@ class Generator:
     seq2seq: bool  # the prompt is an encoder's input and the answer new text
     # (tokenizer, text) -> a plain prompt's tokens as the family was trained to read them
     prompt_ids: Callable[[Tokenizer, str], list[int]]
+    # (tokenizer, a chat's templated prompt ids) -> what the model reads to answer it
+    chat_prompt: Callable[[Tokenizer, list[int]], list[int]]
     # (tokenizer, prompt ids, new ids) -> the answer's text
     answer_text: Callable[[Tokenizer, list[int], list[int]], str]
     # (model, tokenizer, texts, sampling, *, batch_size, autocast_dtype) -> every answer
@@ -113,6 +115,10 @@ class ModelFamily:
     sample_window: Callable[[DataConfig], int]
     # (model, micro-batch, device, parallel state) -> the micro-batch's mean loss
     micro_batch_loss: Callable[[nn.Module, Batch, torch.device, ParallelState], Tensor]
+    # data.format=chat: (model, micro-batch, device, token weight or None, parallel state)
+    #   -> sum of its answer tokens' losses times the weight (training.objectives.sft),
+    #   or without one their mean in the micro-batch
+    chat_loss: Callable[[nn.Module, Batch, torch.device, Tensor | None, ParallelState], Tensor]
     # (model, data) -> (tokens a sample counts for throughput, training FLOPs per token)
     tokens_and_flops: Callable[[ModelConfig, DataConfig], tuple[int, float]]
     pipeline: PipelineSplit

@@ -1,7 +1,8 @@
-"""The encoder-decoder family (``model.family: t5``): T5 v1.1 trained on span corruption.
+"""The encoder-decoder family (``model.family: t5``): T5 v1.1 trained on span corruption,
+and fine-tuned on chats (the encoder reads the conversation, the decoder writes the turn).
 
 Its parts: the model (training/models/t5.py), the span-corruption samples
-(training/data/t5_dataset.py), the objective and throughput count (training/objectives/t5.py), the
+(training/data/t5_dataset.py), the chat-turn samples (training/data/t5_chat_dataset.py), the objective and throughput count (training/objectives/t5.py), the
 pipeline stages (training/parallel/pipeline_t5.py) and the HF export
 (training/interop/hf_t5.py)."""
 
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from megalith.config import DataConfig, ModelConfig
+from training.data.t5_chat_dataset import build_t5_chat_datasets, chat_lengths
 from training.data.t5_dataset import build_t5_datasets, span_corruption_lengths
 from training.families.spec import (
     Batch,
@@ -21,6 +23,7 @@ from training.families.spec import (
     MemoryModel,
     ModelFamily,
     PipelineSplit,
+    Splits,
 )
 from training.inference import decode_t5
 from training.interop import hf_t5
@@ -45,6 +48,21 @@ def context_length(data: DataConfig) -> tuple[int, str]:
     return length, f"the T5 sample length {length} (data.span_corruption)"
 
 
+def build_datasets(data: DataConfig, num_samples: tuple[int, int, int]) -> Splits:
+    """Span corruption of pretraining documents, or a chat fine-tune's turns."""
+    chat = data.format == "chat"
+    return (build_t5_chat_datasets if chat else build_t5_datasets)(data, num_samples)
+
+
+def sample_window(data: DataConfig) -> int:
+    """The raw tokens a sample reads: span corruption's window, or a chat turn's context
+    and answer at most."""
+    if data.format == "chat":
+        lengths = chat_lengths(data)
+        return lengths.encoder + lengths.decoder
+    return span_corruption_lengths(data).raw
+
+
 def hf_export(
     config: ModelConfig, tensors: dict[str, Tensor], tokenizer: Path, dtype: str
 ) -> HFExport:
@@ -62,10 +80,11 @@ def hf_export(
 FAMILY = ModelFamily(
     name="t5",
     model_class=T5Model,
-    build_datasets=build_t5_datasets,
+    build_datasets=build_datasets,
     context_length=context_length,
-    sample_window=lambda data: span_corruption_lengths(data).raw,
+    sample_window=sample_window,
     micro_batch_loss=micro_batch_loss,
+    chat_loss=t5.chat_micro_batch_loss,
     tokens_and_flops=t5.tokens_and_flops,
     pipeline=PipelineSplit(
         build_stage=pipeline_t5.build_t5_stage_model,
@@ -87,6 +106,7 @@ FAMILY = ModelFamily(
     generator=Generator(
         seq2seq=True,
         prompt_ids=decode_t5.encoder_ids,
+        chat_prompt=decode_t5.with_eos,
         answer_text=decode_t5.answer_text,
         generate=decode_t5.generate_seq2seq,
         generate_batch=decode_t5.generate_seq2seq_batch,

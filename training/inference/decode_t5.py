@@ -73,7 +73,13 @@ def generate_seq2seq(
 
 def encoder_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """A T5 prompt's encoder input: its tokens, then EOS, as span-corruption samples end."""
-    return [*tokenizer.encode(text), tokenizer.eod_id]
+    return with_eos(tokenizer, tokenizer.encode(text))
+
+
+def with_eos(tokenizer: Tokenizer, ids: Sequence[int]) -> list[int]:
+    """Encoder input ``ids`` ended with EOS, as T5 samples end (a chat's templated prompt
+    too, as :mod:`training.data.t5_chat_dataset` trains it)."""
+    return [*ids, tokenizer.eod_id]
 
 
 def answer_text(tokenizer: Tokenizer, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> str:

@@ -78,6 +78,10 @@ class ServedModel:
         """A plain prompt's tokens as this kind of model was trained to read them."""
         return self.generator.prompt_ids(self.tokenizer, text)
 
+    def chat_prompt_ids(self, templated: list[int]) -> list[int]:
+        """A chat's templated prompt as this kind of model was fine-tuned to read it."""
+        return self.generator.chat_prompt(self.tokenizer, templated)
+
     def text(self, prompt_ids: list[int], new_ids: list[int]) -> str:
         """The answer's text: a T5's decoded output, or what a GPT's tokens add to the prompt."""
         return self.generator.answer_text(self.tokenizer, prompt_ids, new_ids)

@@ -1,4 +1,5 @@
-"""The T5 span-corruption objective in the trainer (``model.family: t5``).
+"""The T5 objectives in the trainer (``model.family: t5``): span corruption, and chat
+fine-tuning (:func:`chat_micro_batch_loss`).
 
 Batches come from :class:`~training.data.t5_dataset.SpanCorruptionDataset`: encoder
 tokens and mask, decoder input (targets shifted right behind the pad id) and labels
@@ -21,8 +22,10 @@ import torch
 from torch import Tensor, nn
 
 from megalith.config import DataConfig, ModelConfig
-from training.data.t5_dataset import T5_KEYS, span_corruption_lengths
+from training.data.t5_chat_dataset import chat_lengths
+from training.data.t5_dataset import IGNORE_INDEX, T5_KEYS, span_corruption_lengths
 from training.models.flops import encoder_decoder_flops
+from training.parallel.groups import ParallelState
 
 
 def micro_batch_loss(model: nn.Module, batch: dict[str, Tensor], device: torch.device) -> Tensor:
@@ -31,9 +34,29 @@ def micro_batch_loss(model: nn.Module, batch: dict[str, Tensor], device: torch.d
     return model(encoder, decoder, labels, encoder_mask=mask)
 
 
+def chat_micro_batch_loss(
+    model: nn.Module,
+    batch: dict[str, Tensor],
+    device: torch.device,
+    weight: Tensor | None,
+    parallel: ParallelState | None = None,
+) -> Tensor:
+    """Chat turns (:mod:`training.data.t5_chat_dataset`), whose answers differ in length:
+    ``sum(target-token losses) · weight`` (the step's global count of target tokens,
+    :func:`training.objectives.sft.prefetch_step`), or without a weight their mean in this
+    micro-batch, as the decoder-only chat objective."""
+    encoder, decoder, labels, mask = (batch[key].to(device, non_blocking=True) for key in T5_KEYS)
+    losses = model(encoder, decoder, labels, encoder_mask=mask, loss_reduction="none")
+    total = losses.float().sum()  # ignored (padding) labels score 0
+    if weight is not None:
+        return total * weight
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
 def sample_lengths(data: DataConfig) -> tuple[int, int]:
-    """``(S, T)``: encoder and decoder tokens of every sample."""
-    lengths = span_corruption_lengths(data)
+    """``(S, T)``: encoder and decoder tokens of every sample (span corruption's, or a chat
+    fine-tune's)."""
+    lengths = chat_lengths(data) if data.format == "chat" else span_corruption_lengths(data)
     return lengths.encoder, lengths.decoder
 
 

@@ -52,12 +52,8 @@ FAMILY_UNSUPPORTED: dict[
     str, dict[str, tuple[Callable[[MegalithConfig, ParallelSizes], bool], str]]
 ] = {
     "gpt": {},
-    "t5": {  # data parallelism, tensor/sequence parallelism and pipeline stages do run
+    "t5": {  # data parallelism, tensor/sequence parallelism, pipeline stages and chat run
         "parallel.context": (lambda c, s: s.cp > 1, "context-parallel cross-attention"),
-        "data.format=chat": (
-            lambda c, s: c.data.format == "chat",
-            "chat fine-tuning of an encoder-decoder",
-        ),
     },
 }
 
