@@ -453,7 +453,6 @@ class FamilyRules:
     # (key, refuses(value), message), checked in order once the defaults are filled
     refused: tuple[tuple[str, Callable[[Any], bool], str], ...]
     decoder_stack: bool  # num_decoder_layers more blocks after the num_layers (encoder) ones
-    context_parallel: str | None = None  # why parallel.context > 1 is refused; None: it runs
 
 
 FAMILY_RULES: dict[str, FamilyRules] = {
@@ -510,8 +509,6 @@ FAMILY_RULES: dict[str, FamilyRules] = {
             ),
         ),
         decoder_stack=True,
-        context_parallel="context parallelism is not implemented for the encoder-decoder; use "
-        "tensor/sequence or data parallelism",
     ),
 }
 
@@ -1031,16 +1028,6 @@ class MegalithConfig(StrictModel):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     promotion: PromotionConfig = Field(default_factory=PromotionConfig)
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
-
-    @model_validator(mode="after")
-    def _check_family_parallel(self) -> MegalithConfig:
-        why = FAMILY_RULES[self.model.family].context_parallel
-        if why and self.parallel.context > 1:
-            raise ValueError(
-                f"model.family {self.model.family} with parallel.context="
-                f"{self.parallel.context}: {why}"
-            )
-        return self
 
 
 def format_validation_error(

@@ -42,12 +42,16 @@ DP_CASES = {
     "dp2-distributed-optimizer": {"parallel.data_parallel_mode": "distributed_optimizer"},
     "dp2-fsdp": {"parallel.data_parallel_mode": "fsdp"},
     "tp2": {"parallel.tensor": 2},  # the trainer's T5 path under tensor parallelism too
+    # Encoder, decoder and cross-attention over gathered keys, relative bias by global
+    # position (S 32 and T 8 are multiples of 2 · CP).
+    "cp2": {"parallel.context": 2},
 }
 # Chat fine-tuning: answers differ in length, so only the step-wide count of answer tokens
 # gives one process's losses (a per-rank or per-micro-batch mean would not).
 CHAT = {"data.format": "chat", "data.span_corruption.decoder_length": 16}
 CHAT_CASES = {
     "chat-dp2": {},
+    "chat-cp2": {"parallel.context": 2},
     "chat-tp2": {"parallel.tensor": 2},
     "chat-pp2": {"parallel.pipeline": 2},
 }
@@ -185,7 +189,7 @@ def test_parallel_chat_fine_tune_matches_one_process(
 @pytest.mark.parametrize(
     "sizes,setting,key",
     [
-        ({"cp": 2}, {}, "parallel.context"),
+        ({"cp": 2, "pp": 2}, {}, "parallel.context with parallel.pipeline"),
     ],
 )
 def test_unsupported_t5_layouts_are_refused(t5_shards: Path, sizes, setting, key) -> None:

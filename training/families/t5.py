@@ -10,14 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from megalith.config import DataConfig, ModelConfig
 from training.data.t5_chat_dataset import build_t5_chat_datasets, chat_lengths
 from training.data.t5_dataset import build_t5_datasets, span_corruption_lengths
 from training.families.spec import (
-    Batch,
     Generator,
     HFExport,
     MemoryModel,
@@ -31,15 +29,7 @@ from training.memory import t5 as memory
 from training.models.t5 import T5Model
 from training.objectives import t5
 from training.parallel import pipeline_t5
-from training.parallel.groups import ParallelState
 from training.parallel.pipeline_layout import owner_of_t5_parameter
-
-
-def micro_batch_loss(
-    model: nn.Module, batch: Batch, device: torch.device, state: ParallelState
-) -> Tensor:
-    """Mean cross-entropy over the span-corruption targets (no context parallelism)."""
-    return t5.micro_batch_loss(model, batch, device)
 
 
 def context_length(data: DataConfig) -> tuple[int, str]:
@@ -83,7 +73,7 @@ FAMILY = ModelFamily(
     build_datasets=build_datasets,
     context_length=context_length,
     sample_window=sample_window,
-    micro_batch_loss=micro_batch_loss,
+    micro_batch_loss=t5.micro_batch_loss,
     chat_loss=t5.chat_micro_batch_loss,
     tokens_and_flops=t5.tokens_and_flops,
     pipeline=PipelineSplit(

@@ -70,10 +70,11 @@ def mask_bytes(config: MegalithConfig, sizes: ParallelSizes, mbs: int, encoder: 
     source, target = sample_lengths(config.data)
     relative = config.model.position_embedding == "relative"
     heads = config.model.num_attention_heads // sizes.tp if relative else 1
+    rows = 1 / sizes.cp  # a context-parallel rank's queries, against every key
     if encoder:
-        return 4 * mbs * heads * source * source
-    causal = 4 * heads * target * target if relative else 0
-    return causal + 4 * mbs * target * source
+        return int(4 * mbs * heads * source * rows * source)
+    causal = 4 * heads * target * rows * target if relative or sizes.cp > 1 else 0
+    return int(causal + 4 * mbs * target * rows * source)
 
 
 def stage_activations(
@@ -85,8 +86,9 @@ def stage_activations(
     in_flight: float,
 ) -> tuple[int, int]:
     """``(activation bytes, the larger layer's bytes per micro-batch)`` of pipeline rank
-    ``stage``; ``in_flight`` micro-batches of everything a micro-batch leaves."""
-    source, target = sample_lengths(config.data)
+    ``stage``; ``in_flight`` micro-batches of everything a micro-batch leaves. Under
+    context parallelism a rank holds ``1/CP`` of each sequence's tokens."""
+    source, target = (length / sizes.cp for length in sample_lengths(config.data))
     element = 4 if compute_dtype(config) == "fp32" else 2
     encoders, decoders = stage_layer_kinds(config, sizes, stage)
 
@@ -112,8 +114,9 @@ def stage_activations(
 
 
 def loss_tokens(config: MegalithConfig, sizes: ParallelSizes, mbs: int) -> int:
-    """Tokens the output head scores per micro-batch: the decoder's."""
-    return mbs * sample_lengths(config.data)[1]
+    """Tokens the output head scores per micro-batch: the decoder's (this rank's part
+    under context parallelism)."""
+    return mbs * sample_lengths(config.data)[1] // sizes.cp
 
 
 def sample_shape(data: DataConfig) -> str:

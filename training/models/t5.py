@@ -40,12 +40,15 @@ Tensor/sequence parallelism come from the backend, as for GPT: heads (and this r
 columns of each relative-bias table) are split over TP ranks, the cross-attention's
 ``q`` and ``kv`` are column-parallel (``kv`` split per chunk, ``k`` and ``v`` alone),
 ``proj`` row-parallel; under SP both stacks run on sequence shards, so the encoder
-and decoder lengths must both be multiples of the TP size.
+and decoder lengths must both be multiples of the TP size. Context parallelism: each rank
+feeds its chunks of both sequences with a :class:`ContextShard` (their global positions),
+and the masks are its query rows against every key the context-parallel attention gathers.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -113,9 +116,15 @@ class RelativePositionBias(nn.Module):
         """``(parameter, split dim, chunks)`` for tensor_parallel_partition: heads are columns."""
         return [(self.weight, 1, 1)] if self.split else []
 
-    def forward(self, queries: int, keys: int, query_start: int = 0) -> Tensor:
+    def forward(
+        self, queries: int, keys: int, query_start: int = 0, query_positions: Tensor | None = None
+    ) -> Tensor:
+        """``query_positions [T]``: the queries' positions when they are not consecutive
+        (a context-parallel rank's two chunks)."""
         device = self.weight.device
-        query_pos = torch.arange(query_start, query_start + queries, device=device)
+        query_pos = query_positions
+        if query_pos is None:
+            query_pos = torch.arange(query_start, query_start + queries, device=device)
         key_pos = torch.arange(keys, device=device)
         buckets = relative_position_bucket(
             key_pos[None, :] - query_pos[:, None],
@@ -223,10 +232,26 @@ class Stack(nn.Module):
         self.final_norm = backend.norm(config.hidden_size, _norm_spec(config))
         self.dropout = backend.dropout(config.dropout)
 
-    def position_bias(self, queries: int, keys: int, query_start: int = 0) -> Tensor | None:
+    def position_bias(
+        self, queries: int, keys: int, query_start: int = 0, query_positions: Tensor | None = None
+    ) -> Tensor | None:
         if self.relative_bias is None:
             return None
-        return self.relative_bias(queries, keys, query_start)
+        return self.relative_bias(queries, keys, query_start, query_positions)
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """A context-parallel rank's part of a T5 micro-batch
+    (:mod:`training.parallel.context_parallel`'s load-balanced chunks of each sequence):
+    the global positions of its encoder and decoder tokens, and the whole lengths its
+    attentions' keys span once gathered. Masks and relative biases are built for those
+    rows against every key, so they are exact."""
+
+    encoder_positions: Tensor  # [S / CP]
+    decoder_positions: Tensor  # [T / CP]
+    encoder_length: int  # S
+    decoder_length: int  # T
 
 
 class T5Model(nn.Module):
@@ -324,48 +349,62 @@ class T5Model(nn.Module):
         *,
         encoder_mask: Tensor | None = None,
         loss_reduction: Literal["mean", "none"] = "mean",
+        shard: ContextShard | None = None,
     ) -> Tensor:
         """``encoder_tokens [B, S]``, ``decoder_tokens [B, T]`` (the targets shifted right,
         starting with the pad id) -> fp32 logits ``[B, T, V]``, or with ``labels [B, T]``
         the cross-entropy (mean over labels != -100, or ``[B, T]`` with
         ``loss_reduction="none"``). ``encoder_mask [B, S]`` bool: False marks padding,
-        which no attention reads."""
+        which no attention reads. ``shard``: this context-parallel rank's part of each
+        sequence (the tokens and labels are that part; ``encoder_mask`` stays whole)."""
         if labels is not None and labels.shape != decoder_tokens.shape:
             raise ValueError(
                 f"labels must be shaped like decoder_tokens {list(decoder_tokens.shape)}, "
                 f"got {list(labels.shape)}"
             )
-        encoded = self.encode(encoder_tokens, encoder_mask)
-        hidden = self.decode_hidden(decoder_tokens, encoded, encoder_mask)
+        encoded = self.encode(encoder_tokens, encoder_mask, shard)
+        hidden = self.decode_hidden(decoder_tokens, encoded, encoder_mask, shard=shard)
         if labels is None:
             return self.output(hidden).float()
         return self.output.loss(hidden, labels, reduction=loss_reduction)
 
-    def encode(self, tokens: Tensor, mask: Tensor | None = None) -> Tensor:
-        """The encoder's normed output ``[B, S, H]`` (this rank's sequence shard under SP)."""
+    def encode(
+        self, tokens: Tensor, mask: Tensor | None = None, shard: ContextShard | None = None
+    ) -> Tensor:
+        """The encoder's normed output ``[B, S, H]`` (this rank's sequence shard under SP,
+        its context-parallel part with ``shard``)."""
         self._check_tokens("encoder_tokens", tokens)
         length = tokens.size(1)
-        if mask is not None and (mask.shape != tokens.shape or mask.dtype != torch.bool):
+        whole = (tokens.size(0), length if shard is None else shard.encoder_length)
+        if mask is not None and (tuple(mask.shape) != whole or mask.dtype != torch.bool):
             raise ValueError(
-                f"encoder_mask must be bool {list(tokens.shape)} like encoder_tokens, "
+                f"encoder_mask must be bool {list(whole)} (the whole encoder sequence), "
                 f"got {mask.dtype} {list(mask.shape)}"
             )
-        attn_mask = self.encoder_attention_mask(length, mask, tokens.device)
+        attn_mask = self.encoder_attention_mask(length, mask, tokens.device, shard)
         x = self.embedding(tokens, 0)
-        rope = self.rope(0, length, x.device) if self.rope is not None else None
+        positions = None if shard is None else shard.encoder_positions
+        rope = self.rope(0, length, x.device, positions) if self.rope is not None else None
         for block in self.encoder.layers:
             x = self._run_block(block, x, rope, attn_mask=attn_mask)
         return self.encoder.dropout(self.encoder.final_norm(x))
 
     def encoder_attention_mask(
-        self, length: int, mask: Tensor | None, device: torch.device
+        self,
+        length: int,
+        mask: Tensor | None,
+        device: torch.device,
+        shard: ContextShard | None = None,
     ) -> Tensor:
         """The encoder self-attention's float mask ``[B or 1, heads, S, S]``: relative
         bias, padding keys (``mask`` False) at the most negative value. Pipeline stages
-        build it from the full lengths (:mod:`training.parallel.pipeline_t5`)."""
+        build it from the full lengths (:mod:`training.parallel.pipeline_t5`). With
+        ``shard``, this rank's rows against every key."""
+        keys = length if shard is None else shard.encoder_length
+        positions = None if shard is None else shard.encoder_positions
         allowed = None if mask is None else mask[:, None, None, :]
-        bias = self.encoder.position_bias(length, length)
-        return additive_mask(bias, allowed, length, length, device)
+        bias = self.encoder.position_bias(length, keys, 0, positions)
+        return additive_mask(bias, allowed, length, keys, device)
 
     def decoder_attention_masks(
         self,
@@ -373,13 +412,22 @@ class T5Model(nn.Module):
         encoder_mask: Tensor | None,
         device: torch.device,
         start_pos: int = 0,
+        shard: ContextShard | None = None,
     ) -> tuple[Tensor | None, Tensor]:
         """``(self_mask, cross_mask)`` of the decoder's ``length`` queries at positions
         ``start_pos ..``: causal (with the relative bias; None: SDPA's own causal mask),
-        and the cross-attention's padding mask over the encoder positions."""
+        and the cross-attention's padding mask over the encoder positions. With
+        ``shard``, this rank's rows against every key (causal by global position)."""
         keys = start_pos + length
         self_mask = None  # SDPA's own causal mask (rope, nothing cached before)
-        bias = self.decoder.position_bias(length, keys, start_pos)
+        if shard is not None:
+            keys, positions = shard.decoder_length, shard.decoder_positions
+            bias = self.decoder.position_bias(length, keys, 0, positions)
+            allowed = torch.arange(keys, device=device)[None, :] <= positions[:, None]
+            self_mask = additive_mask(bias, allowed[None, None], length, keys, device)
+            bias = None  # built
+        else:
+            bias = self.decoder.position_bias(length, keys, start_pos)
         if bias is not None or start_pos:
             allowed = causal_allowed(length, keys, device)
             self_mask = additive_mask(bias, allowed, length, keys, device)
@@ -396,18 +444,23 @@ class T5Model(nn.Module):
         *,
         kv_cache: KVCache | None = None,
         start_pos: int = 0,
+        shard: ContextShard | None = None,
     ) -> Tensor:
         """The decoder's normed output for ``tokens`` at positions ``start_pos ..``; with
-        ``kv_cache`` they attend to the cached positions before them."""
+        ``kv_cache`` they attend to the cached positions before them; with ``shard``
+        they are this context-parallel rank's part of the sequence."""
         self._check_tokens("decoder_tokens", tokens, start_pos)
         length = tokens.size(1)
         if start_pos and kv_cache is None:
             raise ValueError("start_pos > 0 needs a kv_cache holding the earlier positions")
         self_mask, cross_mask = self.decoder_attention_masks(
-            length, encoder_mask, tokens.device, start_pos
+            length, encoder_mask, tokens.device, start_pos, shard
         )
         x = self.embedding(tokens, start_pos)
-        rope = self.rope(start_pos, length, x.device) if self.rope is not None else None
+        positions = None if shard is None else shard.decoder_positions
+        rope = None
+        if self.rope is not None:
+            rope = self.rope(start_pos, length, x.device, positions)
         for block in self.decoder.layers:
             x = self._run_block(
                 block,
@@ -457,4 +510,4 @@ class T5Model(nn.Module):
             )
 
 
-__all__ = ["RelativePositionBias", "T5Model", "relative_position_bucket"]
+__all__ = ["ContextShard", "RelativePositionBias", "T5Model", "relative_position_bucket"]

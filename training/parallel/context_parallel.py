@@ -121,11 +121,19 @@ class ContextParallelAttention(nn.Module):
         self.group = group
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
-        """``attn_mask [B, 1, T, S]``: this rank's rows of packed documents' mask against
-        the whole sequence's keys (:func:`packed_documents_part`), else causal."""
+        """``attn_mask [B, 1, T, S]``: this rank's rows of packed documents' (bool) mask
+        against the whole sequence's keys (:func:`packed_documents_part`), else causal.
+        A float ``attn_mask`` is added to the scores and is complete: this rank's rows
+        against every gathered key, holding any causality itself (a T5's relative bias
+        and masks, :class:`training.models.t5.ContextShard`; its keys may be another
+        sequence's, as the cross-attention's encoder positions), so it is applied to
+        every key at once."""
         cp_size, cp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         if cp_size == 1:
             return self.inner(q, k, v) if attn_mask is None else self.inner(q, k, v, attn_mask)
+        if attn_mask is not None and attn_mask.is_floating_point():
+            k, v = _gather_keys_values(k, v, self.group)
+            return self.inner(q, k, v, attn_mask)
         if k.size(1) != q.size(1):
             raise MegalithError(
                 "a KV cache is not supported under context parallelism; build the model "
