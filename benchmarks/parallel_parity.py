@@ -300,7 +300,10 @@ def main() -> None:
     out, work = Path(args.out), Path(args.work or args.out)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    shards = prepare_shards(work)
+    from megalith.config import load_config
+
+    t5 = load_config(args.config).model.family == "t5"
+    shards = prepare_shards(work, sentinels=100 if t5 else 0)  # span corruption's sentinels
     cuda = args.device == "cuda"
     gpu = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}" if cuda else "CPU (gloo)"
     seq = SHAPES[args.shape].get("data.seq_length", 2048)

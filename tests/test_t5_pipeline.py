@@ -154,7 +154,7 @@ def test_one_process_resumes_a_t5_pipeline_checkpoint(
         )
 
 
-# 4 processes: pipeline beside tensor (sequence) parallelism and beside data parallelism.
+# 4 processes: pipeline beside tensor (sequence), data and context parallelism.
 WIDE_CASES: dict[str, dict[str, Any]] = {
     "tp2-pp2-sp": {
         "parallel.tensor": 2,
@@ -170,6 +170,8 @@ WIDE_CASES: dict[str, dict[str, Any]] = {
         **CASES["pp2-interleaved"],
         "parallel.data_parallel_mode": "fsdp",
     },
+    # Each stage builds its masks for the CP rank's rows (positions as keyword inputs).
+    "cp2-pp2": {"parallel.context": 2, "parallel.pipeline": 2},
 }
 
 

@@ -24,15 +24,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from megalith.config import ModelConfig
-from megalith.errors import MegalithError
 from preprocessing.manifest import read_manifest
 from training.data.t5_dataset import span_corruption_lengths
 from training.finetune.lora import is_adapter_param
 from training.models import T5Model, build_model
 from training.models.flops import encoder_decoder_flops
 from training.models.package import load_model_package, model_tensors
-from training.parallel.groups import ParallelSizes
-from training.parallel.support import check_trainer_support
 from training.trainer import Trainer
 
 WORLD = 2
@@ -52,7 +49,6 @@ CHAT = {"data.format": "chat", "data.span_corruption.decoder_length": 16}
 CHAT_CASES = {
     "chat-dp2": {},
     "chat-cp2": {"parallel.context": 2},
-    "chat-tp2": {"parallel.tensor": 2},
     "chat-pp2": {"parallel.pipeline": 2},
 }
 
@@ -145,7 +141,7 @@ def chat_reference(chat_shards: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 @pytest.fixture(scope="module")
 def dp_runs(t5_shards: Path, chat_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The three data-parallel modes and TP=2, and the chat fine-tune's DP, TP and PP, in
+    """The three data-parallel modes, TP=2 and CP=2, and the chat fine-tune's DP, CP and PP, in
     one torchrun job of 2 gloo ranks (fit, then resume)."""
     out = tmp_path_factory.mktemp("t5-dp")
     cases = {name: t5_settings(t5_shards, extra) for name, extra in DP_CASES.items()}
@@ -177,26 +173,13 @@ def test_parallel_trainer_matches_one_process(case: str, dp_runs: Path, referenc
 def test_parallel_chat_fine_tune_matches_one_process(
     case: str, dp_runs: Path, chat_reference: Path
 ) -> None:
-    """A T5 chat fine-tune (one sample per assistant turn) under DP=2, TP=2 and PP=2: the
+    """A T5 chat fine-tune (one sample per assistant turn) under DP=2, CP=2 and PP=2: the
     same per-step losses, validation losses and grad norms as one process, the same last
     checkpoint, and an exact resume."""
     layout = f"T5 {case} ({BACKEND}, {WORLD} processes)"
     assert_metrics_match(metrics(dp_runs / case), metrics(chat_reference), layout)
     assert_whole_checkpoint(dp_runs / case, chat_reference, layout)
     assert_resume_exact(dp_runs / case, dp_runs / f"{case}-resumed", layout)
-
-
-@pytest.mark.parametrize(
-    "sizes,setting,key",
-    [
-        ({"cp": 2, "pp": 2}, {}, "parallel.context with parallel.pipeline"),
-    ],
-)
-def test_unsupported_t5_layouts_are_refused(t5_shards: Path, sizes, setting, key) -> None:
-    config = t5_config(t5_settings(t5_shards, setting))
-    full = {"tp": 1, "cp": 1, "pp": 1, "dp": 1, "ep": 1, **sizes}
-    with pytest.raises(MegalithError, match=f"{key} with model.family=t5"):
-        check_trainer_support(config, ParallelSizes(**full))
 
 
 def test_t5_fine_tunes_from_its_package_fully_and_with_lora(

@@ -78,6 +78,7 @@ FAMILY = ModelFamily(
         chunk=pipeline.StageChunk,
         schedule_inputs=pipeline.schedule_inputs,
         activation_shapes=pipeline.activation_shapes,
+        context_parallel_part=pipeline.context_parallel_part,
         owner=lambda name, counts, pp, model: owner_of_parameter(name, counts, pp),
         on_every_stage=lambda name: False,  # the tied embedding's copy is summed apart
         blocks=lambda model: list(model.layers.values()),

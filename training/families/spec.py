@@ -36,10 +36,25 @@ class PipelineSplit:
 
     # (whole model, state, layers per virtual stage) -> (stage model, each chunk's layers)
     build_stage: Callable[[nn.Module, ParallelState, list[int]], tuple[nn.Module, list[list[int]]]]
-    # (stage model, chunk layers, first, last, autocast, sequence shards) -> one virtual stage
+    # (stage model, chunk layers, first, last, autocast, sequence-parallel shards, context-
+    #   parallel shards) -> one virtual stage
     chunk: Callable[
-        [nn.Module, list[int], bool, bool, Callable[[], contextlib.AbstractContextManager], int],
+        [
+            nn.Module,
+            list[int],
+            bool,
+            bool,
+            Callable[[], contextlib.AbstractContextManager],
+            int,
+            int,
+        ],
         nn.Module,
+    ]
+    # (first stage's inputs, every stage's keyword inputs, loss target, parallel state) ->
+    #   this context-parallel rank's part of them (and its positions for every stage)
+    context_parallel_part: Callable[
+        [tuple[Tensor, ...], dict[str, Tensor], Tensor, ParallelState],
+        tuple[tuple[Tensor, ...], dict[str, Tensor], Tensor],
     ]
     # micro-batches -> (first stage's inputs, every stage's keyword inputs, loss target)
     schedule_inputs: Callable[

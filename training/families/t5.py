@@ -81,6 +81,7 @@ FAMILY = ModelFamily(
         chunk=pipeline_t5.T5StageChunk,
         schedule_inputs=pipeline_t5.t5_schedule_inputs,
         activation_shapes=pipeline_t5.t5_activation_shapes,
+        context_parallel_part=pipeline_t5.t5_context_parallel_part,
         owner=lambda name, counts, pp, model: owner_of_t5_parameter(
             name, counts, pp, model.num_layers
         ),

@@ -169,6 +169,7 @@ class StageChunk(nn.Module):
         last: bool,
         autocast: Callable[[], contextlib.AbstractContextManager],
         sequence_shards: int,
+        context_shards: int = 1,  # unused: under CP every stage gets its positions
     ):
         super().__init__()
         self.embedding = model.embedding if first else None
@@ -232,6 +233,28 @@ def schedule_inputs(
     targets = targets.masked_fill(stacked("loss_mask") == 0, IGNORE_INDEX)
     kwargs = {"document_ids": stacked("document_ids").contiguous()}
     return (tokens[:, :-1].contiguous(),), kwargs, targets.contiguous()
+
+
+def context_parallel_part(
+    args: tuple[Tensor, ...], kwargs: dict[str, Tensor], target: Tensor, state: ParallelState
+) -> tuple[tuple[Tensor, ...], dict[str, Tensor], Tensor]:
+    """A GPT's schedule inputs for this CP rank: its part of the tokens and targets, and
+    every stage's keyword inputs for it: the part's positions, and for packed chat samples
+    its rows of their mask in place of the document ids."""
+    cp_size, cp_rank = state.sizes.cp, state.cp_rank
+    tokens, kwargs = args[0], dict(kwargs)
+    documents = kwargs.pop("document_ids", None)
+    if documents is None:
+        local = cp.positions(tokens.size(1), cp_size, cp_rank, tokens.device)
+        kwargs["position_ids"] = local.expand(tokens.size(0), -1).contiguous()
+    else:
+        positions, mask = cp.packed_documents_part(documents, state)
+        kwargs.update(position_ids=positions.contiguous(), attn_mask=mask.contiguous())
+    return (
+        (cp.split_sequence(tokens, cp_size, cp_rank).contiguous(),),
+        kwargs,
+        cp.split_sequence(target, cp_size, cp_rank).contiguous(),
+    )
 
 
 def activation_shapes(
@@ -310,7 +333,7 @@ class PipelineParallel:
         self.chunks = [
             split.chunk(
                 self.model, layers, stage == 0, stage == self.num_virtual - 1,
-                precision.autocast, shards,
+                precision.autocast, shards, sizes.cp,
             )
             for stage, layers in zip(self.virtual_stages, chunk_layers, strict=True)
         ]  # fmt: skip
@@ -393,11 +416,13 @@ class PipelineParallel:
 
         Returns the step's loss (mean over micro-batches and data-parallel ranks, on every
         rank) and the bubble metrics."""
-        self._loss_weight = loss_weight
         self._arm_load_balancing()
         args, kwargs, target = self._schedule_inputs(
             [next(batches) for _ in range(self.micro_batches)]
         )
+        if loss_weight is None and self.state.sizes.cp > 1:
+            loss_weight = self._context_parallel_weight(target)
+        self._loss_weight = loss_weight
         args = args if self.state.is_first_stage else ()
         losses: list[Tensor] = []
         self.busy.reset()
@@ -417,6 +442,16 @@ class PipelineParallel:
         if self.moe_layers:
             metrics["moe_aux_loss"] = self._load_balancing_loss()
         return loss, metrics
+
+    def _context_parallel_weight(self, target: Tensor) -> Tensor:
+        """Under CP, a target token's weight in the step, ``DP·CP / the step's count``: a
+        CP rank's part of a micro-batch may hold fewer targets than another's (a T5's
+        padded decoder), so the mean of the parts' means would not be the micro-batch's;
+        where every micro-batch holds as many targets (GPT pretraining, T5 span
+        corruption) this is the micro-batches' mean, as without CP."""
+        count = (target != IGNORE_INDEX).sum().to(torch.float64)
+        dist.all_reduce(count, group=self.state.dp_cp_group)
+        return (dp.data_parallel_size(self.state) / count.clamp(min=1.0)).float()
 
     def _arm_load_balancing(self) -> None:
         """Each MoE layer's balance loss gets its gradient in backward, as ``aux · CP /
@@ -445,9 +480,9 @@ class PipelineParallel:
     ) -> tuple[tuple[Tensor, ...], dict[str, Tensor], Tensor]:
         """The schedule's whole-batch inputs: the first stage's positional inputs, every
         stage's keyword inputs, the last stage's loss target (all contiguous). Under
-        context parallelism (GPT: ``support`` refuses it for the other families) each CP
-        rank keeps its load-balanced part of the tokens and targets, and every stage gets
-        that part's positions (and rows of the packed chat samples' mask). Pretraining
+        context parallelism each CP rank keeps its load-balanced part of the tokens and
+        targets, and every stage gets that part's positions (and rows of the packed chat
+        samples' mask; the family's ``PipelineSplit.context_parallel_part``). Pretraining
         parts hold as many targets each, so the mean of the CP ranks' mean losses, which
         ``sync_grads`` and ``all_reduce_mean`` take over data × context, is the whole
         sequence's; packed chat samples weigh every token by the step's global count
@@ -457,25 +492,9 @@ class PipelineParallel:
     def _context_parallel_part(
         self, args: tuple[Tensor, ...], kwargs: dict[str, Tensor], target: Tensor
     ) -> tuple[tuple[Tensor, ...], dict[str, Tensor], Tensor]:
-        """This CP rank's part of the tokens and targets, and every stage's keyword inputs
-        for it: the part's positions, and for packed chat samples its rows of their mask
-        in place of the document ids."""
-        cp_size, cp_rank = self.state.sizes.cp, self.state.cp_rank
-        if cp_size == 1:
+        if self.state.sizes.cp == 1:
             return args, kwargs, target
-        tokens, kwargs = args[0], dict(kwargs)
-        documents = kwargs.pop("document_ids", None)
-        if documents is None:
-            local = cp.positions(tokens.size(1), cp_size, cp_rank, tokens.device)
-            kwargs["position_ids"] = local.expand(tokens.size(0), -1).contiguous()
-        else:
-            positions, mask = cp.packed_documents_part(documents, self.state)
-            kwargs.update(position_ids=positions.contiguous(), attn_mask=mask.contiguous())
-        return (
-            (cp.split_sequence(tokens, cp_size, cp_rank).contiguous(),),
-            kwargs,
-            cp.split_sequence(target, cp_size, cp_rank).contiguous(),
-        )
+        return self.split.context_parallel_part(args, kwargs, target, self.state)
 
     def _bubble_metrics(self, busy: float, elapsed: float) -> dict[str, float]:
         """``pipeline_bubble`` (critical stage), ``pipeline_idle``, ``pipeline_imbalance``

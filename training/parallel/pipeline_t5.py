@@ -49,7 +49,8 @@ import torch
 from torch import Tensor, nn
 
 from training.data.t5_dataset import T5_KEYS
-from training.models.t5 import T5Model
+from training.models.t5 import ContextShard, T5Model
+from training.parallel import context_parallel as cp
 from training.parallel.groups import ParallelState
 from training.parallel.pipeline_layout import stage_layers, virtual_stages_of
 
@@ -98,6 +99,7 @@ class T5StageChunk(nn.Module):
         last: bool,
         autocast: Callable[[], contextlib.AbstractContextManager],
         sequence_shards: int,
+        context_shards: int = 1,
     ):
         super().__init__()
         encoder_layers = model.config.num_layers
@@ -126,20 +128,39 @@ class T5StageChunk(nn.Module):
         self._run_block = model._run_block  # activation checkpointing as configured
         self._autocast = autocast
         self._sequence_shards = sequence_shards  # TP size under sequence parallelism
+        self._context_shards = context_shards  # CP size: a rank holds 1/CP of each sequence
 
-    def forward(self, source: Tensor, target: Tensor, *, encoder_mask: Tensor):
+    def forward(
+        self,
+        source: Tensor,
+        target: Tensor,
+        *,
+        encoder_mask: Tensor,
+        encoder_positions: Tensor | None = None,
+        decoder_positions: Tensor | None = None,
+    ):
+        """Under context parallelism ``encoder_positions [B, S/CP]`` and
+        ``decoder_positions [B, T/CP]`` are the global positions of this rank's part of
+        the sequences (:func:`t5_context_parallel_part`); ``encoder_mask`` stays whole."""
         device = encoder_mask.device
         source_length = encoder_mask.size(1)
         with self._autocast():
             if self.embedding is not None:  # token ids of both stacks
-                target_length = target.size(1)
+                target_length = target.size(1) * self._context_shards
                 source, target = self.embedding(source, 0), self.embedding(target, 0)
             else:
-                target_length = target.size(1) * self._sequence_shards
+                target_length = target.size(1) * self._sequence_shards * self._context_shards
+            shard = None
+            if encoder_positions is not None:
+                shard = ContextShard(
+                    encoder_positions[0], decoder_positions[0], source_length, target_length
+                )
+            source_rows = source_length // self._context_shards
+            target_rows = target_length // self._context_shards
             passed_source, passed_target = True, True
             if self.encoder_blocks:
-                mask = self._encoder_mask(source_length, encoder_mask, device)
-                rope = self._rope(source_length, device)
+                mask = self._encoder_mask(source_rows, encoder_mask, device, shard)
+                rope = self._rope(source_rows, device, encoder_positions)
                 for block in self.encoder_blocks:
                     source = self._run_block(block, source, rope, attn_mask=mask)
                 passed_source = False
@@ -147,8 +168,10 @@ class T5StageChunk(nn.Module):
                 source = self.encoder_dropout(self.encoder_norm(source))
                 passed_source = False
             if self.decoder_blocks:
-                self_mask, cross_mask = self._decoder_masks(target_length, encoder_mask, device)
-                rope = self._rope(target_length, device)
+                self_mask, cross_mask = self._decoder_masks(
+                    target_rows, encoder_mask, device, 0, shard
+                )
+                rope = self._rope(target_rows, device, decoder_positions)
                 for block in self.decoder_blocks:
                     target = self._run_block(block, target, source, rope, self_mask, cross_mask)
                 passed_target = False
@@ -161,8 +184,28 @@ class T5StageChunk(nn.Module):
             target = target.clone()
         return source, target
 
-    def _rope(self, length: int, device: torch.device):
-        return self.rope(0, length, device) if self.rope is not None else None
+    def _rope(self, length: int, device: torch.device, positions: Tensor | None = None):
+        if self.rope is None:
+            return None
+        return self.rope(0, length, device, None if positions is None else positions[0])
+
+
+def t5_context_parallel_part(
+    args: tuple[Tensor, ...], kwargs: dict[str, Tensor], labels: Tensor, state: ParallelState
+) -> tuple[tuple[Tensor, ...], dict[str, Tensor], Tensor]:
+    """A T5's schedule inputs for this CP rank: its load-balanced part of the encoder and
+    decoder tokens and of the labels, the whole encoder mask, and for every stage the
+    part's global positions in both sequences (batch-first, so the schedule splits them
+    into micro-batches like the rest)."""
+    cp_size, cp_rank = state.sizes.cp, state.cp_rank
+    encoder, decoder = args
+    rows = encoder.size(0)
+    positions = {
+        name: cp.positions(x.size(1), cp_size, cp_rank, x.device).expand(rows, -1).contiguous()
+        for name, x in (("encoder_positions", encoder), ("decoder_positions", decoder))
+    }
+    local = [cp.split_sequence(x, cp_size, cp_rank).contiguous() for x in (*args, labels)]
+    return (local[0], local[1]), {**kwargs, **positions}, local[2]
 
 
 def t5_schedule_inputs(

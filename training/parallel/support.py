@@ -52,12 +52,7 @@ FAMILY_UNSUPPORTED: dict[
     str, dict[str, tuple[Callable[[MegalithConfig, ParallelSizes], bool], str]]
 ] = {
     "gpt": {},
-    "t5": {  # data, tensor/sequence, context parallelism, pipeline stages and chat run
-        "parallel.context with parallel.pipeline": (
-            lambda c, s: s.cp > 1 and s.pp > 1,
-            "the T5 stages do not pass the context-parallel positions between them",
-        ),
-    },
+    "t5": {},  # data, tensor/sequence, context parallelism, pipeline stages and chat run
 }
 
 
