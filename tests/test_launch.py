@@ -124,9 +124,9 @@ def test_a_layout_the_trainer_cannot_run_yet_is_refused_before_launch(
     assert main([*args, "--nproc-per-node", "2"]) == 1
     assert "training.compile with parallel.pipeline_schedule=zero-bubble" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
-    settings = {"parallel.data_parallel_mode": "fsdp", "mixed_precision.dtype": "fp16"}
+    settings = {"model.num_experts": 4, "parallel.tensor": 2}
     assert main([*train_args(shards, tmp_path / "run", settings), "--nproc-per-node", "2"]) == 1
-    assert "fsdp with mixed_precision.dtype=fp16" in capsys.readouterr().err
+    assert "model.num_experts=4 with parallel.tensor=2" in capsys.readouterr().err
 
 
 def test_a_bad_layout_fails_before_any_process_starts(

@@ -138,6 +138,7 @@ def parallel_runs(shards: Path, reference: Path, tmp_path_factory: pytest.TempPa
             **{name: settings(shards, extra) for name, extra in CASES.items()},
             "pp2-bf16-untied": settings(shards, {**CASES["pp2"], **BF16_UNTIED}),
             "pp2-fp16": settings(shards, {**CASES["pp2"], **FP16}),
+            "dp2-fsdp-fp16": settings(shards, {**FP16, "parallel.data_parallel_mode": "fsdp"}),
         },
         grad_cases={
             f"grads-{name}": settings(shards, CASES[name])
@@ -211,15 +212,21 @@ def test_bf16_with_untied_output_head_matches_one_process(
     assert_resume_exact(parallel_runs / case, parallel_runs / f"{case}-resumed", name)
 
 
-def test_fp16_loss_scaling_agrees_over_the_stages(
-    parallel_runs: Path, shards: Path, tmp_path: Path
+@pytest.fixture(scope="module")
+def fp16_reference(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return fit_one_process(settings(shards, FP16), tmp_path_factory.mktemp("fp16-one"))
+
+
+@pytest.mark.parametrize("case", ["pp2-fp16", "dp2-fsdp-fp16"])
+def test_fp16_loss_scaling_agrees_over_the_stages_and_fsdp_shards(
+    case: str, parallel_runs: Path, fp16_reference: Path
 ) -> None:
-    """fp16 under PP=2: the stages skip the overflowing steps and move the loss scale
-    together, as one process does (same scales step by step, same losses and grad norms),
-    and resume exactly."""
-    case, name = "pp2-fp16", layout("pp2 fp16 loss scaling")
-    fit_one_process(settings(shards, FP16), tmp_path)
-    got, want = metrics(parallel_runs / case), metrics(tmp_path)
+    """fp16 under PP=2, and under FSDP over 2 data ranks (sharded gradients, unscaled and
+    checked for infs shard by shard): the ranks skip the overflowing steps and move the
+    loss scale together, as one process does (same scales step by step, same losses and
+    grad norms), and resume exactly."""
+    name = layout(f"{case} loss scaling")
+    got, want = metrics(parallel_runs / case), metrics(fp16_reference)
     scales = [r["loss_scale"] for r in got]
     assert scales == [r["loss_scale"] for r in want], (scales, want)
     assert scales[0] < 2**30 and len(set(scales)) > 2  # overflows halved it, clean steps grew it

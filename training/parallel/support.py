@@ -18,12 +18,6 @@ from training.parallel.groups import ParallelSizes
 def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
     """Raise, naming every setting the trainer cannot run yet."""
     problems = expert_problems(config, sizes)
-    mode = config.parallel.data_parallel_mode
-    if mode == "fsdp" and config.mixed_precision.dtype == "fp16":
-        problems.append(
-            "parallel.data_parallel_mode=fsdp with mixed_precision.dtype=fp16: the loss scaler "
-            "does not handle sharded gradients; use bf16"
-        )
     problems += _pipeline_problems(config, sizes)
     problems += fp8_problems(config, sizes)
     problems += async_tp_problems(config, sizes)
