@@ -1,4 +1,5 @@
-"""fp16 loss scaling over several ranks: an overflow on one rank skips the step everywhere."""
+"""fp16 loss scaling over several ranks: an overflow on one rank (or in one FSDP shard)
+skips the step everywhere."""
 
 from __future__ import annotations
 
@@ -27,3 +28,8 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) ->
     # Without agreement the ranks drift apart: the reason for the agreed scaler.
     assert ranks[0]["local"] == {"moved": True, "scale": 1024.0}
     assert ranks[1]["local"] == {"moved": False, "scale": 512.0}
+    # FSDP's row shards (DTensor gradients): rank 1's inf skips the step on both ranks
+    # (the DTensor unscale already reduces the check over the shards; agreement holds too).
+    for rank, result in enumerate(ranks):
+        for scaler in ("agreed_fsdp", "local_fsdp"):
+            assert result[scaler] == {"moved": False, "scale": 512.0}, (rank, scaler, result)

@@ -55,8 +55,8 @@ class AgreedGradScaler(torch.amp.GradScaler):
     Tensor- and pipeline-parallel ranks, and FSDP's data-parallel ranks, hold different
     gradient shards, so an inf in one shard must skip the step (and shrink the scale) on
     every rank, or the ranks' weights and loss scales drift apart. The check is a
-    one-element MAX all-reduce. (FSDP's gradients are DTensors: unscaling checks each
-    rank's rows, the agreement covers the rest.)
+    one-element MAX all-reduce. (FSDP's gradients are DTensors, whose unscale already
+    reduces the check over their shards: tests/test_precision.py.)
     """
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
