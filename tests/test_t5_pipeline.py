@@ -172,6 +172,12 @@ WIDE_CASES: dict[str, dict[str, Any]] = {
     },
     # Each stage builds its masks for the CP rank's rows (positions as keyword inputs).
     "cp2-pp2": {"parallel.context": 2, "parallel.pipeline": 2},
+    # No stages: context-parallel attention around the tensor-parallel (SP) layers.
+    "tp2-cp2-sp": {
+        "parallel.tensor": 2,
+        "parallel.context": 2,
+        "parallel.sequence_parallel": "true",
+    },
 }
 
 
