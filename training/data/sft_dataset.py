@@ -35,7 +35,7 @@ import torch
 
 from training.data.gpt_dataset import SPLIT_NAMES, SplitSamples, _rng, random_permutations
 from training.data.index_cache import check_ids, load_or_build
-from training.data.shard_set import ShardSet, ShardSetError
+from training.data.shard_set import ShardSet
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +97,7 @@ class SFTDataset(SplitSamples):
         seed: int,
         cache_dir: str | Path,
     ):
-        if shard_set.mask_readers is None:
-            raise ShardSetError(
-                f"{shard_set.root}: data.format=chat needs a chat shard set with loss masks "
-                "(megalith data prepare --format chat)"
-            )
+        shard_set.require_loss_masks()
         super().__init__(shard_set, split, documents, num_samples, seq_length, seed, cache_dir)
         tokenizer = shard_set.manifest.tokenizer
         self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eod_id

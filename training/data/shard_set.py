@@ -112,6 +112,14 @@ class ShardSet:
         local = document - int(self._first_document[shard])
         return shard, local, int(self._document_starts[shard][local])
 
+    def require_loss_masks(self) -> None:
+        """Raise unless this is a chat shard set (``data.format=chat`` trains on its masks)."""
+        if self.mask_readers is None:
+            raise ShardSetError(
+                f"{self.root}: data.format=chat needs a chat shard set with loss masks "
+                "(megalith data prepare --format chat)"
+            )
+
     def document_loss_mask(self, document: int, start: int, stop: int) -> np.ndarray:
         """Loss mask ``[start, stop)`` of a chat document (1 on assistant tokens)."""
         if self.mask_readers is None:

@@ -109,11 +109,7 @@ class T5ChatDataset(SplitSamples):
         eos_id: int,
         pad_id: int,
     ):
-        if shard_set.mask_readers is None:
-            raise ShardSetError(
-                f"{shard_set.root}: data.format=chat needs a chat shard set with loss masks "
-                "(megalith data prepare --format chat)"
-            )
+        shard_set.require_loss_masks()
         super().__init__(shard_set, split, documents, num_samples, seq_length, seed, cache_dir)
         self.lengths, self.eos_id, self.pad_id = lengths, eos_id, pad_id
         self.description = {
