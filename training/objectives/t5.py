@@ -36,11 +36,12 @@ def micro_batch_loss(
 ) -> Tensor:
     """Mean cross-entropy over the micro-batch's target tokens; under context parallelism
     this rank's share (:func:`context_parallel_losses`)."""
+    if state.sizes.cp > 1:
+        losses = context_parallel_losses(model, batch, device, state)
+        count = (batch["labels"] != IGNORE_INDEX).sum().to(losses.device).clamp(min=1)
+        return losses.sum() * state.sizes.cp / count
     encoder, decoder, labels, mask = (batch[key].to(device, non_blocking=True) for key in T5_KEYS)
-    if state.sizes.cp == 1:
-        return model(encoder, decoder, labels, encoder_mask=mask)
-    count = (labels != IGNORE_INDEX).sum().clamp(min=1)
-    return context_parallel_losses(model, batch, device, state).sum() * state.sizes.cp / count
+    return model(encoder, decoder, labels, encoder_mask=mask)
 
 
 def context_parallel_losses(
