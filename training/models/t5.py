@@ -418,19 +418,18 @@ class T5Model(nn.Module):
         ``start_pos ..``: causal (with the relative bias; None: SDPA's own causal mask),
         and the cross-attention's padding mask over the encoder positions. With
         ``shard``, this rank's rows against every key (causal by global position)."""
-        keys = start_pos + length
-        self_mask = None  # SDPA's own causal mask (rope, nothing cached before)
-        if shard is not None:
+        if shard is not None:  # this rank's rows, causal by global position
             keys, positions = shard.decoder_length, shard.decoder_positions
             bias = self.decoder.position_bias(length, keys, 0, positions)
             allowed = torch.arange(keys, device=device)[None, :] <= positions[:, None]
             self_mask = additive_mask(bias, allowed[None, None], length, keys, device)
-            bias = None  # built
         else:
+            keys = start_pos + length
+            self_mask = None  # SDPA's own causal mask (rope, nothing cached before)
             bias = self.decoder.position_bias(length, keys, start_pos)
-        if bias is not None or start_pos:
-            allowed = causal_allowed(length, keys, device)
-            self_mask = additive_mask(bias, allowed, length, keys, device)
+            if bias is not None or start_pos:
+                allowed = causal_allowed(length, keys, device)
+                self_mask = additive_mask(bias, allowed, length, keys, device)
         source = encoder_mask.size(1) if encoder_mask is not None else None
         cross_allowed = None if encoder_mask is None else encoder_mask[:, None, None, :]
         cross_mask = additive_mask(None, cross_allowed, length, source or 1, device)
