@@ -170,8 +170,10 @@ WIDE_CASES: dict[str, dict[str, Any]] = {
         **CASES["pp2-interleaved"],
         "parallel.data_parallel_mode": "fsdp",
     },
-    # Each stage builds its masks for the CP rank's rows (positions as keyword inputs).
+    # Each stage builds its masks for the CP rank's rows (positions as keyword inputs),
+    # and rotates by global positions.
     "cp2-pp2": {"parallel.context": 2, "parallel.pipeline": 2},
+    "cp2-pp2-rope": {"parallel.context": 2, "parallel.pipeline": 2, **ROPE},
     # No stages: context-parallel attention around the tensor-parallel (SP) layers.
     "tp2-cp2-sp": {
         "parallel.tensor": 2,
@@ -200,8 +202,9 @@ def test_t5_pipeline_beside_tensor_and_data_parallelism_matches_one_process(
     case: str, wide_runs: Path, references: dict[str, Path]
 ) -> None:
     name = f"T5 {case} ({BACKEND}, 4 processes)"
-    assert_metrics_match(metrics(wide_runs / case), metrics(references["relative"]), name)
-    assert_whole_checkpoint(wide_runs / case, references["relative"], name)
+    reference = references["rope" if "rope" in case else "relative"]
+    assert_metrics_match(metrics(wide_runs / case), metrics(reference), name)
+    assert_whole_checkpoint(wide_runs / case, reference, name)
     for rank in range(4):
         boxes = json.loads((wide_runs / case / f"boxes-rank{rank}.json").read_text())
         assert boxes == [], f"{name}: checkpoint boxes differ from the load paths: {boxes}"
