@@ -134,7 +134,56 @@ def _fsdp_errors(rank: int, world: int) -> list[str]:
             errors.append(f"fsdp {name}: float8 linears {float8} with fp8={bool(mixed)}")
     errors += _fine_tune_base_errors(state, rank, world)
     errors += _lora_errors(state, rank, world)
+    errors += _te_kernel_errors(state, rank, world)
     return errors
+
+
+def _te_kernel_errors(state, rank: int, world: int) -> list[str]:
+    """FSDP over Transformer Engine kernels (tests/test_te_tensor_parallel.py's stand-in
+    for TE's modules) is built on meta too: the TE modules own the torch backend's
+    parameters and init, so each rank's rows are the seeded torch model's, and the
+    engines then run on the gathered weights (the loss is one process's)."""
+    from test_te_tensor_parallel import _StandInTE
+
+    from training.models import backend as backend_module
+    from training.models.te_backend import TransformerEngineBackend
+    from training.parallel.parallelize import _fsdp_builds_on_meta
+
+    saved = backend_module.transformer_engine_available, backend_module.BACKENDS["te"]
+    backend_module.transformer_engine_available = lambda: True
+    backend_module.BACKENDS["te"] = lambda: TransformerEngineBackend(
+        te=lambda: _StandInTE, devices=("cpu",)
+    )
+    try:
+        te_config = CONFIGS["llama"].model_copy(update={"backend": "te"})
+        fsdp = MegalithConfig(parallel={"data_parallel_mode": "fsdp"})
+        if not _fsdp_builds_on_meta(fsdp, te_config, state):
+            return ["fsdp te: not built on meta"]
+        torch.manual_seed(5)
+        model, stats = build_fsdp_on_meta(te_config, state, torch.device("cpu"))
+        torch.manual_seed(5)
+        whole = models.build_model(CONFIGS["llama"])
+        errors = [
+            f"fsdp te: {key} rows differ from the torch backend's seeded rows"
+            for key, param in model.named_parameters()
+            if not torch.equal(
+                param.to_local(), dict(whole.named_parameters())[key].chunk(world)[rank]
+            )
+        ]
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            got, want = model(tokens[:, :-1], tokens[:, 1:]), whole(tokens[:, :-1], tokens[:, 1:])
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            errors.append(f"fsdp te: loss {got.item()} against one process's {want.item()}")
+        engines = [m._engine for m in model.modules() if getattr(m, "_engine", None) is not None]
+        built = [engine for engine in engines if engine.module is not None]
+        if len(built) != 4 * CONFIGS["llama"].num_layers:  # the linears; fp32 attention is SDPA
+            errors.append(f"fsdp te: {len(built)} of {len(engines)} engines ran")
+        if not stats.peak_bytes <= stats.largest_parameter_bytes < stats.model_bytes:
+            errors.append(f"fsdp te: held {stats} while building")
+        return errors
+    finally:
+        backend_module.transformer_engine_available, backend_module.BACKENDS["te"] = saved
 
 
 def _fine_tune_base_errors(state, rank: int, world: int) -> list[str]:

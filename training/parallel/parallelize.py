@@ -160,13 +160,13 @@ def _fsdp_builds_on_meta(
     state: ParallelState,
 ) -> bool:
     """Whether this rank's FSDP model is built on meta (the layouts whose materialization
-    is wired and tested so far; TE modules initialise on their device, not from a replay)."""
+    is wired and tested so far). Either kernel backend: TE's modules own the torch
+    backend's parameters and init (their engines are built on the first CUDA forward)."""
     return (
         config.parallel.data_parallel_mode == "fsdp"
         and dp.data_parallel_size(state) > 1
         and state.sizes.tp == 1
         and state.sizes.ep == 1
-        and resolve_backend(model_config.backend).name != "te"
     )
 
 
