@@ -135,6 +135,31 @@ def _fsdp_errors(rank: int, world: int) -> list[str]:
     errors += _fine_tune_base_errors(state, rank, world)
     errors += _lora_errors(state, rank, world)
     errors += _te_kernel_errors(state, rank, world)
+    errors += _expert_parallel_errors(rank, world)
+    return errors
+
+
+def _expert_parallel_errors(rank: int, world: int) -> list[str]:
+    """EP=``world`` (any data-parallel mode) built on meta: each rank holds its experts'
+    rows of the seeded one-process model and the dense weights whole, and the RNG ends
+    where one process leaves it."""
+    from training.parallel import expert_parallel_training as ep
+
+    model_config = CONFIGS["moe"]
+    config = MegalithConfig(model=model_config.model_dump(), parallel={"expert": world})
+    state = build_parallel_state(config)
+    torch.manual_seed(5)
+    model = ep.build_model(model_config, state, False, torch.device("cpu"))
+    rng = torch.get_rng_state()
+    torch.manual_seed(5)
+    whole = dict(models.build_model(model_config).named_parameters())
+    errors = [] if torch.equal(rng, torch.get_rng_state()) else ["ep: RNG state differs"]
+    for key, param in model.named_parameters():
+        want = whole[key].detach()
+        if ".experts." in key:
+            want = want.chunk(world)[rank]
+        if not torch.equal(param.detach(), want):
+            errors.append(f"ep: {key} differs from the single-process rows")
     return errors
 
 

@@ -40,13 +40,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from megalith.config import ModelConfig
-from training.models import GPTModel, model_from_tensors
+from training import models
+from training.models import GPTModel, model_from_tensors, resolve_backend
 from training.models.moe import is_expert_param, moe_layers
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
 from training.parallel.dtensor import local_tensor, whole_tensor
 from training.parallel.groups import ParallelState
+from training.parallel.meta_init import materialize_shard
 
 
 def _expert_parallel(state: ParallelState) -> bool:
@@ -56,12 +58,26 @@ def _expert_parallel(state: ParallelState) -> bool:
 def build_model(
     config: ModelConfig, state: ParallelState, sequence_parallel: bool, device: torch.device
 ) -> GPTModel:
-    """This rank's model: the whole model (or its TP shard), with only this EP rank's experts."""
-    model = tp.build_model(config, state, sequence_parallel, device)
-    if _expert_parallel(state):
-        for layer in moe_layers(model):
-            layer.experts.keep_shard(state.ep_rank, state.sizes.ep)
-            layer.ep_group = state.ep_group
+    """This rank's model: the whole model (or its TP shard), with only this EP rank's
+    experts. Under EP it is built on meta, cut to this rank's experts, and materialized
+    from a replay of the single-device init one parameter at a time, so no rank holds
+    every expert (MoE × TP is refused: ``support.expert_problems``)."""
+    if not _expert_parallel(state):
+        model = tp.build_model(config, state, sequence_parallel, device)
+        balance_over_context(model, state)
+        return model
+    backend = cp.wrap_backend(resolve_backend(config.backend), state)
+    model = models.meta_model(config, backend)
+    for layer in moe_layers(model):
+        layer.experts.keep_shard(state.ep_rank, state.sizes.ep)
+        layer.ep_group = state.ep_group
+    model.to_empty(device=device)
+    model.tie_weights()
+    materialize_shard(
+        lambda: models.build_model(config, backend),
+        model,
+        lambda name, whole: shard_loaded(name, whole, config, state),
+    )
     balance_over_context(model, state)
     return model
 
