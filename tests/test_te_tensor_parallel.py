@@ -238,6 +238,40 @@ def _check_fsdp_over_engines(style: str) -> list[str]:
 FSDP_STYLES = ("llama", "gpt2")
 
 
+def _check_te_tensor_parallel_build(style: str) -> list[str]:
+    """The trainer's TP build (``tensor_parallel_training.build_model``) with TE kernels
+    (the stand-in): on meta, then each TP shard materialized from a replay of the
+    single-device init, as with the torch kernels: the shards of the seeded torch model,
+    and the RNG left where one process leaves it."""
+    from training.parallel import tensor_parallel_training as tp
+
+    config, rank = tiny(style), dist.get_rank()
+    where = f"{style} tp{WORLD} TE build rank {rank}"
+    saved = backend_module.transformer_engine_available, backend_module.BACKENDS["te"]
+    backend_module.transformer_engine_available = lambda: True
+    backend_module.BACKENDS["te"] = lambda: TransformerEngineBackend(
+        te=lambda: _StandInTE, devices=("cpu",)
+    )
+    try:
+        state = build_parallel_state(load_config(None, [f"parallel.tensor={WORLD}"]))
+        te_config = config.model_copy(update={"backend": "te"})
+        torch.manual_seed(5)
+        model = tp.build_model(te_config, state, False, torch.device("cpu"))
+        rng = torch.get_rng_state()
+    finally:
+        backend_module.transformer_engine_available, backend_module.BACKENDS["te"] = saved
+    torch.manual_seed(5)
+    whole = GPTModel(config, TorchBackend()).state_dict()
+    failures = [] if torch.equal(rng, torch.get_rng_state()) else [f"{where}: RNG state"]
+    if not isinstance(model.backend, TETensorParallelBackend):
+        failures.append(f"{where}: built with {type(model.backend).__name__}")
+    want = shard_full_state_dict(whole, config, rank, WORLD)
+    for name, value in model.state_dict().items():
+        if not torch.equal(value, want[name]):
+            failures.append(f"{where}: {name} is not the seeded model's shard")
+    return failures
+
+
 def _cpu_worker(rank: int, world: int, out_dir: str) -> None:
     init_gloo(rank, world, out_dir)
     results = {}
@@ -248,10 +282,14 @@ def _cpu_worker(rank: int, world: int, out_dir: str) -> None:
             except Exception:
                 results[layout.id] = [traceback.format_exc()]
         for style in FSDP_STYLES:
-            try:
-                results[f"{style} fsdp"] = _check_fsdp_over_engines(style)
-            except Exception:
-                results[f"{style} fsdp"] = [traceback.format_exc()]
+            for label, check in (
+                ("fsdp", _check_fsdp_over_engines),
+                ("build", _check_te_tensor_parallel_build),
+            ):
+                try:
+                    results[f"{style} {label}"] = check(style)
+                except Exception:
+                    results[f"{style} {label}"] = [traceback.format_exc()]
     finally:
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -278,6 +316,16 @@ def test_fsdp_over_te_engines_matches_one_process(stand_in_results, style: str) 
     reduce-scattered gradient (gathered) against one process on the whole batch. On GPUs
     with the real TE, FSDP × TP and FSDP × PP: benchmarks/RESULTS.md."""
     failures = [line for by_rank in stand_in_results for line in by_rank[f"{style} fsdp"]]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("style", FSDP_STYLES)
+def test_te_tensor_parallel_shards_are_materialized_from_the_replayed_init(
+    stand_in_results, style: str
+) -> None:
+    """TE TP=2 (the stand-in) built on meta and materialized from the replayed init (no
+    whole model built first): each rank's shard is the seeded single-device model's."""
+    failures = [line for by_rank in stand_in_results for line in by_rank[f"{style} build"]]
     assert not failures, "\n".join(failures)
 
 

@@ -41,7 +41,6 @@ from training.parallel.tensor_parallel.layers import squared_grad_norm
 from training.parallel.tensor_parallel.sharding import (
     check_tensor_parallel,
     partition_spec,
-    shard_full_state_dict,
     shard_tensor,
     unshard_tensor,
 )
@@ -60,31 +59,15 @@ def build_model(
     model = models.meta_model(config, cp.wrap_backend(tp_backend, state))
     model.to_empty(device=device)
     model.tie_weights()
-    if kernels.name == "te":  # TE modules initialise on their device, not from a meta replay
-        _load_shard_of_whole(model, config, state, kernels)
-        return model
     # The weights (and the RNG state after) equal one device's: the single-device init
-    # is replayed one parameter at a time, each rank keeping its shard (meta_init).
+    # is replayed one parameter at a time, each rank keeping its shard (meta_init). TE's
+    # tensor-parallel modules own the torch layers' parameters and init too.
     materialize_shard(
         lambda: models.build_model(config, cp.wrap_backend(kernels, state)),
         model,
         lambda name, whole: shard_loaded(name, whole, config, state),
     )
     return model
-
-
-def _load_shard_of_whole(
-    model: nn.Module, config: ModelConfig, state: ParallelState, kernels
-) -> None:
-    """This rank's shard cut out of a whole single-device model built from the seed."""
-    full = models.build_model(config, cp.wrap_backend(kernels, state))
-    model.load_state_dict(
-        shard_full_state_dict(full.state_dict(), config, state.tp_rank, state.sizes.tp)
-    )
-    full_buffers = dict(full.named_buffers())
-    with torch.no_grad():  # non-persistent buffers are not in the state dict
-        for name, buffer in model.named_buffers():
-            buffer.copy_(full_buffers[name])
 
 
 def shard_loaded(
