@@ -2,9 +2,9 @@
 and fine-tuned on chats (the encoder reads the conversation, the decoder writes the turn).
 
 Its parts: the model (training/models/t5.py), the span-corruption samples
-(training/data/t5_dataset.py), the chat-turn samples (training/data/t5_chat_dataset.py), the objective and throughput count (training/objectives/t5.py), the
-pipeline stages (training/parallel/pipeline_t5.py) and the HF export
-(training/interop/hf_t5.py)."""
+(training/data/t5_dataset.py), the chat-turn samples (training/data/t5_chat_dataset.py),
+the objectives and throughput count (training/objectives/t5.py), the pipeline stages
+(training/parallel/pipeline_t5.py) and the HF export (training/interop/hf_t5.py)."""
 
 from __future__ import annotations
 

@@ -29,11 +29,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from training.parallel import context_parallel as cp
-from training.parallel.data_parallel import data_parallel_size
+from training.parallel.data_parallel import token_weight
 from training.parallel.groups import ParallelState
 
 SFT_KEYS = ("tokens", "loss_mask", "document_ids")
@@ -51,11 +50,8 @@ def prefetch_step(
     cp_size, cp_rank = parallel.sizes.cp, parallel.cp_rank
     # Under CP each rank counts its part of the sequence: the sum is the global count.
     masks = [cp.split_sequence(batch["loss_mask"], cp_size, cp_rank) for batch in step]
-    count = sum(mask.sum() for mask in masks).to(device=device, dtype=torch.float64)
-    if data_parallel_size(parallel) > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=parallel.dp_cp_group)
-    weight = data_parallel_size(parallel) / count.clamp(min=1.0)
-    return iter(step), weight.float()
+    count = sum(mask.sum() for mask in masks).to(device=device)
+    return iter(step), token_weight(count, parallel)
 
 
 def micro_batch_loss(

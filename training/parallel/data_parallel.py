@@ -50,6 +50,16 @@ def data_parallel_size(state: ParallelState) -> int:
     return state.sizes.dp * state.sizes.cp
 
 
+def token_weight(count: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """The weight of one loss token in a step of which this rank holds ``count`` tokens:
+    ``DP · CP / the count over data × context``, so that summed token losses times it,
+    averaged over those ranks as the gradients are, give the step's token mean."""
+    count = count.to(torch.float64)
+    if data_parallel_size(state) > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=state.dp_cp_group)
+    return (data_parallel_size(state) / count.clamp(min=1.0)).float()
+
+
 def check_mode(parallel: ParallelConfig) -> None:
     if parallel.data_parallel_mode not in DATA_PARALLEL_MODES:
         raise MegalithError(

@@ -449,9 +449,7 @@ class PipelineParallel:
         padded decoder), so the mean of the parts' means would not be the micro-batch's;
         where every micro-batch holds as many targets (GPT pretraining, T5 span
         corruption) this is the micro-batches' mean, as without CP."""
-        count = (target != IGNORE_INDEX).sum().to(torch.float64)
-        dist.all_reduce(count, group=self.state.dp_cp_group)
-        return (dp.data_parallel_size(self.state) / count.clamp(min=1.0)).float()
+        return dp.token_weight((target != IGNORE_INDEX).sum(), self.state)
 
     def _arm_load_balancing(self) -> None:
         """Each MoE layer's balance loss gets its gradient in backward, as ``aux · CP /
