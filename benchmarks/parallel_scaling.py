@@ -67,7 +67,8 @@ SHAPES: dict[str, dict] = {
 # expert-parallel size (carved out of data x context, no GPUs of its own), vN the virtual
 # pipeline stages (interleaved schedule), zb the zero-bubble schedule (ZB1P, with or
 # without vN), sp sequence parallelism, async sequence parallelism with async TP (needs
-# --compile), zero1/fsdp the data-parallel mode (default ddp).
+# --compile), ub sequence parallelism with TE's userbuffers overlap (parallel.tp_comm_overlap,
+# needs --set model.backend=te), zero1/fsdp the data-parallel mode (default ddp).
 _SIZE_KEYS = {
     "dp": None,
     "tp": "parallel.tensor",
@@ -78,6 +79,7 @@ _SIZE_KEYS = {
 _FLAGS = {
     "sp": {"parallel.sequence_parallel": True},
     "async": {"parallel.sequence_parallel": True, "parallel.async_tensor_parallel": True},
+    "ub": {"parallel.sequence_parallel": True, "parallel.tp_comm_overlap": True},
     "zero1": {"parallel.data_parallel_mode": "distributed_optimizer"},
     "fsdp": {"parallel.data_parallel_mode": "fsdp"},
     "zb": {"parallel.pipeline_schedule": "zero-bubble"},
@@ -100,7 +102,7 @@ def parse_layout(name: str) -> tuple[int, dict]:
         if prefix not in (*_SIZE_KEYS, "ep") or prefix == part:
             raise SystemExit(
                 f"layout {name!r}: unknown part {part!r} "
-                "(dpN tpN ppN cpN epN vN zb sp async zero1 fsdp)"
+                "(dpN tpN ppN cpN epN vN zb sp async ub zero1 fsdp)"
             )
         size = int(part[len(prefix) :])
         if prefix == "ep":  # carved out of data x context: no GPUs of its own
@@ -157,18 +159,20 @@ def worker(args) -> None:
     import torch
 
     from training.runtime.distributed import distributed
+    from training.runtime.launch import comm_overlap_env
     from training.trainer import Trainer
 
     config = build_config(
         args.shape,
         args.layout,
         args.shards,
-        args.warmup + args.steps,
+        args.warmup + args.steps + PROFILED_STEPS * args.profile,
         args.accumulation,
         args.compile,
         args.set,
     )
     config.training.device = args.device
+    os.environ.update(comm_overlap_env(config))  # before CUDA starts, as megalith train does
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     # A stalled rank prints every thread's stack before the driver's timeout kills it.
@@ -184,6 +188,8 @@ def worker(args) -> None:
         sync()
         seconds = time.perf_counter() - started
         peak = torch.cuda.max_memory_allocated() if cuda else 0
+        if args.profile:  # every rank steps; rank 0 records its kernels
+            _profile(args, trainer, batches)
         memory = torch.tensor(float(peak), device=device)
         torch.distributed.all_reduce(memory, op=torch.distributed.ReduceOp.MAX)
         if trainer.is_main:
@@ -202,6 +208,22 @@ def worker(args) -> None:
             print("RESULT " + json.dumps(result), flush=True)
 
 
+PROFILED_STEPS = 2
+
+
+def _profile(args, trainer, batches, steps: int = PROFILED_STEPS) -> None:
+    """``steps`` more steps, rank 0's under torch.profiler (OUT/profile-SHAPE-LAYOUT.txt:
+    GPU time per kernel category, including NCCL's and TE's userbuffers' kernels)."""
+    from benchmarks.train_throughput import profile_steps
+
+    if not trainer.is_main:
+        for _ in range(steps):
+            trainer.train_step(batches)
+        return
+    name = f"{args.shape}-{args.layout}"
+    profile_steps(lambda: trainer.train_step(batches), Path(args.out), name, steps)
+
+
 def _mean(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None
@@ -215,6 +237,7 @@ def run_layout(args, layout: str, shards: str) -> dict:
         "--shape", args.shape, "--shards", shards, "--steps", str(args.steps),
         "--warmup", str(args.warmup), "--accumulation", str(args.accumulation), "--device", args.device,
         "--out", args.out, "--timeout", str(args.timeout), *(["--compile"] if args.compile else []),
+        *(["--profile"] if args.profile else []),
         *[arg for text in args.set for arg in ("--set", text)],
     ]  # fmt: skip
     started = time.perf_counter()
@@ -345,6 +368,11 @@ def main() -> None:
         default=[],
         metavar="KEY=VALUE",
         help="A config key for every layout, e.g. parallel.ddp_bucket_mb=200.",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="then profile 2 more steps on rank 0: OUT/profile-SHAPE-LAYOUT.txt",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmark-out"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -166,6 +166,8 @@ def profile_steps(step, out: Path, variant: str, steps: int = 3) -> None:
 
 # Kernel name patterns, first match wins (cuDNN's attention kernels also carry "sm90").
 KERNEL_CATEGORIES = (
+    # NCCL's collectives, TE's userbuffers (comm+GEMM overlap) kernels and their copies
+    ("communication (NCCL, userbuffers)", r"nccl|userbuffers|kuserbuffers|ub_|memcpy.*peer"),
     ("attention", r"sdpa|fmha|flash|attention|cudnn"),
     (
         "fp8 amax/scale/cast",

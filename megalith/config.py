@@ -783,6 +783,13 @@ class ParallelConfig(StrictModel):
         "all-gather and reduce-scatter of the TP linears into pieces overlapped with the "
         "matmul (torch's async TP, symmetric memory).",
     )
+    tp_comm_overlap: bool = Field(
+        default=False,
+        description="With model.backend=te, sequence_parallel and CUDA: Transformer Engine "
+        "overlaps each all-gather and reduce-scatter of the TP linears with their GEMMs "
+        "through userbuffers; every training micro-batch must then be "
+        "training.micro_batch_size x data.seq_length tokens.",
+    )
     data_parallel_mode: Literal["ddp", "distributed_optimizer", "fsdp"] = Field(
         default="ddp",
         description="ddp: bucketed all-reduce overlapped with backward; distributed_optimizer: "

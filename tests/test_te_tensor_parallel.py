@@ -39,6 +39,7 @@ from test_te_backend import _DotProductAttention
 from torch import nn
 
 from megalith.config import ModelConfig, load_config
+from megalith.errors import MegalithError
 from training.models import GPTModel, TorchBackend
 from training.models import backend as backend_module
 from training.models.te_backend import TransformerEngineBackend
@@ -47,6 +48,7 @@ from training.parallel.data_parallel import shard_model
 from training.parallel.groups import ParallelSizes, build_parallel_state
 from training.parallel.support import check_trainer_support
 from training.parallel.te_tensor_parallel import (
+    CommOverlap,
     TETensorParallelBackend,
     sequence_from_te,
     sequence_to_te,
@@ -78,9 +80,11 @@ class _ParallelLinear(nn.Module):
     row: the output all-reduced or reduce-scattered, then the bias added."""
 
     def __init__(self, in_features, out_features, bias=True, params_dtype=None, device="cuda",
-                 parallel_mode=None, tp_group=None, tp_size=1, sequence_parallel=False):  # fmt: skip
+                 parallel_mode=None, tp_group=None, tp_size=1, sequence_parallel=False,
+                 **userbuffers):  # fmt: skip
         super().__init__()
         self.mode, self.group, self.sp = parallel_mode, tp_group, sequence_parallel
+        self.userbuffers = userbuffers  # TE's ub_* arguments: same math, other schedule
         out_local = out_features // tp_size if parallel_mode == "column" else out_features
         in_local = in_features // tp_size if parallel_mode == "row" else in_features
         self.weight = nn.Parameter(torch.empty(out_local, in_local, device=device))
@@ -202,6 +206,75 @@ def _check_stand_in(layout: Layout, group: dist.ProcessGroup) -> list[str]:
     return failures
 
 
+# TE's userbuffers arguments per GEMM of a block (parallel.tp_comm_overlap).
+OVERLAPPED = {
+    "attention.qkv": dict(
+        ub_name="qkv", ub_overlap_ag=True, ub_bulk_dgrad=True, ub_bulk_wgrad=True
+    ),
+    "attention.proj": dict(ub_name="proj", ub_overlap_rs=True, ub_overlap_ag=True),
+    "mlp.fc1": dict(ub_name="fc1", ub_overlap_ag=True, ub_bulk_dgrad=True, ub_bulk_wgrad=True),
+    "mlp.fc2": dict(ub_name="fc2", ub_overlap_rs=True, ub_overlap_ag=True),
+}
+
+
+def _check_comm_overlap(style: str) -> list[str]:
+    """``parallel.tp_comm_overlap`` over the stand-in (TP=2 + SP): training forwards run
+    engines built with TE's userbuffers arguments, named as TE's tables name a block's
+    GEMMs, with one process's loss and gradients; a forward without gradients of another
+    shape (validation) runs the plain engines; a training forward of another shape is
+    refused, naming the keys."""
+    config, group = tiny(style), dist.group.WORLD
+    rank = dist.get_rank(group)
+    where = f"{style} overlap rank {rank}"
+    torch.manual_seed(0)
+    full = GPTModel(config, TorchBackend())
+    overlap = CommOverlap(tokens=3 * 16, hidden=config.hidden_size)
+    backend = TETensorParallelBackend(
+        group, True, te=lambda: _StandInTE, devices=("cpu",), overlap=overlap
+    )
+    model = GPTModel(config, backend)
+    model.load_state_dict(shard_full_state_dict(full.state_dict(), config, rank, WORLD))
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, config.vocab_size, (3, 16), generator=generator)
+    labels = torch.randint(0, config.vocab_size, (3, 16), generator=generator)
+    expected, got = full(tokens, labels), model(tokens, labels)
+    failures = mismatch(f"{where}: loss", got, expected, LOSS_TOL)
+    expected.backward()
+    got.backward()
+    whole = shard_full_state_dict(
+        {n: p.grad for n, p in full.named_parameters()}, config, rank, WORLD
+    )
+    for name, param in model.named_parameters():
+        failures += mismatch(f"{where}: gradient of {name}", param.grad, whole[name], GRAD_TOL)
+    for index in range(config.num_layers):
+        for path, arguments in OVERLAPPED.items():
+            engine = model.get_submodule(f"layers.{index}.{path}").__dict__["_engine"]
+            ran = engine.overlap_module
+            if ran is None or ran.userbuffers != arguments or engine.module is not None:
+                failures.append(f"{where}: layer {index} {path} ran {ran and ran.userbuffers}")
+
+    model.eval()
+    with torch.no_grad():  # validation: another shape, the plain engines
+        short, short_labels = tokens[:1, :8], labels[:1, :8]
+        failures += mismatch(
+            f"{where}: no-grad loss",
+            model(short, short_labels),
+            full(short, short_labels),
+            LOSS_TOL,
+        )
+    plain = model.layers[0].mlp.fc2.__dict__["_engine"].module
+    if plain is None or plain.userbuffers:
+        failures.append(f"{where}: the no-grad forward ran {plain and plain.userbuffers}")
+    model.train()
+    try:
+        model(tokens[:1], labels[:1])
+        failures.append(f"{where}: a training forward of 16 tokens ran over 48-token buffers")
+    except MegalithError as error:
+        if "training.micro_batch_size x data.seq_length" not in str(error):
+            failures.append(f"{where}: {error}")
+    return failures
+
+
 def _check_fsdp_over_engines(style: str) -> list[str]:
     """FSDP over the data ranks (the trainer's ``shard_model``) of a model whose linears
     run TE engines (the stand-in): FSDP swaps gathered weights into the modules before
@@ -285,6 +358,7 @@ def _cpu_worker(rank: int, world: int, out_dir: str) -> None:
             for label, check in (
                 ("fsdp", _check_fsdp_over_engines),
                 ("build", _check_te_tensor_parallel_build),
+                ("overlap", _check_comm_overlap),
             ):
                 try:
                     results[f"{style} {label}"] = check(style)
@@ -326,6 +400,16 @@ def test_te_tensor_parallel_shards_are_materialized_from_the_replayed_init(
     """TE TP=2 (the stand-in) built on meta and materialized from the replayed init (no
     whole model built first): each rank's shard is the seeded single-device model's."""
     failures = [line for by_rank in stand_in_results for line in by_rank[f"{style} build"]]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("style", FSDP_STYLES)
+def test_te_communication_overlap_engines_match_one_process(stand_in_results, style: str) -> None:
+    """``parallel.tp_comm_overlap`` over the stand-in: training forwards run engines with
+    TE's userbuffers arguments (qkv/proj/fc1/fc2) and match one process; validation of
+    another shape runs the plain engines; a training micro-batch of another shape is
+    refused. Speed and parity with the real TE on GPUs: benchmarks/RESULTS.md."""
+    failures = [line for by_rank in stand_in_results for line in by_rank[f"{style} overlap"]]
     assert not failures, "\n".join(failures)
 
 

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from parallel_helpers import (
     BACKEND,
+    REPO,
     STEPS,
     TP_FP8_GRAD_RTOL,
     TP_FP8_LOSS_ATOL,
@@ -44,10 +47,14 @@ from parallel_helpers import (
     trainer_settings,
 )
 
+from megalith.config import load_config
 from megalith.errors import MegalithError
 from training.parallel.groups import ParallelSizes
-from training.parallel.parallelize import enable_async_tensor_parallel
+from training.parallel.parallelize import enable_async_tensor_parallel, enable_comm_overlap
 from training.parallel.support import check_trainer_support
+from training.parallel.te_tensor_parallel import CommOverlap, initialize_comm_overlap
+from training.precision.mixed import Precision
+from training.runtime.launch import comm_overlap_env
 
 WORLD = 2
 TWO_D_SP = {
@@ -155,6 +162,64 @@ def test_async_tensor_parallelism_names_what_it_needs(shards: Path) -> None:
     config = config_of(complete)
     with pytest.raises(MegalithError, match="needs CUDA; this rank runs on cpu"):
         enable_async_tensor_parallel(None, torch.device("cpu"), config.model)  # type: ignore[arg-type]
+
+
+def test_te_communication_overlap_names_what_it_needs(shards: Path, monkeypatch) -> None:
+    """``parallel.tp_comm_overlap`` (TE's userbuffers): each missing setting is named
+    before any process starts, T5 is refused (two sequence lengths, one buffer shape), a
+    CPU rank refuses it, and ``megalith train`` gives the workers the environment TE
+    needs. The overlap itself runs on GPUs only: benchmarks/RESULTS.md."""
+    settings = {**trainer_settings(shards), "parallel.tp_comm_overlap": True}
+    with pytest.raises(MegalithError) as refused:
+        check_trainer_support(config_of(settings), ParallelSizes(tp=2))
+    for key in ("parallel.sequence_parallel=true", "model.backend=te"):
+        assert key in str(refused.value)
+    complete = {**settings, "parallel.sequence_parallel": True, "model.backend": "te"}
+    complete["training.device"] = "auto"
+    check_trainer_support(config_of(complete), ParallelSizes(tp=2, dp=2))
+    for key, value, named in (
+        ("training.device", "cpu", "training.device cuda or auto"),
+        ("model.backend", "auto", "model.backend=te"),
+    ):
+        with pytest.raises(MegalithError, match=named):
+            check_trainer_support(config_of({**complete, key: value}), ParallelSizes(tp=2))
+    with pytest.raises(MegalithError, match="parallel.tensor > 1"):
+        check_trainer_support(config_of(complete), ParallelSizes(dp=2))
+    t5 = load_config(
+        REPO / "configs" / "t5-tiny-cpu.yaml",
+        [f"{k}={v}" for k, v in complete.items() if k.startswith(("parallel.", "model.backend"))],
+    )
+    with pytest.raises(MegalithError, match="parallel.tp_comm_overlap with model.family=t5"):
+        check_trainer_support(t5, ParallelSizes(tp=2))
+
+    config = config_of(complete)
+    assert comm_overlap_env(config) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "UB_SKIPMC": "1"}
+    assert comm_overlap_env(config_of(trainer_settings(shards))) == {}
+    state = SimpleNamespace(sizes=ParallelSizes(tp=2))
+    with pytest.raises(
+        MegalithError, match="needs CUDA and Transformer Engine; this rank runs on cpu"
+    ):
+        enable_comm_overlap(
+            config, config.model, state, torch.device("cpu"), Precision("bf16", "cpu", None)
+        )  # type: ignore[arg-type]
+
+    # The userbuffers: one micro-batch's tokens (whole sequence) x hidden, fp8 buffers
+    # under fp8, bootstrapped over NCCL, never NVLink multicast.
+    calls: dict = {}
+    modes = SimpleNamespace(FP8="fp8", NONE="none")
+    te = SimpleNamespace(
+        UserBufferQuantizationMode=modes, initialize_ub=lambda **kw: calls.update(kw)
+    )
+    monkeypatch.setattr(os, "environ", {})
+    initialize_comm_overlap(te, CommOverlap(tokens=4096, hidden=64), 2, True, torch.bfloat16)
+    assert calls == {
+        "shape": [4096, 64],
+        "tp_size": 2,
+        "quantization_modes": ["fp8"],
+        "dtype": torch.bfloat16,
+        "bootstrap_backend": "nccl",
+    }
+    assert os.environ == {"UB_SKIPMC": "1"}
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -21,6 +22,7 @@ from training.runtime.launch import (
     DEFAULT_TIMEOUT_S,
     TIMEOUT_ENV,
     LaunchSpec,
+    comm_overlap_env,
     die_with_parent,
     run_torchrun,
     slurm_script,
@@ -331,6 +333,7 @@ def _train_or_launch(args: argparse.Namespace) -> int:
     from training.trainer import train
 
     output = _output(args, config)
+    os.environ.update(comm_overlap_env(config))  # before CUDA starts
     with (
         distributed(config.training.device) as (env, _device),
         hold_run_folder(output, env.rank),

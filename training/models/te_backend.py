@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalith.errors import MegalithError
 from training.models import layers
 from training.models.backend import TorchBackend
 from training.models.layers import NormSpec
@@ -92,12 +93,24 @@ class Engine:
 
     ``feed(name, parameter)``, where given, is what the engine gets instead of the
     parameter itself (tensor parallelism passes replicated parameters through a
-    gradient all-reduce under sequence parallelism)."""
+    gradient all-reduce under sequence parallelism).
+
+    ``overlap``, where given, builds the module that training forwards run: one whose
+    tensor-parallel communication TE overlaps with its GEMMs through userbuffers of a
+    fixed number of rows (``overlap_rows`` tokens in each input); forwards without
+    gradients (validation) run ``build``'s module, which takes any shape. Both modules
+    read the same parameters."""
 
     def __init__(
-        self, build: Callable[[], nn.Module], names: dict[str, str], feed: Feed | None = None
+        self,
+        build: Callable[[], nn.Module],
+        names: dict[str, str],
+        feed: Feed | None = None,
+        overlap: Callable[[], nn.Module] | None = None,
+        overlap_rows: int | None = None,
     ):
         self.build, self.names, self.feed, self.module = build, names, feed, None
+        self.build_overlap, self.overlap_rows, self.overlap_module = overlap, overlap_rows, None
         # Opaque to torch.compile: TE's modules are dynamo-disabled anyway, and the
         # aliasing in _run is bookkeeping, not graph. Disabled here rather than by a
         # decorator, which would import dynamo (1.6 s) in every process importing models.
@@ -107,15 +120,31 @@ class Engine:
         return self._run_opaque(owner, *inputs)
 
     def _run(self, owner: nn.Module, *inputs: Tensor) -> Tensor:
-        if self.module is None:
-            self.module = self.build()
+        module = self._module(inputs[0])
         for ours, theirs in self.names.items():
             param = _attribute(owner, ours)
             if param is not None:
                 fed = param if self.feed is None else self.feed(ours, param)
-                self.module._parameters[theirs] = fed  # alias: TE reads and grads ours
-        self.module.train(owner.training)
-        return self.module(*inputs)
+                module._parameters[theirs] = fed  # alias: TE reads and grads ours
+        module.train(owner.training)
+        return module(*inputs)
+
+    def _module(self, x: Tensor) -> nn.Module:
+        """The overlapping module for a training forward, the plain one otherwise."""
+        if self.build_overlap is None or not torch.is_grad_enabled():
+            if self.module is None:
+                self.module = self.build()
+            return self.module
+        rows = x.numel() // x.size(-1)
+        if rows != self.overlap_rows:
+            raise MegalithError(
+                f"parallel.tp_comm_overlap: TE's userbuffers hold {self.overlap_rows} tokens "
+                f"here but this training forward has {rows}; every training micro-batch must "
+                "be training.micro_batch_size x data.seq_length tokens"
+            )
+        if self.overlap_module is None:
+            self.overlap_module = self.build_overlap()
+        return self.overlap_module
 
 
 def _attribute(module: nn.Module, name: str) -> Tensor | None:
@@ -179,6 +208,38 @@ class TEAttention(layers.SDPAttention):
         return super().forward(q, k, v, attn_mask)
 
 
+def layer_norm_linear_module(
+    te: TEProvider,
+    in_features: int,
+    out_features: int,
+    norm: NormSpec,
+    *,
+    bias: bool,
+    dtype: torch.dtype,
+    **parallel: Any,
+) -> Callable[[], nn.Module]:
+    """What builds a ``te.LayerNormLinear``; ``parallel``: TE's tensor-parallel (and
+    userbuffers) arguments (``parallel_mode``, ``tp_group``, ``tp_size``,
+    ``sequence_parallel``, ``ub_*``), sizes global."""
+    return lambda: te().LayerNormLinear(
+        in_features,
+        out_features,
+        eps=norm.eps,
+        bias=bias,
+        normalization="RMSNorm" if norm.kind == "rmsnorm" else "LayerNorm",
+        params_dtype=dtype,
+        device="meta",  # parameters are ours; nothing to allocate
+        **parallel,
+    )
+
+
+def linear_module(
+    te: TEProvider, in_features: int, out_features: int, *, bias: bool, **parallel: Any
+) -> Callable[[], nn.Module]:
+    """What builds a ``te.Linear`` (``parallel`` as in :func:`layer_norm_linear_module`)."""
+    return lambda: te().Linear(in_features, out_features, bias=bias, device="meta", **parallel)
+
+
 def layer_norm_linear_engine(
     te: TEProvider,
     in_features: int,
@@ -190,22 +251,11 @@ def layer_norm_linear_engine(
     feed: Feed | None = None,
     **parallel: Any,
 ) -> Engine:
-    """A ``te.LayerNormLinear`` engine; ``parallel``: TE's tensor-parallel arguments
-    (``parallel_mode``, ``tp_group``, ``tp_size``, ``sequence_parallel``), sizes global."""
-    return Engine(
-        lambda: te().LayerNormLinear(
-            in_features,
-            out_features,
-            eps=norm.eps,
-            bias=bias,
-            normalization="RMSNorm" if norm.kind == "rmsnorm" else "LayerNorm",
-            params_dtype=dtype,
-            device="meta",  # parameters are ours; nothing to allocate
-            **parallel,
-        ),
-        TE_PARAMETER_NAMES["norm_linear"],
-        feed,
+    """A ``te.LayerNormLinear`` engine (``parallel`` as in :func:`layer_norm_linear_module`)."""
+    build = layer_norm_linear_module(
+        te, in_features, out_features, norm, bias=bias, dtype=dtype, **parallel
     )
+    return Engine(build, TE_PARAMETER_NAMES["norm_linear"], feed)
 
 
 def linear_engine(
@@ -217,12 +267,9 @@ def linear_engine(
     feed: Feed | None = None,
     **parallel: Any,
 ) -> Engine:
-    """A ``te.Linear`` engine (``parallel`` as in :func:`layer_norm_linear_engine`)."""
-    return Engine(
-        lambda: te().Linear(in_features, out_features, bias=bias, device="meta", **parallel),
-        TE_PARAMETER_NAMES["linear"],
-        feed,
-    )
+    """A ``te.Linear`` engine (``parallel`` as in :func:`layer_norm_linear_module`)."""
+    build = linear_module(te, in_features, out_features, bias=bias, **parallel)
+    return Engine(build, TE_PARAMETER_NAMES["linear"], feed)
 
 
 def attention_engine(
@@ -317,6 +364,8 @@ __all__ = [
     "attention_engine",
     "engine_device",
     "layer_norm_linear_engine",
+    "layer_norm_linear_module",
     "linear_engine",
+    "linear_module",
     "te_parameter_names",
 ]

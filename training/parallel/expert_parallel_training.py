@@ -49,6 +49,7 @@ from training.parallel import tensor_parallel_training as tp
 from training.parallel.dtensor import local_tensor, whole_tensor
 from training.parallel.groups import ParallelState
 from training.parallel.meta_init import materialize_shard
+from training.parallel.te_tensor_parallel import CommOverlap
 
 
 def _expert_parallel(state: ParallelState) -> bool:
@@ -56,14 +57,18 @@ def _expert_parallel(state: ParallelState) -> bool:
 
 
 def build_model(
-    config: ModelConfig, state: ParallelState, sequence_parallel: bool, device: torch.device
+    config: ModelConfig,
+    state: ParallelState,
+    sequence_parallel: bool,
+    device: torch.device,
+    overlap: CommOverlap | None = None,
 ) -> GPTModel:
     """This rank's model: the whole model (or its TP shard), with only this EP rank's
     experts. Under EP it is built on meta, cut to this rank's experts, and materialized
     from a replay of the single-device init one parameter at a time, so no rank holds
     every expert (MoE × TP is refused: ``support.expert_problems``)."""
     if not _expert_parallel(state):
-        model = tp.build_model(config, state, sequence_parallel, device)
+        model = tp.build_model(config, state, sequence_parallel, device, overlap)
         balance_over_context(model, state)
         return model
     backend = cp.wrap_backend(resolve_backend(config.backend), state)

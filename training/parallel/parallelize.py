@@ -48,6 +48,8 @@ process starts, in :mod:`training.parallel.support`.
 
 from __future__ import annotations
 
+import logging
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -70,8 +72,15 @@ from training.parallel.groups import ParallelState
 from training.parallel.meta_init import MaterializeStats, materialize_shard
 from training.parallel.pipeline import PipelineParallel
 from training.parallel.shard_specs import assemble, model_specs
+from training.parallel.te_tensor_parallel import (
+    CommOverlap,
+    comm_overlap,
+    initialize_comm_overlap,
+)
 from training.precision.fp8 import check_device, prepare_fp8
 from training.precision.mixed import Precision
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,6 +106,7 @@ def parallelize(
     docstring gives."""
     if config.parallel.async_tensor_parallel:
         enable_async_tensor_parallel(state, device, model_config)
+    overlap = enable_comm_overlap(config, model_config, state, device, precision)
     if state.sizes.pp > 1:  # gradients are averaged after the schedule, not by DDP
         pipeline = PipelineParallel(config, model_config, state, device, precision, family.pipeline)
         # The stage chunks share the stage model's blocks: converting it converts them.
@@ -115,7 +125,8 @@ def parallelize(
             finetune.prepare(model, state)
         forward_model = torch.compile(model) if config.training.compile else model
         return ParallelModel(model, model, forward_model, None)
-    model = ep.build_model(model_config, state, config.parallel.sequence_parallel, device)
+    sequence_parallel = config.parallel.sequence_parallel
+    model = ep.build_model(model_config, state, sequence_parallel, device, overlap)
     prepare_fp8(model, config.mixed_precision, precision)  # same parameters, new linears
     if finetune is not None:  # base weights and adapters: before DDP and the optimizer
         finetune.prepare(model, state)
@@ -152,6 +163,36 @@ def enable_async_tensor_parallel(
             warnings.simplefilter("ignore", FutureWarning)
             symmetric_memory.enable_symm_mem_for_group(name)
     inductor_config._micro_pipeline_tp = True
+
+
+def enable_comm_overlap(
+    config: MegalithConfig,
+    model_config: ModelConfig,
+    state: ParallelState,
+    device: torch.device,
+    precision: Precision,
+) -> CommOverlap | None:
+    """Allocate TE's userbuffers for ``parallel.tp_comm_overlap`` (None when off), before
+    any engine is built; ``support`` has checked the settings, the device and the
+    resolved kernel backend are known only here."""
+    overlap = comm_overlap(config, model_config, state.sizes)
+    if overlap is None:
+        return None
+    if device.type != "cuda":
+        raise MegalithError(
+            f"parallel.tp_comm_overlap needs CUDA and Transformer Engine; this rank runs on {device}"
+        )
+    kernels = resolve_backend(model_config.backend)  # te (support), and importable here
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        logger.warning(
+            "parallel.tp_comm_overlap: CUDA_DEVICE_MAX_CONNECTIONS is not 1 in this process "
+            "(megalith train sets it; set it before CUDA starts when building the Trainer "
+            "yourself): TE's collectives may queue behind the GEMMs they should overlap"
+        )
+    initialize_comm_overlap(
+        kernels.te(), overlap, state.sizes.tp, config.mixed_precision.fp8, precision.dtype
+    )
+    return overlap
 
 
 def _fsdp_builds_on_meta(

@@ -123,6 +123,7 @@ from training.parallel.pipeline_layout import (
     stage_layers,
     virtual_stages_of,
 )
+from training.parallel.te_tensor_parallel import comm_overlap
 from training.parallel.tensor_parallel.layers import tensor_parallel_partition
 from training.precision.mixed import Precision
 
@@ -322,7 +323,13 @@ class PipelineParallel:
             pipelined_layers(model_config), sizes.pp, sizes.vpp, config.parallel.pipeline_layers
         )
         # This rank's TP shard, its EP rank's experts and the MoE layers' CP group.
-        whole = ep.build_model(model_config, state, config.parallel.sequence_parallel, device)
+        whole = ep.build_model(
+            model_config,
+            state,
+            config.parallel.sequence_parallel,
+            device,
+            comm_overlap(config, model_config, sizes),
+        )
         self.model, chunk_layers = split.build_stage(whole, state, self.counts)
         if config.training.compile:  # each block in place: names and chunks stay as they are
             for block in split.blocks(self.model):

@@ -21,6 +21,7 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
     problems += _pipeline_problems(config, sizes)
     problems += fp8_problems(config, sizes)
     problems += async_tp_problems(config, sizes)
+    problems += comm_overlap_problems(config, sizes)
     problems += family_problems(config, sizes)
     if problems:
         raise MegalithError("; ".join(problems))
@@ -46,7 +47,12 @@ FAMILY_UNSUPPORTED: dict[
     str, dict[str, tuple[Callable[[MegalithConfig, ParallelSizes], bool], str]]
 ] = {
     "gpt": {},
-    "t5": {},  # data, tensor/sequence, context parallelism, pipeline stages and chat run
+    "t5": {  # data, tensor/sequence, context parallelism, pipeline stages and chat run
+        "parallel.tp_comm_overlap": (
+            lambda config, sizes: config.parallel.tp_comm_overlap,
+            "TE's userbuffers have one shape; encoder and decoder sequences differ in length",
+        ),
+    },
 }
 
 
@@ -99,6 +105,22 @@ def async_tp_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]
     if not missing:
         return []
     return [f"parallel.async_tensor_parallel needs {', '.join(missing)}"]
+
+
+def comm_overlap_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
+    """TE's userbuffers overlap the sequence-parallel collectives of TE's TP linears."""
+    if not config.parallel.tp_comm_overlap:
+        return []
+    needs = {
+        f"parallel.tensor > 1 (it is {sizes.tp})": sizes.tp > 1,
+        "parallel.sequence_parallel=true": config.parallel.sequence_parallel,
+        "model.backend=te (TE's userbuffers)": config.model.backend == "te",
+        "training.device cuda or auto (CUDA IPC buffers)": config.training.device != "cpu",
+    }
+    missing = [need for need, met in needs.items() if not met]
+    if not missing:
+        return []
+    return [f"parallel.tp_comm_overlap needs {', '.join(missing)}"]
 
 
 def fp8_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:

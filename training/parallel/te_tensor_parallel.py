@@ -29,19 +29,46 @@ the framework (Megatron-core all-reduces parameters marked ``sequence_parallel``
 the engines get them through :func:`copy_to_tensor_parallel_region`, which all-reduces
 their gradient in backward as the tensor-parallel backend's own norms do.
 
+Communication overlap (``parallel.tp_comm_overlap``). TE can hide the sequence-parallel
+all-gathers and reduce-scatters behind its GEMMs: each is split into chunks moved over
+*userbuffers* (buffers the TP ranks map into each other's memory) while the GEMM
+multiplies the chunks already there. :func:`initialize_comm_overlap` allocates them
+(TE's ``initialize_ub``: one buffer shape, ``micro_batch_size · seq_length / cp`` rows
+of ``hidden_size``, so every training micro-batch must have that many tokens) before the
+first forward builds the engines; the backend then names each engine's GEMMs as TE's
+tables do: ``qkv`` and ``fc1`` (column-parallel, with their norms: all-gather overlapped
+in forward, the input-gradient reduce-scatter and the input's re-gather overlapped
+with the backward GEMMs, "bulk"), ``proj`` and ``fc2`` (row-parallel: reduce-scatter
+overlapped in forward, the output-gradient all-gather in backward). A row-parallel linear
+closes the block the last column-parallel one opened (:data:`OVERLAP_PAIRS`).
+Forwards without gradients (validation) run engines without userbuffers (any shape).
+TE wants ``CUDA_DEVICE_MAX_CONNECTIONS=1`` set before CUDA starts (``megalith train``
+does, :func:`~training.runtime.launch.comm_overlap_env`) so that each collective is
+queued before the GEMM it hides behind; NVLink multicast is never used (``UB_SKIPMC``):
+the userbuffers map peers' memory through CUDA IPC.
+
 Off CUDA (the meta device, CPU tools) the modules run the tensor-parallel backend's
 layers with the same weights.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from megalith.config import MegalithConfig, ModelConfig
+from megalith.errors import MegalithError
 from training.models import layers
 from training.models.backend import LayerBackend
 from training.models.layers import NormSpec
 from training.models.te_backend import (
+    TE_PARAMETER_NAMES,
+    Engine,
     TEAttention,
     TENormLinear,
     TEProvider,
@@ -49,13 +76,55 @@ from training.models.te_backend import (
     attention_engine,
     engine_device,
     import_transformer_engine,
-    layer_norm_linear_engine,
-    linear_engine,
+    layer_norm_linear_module,
+    linear_module,
 )
 from training.models.tp_backend import TensorParallelBackend
+from training.parallel.groups import ParallelSizes
 from training.parallel.random import RankForked
 from training.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from training.parallel.tensor_parallel.mappings import copy_to_tensor_parallel_region
+
+# TE's userbuffers GEMM names: the column-parallel linear opening a tensor-parallel block
+# -> the row-parallel one closing it (TE's all-gather -> reduce-scatter pairs).
+OVERLAP_PAIRS = {"qkv": "proj", "fc1": "fc2"}
+_COLUMN_OVERLAP = dict(ub_overlap_ag=True, ub_bulk_dgrad=True, ub_bulk_wgrad=True)
+_ROW_OVERLAP = dict(ub_overlap_rs=True, ub_overlap_ag=True)
+
+
+@dataclass(frozen=True)
+class CommOverlap:
+    """TE's userbuffers: ``tokens`` rows (a micro-batch's tokens on this CP rank, the
+    whole sequence) of ``hidden`` features."""
+
+    tokens: int
+    hidden: int
+
+
+def comm_overlap(
+    config: MegalithConfig, model_config: ModelConfig, sizes: ParallelSizes
+) -> CommOverlap | None:
+    """The userbuffers ``parallel.tp_comm_overlap`` asks for (None when off)."""
+    if not config.parallel.tp_comm_overlap:
+        return None
+    tokens = config.training.micro_batch_size * config.data.seq_length // sizes.cp
+    return CommOverlap(tokens, model_config.hidden_size)
+
+
+def initialize_comm_overlap(
+    te: Any, overlap: CommOverlap, tp_size: int, fp8: bool, dtype: torch.dtype
+) -> None:
+    """Allocate TE's userbuffers (collective over every rank; TP groups are consecutive
+    ranks, as TE assumes). Call once per process, before the first forward."""
+    os.environ.setdefault("UB_SKIPMC", "1")  # CUDA IPC, never NVLink multicast
+    modes = te.UserBufferQuantizationMode
+    te.initialize_ub(
+        shape=[overlap.tokens, overlap.hidden],
+        tp_size=tp_size,
+        quantization_modes=[modes.FP8 if fp8 else modes.NONE],
+        dtype=dtype,
+        bootstrap_backend="nccl",
+    )
 
 
 def sequence_from_te(y: Tensor, tp: int) -> Tensor:
@@ -119,9 +188,13 @@ class TETensorParallelBackend(TensorParallelBackend):
         sequence_parallel: bool = False,
         te: TEProvider = import_transformer_engine,
         devices: tuple[str, ...] = ("cuda",),
+        overlap: CommOverlap | None = None,
     ):
         super().__init__(group, sequence_parallel)
-        self.te, self.devices = te, devices
+        self.te, self.devices, self.overlap = te, devices, overlap
+        # Userbuffers names: the next column-parallel linear's (``qkv`` while qkv() builds)
+        # and the next row-parallel one's, which closes the block the last column opened.
+        self._next_column, self._next_row = "fc1", "fc2"
 
     def _parallel(self, mode: str) -> dict:
         """TE's tensor-parallel constructor arguments."""
@@ -131,6 +204,24 @@ class TETensorParallelBackend(TensorParallelBackend):
             tp_size=self.tensor_parallel_size,
             sequence_parallel=self.sequence_parallel,
         )
+
+    def _make_engine(
+        self,
+        build: Any,
+        names: str,
+        feed: Any,
+        overlap: dict[str, Any],
+        rows: int,
+        **arguments: Any,
+    ) -> Engine:
+        """An engine of ``build(**arguments)``; with ``self.overlap`` also of the module
+        whose GEMMs overlap their communication (``overlap``'s TE arguments, ``rows``
+        tokens per input)."""
+        plain = build(**arguments)
+        if self.overlap is None:
+            return Engine(plain, TE_PARAMETER_NAMES[names], feed)
+        overlapped = build(**arguments, **overlap)
+        return Engine(plain, TE_PARAMETER_NAMES[names], feed, overlapped, rows)
 
     def _reduced(self, *names: str):
         """The engines' feed: ``names`` through a gradient all-reduce under SP."""
@@ -142,6 +233,43 @@ class TETensorParallelBackend(TensorParallelBackend):
             return copy_to_tensor_parallel_region(param, group) if name in names else param
 
         return feed
+
+    def qkv(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_groups: int,
+        head_dim: int,
+        *,
+        norm: NormSpec,
+        bias: bool,
+        init_std: float,
+    ) -> nn.Module:
+        self._next_column = "qkv"
+        try:
+            return super().qkv(
+                hidden_size,
+                num_heads,
+                num_groups,
+                head_dim,
+                norm=norm,
+                bias=bias,
+                init_std=init_std,
+            )
+        finally:
+            self._next_column = "fc1"
+
+    def _column_overlap(self) -> dict[str, Any]:
+        """TE's userbuffers arguments of the next column-parallel linear."""
+        name = self._next_column
+        self._next_row = OVERLAP_PAIRS[name]
+        return dict(_COLUMN_OVERLAP, ub_name=name)
+
+    def _overlap_rows(self, sharded: bool) -> int:
+        """Tokens per input: a column-parallel linear's input is the sequence shard."""
+        if self.overlap is None:
+            return 0
+        return self.overlap.tokens // (self.tensor_parallel_size if sharded else 1)
 
     def norm_linear(
         self,
@@ -162,14 +290,14 @@ class TETensorParallelBackend(TensorParallelBackend):
         linear = super().column_linear(
             in_features, out_features, bias=bias, init_std=init_std, output_chunks=output_chunks
         )
-        engine = layer_norm_linear_engine(
-            self.te,
-            in_features,
-            out_features,
-            norm,
-            bias=bias,
-            dtype=linear.weight.dtype,
-            feed=self._reduced("norm.weight", "norm.bias"),
+        engine = self._make_engine(
+            lambda **kw: layer_norm_linear_module(
+                self.te, in_features, out_features, norm, bias=bias, dtype=linear.weight.dtype, **kw
+            ),
+            "norm_linear",
+            self._reduced("norm.weight", "norm.bias"),
+            self._column_overlap(),
+            self._overlap_rows(sharded=True),
             **self._parallel("column"),
         )
         return TEParallelNormLinear(norm_module, linear, engine, self.devices)
@@ -192,8 +320,13 @@ class TETensorParallelBackend(TensorParallelBackend):
             output_chunks=output_chunks,
             sequence_parallel=self.sequence_parallel,
         )
-        engine = linear_engine(
-            self.te, in_features, out_features, bias=bias, **self._parallel("column")
+        engine = self._make_engine(
+            lambda **kw: linear_module(self.te, in_features, out_features, bias=bias, **kw),
+            "linear",
+            None,
+            self._column_overlap(),
+            self._overlap_rows(sharded=True),
+            **self._parallel("column"),
         )
         attach_engine(module, engine, self.devices)
         return module
@@ -209,12 +342,12 @@ class TETensorParallelBackend(TensorParallelBackend):
             init_std=init_std,
             sequence_parallel=self.sequence_parallel,
         )
-        engine = linear_engine(
-            self.te,
-            in_features,
-            out_features,
-            bias=bias,
-            feed=self._reduced("bias"),
+        engine = self._make_engine(
+            lambda **kw: linear_module(self.te, in_features, out_features, bias=bias, **kw),
+            "linear",
+            self._reduced("bias"),
+            dict(_ROW_OVERLAP, ub_name=self._next_row),
+            self._overlap_rows(sharded=False),
             **self._parallel("row"),
         )
         attach_engine(module, engine, self.devices)
@@ -231,22 +364,35 @@ class TETensorParallelBackend(TensorParallelBackend):
 
 
 def tensor_parallel_backend(
-    kernels: LayerBackend, group: ProcessGroup, sequence_parallel: bool
+    kernels: LayerBackend,
+    group: ProcessGroup,
+    sequence_parallel: bool,
+    overlap: CommOverlap | None = None,
 ) -> TensorParallelBackend:
     """The TP backend of the kernel backend ``kernels`` (``model.backend`` resolved):
-    TE's tensor-parallel modules for ``te``, our Megatron-style layers for ``torch``."""
+    TE's tensor-parallel modules for ``te`` (their GEMMs overlapping the communication
+    with ``overlap``), our Megatron-style layers for ``torch``."""
     if kernels.name == "te":
         return TETensorParallelBackend(
-            group, sequence_parallel, te=kernels.te, devices=kernels.devices
+            group, sequence_parallel, te=kernels.te, devices=kernels.devices, overlap=overlap
+        )
+    if overlap is not None:
+        raise MegalithError(
+            "parallel.tp_comm_overlap needs model.backend resolving to te (TE's userbuffers); "
+            f"it resolves to {kernels.name}: use parallel.async_tensor_parallel with torch"
         )
     return TensorParallelBackend(group, sequence_parallel)
 
 
 __all__ = [
+    "OVERLAP_PAIRS",
+    "CommOverlap",
     "TEColumnParallelLinear",
     "TEParallelNormLinear",
     "TERowParallelLinear",
     "TETensorParallelBackend",
+    "comm_overlap",
+    "initialize_comm_overlap",
     "sequence_from_te",
     "sequence_to_te",
     "tensor_parallel_backend",

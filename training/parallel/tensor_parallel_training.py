@@ -36,7 +36,7 @@ from training.parallel import data_parallel as dp
 from training.parallel.dtensor import local_tensor, whole_tensor
 from training.parallel.groups import ParallelState
 from training.parallel.meta_init import materialize_shard
-from training.parallel.te_tensor_parallel import tensor_parallel_backend
+from training.parallel.te_tensor_parallel import CommOverlap, tensor_parallel_backend
 from training.parallel.tensor_parallel.layers import squared_grad_norm
 from training.parallel.tensor_parallel.sharding import (
     check_tensor_parallel,
@@ -47,15 +47,20 @@ from training.parallel.tensor_parallel.sharding import (
 
 
 def build_model(
-    config: ModelConfig, state: ParallelState, sequence_parallel: bool, device: torch.device
+    config: ModelConfig,
+    state: ParallelState,
+    sequence_parallel: bool,
+    device: torch.device,
+    overlap: CommOverlap | None = None,
 ) -> GPTModel | models.T5Model:
     """This rank's model (of ``config.family``): the whole one without TP, else its TP
-    shard of it (with context-parallel attention under CP)."""
+    shard of it (with context-parallel attention under CP; TE's GEMMs overlapping their
+    communication with ``overlap``)."""
     kernels = resolve_backend(config.backend)
     if state.sizes.tp == 1:  # this rank's model is the whole model
         return models.build_model(config, cp.wrap_backend(kernels, state)).to(device)
     check_tensor_parallel(config, state.sizes.tp)
-    tp_backend = tensor_parallel_backend(kernels, state.tp_group, sequence_parallel)
+    tp_backend = tensor_parallel_backend(kernels, state.tp_group, sequence_parallel, overlap)
     model = models.meta_model(config, cp.wrap_backend(tp_backend, state))
     model.to_empty(device=device)
     model.tie_weights()

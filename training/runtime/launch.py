@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from megalith.config import MegalithConfig
 from megalith.errors import MegalithError
 
 DEFAULT_RDZV_PORT = 29500
@@ -98,6 +99,16 @@ def torchrun_command(spec: LaunchSpec, module_args: Sequence[str]) -> list[str]:
         "-m", *module_args,
     ]  # fmt: skip
     return command
+
+
+def comm_overlap_env(config: MegalithConfig) -> dict[str, str]:
+    """What a training process needs in its environment before CUDA starts for
+    ``parallel.tp_comm_overlap``: one CUDA work queue, so that each TP collective is
+    queued ahead of the GEMM it overlaps (Transformer Engine's requirement), and TE's
+    userbuffers mapped through CUDA IPC, never NVLink multicast (``UB_SKIPMC``)."""
+    if not config.parallel.tp_comm_overlap:
+        return {}
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "UB_SKIPMC": "1"}
 
 
 def worker_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
