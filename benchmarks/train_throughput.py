@@ -196,8 +196,12 @@ def kernel_category(name: str) -> str:
 
 def kernel_summary(events, steps: int) -> str:
     """GPU kernel time per step by category, the idle time between kernels, the top kernels."""
-    kernels = [  # "Optimizer.step#AdamW.step" and such are annotations over kernels, not kernels
-        e for e in events if str(e.device_type).endswith("CUDA") and "#" not in e.name
+    kernels = [  # "Optimizer.step#AdamW.step", "nccl:all_reduce" and such annotate kernels
+        e
+        for e in events
+        if str(e.device_type).endswith("CUDA")
+        and "#" not in e.name
+        and not e.name.startswith("nccl:")
     ]
     if not kernels:
         return "no CUDA kernels recorded"
