@@ -229,7 +229,45 @@ def kernel_summary(events, steps: int) -> str:
     lines += ["", "| kernel | category | ms/step |", "|---|---|---|"]
     for kernel, ms in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:45]:
         lines.append(f"| {kernel[:110]} | {kernel_category(kernel)} | {ms:.2f} |")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + idle_gaps(events, kernels, steps))
+
+
+def idle_gaps(events, kernels, steps: int, shown: int = 15) -> list[str]:
+    """Where the GPU waits: the idle time between kernels by gap size, and the longest
+    gaps with the kernels around them and the innermost host operations running then."""
+    ordered = sorted(kernels, key=lambda e: e.time_range.start)
+    gaps, end, last = [], ordered[0].time_range.end, ordered[0]
+    for e in ordered[1:]:
+        if e.time_range.start > end:
+            gaps.append((e.time_range.start - end, end, last, e))
+        if e.time_range.end > end:
+            end, last = e.time_range.end, e
+    buckets = {"< 0.1 ms": 0.0, "0.1-1 ms": 0.0, "1-10 ms": 0.0, ">= 10 ms": 0.0}
+    for gap, *_ in gaps:
+        key = (
+            "< 0.1 ms"
+            if gap < 100
+            else "0.1-1 ms"
+            if gap < 1000
+            else "1-10 ms"
+            if gap < 1e4
+            else ">= 10 ms"
+        )
+        buckets[key] += gap / 1000 / steps
+    host = [e for e in events if not str(e.device_type).endswith("CUDA")]
+    lines = ["| idle gaps of | ms/step |", "|---|---|"]
+    lines += [f"| {key} | {ms:.1f} |" for key, ms in buckets.items()]
+    lines += ["", "| gap ms | after kernel | before kernel | host ops then (innermost first) |"]
+    lines += ["|---|---|---|---|"]
+    for gap, start, before, after in sorted(gaps, key=lambda g: -g[0])[:shown]:
+        middle = start + gap / 2
+        running = sorted(
+            (e for e in host if e.time_range.start <= middle <= e.time_range.end),
+            key=lambda e: e.time_range.end - e.time_range.start,
+        )
+        names = " < ".join(e.name[:40] for e in running[:4])
+        lines.append(f"| {gap / 1000:.2f} | {before.name[:45]} | {after.name[:45]} | {names} |")
+    return lines
 
 
 def run_matmul() -> dict:
