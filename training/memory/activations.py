@@ -47,3 +47,14 @@ def saved_bytes_per_token(config: MegalithConfig, sizes: ParallelSizes, recomput
     mlp_in = e * (3 * f if gated else f) + e * f  # activation saves; fc2 input
     outside = 2 * r * h + 2 * e * h + 2 * mask  # norm inputs, qkv and fc1 inputs, masks
     return (attention_in + mlp_in) / tp + outside / sp
+
+
+def pipeline_in_flight(pp: int, vpp: int, micro_batches: int) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at its peak, in
+    units of its own layers (Megatron: ``min(p, m)`` under 1F1B, ``p·(1 + (p-1)/(p·v))``
+    interleaved)."""
+    if pp == 1:
+        return 1.0
+    if vpp == 1:
+        return float(min(pp, micro_batches))
+    return pp * (1 + (pp - 1) / (pp * vpp))

@@ -89,6 +89,7 @@ from training.memory.activations import (
     OVERHEAD_BYTES,
     SAFETY_FRACTION,
     compute_dtype,
+    pipeline_in_flight,
 )
 from training.models.moe import is_expert_param
 from training.parallel.data_parallel import partition
@@ -291,14 +292,10 @@ def _owned_per_rank(
 
 
 def in_flight_micro_batches(config: MegalithConfig, sizes: ParallelSizes, mbs: int) -> float:
-    """Micro-batches whose activations the first pipeline stage holds at its peak, in
-    units of its own layers (Megatron: ``p`` under 1F1B, ``p·(1 + (p-1)/(p·v))`` interleaved)."""
-    if sizes.pp == 1:
-        return 1.0
+    """:func:`~training.memory.activations.pipeline_in_flight` of this layout's
+    micro-batches per step."""
     m = max(1, config.training.global_batch_size // (mbs * sizes.dp))
-    if sizes.vpp == 1:
-        return float(min(sizes.pp, m))
-    return sizes.pp * (1 + (sizes.pp - 1) / (sizes.pp * sizes.vpp))
+    return pipeline_in_flight(sizes.pp, sizes.vpp, m)
 
 
 def loss_buffer_bytes(config: MegalithConfig, sizes: ParallelSizes, mbs: int) -> int:

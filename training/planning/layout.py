@@ -45,6 +45,7 @@ from training.memory.activations import (
     MODES,
     OVERHEAD_BYTES,
     SAFETY_FRACTION,
+    pipeline_in_flight,
     saved_bytes_per_token,
 )
 from training.parallel.groups import ParallelSizes
@@ -343,16 +344,6 @@ def stage_imbalance(shapes: Shapes, layout: Layout) -> float:
 # --------------------------------------------------------------------------- memory
 
 
-def in_flight(layout: Layout, micro_batches: int) -> float:
-    """Megatron's micro-batches in flight on the first stage (as training.memory.estimate)."""
-    p, v = layout.pp, layout.vpp
-    if p == 1:
-        return 1.0
-    if v == 1:
-        return float(min(p, micro_batches))
-    return p * (1 + (p - 1) / (p * v))
-
-
 def memory(config: MegalithConfig, shapes: Shapes, layout: Layout, micro_batches: int) -> Memory:
     """Bytes per GPU of the fuller of the first and last pipeline stages."""
     d = layout.dp * layout.cp
@@ -395,7 +386,7 @@ def memory(config: MegalithConfig, shapes: Shapes, layout: Layout, micro_batches
             buffers = 4 * params
         else:
             buffers = 0.0
-        flight = in_flight(layout, micro_batches) if is_first else 1.0
+        flight = pipeline_in_flight(layout.pp, layout.vpp, micro_batches) if is_first else 1.0
         stages.append(
             Memory(
                 parameters=4 * held,
