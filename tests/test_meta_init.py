@@ -80,9 +80,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
     )
     state = build_parallel_state(config)
     errors = []
-    for name, model_config in CONFIGS.items():
-        if model_config.num_experts:
-            continue  # MoE layers are not tensor-parallel (training.parallel.support)
+    for name, model_config in CONFIGS.items():  # MoE: router and experts whole on each rank
         torch.manual_seed(5)
         shard = tp.build_model(model_config, state, True, torch.device("cpu"))
         rng = torch.get_rng_state()

@@ -107,15 +107,28 @@ CASES = {
     },
     # One MoE block per stage: the balance loss's gradient rides on the stage output.
     "pp2": {**MOE, "parallel.pipeline": 2},
+    # Each TP rank routes its sequence shard through the whole (replicated) experts;
+    # their gradients are summed over TP, the load balance is the whole sequence's.
+    "tp2-sp": {**MOE, "parallel.tensor": 2, "parallel.sequence_parallel": True},
+    # Capacity over the whole sequence, as one device decides it, with GELU experts
+    # with biases (their gradients summed over TP too).
+    "tp2-sp-gpt2-top1-capacity": {
+        **MOE,
+        "parallel.tensor": 2,
+        "parallel.sequence_parallel": True,
+        "model.style": "gpt2",
+        "model.moe_top_k": 1,
+        "model.moe_capacity_factor": 0.75,
+    },
 }
 
 
 def layout(case: str) -> str:
-    ep, cp, pp = (
-        CASES[case].get(f"parallel.{key}", 1) for key in ("expert", "context", "pipeline")
+    ep, cp, pp, tp = (
+        CASES[case].get(f"parallel.{key}", 1) for key in ("expert", "context", "pipeline", "tensor")
     )
-    dp = WORLD // (cp * pp)
-    return f"{case} (EP={ep} x CP={cp} x PP={pp} x DP={dp}, {BACKEND}, {WORLD} processes)"
+    dp = WORLD // (cp * pp * tp)
+    return f"{case} (TP={tp} x EP={ep} x CP={cp} x PP={pp} x DP={dp}, {BACKEND}, {WORLD} processes)"
 
 
 def tiny_model_config(**values: Any) -> ModelConfig:
@@ -355,13 +368,25 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
         (
             {"model.num_experts": 4},
             ParallelSizes(tp=2),
-            "num_experts=4 with parallel.tensor=2",
+            "num_experts=4 with parallel.tensor=2 needs parallel.sequence_parallel=true",
+        ),
+        (
+            {"model.num_experts": 4, "parallel.sequence_parallel": True},
+            ParallelSizes(tp=2, cp=2),
+            "num_experts=4 with parallel.tensor=2 and parallel.context=2: not integrated",
+        ),
+        (
+            {"model.num_experts": 4, "parallel.sequence_parallel": True},
+            ParallelSizes(tp=2, dp=2, ep=2),
+            "num_experts=4 with parallel.tensor=2 and parallel.expert=2: not integrated",
         ),
     ],
     ids=[
         "dense",
         "indivisible",
-        "tensor",
+        "tensor-without-sp",
+        "tensor-context",
+        "tensor-expert",
     ],  # fmt: skip
 )
 def test_refused_layouts_name_the_keys(values: dict, sizes: ParallelSizes, message: str) -> None:
@@ -375,7 +400,7 @@ def test_refused_layouts_name_the_keys(values: dict, sizes: ParallelSizes, messa
 
 def single_process(values: dict[str, Any]) -> dict[str, Any]:
     parallel = ("parallel.expert", "parallel.data_parallel_mode", "parallel.context")
-    parallel += ("parallel.pipeline",)
+    parallel += ("parallel.pipeline", "parallel.tensor", "parallel.sequence_parallel")
     return {k: v for k, v in values.items() if k not in parallel}
 
 

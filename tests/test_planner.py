@@ -201,9 +201,9 @@ def test_search_refuses_what_does_not_fit_and_names_why():
 
 
 def test_the_plan_never_proposes_what_the_trainer_refuses():
-    """An MoE recipe on a node: MoE with TP is refused by the trainer
-    (training.parallel.support), so the search lists those layouts as refused with the
-    trainer's reason and ranks only what trains."""
+    """An MoE recipe on a node: MoE with TP and EP (or CP, or stages) is refused by the
+    trainer (training.parallel.support), so the search lists those layouts as refused with
+    the trainer's reason and ranks only what trains."""
     config = load_config(MOE)
     result = search(config, H100_NODE, global_batch=64, seq=2048, top=50)
     assert result.best
@@ -213,7 +213,7 @@ def test_the_plan_never_proposes_what_the_trainer_refuses():
         trained = load_config(MOE, lo.overrides())
         check_trainer_support(trained, sizes)  # raises if the trainer would refuse it
     reasons = [r.reason for r in result.refused if r.reason.startswith("the trainer refuses")]
-    assert any("MoE layers are not tensor-parallel" in r for r in reasons), reasons[:3]
+    assert any("parallel.expert=" in r and "not integrated" in r for r in reasons), reasons[:3]
 
 
 def test_pinned_search_space_keeps_the_pinned_sizes(llama):

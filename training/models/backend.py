@@ -120,12 +120,6 @@ class LayerBackend(ABC):
     def moe_mlp(self, config: ModelConfig, norm: NormSpec) -> nn.Module:
         """A mixture-of-experts MLP with its input norm (:mod:`training.models.moe`);
         experts are split over expert-parallel ranks after building, not here."""
-        if self.tensor_parallel_size > 1:
-            raise BackendError(
-                "model.num_experts with parallel.tensor > 1: MoE layers are not tensor-parallel "
-                "yet; use parallel.expert (and data parallelism) instead"
-            )
-
         return MoELayer(config, self.norm(config.hidden_size, norm))
 
     @abstractmethod

@@ -18,8 +18,10 @@ with ``f_e`` the share of the micro-batch's N·k routing assignments that chose 
 e (counted before capacity dropping) and ``P_e`` the mean over tokens of the softmax
 over all E router logits. Balanced routing gives ``aux = coeff``. During training the
 layer keeps the value of its last forward in ``aux_loss``; :func:`moe_aux_loss` sums
-and clears them for the trainer, which adds the sum to the training loss. Under context
-parallelism (``cp_group``) f and P are the whole sequence's, summed over the CP parts.
+and clears them for the trainer, which adds the sum to the training loss. Where the
+sequence is split over ranks (``sequence_group``: context parallelism, or tensor
+parallelism with sequence parallelism) f and P are the whole sequence's, summed over the
+parts.
 In pipeline stages (``aux_grad_scale``) there is no loss to add it to before the last
 stage: :class:`AuxLossGradient` gives it its gradient in backward instead.
 
@@ -27,8 +29,14 @@ Capacity (``moe_capacity_factor``): each expert takes at most
 ``ceil(N · k / E · factor)`` tokens of the micro-batch; beyond that, the assignments
 with the lowest routing weight are dropped (Megatron's "probs" drop policy), and the
 token keeps only its other experts' outputs (and the residual). ``None`` is dropless.
-Under context parallelism the ranks' assignments are gathered and cut in the whole
+Under a split sequence the ranks' assignments are gathered and cut in the whole
 micro-batch's token order, so each rank drops what one device would.
+
+Tensor parallelism (Megatron-core's MoE with ``expert_tensor_parallel_size=1``, which
+also requires sequence parallelism): each TP rank routes its own sequence shard through
+the whole router and experts, replicated over the TP group; their gradients are summed
+over it in backward (``tp_group``: :func:`grad_summed`), as sequence-parallel norms'
+are.
 
 Experts are stored stacked, one tensor per weight for all experts of the layer::
 
@@ -61,6 +69,7 @@ from training.models.layers import gelu, scaled_init_std, swiglu
 from training.parallel.tensor_parallel.mappings import (
     all_gather,
     all_reduce,
+    copy_to_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
 )
 
@@ -70,6 +79,19 @@ EXPERT_PARAM_MARK = ".mlp.experts."
 def is_expert_param(name: str) -> bool:
     """Whether a parameter (or ``name/moment``) belongs to the experts, which EP splits."""
     return EXPERT_PARAM_MARK in name or name.startswith("mlp.experts.")
+
+
+def grad_summed(param: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """``param`` as it is, its gradient summed over ``group`` in backward: the weights TP
+    ranks hold whole while each routes its own tokens (None: no group, no sum)."""
+    return param if group is None else copy_to_tensor_parallel_region(param, group)
+
+
+def sequence_shard_positions(length: int, group: dist.ProcessGroup) -> Tensor:
+    """The positions of this rank's contiguous shard of a ``length``-token sequence split
+    over ``group`` (sequence parallelism)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    return torch.arange(rank * length // size, (rank + 1) * length // size)
 
 
 # --- routing ---------------------------------------------------------------------------
@@ -184,14 +206,16 @@ class Router(nn.Module):
         super().__init__()
         self.init_std = init_std
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.tp_group: dist.ProcessGroup | None = None  # see grad_summed
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
 
     def forward(self, x: Tensor) -> Tensor:
+        weight = grad_summed(self.weight, self.tp_group)
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.float(), self.weight.float())
+            return F.linear(x.float(), weight.float())
 
 
 # --- experts ---------------------------------------------------------------------------
@@ -218,6 +242,7 @@ class Experts(nn.Module):
         if config.bias:
             self.fc1_bias = nn.Parameter(torch.empty(num_experts, chunks * ffn))
             self.fc2_bias = nn.Parameter(torch.empty(num_experts, hidden))
+        self.tp_group: dist.ProcessGroup | None = None  # see grad_summed
         self.reset_parameters()
 
     @property
@@ -239,10 +264,14 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: list[int]) -> Tensor:
         activation = swiglu if self.gated else gelu
+        fc1, fc2, fc1_bias, fc2_bias = (
+            None if p is None else grad_summed(p, self.tp_group)
+            for p in (self.fc1_weight, self.fc2_weight, self.fc1_bias, self.fc2_bias)
+        )
         outputs = []
         for e, rows in enumerate(x.split(counts)):
-            h = F.linear(rows, self.fc1_weight[e], _row(self.fc1_bias, e))
-            outputs.append(F.linear(activation(h), self.fc2_weight[e], _row(self.fc2_bias, e)))
+            h = F.linear(rows, fc1[e], _row(fc1_bias, e))
+            outputs.append(F.linear(activation(h), fc2[e], _row(fc2_bias, e)))
         return torch.cat(outputs)
 
 
@@ -308,10 +337,11 @@ class MoELayer(nn.Module):
         self.experts = Experts(config, self.num_experts)
         self.dropout = nn.Dropout(config.dropout)
         self.ep_group: dist.ProcessGroup | None = None  # set by expert-parallel training
-        # Set under context parallelism: the load balance and capacity are the whole
-        # sequence's; cp_positions(length) gives this rank's tokens' global positions.
-        self.cp_group: dist.ProcessGroup | None = None
-        self.cp_positions: Callable[[int], Tensor] | None = None
+        # Set where the sequence is split (context parallelism, or tensor parallelism with
+        # sequence parallelism: split_sequence): the load balance and capacity are the
+        # whole sequence's; sequence_positions(length) gives this rank's tokens' positions.
+        self.sequence_group: dist.ProcessGroup | None = None
+        self.sequence_positions: Callable[[int], Tensor] | None = None
         self.aux_loss: Tensor | None = None
         # Pipeline stages compute no loss to add the balance to: set, it makes backward
         # give the balance loss this gradient (see AuxLossGradient); the values of the
@@ -325,7 +355,7 @@ class MoELayer(nn.Module):
             self.router(hidden),
             self.top_k,
             self.capacity_factor,
-            self.cp_group,
+            self.sequence_group,
             self._token_index(x) if self.capacity_factor is not None else None,
         )
         aux = None
@@ -350,14 +380,27 @@ class MoELayer(nn.Module):
             out = AuxLossGradient.apply(out, aux, self)
         return out
 
+    def split_sequence(self, group: dist.ProcessGroup, positions: Callable[[int], Tensor]) -> None:
+        """This rank routes one part of each sequence split over ``group``;
+        ``positions(length)``: where its tokens sit in a ``length``-token sequence."""
+        if self.sequence_group is not None and self.sequence_group is not group:
+            raise ValueError("a MoE layer's sequence is split over one group only")
+        self.sequence_group, self.sequence_positions = group, positions
+
+    def replicate_over_tensor_parallel(self, group: dist.ProcessGroup) -> None:
+        """Under TP with sequence parallelism: the router and experts whole on each rank,
+        their gradients summed over ``group``, the sequence split over it."""
+        self.router.tp_group = self.experts.tp_group = group
+        self.split_sequence(group, lambda length: sequence_shard_positions(length, group))
+
     def _token_index(self, x: Tensor) -> Tensor | None:
-        """Under context parallelism, the place of each of this rank's tokens ``x [B, S, H]``
-        in the whole micro-batch (``b · length + position``); None otherwise."""
-        if self.cp_group is None or self.cp_positions is None:
+        """Where the sequence is split, the place of each of this rank's tokens
+        ``x [B, S, H]`` in the whole micro-batch (``b · length + position``); else None."""
+        if self.sequence_group is None or self.sequence_positions is None:
             return None
-        batch, length = x.size(0), x.size(1) * dist.get_world_size(self.cp_group)
+        batch, length = x.size(0), x.size(1) * dist.get_world_size(self.sequence_group)
         rows = torch.arange(batch, device=x.device).unsqueeze(1) * length
-        return (rows + self.cp_positions(length).to(x.device)).reshape(-1)
+        return (rows + self.sequence_positions(length).to(x.device)).reshape(-1)
 
     def record_aux(self, aux: Tensor) -> None:
         """A back-propagated forward's balance loss (pipeline stages), recorded in

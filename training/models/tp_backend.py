@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from megalith.config import ModelConfig
 from training.models import layers
 from training.models.backend import BackendError, TorchBackend
 from training.models.layers import NormSpec
@@ -63,6 +64,19 @@ class TensorParallelBackend(TorchBackend):
     @property
     def tensor_parallel_size(self) -> int:
         return dist.get_world_size(self.group)
+
+    def moe_mlp(self, config: ModelConfig, norm: NormSpec) -> nn.Module:
+        """A MoE MLP on this rank's sequence shard: the router and experts whole on every
+        TP rank, their gradients summed over the group (:mod:`training.models.moe`)."""
+        if not self.sequence_parallel:
+            raise BackendError(
+                "model.num_experts with parallel.tensor > 1 needs "
+                "parallel.sequence_parallel=true: each tensor-parallel rank routes its own part "
+                "of the sequence through the whole experts (as Megatron-core requires)"
+            )
+        layer = super().moe_mlp(config, norm)
+        layer.replicate_over_tensor_parallel(self.group)
+        return layer
 
     def norm(self, size: int, spec: NormSpec) -> nn.Module:
         if self.sequence_parallel:

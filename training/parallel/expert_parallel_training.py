@@ -66,7 +66,7 @@ def build_model(
     """This rank's model: the whole model (or its TP shard), with only this EP rank's
     experts. Under EP it is built on meta, cut to this rank's experts, and materialized
     from a replay of the single-device init one parameter at a time, so no rank holds
-    every expert (MoE × TP is refused: ``support.expert_problems``)."""
+    every expert (EP × TP is refused: ``support.expert_problems``)."""
     if not _expert_parallel(state):
         model = tp.build_model(config, state, sequence_parallel, device, overlap)
         balance_over_context(model, state)
@@ -94,8 +94,7 @@ def balance_over_context(model: nn.Module, state: ParallelState) -> None:
     if state.sizes.cp > 1:
         where = functools.partial(cp.positions, cp_size=state.sizes.cp, cp_rank=state.cp_rank)
         for layer in moe_layers(model):
-            layer.cp_group = state.cp_group
-            layer.cp_positions = where
+            layer.split_sequence(state.cp_group, where)
 
 
 def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -71,10 +71,7 @@ def expert_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     experts = config.model.num_experts or 0
     problems = []
     if experts and sizes.tp > 1:
-        problems.append(
-            f"model.num_experts={experts} with parallel.tensor={sizes.tp}: MoE layers are not "
-            "tensor-parallel yet; use parallel.expert instead"
-        )
+        problems += _moe_tensor_parallel_problems(config, sizes)
     if sizes.ep == 1:
         return problems
     if not experts:
@@ -85,6 +82,26 @@ def expert_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
         problems.append(
             f"model.num_experts={experts} is not divisible by parallel.expert={sizes.ep}"
         )
+    return problems
+
+
+def _moe_tensor_parallel_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
+    """MoE under TP: each TP rank routes its sequence shard through whole experts."""
+    moe = f"model.num_experts={config.model.num_experts} with parallel.tensor={sizes.tp}"
+    problems = []
+    if not config.parallel.sequence_parallel:
+        problems.append(
+            f"{moe} needs parallel.sequence_parallel=true: each tensor-parallel rank routes "
+            "its own part of the sequence (as Megatron-core requires)"
+        )
+    not_yet = {
+        f"parallel.context={sizes.cp}": sizes.cp > 1,  # the balance over CP x TP parts
+        f"parallel.expert={sizes.ep}": sizes.ep > 1,
+        f"parallel.pipeline={sizes.pp}": sizes.pp > 1,
+    }
+    problems += [
+        f"{moe} and {key}: not integrated yet" for key, refused in not_yet.items() if refused
+    ]
     return problems
 
 

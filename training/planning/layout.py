@@ -291,9 +291,10 @@ class Shapes:
         return shared + self.layer_expert_params(layout) + norms
 
     def layer_expert_params(self, layout: Layout) -> float:
-        """The expert weights within :meth:`layer_params` (this rank's EP shard): the part
-        ZeRO-1 and FSDP split over expert-data ranks, not over data × context."""
-        return self.moe_layers * self.experts * self.expert / (layout.tp * layout.ep) / self.layers
+        """The expert weights within :meth:`layer_params` (this rank's EP shard, whole on
+        every TP rank): the part ZeRO-1 and FSDP split over expert-data ranks, not over
+        data × context."""
+        return self.moe_layers * self.experts * self.expert / layout.ep / self.layers
 
     def layer_matmul_params(self, layout: Layout) -> float:
         return self.layer_params(layout) - 2 * self.hidden
@@ -468,6 +469,10 @@ def step_time(
         passes = 6 if layout.recompute == "full" else 4
         link = cluster.bandwidth(layout.tp) * hardware.TP_COLLECTIVE_EFFICIENCY
         per_layer = passes * act * ring(layout.tp) / link
+        # MoE under TP: the whole router and experts on each rank, their fp32 gradients
+        # all-reduced over TP in every micro-batch's backward (training.models.moe).
+        replicated = shapes.moe_layers * shapes.experts * (shapes.expert + shapes.hidden)
+        per_layer += 4 * replicated / shapes.layers * ring(layout.tp) / link
         tp = per_layer * layers * m
 
     cp = 0.0
