@@ -502,7 +502,9 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
       them); both checkpoints also resume in one process;
     - EP=2 × PP=2, with DDP and with FSDP (each stage's two data-parallel ranks exchange
       tokens by all-to-all);
-    - CP=2 × PP=2, whose balance loss must cover each whole sequence."""
+    - CP=2 × PP=2, whose balance loss must cover each whole sequence;
+    - TP=2 + SP × PP=2: whole experts on each TP rank, their gradients summed over TP,
+      the balance over each whole sequence, inside pipeline stages."""
     name = f"EP=2 x DP=4 (EDP=2, {BACKEND}, 4 processes)"
     values = trainer_settings(shards, {**MOE, "parallel.expert": 2, "training.eval_iters": 4})
     zero1 = {**values, "parallel.data_parallel_mode": "distributed_optimizer"}
@@ -516,6 +518,8 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
         shards,
         {**MOE, "parallel.context": 2, "parallel.pipeline": 2, "training.eval_iters": 4},
     )
+    tensor = {"parallel.tensor": 2, "parallel.sequence_parallel": True, "training.eval_iters": 4}
+    tensor_staged = trainer_settings(shards, {**MOE, **tensor, "parallel.pipeline": 2})
     spec = {
         "recipe": str(RECIPE),
         "device": DEVICE,
@@ -526,6 +530,7 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
             "ep2-pp2": staged,
             "ep2-pp2-fsdp": staged_fsdp,
             "cp2-pp2": context_staged,
+            "tp2-sp-pp2": tensor_staged,
         },
         "grads": values,
         "resume_step": RESUME_STEP,
@@ -542,6 +547,8 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
         "ep2-pp2-fsdp": f"EP=2 x PP=2 FSDP ({BACKEND}, 4 processes)",
         # the balance loss over the whole sequence
         "cp2-pp2": f"CP=2 x PP=2 ({BACKEND}, 4 processes)",
+        # whole experts on each TP rank, their gradients summed over TP
+        "tp2-sp-pp2": f"TP=2 + SP x PP=2 ({BACKEND}, 4 processes)",
     }
     for case, label in layouts.items():
         check_metrics(runs / case, reference, label)

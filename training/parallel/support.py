@@ -95,9 +95,10 @@ def _moe_tensor_parallel_problems(config: MegalithConfig, sizes: ParallelSizes) 
             "its own part of the sequence (as Megatron-core requires)"
         )
     not_yet = {
-        f"parallel.context={sizes.cp}": sizes.cp > 1,  # the balance over CP x TP parts
+        # the sequence split over CP x TP: the balance and capacity over both
+        f"parallel.context={sizes.cp}": sizes.cp > 1,
+        # the EP build, clipping and whole-tensor gathers do not shard the dense TP part
         f"parallel.expert={sizes.ep}": sizes.ep > 1,
-        f"parallel.pipeline={sizes.pp}": sizes.pp > 1,
     }
     problems += [
         f"{moe} and {key}: not integrated yet" for key, refused in not_yet.items() if refused
