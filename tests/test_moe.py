@@ -504,7 +504,8 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
       tokens by all-to-all);
     - CP=2 × PP=2, whose balance loss must cover each whole sequence;
     - TP=2 + SP × PP=2: whole experts on each TP rank, their gradients summed over TP,
-      the balance over each whole sequence, inside pipeline stages."""
+      the balance over each whole sequence, inside pipeline stages; and TP=2 + SP × DP=2
+      FSDP (2-D: FSDP rows of each TP rank's whole experts)."""
     name = f"EP=2 x DP=4 (EDP=2, {BACKEND}, 4 processes)"
     values = trainer_settings(shards, {**MOE, "parallel.expert": 2, "training.eval_iters": 4})
     zero1 = {**values, "parallel.data_parallel_mode": "distributed_optimizer"}
@@ -520,6 +521,7 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
     )
     tensor = {"parallel.tensor": 2, "parallel.sequence_parallel": True, "training.eval_iters": 4}
     tensor_staged = trainer_settings(shards, {**MOE, **tensor, "parallel.pipeline": 2})
+    two_d = trainer_settings(shards, {**MOE, **tensor, "parallel.data_parallel_mode": "fsdp"})
     spec = {
         "recipe": str(RECIPE),
         "device": DEVICE,
@@ -531,6 +533,7 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
             "ep2-pp2-fsdp": staged_fsdp,
             "cp2-pp2": context_staged,
             "tp2-sp-pp2": tensor_staged,
+            "tp2-sp-dp2-fsdp": two_d,
         },
         "grads": values,
         "resume_step": RESUME_STEP,
@@ -549,6 +552,7 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
         "cp2-pp2": f"CP=2 x PP=2 ({BACKEND}, 4 processes)",
         # whole experts on each TP rank, their gradients summed over TP
         "tp2-sp-pp2": f"TP=2 + SP x PP=2 ({BACKEND}, 4 processes)",
+        "tp2-sp-dp2-fsdp": f"TP=2 + SP x DP=2 FSDP ({BACKEND}, 4 processes)",
     }
     for case, label in layouts.items():
         check_metrics(runs / case, reference, label)
