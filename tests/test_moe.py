@@ -377,8 +377,8 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
         ),
         (
             {"model.num_experts": 4, "parallel.sequence_parallel": True},
-            ParallelSizes(tp=2, dp=2, ep=2),
-            "num_experts=4 with parallel.tensor=2 and parallel.expert=2: not integrated",
+            ParallelSizes(tp=2, dp=2, ep=2, pp=2),
+            "parallel.tensor=2 and parallel.expert=2 and parallel.pipeline=2: not integrated",
         ),
     ],
     ids=[
@@ -504,8 +504,9 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
       tokens by all-to-all);
     - CP=2 × PP=2, whose balance loss must cover each whole sequence;
     - TP=2 + SP × PP=2: whole experts on each TP rank, their gradients summed over TP,
-      the balance over each whole sequence, inside pipeline stages; and TP=2 + SP × DP=2
-      FSDP (2-D: FSDP rows of each TP rank's whole experts)."""
+      the balance over each whole sequence, inside pipeline stages; TP=2 + SP × DP=2
+      FSDP (2-D: FSDP rows of each TP rank's whole experts); TP=2 + SP × EP=2 with DDP and
+      with FSDP (each TP rank's EP group exchanges its sequence shard's tokens)."""
     name = f"EP=2 x DP=4 (EDP=2, {BACKEND}, 4 processes)"
     values = trainer_settings(shards, {**MOE, "parallel.expert": 2, "training.eval_iters": 4})
     zero1 = {**values, "parallel.data_parallel_mode": "distributed_optimizer"}
@@ -522,6 +523,8 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
     tensor = {"parallel.tensor": 2, "parallel.sequence_parallel": True, "training.eval_iters": 4}
     tensor_staged = trainer_settings(shards, {**MOE, **tensor, "parallel.pipeline": 2})
     two_d = trainer_settings(shards, {**MOE, **tensor, "parallel.data_parallel_mode": "fsdp"})
+    tensor_experts = trainer_settings(shards, {**MOE, **tensor, "parallel.expert": 2})
+    tensor_experts_fsdp = {**tensor_experts, "parallel.data_parallel_mode": "fsdp"}
     spec = {
         "recipe": str(RECIPE),
         "device": DEVICE,
@@ -534,6 +537,8 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
             "cp2-pp2": context_staged,
             "tp2-sp-pp2": tensor_staged,
             "tp2-sp-dp2-fsdp": two_d,
+            "tp2-sp-ep2": tensor_experts,
+            "tp2-sp-ep2-fsdp": tensor_experts_fsdp,
         },
         "grads": values,
         "resume_step": RESUME_STEP,
@@ -553,6 +558,8 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
         # whole experts on each TP rank, their gradients summed over TP
         "tp2-sp-pp2": f"TP=2 + SP x PP=2 ({BACKEND}, 4 processes)",
         "tp2-sp-dp2-fsdp": f"TP=2 + SP x DP=2 FSDP ({BACKEND}, 4 processes)",
+        "tp2-sp-ep2": f"TP=2 + SP x EP=2 (of DP=2) ({BACKEND}, 4 processes)",
+        "tp2-sp-ep2-fsdp": f"TP=2 + SP x EP=2 (of DP=2) FSDP ({BACKEND}, 4 processes)",
     }
     for case, label in layouts.items():
         check_metrics(runs / case, reference, label)

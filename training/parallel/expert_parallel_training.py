@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from megalith.config import ModelConfig
 from training import models
-from training.models import GPTModel, model_from_tensors, resolve_backend
+from training.models import GPTModel, model_from_tensors
 from training.models.moe import is_expert_param, moe_layers
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
@@ -50,6 +50,7 @@ from training.parallel.dtensor import local_tensor, whole_tensor
 from training.parallel.groups import ParallelState
 from training.parallel.meta_init import materialize_shard
 from training.parallel.te_tensor_parallel import CommOverlap
+from training.parallel.tensor_parallel.layers import squared_grad_norm
 
 
 def _expert_parallel(state: ParallelState) -> bool:
@@ -66,20 +67,21 @@ def build_model(
     """This rank's model: the whole model (or its TP shard), with only this EP rank's
     experts. Under EP it is built on meta, cut to this rank's experts, and materialized
     from a replay of the single-device init one parameter at a time, so no rank holds
-    every expert (EP × TP is refused: ``support.expert_problems``)."""
+    every expert; with TP, each rank's TP shard of the dense layers."""
     if not _expert_parallel(state):
         model = tp.build_model(config, state, sequence_parallel, device, overlap)
         balance_over_context(model, state)
         return model
-    backend = cp.wrap_backend(resolve_backend(config.backend), state)
-    model = models.meta_model(config, backend)
+    model = models.meta_model(
+        config, tp.sharding_backend(config, state, sequence_parallel, overlap)
+    )
     for layer in moe_layers(model):
         layer.experts.keep_shard(state.ep_rank, state.sizes.ep)
         layer.ep_group = state.ep_group
     model.to_empty(device=device)
     model.tie_weights()
     materialize_shard(
-        lambda: models.build_model(config, backend),
+        lambda: models.build_model(config, tp.single_device_backend(config, state)),
         model,
         lambda name, whole: shard_loaded(name, whole, config, state),
     )
@@ -148,20 +150,19 @@ def clip_grad_norm(model: nn.Module, max_norm: float, state: ParallelState) -> t
     """Clip by the global gradient norm; returns it unclipped. Under EP the experts'
     squared norms are summed over the EP group, the replicated rest counted once; under
     FSDP every rank's rows are summed over data × context (expert-data × expert), which
-    hold each dense and each expert row once between them."""
+    hold each dense and each expert row once between them. With TP the dense layers'
+    split gradients are summed over TP too (the experts are whole on every TP rank)."""
     if not _expert_parallel(state):
         return tp.clip_grad_norm(model, max_norm, state)
     named = {n: p for n, p in model.named_parameters() if p.grad is not None}
-    device = next(model.parameters()).device
     if dp.is_sharded(model):
-        squared = _squared_norm([local_tensor(p.grad) for p in named.values()], device)
+        squared = squared_grad_norm(model, state.tp_group)  # this rank's rows
         dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=state.dp_cp_group)
     else:
-        experts = {n: p.grad for n, p in named.items() if is_expert_param(n)}
-        dense = [p.grad for n, p in named.items() if n not in experts]
-        expert_sq = _squared_norm(list(experts.values()), device)
-        dist.all_reduce(expert_sq, op=dist.ReduceOp.SUM, group=state.ep_group)
-        squared = _squared_norm(dense, device) + expert_sq
+        dense = squared_grad_norm(model, state.tp_group, include=lambda n: not is_expert_param(n))
+        experts = squared_grad_norm(model, state.tp_group, include=is_expert_param)
+        dist.all_reduce(experts, op=dist.ReduceOp.SUM, group=state.ep_group)
+        squared = dense + experts
     norm = squared.sqrt()
     if max_norm > 0:
         # torch.nn.utils.clip_grad_norm_'s rule, as without EP.
@@ -169,13 +170,6 @@ def clip_grad_norm(model: nn.Module, max_norm: float, state: ParallelState) -> t
         for param in named.values():
             local_tensor(param.grad).mul_(scale)
     return norm
-
-
-def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for grad in grads:
-        total += grad.detach().float().pow(2).sum()
-    return total
 
 
 # --- whole tensors for checkpoints and the model package ---------------------------------
@@ -191,10 +185,10 @@ def shard_loaded(
     return tensor.chunk(state.sizes.ep, dim=0)[state.ep_rank].clone()
 
 
-def _on_first_ep_group(state: ParallelState) -> bool:
-    """Whether this rank's EP group holds global rank 0."""
+def _on_first_ep_groups(state: ParallelState) -> bool:
+    """Whether this rank's EP group is one of the first TP group's (global rank 0's)."""
     coords = state.coords
-    return coords.edp == 0 and coords.pp == 0 and coords.tp == 0
+    return coords.edp == 0 and coords.pp == 0
 
 
 def whole_experts(name: str, tensor: torch.Tensor, state: ParallelState) -> torch.Tensor:
@@ -215,26 +209,30 @@ def _gather_experts(tensor: torch.Tensor, state: ParallelState) -> torch.Tensor:
 
 @contextlib.contextmanager
 def full_model(model: nn.Module, state: ParallelState, is_main: bool) -> Iterator[Any]:
-    """The whole model on rank 0 (None elsewhere). Collective over the first EP group;
-    under FSDP over every rank (each parameter's rows gathered first, then the experts)."""
+    """The whole model on rank 0 (None elsewhere). Collective over the first TP group's EP
+    groups (the experts gathered over EP, the dense TP shards over TP); under FSDP over
+    every rank (each parameter's rows gathered first)."""
     if not _expert_parallel(state):
         with tp.full_model(model, state, is_main) as whole:
             yield whole
         return
-    if dp.is_sharded(model):
-        params = {n: whole_experts(n, whole_tensor(p), state) for n, p in model.named_parameters()}
-        if not is_main:
-            yield None
-            return
-        whole = {n: p.detach().cpu() for n, p in params.items()}
-        yield model_from_tensors(model.config, whole, dict(model.named_buffers()))
-        return
-    if not _on_first_ep_group(state):
+    if not dp.is_sharded(model) and not _on_first_ep_groups(state):
         yield None
         return
-    experts = {n: _gather_experts(p, state) for n, p in expert_parameters(model).items()}
+    params = {
+        n: _whole(n, whole_tensor(p), model.config, state) for n, p in model.named_parameters()
+    }
     if not is_main:
         yield None
         return
-    params = {n: experts.get(n, p.detach().cpu()) for n, p in model.named_parameters()}
     yield model_from_tensors(model.config, params, dict(model.named_buffers()))
+
+
+def _whole(name: str, tensor: torch.Tensor, config: ModelConfig, state: ParallelState):
+    """This rank's EP/TP part of parameter ``name`` made whole, on CPU (collective over
+    the EP group for an expert weight, over the TP group for a dense one)."""
+    if is_expert_param(name) and tensor.dim() > 0:
+        return _gather_experts(tensor, state)
+    if state.sizes.tp > 1:
+        return tp.gather_whole(name, tensor, config, state)
+    return tensor.detach().cpu()

@@ -97,8 +97,9 @@ def _moe_tensor_parallel_problems(config: MegalithConfig, sizes: ParallelSizes) 
     not_yet = {
         # the sequence split over CP x TP: the balance and capacity over both
         f"parallel.context={sizes.cp}": sizes.cp > 1,
-        # the EP build, clipping and whole-tensor gathers do not shard the dense TP part
-        f"parallel.expert={sizes.ep}": sizes.ep > 1,
+        # the stages' clipping and whole-tensor gathers do not combine EP and TP yet
+        f"parallel.expert={sizes.ep} and parallel.pipeline={sizes.pp}": sizes.ep > 1
+        and sizes.pp > 1,
     }
     problems += [
         f"{moe} and {key}: not integrated yet" for key, refused in not_yet.items() if refused

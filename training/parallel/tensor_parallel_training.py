@@ -31,6 +31,7 @@ from torch import nn
 from megalith.config import ModelConfig
 from training import models
 from training.models import GPTModel, model_from_tensors, resolve_backend
+from training.models.backend import LayerBackend
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel.dtensor import local_tensor, whole_tensor
@@ -56,23 +57,42 @@ def build_model(
     """This rank's model (of ``config.family``): the whole one without TP, else its TP
     shard of it (with context-parallel attention under CP; TE's GEMMs overlapping their
     communication with ``overlap``)."""
-    kernels = resolve_backend(config.backend)
     if state.sizes.tp == 1:  # this rank's model is the whole model
-        return models.build_model(config, cp.wrap_backend(kernels, state)).to(device)
-    check_tensor_parallel(config, state.sizes.tp)
-    tp_backend = tensor_parallel_backend(kernels, state.tp_group, sequence_parallel, overlap)
-    model = models.meta_model(config, cp.wrap_backend(tp_backend, state))
+        return models.build_model(config, single_device_backend(config, state)).to(device)
+    model = models.meta_model(config, sharding_backend(config, state, sequence_parallel, overlap))
     model.to_empty(device=device)
     model.tie_weights()
     # The weights (and the RNG state after) equal one device's: the single-device init
     # is replayed one parameter at a time, each rank keeping its shard (meta_init). TE's
     # tensor-parallel modules own the torch layers' parameters and init too.
     materialize_shard(
-        lambda: models.build_model(config, cp.wrap_backend(kernels, state)),
+        lambda: models.build_model(config, single_device_backend(config, state)),
         model,
         lambda name, whole: shard_loaded(name, whole, config, state),
     )
     return model
+
+
+def single_device_backend(config: ModelConfig, state: ParallelState) -> LayerBackend:
+    """The kernel backend of ``model.backend`` (context-parallel attention around it): the
+    whole model's layers, whose init the shards replay."""
+    return cp.wrap_backend(resolve_backend(config.backend), state)
+
+
+def sharding_backend(
+    config: ModelConfig,
+    state: ParallelState,
+    sequence_parallel: bool,
+    overlap: CommOverlap | None = None,
+) -> LayerBackend:
+    """The backend that builds this rank's TP shard (context-parallel attention around
+    it); :func:`single_device_backend` without TP."""
+    if state.sizes.tp == 1:
+        return single_device_backend(config, state)
+    check_tensor_parallel(config, state.sizes.tp)
+    kernels = resolve_backend(config.backend)
+    backend = tensor_parallel_backend(kernels, state.tp_group, sequence_parallel, overlap)
+    return cp.wrap_backend(backend, state)
 
 
 def shard_loaded(

@@ -372,8 +372,13 @@ def tensor_parallel_partition(model: nn.Module) -> dict[str, tuple[int, int]]:
     }
 
 
-def squared_grad_norm(model: nn.Module, group: ProcessGroup) -> Tensor:
-    """Sum of squared gradients of the whole (unsharded) model, the same on every TP rank.
+def squared_grad_norm(
+    model: nn.Module,
+    group: ProcessGroup | None,
+    include: Callable[[str], bool] | None = None,
+) -> Tensor:
+    """Sum of squared gradients of the whole (unsharded) model, the same on every TP rank
+    (``group``; None: no TP); ``include(name)``: only those parameters.
 
     Split parameters contribute their shard on each rank (summed over the group);
     replicated ones count once. Under FSDP (2-D) the gradients are DTensors and this
@@ -385,12 +390,11 @@ def squared_grad_norm(model: nn.Module, group: ProcessGroup) -> Tensor:
     device = next(model.parameters()).device
     split, replicated = [], []
     for name, param in model.named_parameters():
-        if param.grad is not None:
-            grad = param.grad
-            grad = local_tensor(grad)
+        if param.grad is not None and (include is None or include(name)):
+            grad = local_tensor(param.grad)
             (split if name in split_names else replicated).append(grad)
     split_total = _sum_of_squares(split, device)
-    if dist.get_world_size(group) > 1:
+    if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(split_total, group=group)
     return split_total + _sum_of_squares(replicated, device)
 
