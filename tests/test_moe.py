@@ -372,11 +372,6 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
         ),
         (
             {"model.num_experts": 4, "parallel.sequence_parallel": True},
-            ParallelSizes(tp=2, cp=2),
-            "num_experts=4 with parallel.tensor=2 and parallel.context=2: not integrated",
-        ),
-        (
-            {"model.num_experts": 4, "parallel.sequence_parallel": True},
             ParallelSizes(tp=2, dp=2, ep=2, pp=2),
             "parallel.tensor=2 and parallel.expert=2 and parallel.pipeline=2: not integrated",
         ),
@@ -385,7 +380,6 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
         "dense",
         "indivisible",
         "tensor-without-sp",
-        "tensor-context",
         "tensor-expert",
     ],  # fmt: skip
 )
@@ -506,7 +500,9 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
     - TP=2 + SP × PP=2: whole experts on each TP rank, their gradients summed over TP,
       the balance over each whole sequence, inside pipeline stages; TP=2 + SP × DP=2
       FSDP (2-D: FSDP rows of each TP rank's whole experts); TP=2 + SP × EP=2 with DDP and
-      with FSDP (each TP rank's EP group exchanges its sequence shard's tokens)."""
+      with FSDP (each TP rank's EP group exchanges its sequence shard's tokens); TP=2 + SP
+      × CP=2 with a capacity (each sequence in four parts: balance and capacity over
+      all four)."""
     name = f"EP=2 x DP=4 (EDP=2, {BACKEND}, 4 processes)"
     values = trainer_settings(shards, {**MOE, "parallel.expert": 2, "training.eval_iters": 4})
     zero1 = {**values, "parallel.data_parallel_mode": "distributed_optimizer"}
@@ -525,6 +521,9 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
     two_d = trainer_settings(shards, {**MOE, **tensor, "parallel.data_parallel_mode": "fsdp"})
     tensor_experts = trainer_settings(shards, {**MOE, **tensor, "parallel.expert": 2})
     tensor_experts_fsdp = {**tensor_experts, "parallel.data_parallel_mode": "fsdp"}
+    tensor_context = trainer_settings(
+        shards, {**MOE, **tensor, "parallel.context": 2, "model.moe_capacity_factor": 0.75}
+    )
     spec = {
         "recipe": str(RECIPE),
         "device": DEVICE,
@@ -539,6 +538,7 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
             "tp2-sp-dp2-fsdp": two_d,
             "tp2-sp-ep2": tensor_experts,
             "tp2-sp-ep2-fsdp": tensor_experts_fsdp,
+            "tp2-sp-cp2-capacity": tensor_context,
         },
         "grads": values,
         "resume_step": RESUME_STEP,
@@ -561,6 +561,15 @@ def test_expert_data_parallel_matches_one_process(shards: Path, tmp_path: Path) 
         "tp2-sp-ep2": f"TP=2 + SP x EP=2 (of DP=2) ({BACKEND}, 4 processes)",
         "tp2-sp-ep2-fsdp": f"TP=2 + SP x EP=2 (of DP=2) FSDP ({BACKEND}, 4 processes)",
     }
+    # A sequence in four parts (CP chunks, each split over TP): balance and capacity over
+    # all four; its own single-process reference (it has a capacity).
+    tensor_context_reference = fit_one_process(
+        single_process(tensor_context), tmp_path / "reference-capacity"
+    )
+    label = f"TP=2 + SP x CP=2, capacity 0.75 ({BACKEND}, 4 processes)"
+    check_metrics(runs / "tp2-sp-cp2-capacity", tensor_context_reference, label)
+    assert_resume_exact(runs / "tp2-sp-cp2-capacity", runs / "tp2-sp-cp2-capacity-resumed", label)
+    assert_whole_checkpoint(runs / "tp2-sp-cp2-capacity", tensor_context_reference, label)
     for case, label in layouts.items():
         check_metrics(runs / case, reference, label)
         assert_resume_exact(runs / case, runs / f"{case}-resumed", label)

@@ -201,7 +201,7 @@ def test_search_refuses_what_does_not_fit_and_names_why():
 
 
 def test_the_plan_never_proposes_what_the_trainer_refuses():
-    """An MoE recipe on a node: MoE with TP and EP (or CP) is refused by the
+    """An MoE recipe on a node: MoE with TP, EP and PP at once is refused by the
     trainer (training.parallel.support), so the search lists those layouts as refused with
     the trainer's reason and ranks only what trains."""
     config = load_config(MOE)

@@ -382,9 +382,8 @@ class MoELayer(nn.Module):
 
     def split_sequence(self, group: dist.ProcessGroup, positions: Callable[[int], Tensor]) -> None:
         """This rank routes one part of each sequence split over ``group``;
-        ``positions(length)``: where its tokens sit in a ``length``-token sequence."""
-        if self.sequence_group is not None and self.sequence_group is not group:
-            raise ValueError("a MoE layer's sequence is split over one group only")
+        ``positions(length)``: where its tokens sit in a ``length``-token sequence. The
+        last call holds (context parallelism's CP × TP group replaces the TP group)."""
         self.sequence_group, self.sequence_positions = group, positions
 
     def replicate_over_tensor_parallel(self, group: dist.ProcessGroup) -> None:

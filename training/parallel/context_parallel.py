@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from megalith.config import ModelConfig
 from megalith.errors import MegalithError
 from training.models.backend import LayerBackend
 from training.models.layers import IGNORE_INDEX, NormSpec
@@ -186,6 +187,9 @@ class ContextParallelBackend(LayerBackend):
 
     def vocab_embedding(self, vocab_size: int, hidden_size: int, *, init_std: float) -> nn.Module:
         return self.inner.vocab_embedding(vocab_size, hidden_size, init_std=init_std)
+
+    def moe_mlp(self, config: ModelConfig, norm: NormSpec) -> nn.Module:
+        return self.inner.moe_mlp(config, norm)  # the TP backend's: experts whole, grads summed
 
     def sequence_scatter(self) -> nn.Module:
         return self.inner.sequence_scatter()

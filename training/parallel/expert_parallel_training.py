@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -92,11 +92,28 @@ def build_model(
 def balance_over_context(model: nn.Module, state: ParallelState) -> None:
     """Under context parallelism each MoE layer's load-balancing loss and expert capacity
     cover the whole sequence, its CP group's parts (``training.models.moe``): the layer
-    learns the group and where this rank's tokens sit in the sequence."""
-    if state.sizes.cp > 1:
-        where = functools.partial(cp.positions, cp_size=state.sizes.cp, cp_rank=state.cp_rank)
-        for layer in moe_layers(model):
-            layer.split_sequence(state.cp_group, where)
+    learns the group and where this rank's tokens sit in the sequence. With TP too, each
+    CP part is split again over the TP ranks (sequence parallelism): the group is then
+    CP × TP and the positions the TP shard of the CP part's."""
+    if state.sizes.cp == 1:
+        return
+    group = state.cp_group
+    where = functools.partial(cp.positions, cp_size=state.sizes.cp, cp_rank=state.cp_rank)
+    if state.sizes.tp > 1:
+        group, where = state.cp_tp_group, _tensor_shard_of(where, state)
+    for layer in moe_layers(model):
+        layer.split_sequence(group, where)
+
+
+def _tensor_shard_of(
+    positions: Callable[[int], torch.Tensor], state: ParallelState
+) -> Callable[[int], torch.Tensor]:
+    """``positions`` (a CP part's) cut to this TP rank's contiguous shard of them."""
+
+    def shard(length: int) -> torch.Tensor:
+        return positions(length).chunk(state.sizes.tp)[state.tp_rank]
+
+    return shard
 
 
 def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

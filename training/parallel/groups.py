@@ -233,6 +233,7 @@ class ParallelState:
     coords: RankCoords = field(default_factory=lambda: RankCoords(0, 0, 0, 0, 0, 0))
     mesh: DeviceMesh | None = None
     dp_cp_mesh: DeviceMesh | None = None
+    cp_tp_mesh: DeviceMesh | None = None  # with CP and TP: a sequence's parts (MoE balance)
     expert_mesh: DeviceMesh | None = None
     embedding_group: ProcessGroup | None = None
 
@@ -294,6 +295,12 @@ class ParallelState:
         return None if self.dp_cp_mesh is None else self.dp_cp_mesh.get_group()
 
     @property
+    def cp_tp_group(self) -> ProcessGroup | None:
+        """With context and tensor (sequence) parallelism: the ranks holding the parts of
+        one sequence, CP-major (None otherwise)."""
+        return None if self.cp_tp_mesh is None else self.cp_tp_mesh.get_group()
+
+    @property
     def ep_group(self) -> ProcessGroup | None:
         return None if self.expert_mesh is None else self.expert_mesh.get_group("ep")
 
@@ -341,6 +348,7 @@ def build_parallel_state(config: MegalithConfig, device_type: str = "cpu") -> Pa
         device_type, (sizes.pp, sizes.dp, sizes.cp, sizes.tp), mesh_dim_names=MESH_DIMS
     )
     dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    cp_tp_mesh = mesh["cp", "tp"]._flatten("cp_tp") if sizes.cp > 1 and sizes.tp > 1 else None
     expert_mesh = None
     if sizes.ep > 1:
         expert_mesh = init_device_mesh(
@@ -359,6 +367,7 @@ def build_parallel_state(config: MegalithConfig, device_type: str = "cpu") -> Pa
         coords=coords_of(sizes, rank),
         mesh=mesh,
         dp_cp_mesh=dp_cp_mesh,
+        cp_tp_mesh=cp_tp_mesh,
         expert_mesh=expert_mesh,
         embedding_group=embedding_group,
     )

@@ -95,8 +95,6 @@ def _moe_tensor_parallel_problems(config: MegalithConfig, sizes: ParallelSizes) 
             "its own part of the sequence (as Megatron-core requires)"
         )
     not_yet = {
-        # the sequence split over CP x TP: the balance and capacity over both
-        f"parallel.context={sizes.cp}": sizes.cp > 1,
         # the stages' clipping and whole-tensor gathers do not combine EP and TP yet
         f"parallel.expert={sizes.ep} and parallel.pipeline={sizes.pp}": sizes.ep > 1
         and sizes.pp > 1,
