@@ -467,7 +467,7 @@ class Trainer:
                 total_loss += loss.detach()
                 total_aux += 0.0 if aux is None else aux.detach() / accumulation
             total_loss = dp.all_reduce_mean(total_loss, self.parallel)
-            ep.reduce_expert_grads(self.model, self.parallel)
+            ep.reduce_moe_grads(self.model, self.parallel)
         if scaler:
             scaler.unscale_(self.optimizer)
         if self.clips_in_step:

@@ -34,9 +34,11 @@ micro-batch's token order, so each rank drops what one device would.
 
 Tensor parallelism (Megatron-core's MoE with ``expert_tensor_parallel_size=1``, which
 also requires sequence parallelism): each TP rank routes its own sequence shard through
-the whole router and experts, replicated over the TP group; their gradients are summed
-over it in backward (``tp_group``: :func:`grad_summed`), as sequence-parallel norms'
-are.
+the whole router and experts, replicated over the TP group (``tp_group``); each rank's
+gradients are its own tokens', summed over the group once a step, after the last
+micro-batch (:func:`tensor_parallel_replicas`; the trainer and the pipeline stages call
+``expert_parallel_training.reduce_moe_grads``), as Megatron's expert-data-parallel
+reduction does.
 
 Experts are stored stacked, one tensor per weight for all experts of the layer::
 
@@ -69,7 +71,6 @@ from training.models.layers import gelu, scaled_init_std, swiglu
 from training.parallel.tensor_parallel.mappings import (
     all_gather,
     all_reduce,
-    copy_to_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
 )
 
@@ -79,12 +80,6 @@ EXPERT_PARAM_MARK = ".mlp.experts."
 def is_expert_param(name: str) -> bool:
     """Whether a parameter (or ``name/moment``) belongs to the experts, which EP splits."""
     return EXPERT_PARAM_MARK in name or name.startswith("mlp.experts.")
-
-
-def grad_summed(param: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    """``param`` as it is, its gradient summed over ``group`` in backward: the weights TP
-    ranks hold whole while each routes its own tokens (None: no group, no sum)."""
-    return param if group is None else copy_to_tensor_parallel_region(param, group)
 
 
 def sequence_shard_positions(length: int, group: dist.ProcessGroup) -> Tensor:
@@ -206,16 +201,14 @@ class Router(nn.Module):
         super().__init__()
         self.init_std = init_std
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
-        self.tp_group: dist.ProcessGroup | None = None  # see grad_summed
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
 
     def forward(self, x: Tensor) -> Tensor:
-        weight = grad_summed(self.weight, self.tp_group)
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.float(), weight.float())
+            return F.linear(x.float(), self.weight.float())
 
 
 # --- experts ---------------------------------------------------------------------------
@@ -242,7 +235,6 @@ class Experts(nn.Module):
         if config.bias:
             self.fc1_bias = nn.Parameter(torch.empty(num_experts, chunks * ffn))
             self.fc2_bias = nn.Parameter(torch.empty(num_experts, hidden))
-        self.tp_group: dist.ProcessGroup | None = None  # see grad_summed
         self.reset_parameters()
 
     @property
@@ -264,14 +256,10 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: list[int]) -> Tensor:
         activation = swiglu if self.gated else gelu
-        fc1, fc2, fc1_bias, fc2_bias = (
-            None if p is None else grad_summed(p, self.tp_group)
-            for p in (self.fc1_weight, self.fc2_weight, self.fc1_bias, self.fc2_bias)
-        )
         outputs = []
         for e, rows in enumerate(x.split(counts)):
-            h = F.linear(rows, fc1[e], _row(fc1_bias, e))
-            outputs.append(F.linear(activation(h), fc2[e], _row(fc2_bias, e)))
+            h = F.linear(rows, self.fc1_weight[e], _row(self.fc1_bias, e))
+            outputs.append(F.linear(activation(h), self.fc2_weight[e], _row(self.fc2_bias, e)))
         return torch.cat(outputs)
 
 
@@ -337,6 +325,7 @@ class MoELayer(nn.Module):
         self.experts = Experts(config, self.num_experts)
         self.dropout = nn.Dropout(config.dropout)
         self.ep_group: dist.ProcessGroup | None = None  # set by expert-parallel training
+        self.tp_group: dist.ProcessGroup | None = None  # router and experts whole over TP
         # Set where the sequence is split (context parallelism, or tensor parallelism with
         # sequence parallelism: split_sequence): the load balance and capacity are the
         # whole sequence's; sequence_positions(length) gives this rank's tokens' positions.
@@ -387,9 +376,9 @@ class MoELayer(nn.Module):
         self.sequence_group, self.sequence_positions = group, positions
 
     def replicate_over_tensor_parallel(self, group: dist.ProcessGroup) -> None:
-        """Under TP with sequence parallelism: the router and experts whole on each rank,
-        their gradients summed over ``group``, the sequence split over it."""
-        self.router.tp_group = self.experts.tp_group = group
+        """Under TP with sequence parallelism: the router and experts whole on each rank
+        (their gradients summed over ``group`` once a step), the sequence split over it."""
+        self.tp_group = group
         self.split_sequence(group, lambda length: sequence_shard_positions(length, group))
 
     def _token_index(self, x: Tensor) -> Tensor | None:
@@ -446,6 +435,18 @@ class AuxLossGradient(torch.autograd.Function):
 
 def moe_layers(model: nn.Module) -> list[MoELayer]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def tensor_parallel_replicas(model: nn.Module) -> list[nn.Parameter]:
+    """The routers' and experts' parameters that TP ranks hold whole while each routes
+    its own tokens: their gradients are to be summed over TP."""
+    return [
+        param
+        for layer in moe_layers(model)
+        if layer.tp_group is not None
+        for module in (layer.router, layer.experts)
+        for param in module.parameters()
+    ]
 
 
 def moe_aux_loss(model: nn.Module) -> Tensor | None:

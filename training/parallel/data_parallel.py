@@ -125,6 +125,23 @@ def all_reduce_mean(value: torch.Tensor, state: ParallelState) -> torch.Tensor:
     return value / data_parallel_size(state)
 
 
+def all_reduce_coalesced(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, divide_by: int = 1
+) -> None:
+    """Sum ``tensors`` over ``group`` in place (divided by ``divide_by``), one collective
+    per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for same in by_dtype.values():
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        if divide_by != 1:
+            flat /= divide_by
+        for tensor, value in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
+            tensor.copy_(value)
+
+
 def clip_grad_norm(
     parameters: list[nn.Parameter], max_norm: float, state: ParallelState
 ) -> torch.Tensor:

@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from megalith.config import ModelConfig
 from training import models
 from training.models import GPTModel, model_from_tensors
-from training.models.moe import is_expert_param, moe_layers
+from training.models.moe import is_expert_param, moe_layers, tensor_parallel_replicas
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import tensor_parallel_training as tp
@@ -143,6 +143,17 @@ def shard_experts(
     mesh = state.expert_mesh["edp"]
     for layer in moe_layers(model):
         fully_shard(layer.experts, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
+def reduce_moe_grads(model: nn.Module, state: ParallelState) -> None:
+    """After the step's last micro-batch: the gradients of routers and experts that TP
+    ranks hold whole summed over TP (each rank's are its own tokens'; under FSDP each
+    rank's rows of them, the same rows on every TP rank), then the experts' over their
+    expert-data ranks (:func:`reduce_expert_grads`)."""
+    grads = [local_tensor(p.grad) for p in tensor_parallel_replicas(model) if p.grad is not None]
+    if grads and state.sizes.tp > 1:
+        dp.all_reduce_coalesced(grads, state.tp_group)
+    reduce_expert_grads(model, state)
 
 
 def reduce_expert_grads(model: nn.Module, state: ParallelState) -> None:

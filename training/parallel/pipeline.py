@@ -94,7 +94,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megalith.config import MegalithConfig, ModelConfig
 from megalith.errors import MegalithError
@@ -544,18 +543,10 @@ class PipelineParallel:
             # EP ranks hold different experts; FSDP has reduce-scattered its rows.
             if p.grad is not None and name not in experts and not is_dtensor(p.grad)
         ]
-        ep.reduce_expert_grads(self.model, self.state)
+        ep.reduce_moe_grads(self.model, self.state)
         size = dp.data_parallel_size(self.state)
         if size > 1 and grads:
-            by_dtype: dict[torch.dtype, list[Tensor]] = {}
-            for grad in grads:
-                by_dtype.setdefault(grad.dtype, []).append(grad)
-            for group in by_dtype.values():
-                flat = _flatten_dense_tensors(group)
-                dist.all_reduce(flat, group=self.state.dp_cp_group)
-                flat /= size
-                for grad, value in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
-                    grad.copy_(value)
+            dp.all_reduce_coalesced(grads, self.state.dp_cp_group, divide_by=size)
         if self._tied_copy() is not None:
             grad = self._tied_copy().grad
             if grad is None:

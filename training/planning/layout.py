@@ -469,11 +469,11 @@ def step_time(
         passes = 6 if layout.recompute == "full" else 4
         link = cluster.bandwidth(layout.tp) * hardware.TP_COLLECTIVE_EFFICIENCY
         per_layer = passes * act * ring(layout.tp) / link
-        # MoE under TP: the whole router and experts on each rank, their fp32 gradients
-        # all-reduced over TP in every micro-batch's backward (training.models.moe).
-        replicated = shapes.moe_layers * shapes.experts * (shapes.expert + shapes.hidden)
-        per_layer += 4 * replicated / shapes.layers * ring(layout.tp) / link
         tp = per_layer * layers * m
+        # MoE under TP: the whole router and (EP-local) experts on each rank, their fp32
+        # gradients all-reduced over TP once a step (training.models.moe).
+        replicated = shapes.moe_layers * shapes.experts * (shapes.expert + shapes.hidden)
+        tp += 4 * replicated / layout.ep / shapes.layers * layers * ring(layout.tp) / link
 
     cp = 0.0
     if layout.cp > 1:  # all-gather K, V forward (again under full recompute), reduce-scatter back
