@@ -370,17 +370,11 @@ def moe_layers_of(model: GPTModel) -> list[MoELayer]:
             ParallelSizes(tp=2),
             "num_experts=4 with parallel.tensor=2 needs parallel.sequence_parallel=true",
         ),
-        (
-            {"model.num_experts": 4, "parallel.sequence_parallel": True},
-            ParallelSizes(tp=2, dp=2, ep=2, pp=2),
-            "parallel.tensor=2 and parallel.expert=2 and parallel.pipeline=2: not integrated",
-        ),
     ],
     ids=[
         "dense",
         "indivisible",
         "tensor-without-sp",
-        "tensor-expert",
     ],  # fmt: skip
 )
 def test_refused_layouts_name_the_keys(values: dict, sizes: ParallelSizes, message: str) -> None:

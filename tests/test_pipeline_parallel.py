@@ -281,8 +281,10 @@ def test_tensor_pipeline_data_parallel_matches_one_process(
     shards: Path, reference: Path, tmp_path: Path
 ) -> None:
     """TP=2 × PP=2 × DP=2 (8 processes) with sequence parallelism, with the distributed
-    optimizer and with FSDP over the stages (rows of each rank's TP shard): losses, grad
-    norms, whole checkpoint tensors, an exact resume, the package's logits."""
+    optimizer and with FSDP over the stages (rows of each rank's TP shard); and a
+    mixture of experts with TP=2 + SP × EP=2 (of DP=2) × PP=2, each TP rank's EP group
+    exchanging its sequence shard's tokens inside the stages: losses, grad norms, whole
+    checkpoint tensors, an exact resume, the package's logits."""
     extra = {
         "parallel.tensor": 2,
         "parallel.pipeline": 2,
@@ -293,6 +295,7 @@ def test_tensor_pipeline_data_parallel_matches_one_process(
         case: settings(shards, {**extra, "parallel.data_parallel_mode": mode})
         for case, mode in modes.items()
     }
+    cases["tp2-pp2-ep2-moe"] = settings(shards, {**extra, **MOE, "parallel.expert": 2})
     runs = run_worker(tmp_path, 8, cases=cases)
     for case, mode in modes.items():
         name = layout(f"TP=2 x PP=2 x DP=2 {mode}", 8)
@@ -300,6 +303,12 @@ def test_tensor_pipeline_data_parallel_matches_one_process(
         assert_resume_exact(runs / case, runs / f"{case}-resumed", name)
         assert_whole_checkpoint(runs / case, reference, name)
         assert_package_logits_match(runs / case, reference, name)
+    moe = fit_one_process(settings(shards, MOE), tmp_path / "moe-reference")
+    name = layout("MoE, TP=2 + SP x EP=2 x PP=2 (DP=2)", 8)
+    assert_metrics_match(metrics(runs / "tp2-pp2-ep2-moe"), metrics(moe), name)
+    assert_resume_exact(runs / "tp2-pp2-ep2-moe", runs / "tp2-pp2-ep2-moe-resumed", name)
+    assert_whole_checkpoint(runs / "tp2-pp2-ep2-moe", moe, name)
+    assert_package_logits_match(runs / "tp2-pp2-ep2-moe", moe, name)
 
 
 # --- the layer split, the bubble and what is refused ----------------------------------------

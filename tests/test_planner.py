@@ -201,19 +201,20 @@ def test_search_refuses_what_does_not_fit_and_names_why():
 
 
 def test_the_plan_never_proposes_what_the_trainer_refuses():
-    """An MoE recipe on a node: MoE with TP, EP and PP at once is refused by the
-    trainer (training.parallel.support), so the search lists those layouts as refused with
-    the trainer's reason and ranks only what trains."""
-    config = load_config(MOE)
+    """An MoE recipe with async TP on a node: the trainer refuses async TP without tensor
+    parallelism (training.parallel.support), so the search lists those layouts as refused
+    with the trainer's reason and ranks only what trains (MoE under TP + SP included)."""
+    config = load_config(MOE, ["parallel.async_tensor_parallel=true", "training.compile=true"])
     result = search(config, H100_NODE, global_batch=64, seq=2048, top=50)
-    assert result.best
+    assert result.best and all(p.layout.tp > 1 for p in result.best)
     for prediction in result.best:
         lo = prediction.layout
         sizes = ParallelSizes(tp=lo.tp, cp=lo.cp, pp=lo.pp, dp=lo.dp, ep=lo.ep, vpp=lo.vpp)
         trained = load_config(MOE, lo.overrides())
+        trained.parallel.async_tensor_parallel, trained.training.compile = True, True
         check_trainer_support(trained, sizes)  # raises if the trainer would refuse it
     reasons = [r.reason for r in result.refused if r.reason.startswith("the trainer refuses")]
-    assert any("parallel.expert=" in r and "not integrated" in r for r in reasons), reasons[:3]
+    assert any("async_tensor_parallel needs parallel.tensor > 1" in r for r in reasons), reasons[:3]
 
 
 def test_pinned_search_space_keeps_the_pinned_sizes(llama):

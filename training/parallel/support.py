@@ -88,21 +88,12 @@ def expert_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
 def _moe_tensor_parallel_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """MoE under TP: each TP rank routes its sequence shard through whole experts."""
     moe = f"model.num_experts={config.model.num_experts} with parallel.tensor={sizes.tp}"
-    problems = []
-    if not config.parallel.sequence_parallel:
-        problems.append(
-            f"{moe} needs parallel.sequence_parallel=true: each tensor-parallel rank routes "
-            "its own part of the sequence (as Megatron-core requires)"
-        )
-    not_yet = {
-        # the stages' clipping and whole-tensor gathers do not combine EP and TP yet
-        f"parallel.expert={sizes.ep} and parallel.pipeline={sizes.pp}": sizes.ep > 1
-        and sizes.pp > 1,
-    }
-    problems += [
-        f"{moe} and {key}: not integrated yet" for key, refused in not_yet.items() if refused
+    if config.parallel.sequence_parallel:
+        return []
+    return [
+        f"{moe} needs parallel.sequence_parallel=true: each tensor-parallel rank routes "
+        "its own part of the sequence (as Megatron-core requires)"
     ]
-    return problems
 
 
 def async_tp_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
