@@ -467,7 +467,8 @@ class Trainer:
                 total_loss += loss.detach()
                 total_aux += 0.0 if aux is None else aux.detach() / accumulation
             total_loss = dp.all_reduce_mean(total_loss, self.parallel)
-            ep.reduce_moe_grads(self.model, self.parallel)
+            if self.model_config.num_experts:  # dense models skip the walk over their modules
+                ep.reduce_moe_grads(self.model, self.parallel)
         if scaler:
             scaler.unscale_(self.optimizer)
         if self.clips_in_step:

@@ -150,9 +150,11 @@ def reduce_moe_grads(model: nn.Module, state: ParallelState) -> None:
     ranks hold whole summed over TP (each rank's are its own tokens'; under FSDP each
     rank's rows of them, the same rows on every TP rank), then the experts' over their
     expert-data ranks (:func:`reduce_expert_grads`)."""
-    grads = [local_tensor(p.grad) for p in tensor_parallel_replicas(model) if p.grad is not None]
-    if grads and state.sizes.tp > 1:
-        dp.all_reduce_coalesced(grads, state.tp_group)
+    if state.sizes.tp > 1:
+        replicas = tensor_parallel_replicas(model)
+        grads = [local_tensor(p.grad) for p in replicas if p.grad is not None]
+        if grads:
+            dp.all_reduce_coalesced(grads, state.tp_group)
     reduce_expert_grads(model, state)
 
 

@@ -543,7 +543,8 @@ class PipelineParallel:
             # EP ranks hold different experts; FSDP has reduce-scattered its rows.
             if p.grad is not None and name not in experts and not is_dtensor(p.grad)
         ]
-        ep.reduce_moe_grads(self.model, self.state)
+        if self.model_config.num_experts:  # dense models skip the walk over their modules
+            ep.reduce_moe_grads(self.model, self.state)
         size = dp.data_parallel_size(self.state)
         if size > 1 and grads:
             dp.all_reduce_coalesced(grads, self.state.dp_cp_group, divide_by=size)
