@@ -109,10 +109,7 @@ def async_tp_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]
             config.model.backend != "te"
         ),
     }
-    missing = [need for need, met in needs.items() if not met]
-    if not missing:
-        return []
-    return [f"parallel.async_tensor_parallel needs {', '.join(missing)}"]
+    return _unmet("parallel.async_tensor_parallel", needs)
 
 
 def comm_overlap_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
@@ -125,10 +122,13 @@ def comm_overlap_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[
         "model.backend=te (TE's userbuffers)": config.model.backend == "te",
         "training.device cuda or auto (CUDA IPC buffers)": config.training.device != "cpu",
     }
+    return _unmet("parallel.tp_comm_overlap", needs)
+
+
+def _unmet(key: str, needs: dict[str, bool]) -> list[str]:
+    """One problem naming every need of ``key`` that is not met (none when all are)."""
     missing = [need for need, met in needs.items() if not met]
-    if not missing:
-        return []
-    return [f"parallel.tp_comm_overlap needs {', '.join(missing)}"]
+    return [f"{key} needs {', '.join(missing)}"] if missing else []
 
 
 def fp8_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
