@@ -68,8 +68,7 @@ SHAPES: dict[str, dict] = {
 # pipeline stages (interleaved schedule), zb the zero-bubble schedule (ZB1P, with or
 # without vN), sp sequence parallelism, async sequence parallelism with async TP (needs
 # --compile), ub sequence parallelism with TE's userbuffers overlap (parallel.tp_comm_overlap,
-# needs --set model.backend=te), cg the blocks replayed as CUDA graphs (training.cuda_graphs,
-# TE too), zero1/fsdp the data-parallel mode (default ddp).
+# needs --set model.backend=te), zero1/fsdp the data-parallel mode (default ddp).
 _SIZE_KEYS = {
     "dp": None,
     "tp": "parallel.tensor",
@@ -81,7 +80,6 @@ _FLAGS = {
     "sp": {"parallel.sequence_parallel": True},
     "async": {"parallel.sequence_parallel": True, "parallel.async_tensor_parallel": True},
     "ub": {"parallel.sequence_parallel": True, "parallel.tp_comm_overlap": True},
-    "cg": {"training.cuda_graphs": True},
     "zero1": {"parallel.data_parallel_mode": "distributed_optimizer"},
     "fsdp": {"parallel.data_parallel_mode": "fsdp"},
     "zb": {"parallel.pipeline_schedule": "zero-bubble"},
@@ -95,7 +93,7 @@ def parse_layout(name: str) -> tuple[int, dict]:
     if name == "1gpu":
         return 1, {"parallel.expert": 1}
     gpus, overrides = 1, {"parallel.data_parallel_mode": "ddp", "parallel.expert": 1}
-    parts = [part for part in name.split("-") if part != "1gpu"]  # 1gpu-cg: flags on 1 GPU
+    parts = name.split("-")
     for part in sorted(parts, key=lambda part: part in _FLAGS):  # flags last: zb overrides vN
         if part in _FLAGS:
             overrides.update(_FLAGS[part])
@@ -104,7 +102,7 @@ def parse_layout(name: str) -> tuple[int, dict]:
         if prefix not in (*_SIZE_KEYS, "ep") or prefix == part:
             raise SystemExit(
                 f"layout {name!r}: unknown part {part!r} "
-                "(dpN tpN ppN cpN epN vN zb sp async ub cg zero1 fsdp)"
+                "(dpN tpN ppN cpN epN vN zb sp async ub zero1 fsdp)"
             )
         size = int(part[len(prefix) :])
         if prefix == "ep":  # carved out of data x context: no GPUs of its own

@@ -21,8 +21,7 @@ measures the fused output layer + cross-entropy beside the plain head. Short nam
 (:data:`ALIASES`) stand for common settings: ``ours-compile-fp8`` is
 ``ours-compile@mixed_precision.fp8=true`` (torchao float8, tensorwise),
 ``ours-compile-fp8-rowwise`` the rowwise recipe, ``ours-te``/``ours-te-fp8`` the Transformer
-Engine backend (fp8 tensorwise: current scaling) and ``ours-te-graphs``/``ours-te-fp8-graphs``
-the same with its blocks replayed as CUDA graphs; more settings may follow ``@``.
+Engine backend (fp8 tensorwise: current scaling); more settings may follow ``@``.
 ``--shape tiny`` (configs/tiny-cpu.yaml) smoke-runs the ``ours`` and ``hf`` variants on CPU.
 ``--shape t5-base`` (configs/t5-base.yaml) measures the T5 encoder-decoder on span
 corruption against transformers' ``T5ForConditionalGeneration``; a T5 sample counts as its
@@ -73,15 +72,12 @@ SHAPE_SETTINGS = {
 PEAK = 989e12
 FP8 = "mixed_precision.fp8=true"
 TE = "model.backend=te"
-GRAPHS = "training.cuda_graphs=true"  # Transformer Engine's blocks replayed as CUDA graphs
 ALIASES = {
     "ours-fp8": f"ours@{FP8}",
     "ours-compile-fp8": f"ours-compile@{FP8}",
     "ours-compile-fp8-rowwise": f"ours-compile@{FP8}+mixed_precision.fp8_recipe=rowwise",
     "ours-te": f"ours@{TE}",
-    "ours-te-graphs": f"ours@{TE}+{GRAPHS}",
     "ours-te-fp8": f"ours@{TE}+{FP8}",
-    "ours-te-fp8-graphs": f"ours@{TE}+{FP8}+{GRAPHS}",
 }
 
 

@@ -828,14 +828,6 @@ class TrainingConfig(StrictModel):
     grad_clip: float = Field(default=1.0, ge=0.0, description="Max global grad norm; 0: off.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     compile: bool = Field(default=False, description="torch.compile the model.")
-    cuda_graphs: bool = Field(
-        default=False,
-        description=(
-            "Replay each transformer block's forward and backward as CUDA graphs "
-            "(Transformer Engine's make_graphed_callables): the GPU no longer waits for "
-            'the host between kernels. model.backend=te, GPT, CUDA; see README "CUDA graphs".'
-        ),
-    )
     num_workers: int = Field(default=1, ge=0, le=256, description="DataLoader worker processes.")
 
     @model_validator(mode="after")

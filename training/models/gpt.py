@@ -325,17 +325,6 @@ class GPTModel(nn.Module):
         """The blocks in order (one FSDP unit each)."""
         return list(self.layers)
 
-    @torch.no_grad()
-    def block_inputs(self, batch_size: int, length: int) -> tuple[Tensor, Rope | None]:
-        """What ``forward`` hands every block for ``batch_size x length`` tokens: the
-        residual stream after the embedding (this rank's sequence shard under sequence
-        parallelism) and the RoPE angles (CUDA graphs capture blocks with these)."""
-        device = self.embedding.word.weight.device
-        tokens = torch.zeros(batch_size, length, dtype=torch.long, device=device)
-        x = self.embedding(tokens, 0)
-        rope = None if self.rope is None else self.rope(0, length, x.device)
-        return x, rope
-
     @property
     def tied_weights(self) -> dict[str, str]:
         """State-dict names that alias another entry (``{alias: source}``); save the source once."""

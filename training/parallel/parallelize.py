@@ -23,11 +23,7 @@ The trainer calls it once. It applies, in this order:
 5. **Activation checkpointing** is not a wrapping step: the blocks apply it themselves
    (``model.activation_checkpointing``, :mod:`training.models.gpt`), so it wraps the
    fp8 layers as they are.
-6. **CUDA graphs** (``training.cuda_graphs``, TE kernels): each block's forward and
-   backward captured once for the training micro-batch's shape and replayed after
-   (:mod:`training.models.cuda_graphs`); before data parallelism because the capture
-   runs backward passes, whose gradients DDP's hooks must not see.
-7. **Data parallelism**: DDP over data × context, or FSDP2 sharding in place (the
+6. **Data parallelism**: DDP over data × context, or FSDP2 sharding in place (the
    optimizer is built after, on the parameters FSDP leaves); with TP, FSDP shards each
    rank's TP-local parameters (2-D). FSDP alone (no TP or EP, torch kernels; fp8 or
    not, full or LoRA fine-tuning or neither) builds on the meta device, converts to
@@ -37,7 +33,7 @@ The trainer calls it once. It applies, in this order:
    tensor over them and draws its adapters' rows from their seeded init (step 4, after
    the sharding here), so no device holds the whole model; the other FSDP layouts still
    build the whole (TP shard of the) model first.
-8. **compile** last, around the DDP/FSDP module: dynamo's DDP optimizer then splits the
+7. **compile** last, around the DDP/FSDP module: dynamo's DDP optimizer then splits the
    graph at the gradient buckets so that communication still overlaps the backward.
    With ``parallel.async_tensor_parallel`` (set up first, before anything compiles)
    Inductor also fuses the sequence-parallel collectives into the TP matmuls
@@ -69,7 +65,6 @@ from training.families.spec import ModelFamily
 from training.finetune.lora import add_adapters, is_adapter_param
 from training.finetune.session import FineTune
 from training.models import resolve_backend
-from training.models.cuda_graphs import capture_block_graphs
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import expert_parallel_training as ep
@@ -82,7 +77,7 @@ from training.parallel.te_tensor_parallel import (
     comm_overlap,
     initialize_comm_overlap,
 )
-from training.precision.fp8 import check_device, prepare_fp8, te_recipe
+from training.precision.fp8 import check_device, prepare_fp8
 from training.precision.mixed import Precision
 
 logger = logging.getLogger(__name__)
@@ -135,34 +130,12 @@ def parallelize(
     prepare_fp8(model, config.mixed_precision, precision)  # same parameters, new linears
     if finetune is not None:  # base weights and adapters: before DDP and the optimizer
         finetune.prepare(model, state)
-    if config.training.cuda_graphs:  # its backward passes must not reach DDP's hooks
-        capture_cuda_graphs(model, config, device, precision)
     ep.exclude_experts_from_ddp(model, state)
     if config.parallel.data_parallel_mode == "fsdp" and dp.data_parallel_size(state) > 1:
         ep.shard_experts(model, state)  # their own FSDP units, before the blocks'
     dp_model = dp.wrap_model(model, state, config.parallel, device)
     forward_model = torch.compile(dp_model) if config.training.compile else dp_model
     return ParallelModel(model, dp_model, forward_model, None)
-
-
-def capture_cuda_graphs(
-    model: nn.Module, config: MegalithConfig, device: torch.device, precision: Precision
-) -> int:
-    """Capture the blocks' CUDA graphs for ``training.cuda_graphs`` (returns how many);
-    ``support`` has checked the settings, the device and the resolved kernel backend are
-    known only here."""
-    if device.type != "cuda":
-        raise MegalithError(f"training.cuda_graphs needs CUDA; this rank runs on {device}")
-    kernels = resolve_backend(config.model.backend)  # te (support), and importable here
-    mixed = config.mixed_precision
-    return capture_block_graphs(
-        model,
-        kernels.te(),
-        config.training.micro_batch_size,
-        config.data.seq_length,
-        precision,
-        te_recipe(mixed.fp8_recipe) if mixed.fp8 else None,
-    )
 
 
 def enable_async_tensor_parallel(

@@ -22,7 +22,6 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
     problems += fp8_problems(config, sizes)
     problems += async_tp_problems(config, sizes)
     problems += comm_overlap_problems(config, sizes)
-    problems += cuda_graph_problems(config, sizes)
     problems += family_problems(config, sizes)
     if problems:
         raise MegalithError("; ".join(problems))
@@ -49,10 +48,6 @@ FAMILY_UNSUPPORTED: dict[
 ] = {
     "gpt": {},
     "t5": {  # data, tensor/sequence, context parallelism, pipeline stages and chat run
-        "training.cuda_graphs": (
-            lambda config, sizes: config.training.cuda_graphs,
-            "its blocks take masks and relative-position biases that change per batch",
-        ),
         "parallel.tp_comm_overlap": (
             lambda config, sizes: config.parallel.tp_comm_overlap,
             "TE's userbuffers have one shape; encoder and decoder sequences differ in length",
@@ -128,41 +123,6 @@ def comm_overlap_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[
         "training.device cuda or auto (CUDA IPC buffers)": config.training.device != "cpu",
     }
     return _unmet("parallel.tp_comm_overlap", needs)
-
-
-def cuda_graph_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
-    """CUDA graphs replay each block with the shapes and memory of its capture
-    (training.models.cuda_graphs): what changes between micro-batches cannot be in them."""
-    if not config.training.cuda_graphs:
-        return []
-    model, parallel = config.model, config.parallel
-    fsdp = parallel.data_parallel_mode == "fsdp" and sizes.dp * sizes.cp > 1
-    needs = {
-        "model.backend=te (training.compile removes the torch backend's host time)": (
-            model.backend == "te"
-        ),
-        "training.device cuda or auto": config.training.device != "cpu",
-        "training.compile=false": not config.training.compile,
-        "model.activation_checkpointing=none (recomputation runs outside the graphs)": (
-            model.activation_checkpointing == "none"
-        ),
-        f"parallel.pipeline=1 (it is {sizes.pp}; a stage runs several forwards before their "
-        "backwards)": sizes.pp == 1,
-        f"parallel.context=1 (it is {sizes.cp})": sizes.cp == 1,
-        "a dense model (model.num_experts unset: routing changes shapes per batch)": not (
-            model.num_experts
-        ),
-        "parallel.data_parallel_mode ddp or distributed_optimizer (FSDP gathers parameters "
-        "into new memory each step)": not fsdp,
-        "model.dropout=0 (the tensor-parallel RNG tracker swaps generator states)": (
-            model.dropout == 0
-        ),
-        "mixed_precision.fp8_recipe tensorwise (delayed scaling's amax history would not "
-        "update inside the graphs)": not (
-            config.mixed_precision.fp8 and config.mixed_precision.fp8_recipe == "delayed"
-        ),
-    }
-    return _unmet("training.cuda_graphs", needs)
 
 
 def _unmet(key: str, needs: dict[str, bool]) -> list[str]:

@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -170,27 +169,22 @@ def convert_linears(model: nn.Module, recipe: str) -> list[str]:
 def te_fp8_context(recipe: str) -> Callable[[], contextlib.AbstractContextManager]:
     """A factory of ``te.fp8_autocast`` contexts with the recipe (one recipe object, so
     delayed scaling keeps its amax history across steps)."""
-    fp8_recipe = te_recipe(recipe)  # refuses torchao's recipes before importing TE
-    import transformer_engine.pytorch as te
-
-    return lambda: te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe)
-
-
-def te_recipe(recipe: str) -> Any:
-    """Transformer Engine's recipe object for ``mixed_precision.fp8_recipe``."""
     if recipe == "rowwise":
         raise FP8Error(
             "mixed_precision.fp8_recipe=rowwise is torchao's; with the Transformer Engine "
             "backend use tensorwise (Float8CurrentScaling) or delayed (DelayedScaling), or set "
             "model.backend=torch"
         )
-    from transformer_engine.common import recipe as te_recipes
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe as te_recipe
 
     if recipe == "delayed":
-        return te_recipes.DelayedScaling(
-            fp8_format=te_recipes.Format.HYBRID, amax_history_len=1024, amax_compute_algo="max"
+        fp8_recipe = te_recipe.DelayedScaling(
+            fp8_format=te_recipe.Format.HYBRID, amax_history_len=1024, amax_compute_algo="max"
         )
-    return te_recipes.Float8CurrentScaling(fp8_format=te_recipes.Format.HYBRID)
+    else:
+        fp8_recipe = te_recipe.Float8CurrentScaling(fp8_format=te_recipe.Format.HYBRID)
+    return lambda: te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe)
 
 
 def check_device(device: torch.device) -> None:
@@ -245,6 +239,5 @@ __all__ = [
     "fp8_eligible",
     "prepare_fp8",
     "te_fp8_context",
-    "te_recipe",
     "torchao_config",
 ]
