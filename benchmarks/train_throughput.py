@@ -37,6 +37,7 @@ the blocks and the output head (the input embedding is a lookup, not a matmul).
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import os
 import re
@@ -154,7 +155,8 @@ def profile_steps(step, out: Path, variant: str, steps: int = 3) -> None:
     """A few more steps under torch.profiler: the kernels by GPU time, to OUT/profile-VARIANT.txt."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # Python stacks let idle_by_host_site name the code the GPU waits for.
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         for _ in range(steps):
             step()
         _synchronize()
@@ -237,15 +239,10 @@ def kernel_summary(events, steps: int) -> str:
 
 
 def idle_gaps(events, kernels, steps: int, shown: int = 15) -> list[str]:
-    """Where the GPU waits: the idle time between kernels by gap size, and the longest
-    gaps with the kernels around them and the innermost host operations running then."""
-    ordered = sorted(kernels, key=lambda e: e.time_range.start)
-    gaps, end, last = [], ordered[0].time_range.end, ordered[0]
-    for e in ordered[1:]:
-        if e.time_range.start > end:
-            gaps.append((e.time_range.start - end, end, last, e))
-        if e.time_range.end > end:
-            end, last = e.time_range.end, e
+    """Where the GPU waits: the idle time between kernels by gap size, the longest gaps
+    with the kernels around them and the innermost host operations running then, and
+    all idle time summed by what the host was doing (:func:`idle_by_host_site`)."""
+    gaps = kernel_gaps(kernels)
     buckets = {"< 0.1 ms": 0.0, "0.1-1 ms": 0.0, "1-10 ms": 0.0, ">= 10 ms": 0.0}
     for gap, *_ in gaps:
         key = (
@@ -271,6 +268,50 @@ def idle_gaps(events, kernels, steps: int, shown: int = 15) -> list[str]:
         )
         names = " < ".join(e.name[:40] for e in running[:4])
         lines.append(f"| {gap / 1000:.2f} | {before.name[:45]} | {after.name[:45]} | {names} |")
+    return lines + [""] + idle_by_host_site(host, gaps, steps, shown)
+
+
+def kernel_gaps(kernels) -> list[tuple[float, float, object, object]]:
+    """``(gap µs, start µs, kernel before, kernel after)`` of every stretch in which no
+    kernel runs (overlapping kernels count as one busy interval)."""
+    ordered = sorted(kernels, key=lambda e: e.time_range.start)
+    gaps, end, last = [], ordered[0].time_range.end, ordered[0]
+    for e in ordered[1:]:
+        if e.time_range.start > end:
+            gaps.append((e.time_range.start - end, end, last, e))
+        if e.time_range.end > end:
+            end, last = e.time_range.end, e
+    return gaps
+
+
+def idle_by_host_site(host, gaps, steps: int, shown: int = 15) -> list[str]:
+    """All GPU idle time summed by the innermost host operation running at each gap's
+    middle and, where the profile recorded Python stacks, the innermost frame of that
+    operation: which code the GPU waits for (a synchronisation, a slow launch path)."""
+    sites: dict[tuple[str, str], float] = {}
+    by_start = sorted(host, key=lambda e: e.time_range.start)
+    running: list[tuple[float, int, object]] = []  # heap of (end, tiebreak, event)
+    position = 0
+    for gap, start, _, _ in sorted(gaps, key=lambda g: g[1]):
+        middle = start + gap / 2
+        while position < len(by_start) and by_start[position].time_range.start <= middle:
+            event = by_start[position]
+            heapq.heappush(running, (event.time_range.end, position, event))
+            position += 1
+        while running and running[0][0] < middle:
+            heapq.heappop(running)
+        innermost = min(
+            (event for *_, event in running),
+            key=lambda e: e.time_range.end - e.time_range.start,
+            default=None,
+        )
+        op = innermost.name[:50] if innermost is not None else "(no host op)"
+        frames = getattr(innermost, "stack", None) or []
+        site = (op, frames[0][:90] if frames else "")
+        sites[site] = sites.get(site, 0.0) + gap / 1000 / steps
+    lines = ["| idle ms/step | innermost host op | its innermost Python frame |", "|---|---|---|"]
+    for (op, frame), ms in sorted(sites.items(), key=lambda kv: -kv[1])[:shown]:
+        lines.append(f"| {ms:.1f} | {op} | {frame} |")
     return lines
 
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,3 +46,36 @@ def test_curate_benchmark_scores_planted_near_duplicates(tmp_path: Path) -> None
     assert near["recall_by_edits"]["1"] == 1.0  # one word changed: found every time
     assert results["ours_full"]["kept"] < results["documents"]
     assert results["memory"][0]["lsh_bytes"] > 0
+
+
+def test_profile_sums_gpu_idle_time_by_the_host_code_running_then() -> None:
+    """``--profile``'s idle table: the GPU's gaps between kernels (overlapping kernels are
+    one busy stretch), each charged to the innermost host op running at its middle and
+    that op's innermost Python frame; the longest charge first."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import train_throughput
+
+    def event(name, start, end, device="CPU", stack=None):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end),
+                               device_type=f"DeviceType.{device}", stack=stack or [])  # fmt: skip
+
+    kernels = [event("gemm", 0, 100, "CUDA"), event("cast", 80, 120, "CUDA"),
+               event("softmax", 300, 400, "CUDA"), event("add", 450, 500, "CUDA")]  # fmt: skip
+    host = [
+        event("aten::cat", 50, 330, stack=["training/models/layers.py(313): apply_rope"]),
+        event("cudaEventSynchronize", 90, 320, stack=["training/metrics/pending.py(39): result"]),
+        event("cudaLaunchKernel", 410, 440),
+    ]
+    gaps = train_throughput.kernel_gaps(kernels)
+    assert [(gap, start, before.name, after.name) for gap, start, before, after in gaps] == [
+        (180, 120, "cast", "softmax"),
+        (50, 400, "softmax", "add"),
+    ]
+    table = train_throughput.idle_by_host_site(host, gaps, steps=2)
+    assert table[2:] == [
+        "| 0.1 | cudaEventSynchronize | training/metrics/pending.py(39): result |",
+        "| 0.0 | cudaLaunchKernel |  |",
+    ]
+    lines = train_throughput.idle_gaps(host + kernels, kernels, steps=2)
+    assert "| 0.1-1 ms | 0.1 |" in lines and "| < 0.1 ms | 0.0 |" in lines
+    assert lines[-2:] == table[2:]
