@@ -153,10 +153,16 @@ def time_steps(step, warmup: int, steps: int) -> float:
 
 def profile_steps(step, out: Path, variant: str, steps: int = 3) -> None:
     """A few more steps under torch.profiler: the kernels by GPU time, to OUT/profile-VARIANT.txt."""
+    from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
-    # Python stacks let idle_by_host_site name the code the GPU waits for.
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    # Python stacks (kept on the events only in verbose mode) let idle_by_host_site name
+    # the code the GPU waits for.
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+        with_stack=True,
+        experimental_config=_ExperimentalConfig(verbose=True),
+    ) as prof:
         for _ in range(steps):
             step()
         _synchronize()
@@ -306,13 +312,37 @@ def idle_by_host_site(host, gaps, steps: int, shown: int = 15) -> list[str]:
             default=None,
         )
         op = innermost.name[:50] if innermost is not None else "(no host op)"
-        frames = getattr(innermost, "stack", None) or []
-        site = (op, frames[0][:90] if frames else "")
+        with_stack = [event for *_, event in running if getattr(event, "stack", None)]
+        stack = []
+        if with_stack:
+            event = min(with_stack, key=lambda e: e.time_range.end - e.time_range.start)
+            # A Python function's own event carries its callers' frames only.
+            own = [event.name] if PYTHON_FRAME.search(event.name) else []
+            stack = own + list(event.stack)
+        site = (op, python_site(stack))
         sites[site] = sites.get(site, 0.0) + gap / 1000 / steps
-    lines = ["| idle ms/step | innermost host op | its innermost Python frame |", "|---|---|---|"]
+    lines = [
+        "| idle ms/step | innermost host op | Python then (innermost; ours) |",
+        "|---|---|---|",
+    ]
     for (op, frame), ms in sorted(sites.items(), key=lambda kv: -kv[1])[:shown]:
         lines.append(f"| {ms:.1f} | {op} | {frame} |")
     return lines
+
+
+OWN_CODE = ("training/", "megalith/", "benchmarks/", "preprocessing/")
+PYTHON_FRAME = re.compile(r"\.py\(\d+\): ")
+
+
+def python_site(stack: list[str]) -> str:
+    """The innermost Python frame of a profiled op's stack (innermost first; built-in
+    methods skipped) and, where that is library code, the innermost frame of ours."""
+    frames = [frame for frame in stack if not frame.startswith("<")]
+    if not frames:
+        return ""
+    ours = next((frame for frame in frames if any(part in frame for part in OWN_CODE)), "")
+    site = frames[0][-70:]
+    return site if not ours or ours == frames[0] else f"{site}; {ours[-70:]}"
 
 
 def run_matmul() -> dict:
