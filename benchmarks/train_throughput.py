@@ -291,11 +291,17 @@ def kernel_gaps(kernels) -> list[tuple[float, float, object, object]]:
 
 
 def idle_by_host_site(host, gaps, steps: int, shown: int = 15) -> list[str]:
-    """All GPU idle time summed by the innermost host operation running at each gap's
-    middle and, where the profile recorded Python stacks, the innermost frame of that
-    operation: which code the GPU waits for (a synchronisation, a slow launch path)."""
+    """All GPU idle time summed by what the threads that launch kernels were doing at
+    each gap's middle: their innermost host operation (none: plain Python between ops)
+    and, where the profile recorded Python stacks, the code running it. Other threads
+    (the data loader's) are left out: a wait there does not starve the GPU."""
+    launches: dict[int, int] = {}
+    for event in host:
+        if LAUNCH.search(event.name):
+            launches[event.thread] = launches.get(event.thread, 0) + 1
+    label = {thread: f"t{i}" for i, thread in enumerate(sorted(launches, key=launches.get)[::-1])}
     sites: dict[tuple[str, str], float] = {}
-    by_start = sorted(host, key=lambda e: e.time_range.start)
+    by_start = sorted((e for e in host if e.thread in label), key=lambda e: e.time_range.start)
     running: list[tuple[float, int, object]] = []  # heap of (end, tiebreak, event)
     position = 0
     for gap, start, _, _ in sorted(gaps, key=lambda g: g[1]):
@@ -306,23 +312,10 @@ def idle_by_host_site(host, gaps, steps: int, shown: int = 15) -> list[str]:
             position += 1
         while running and running[0][0] < middle:
             heapq.heappop(running)
-        innermost = min(
-            (event for *_, event in running),
-            key=lambda e: e.time_range.end - e.time_range.start,
-            default=None,
-        )
-        op = innermost.name[:50] if innermost is not None else "(no host op)"
-        with_stack = [event for *_, event in running if getattr(event, "stack", None)]
-        stack = []
-        if with_stack:
-            event = min(with_stack, key=lambda e: e.time_range.end - e.time_range.start)
-            # A Python function's own event carries its callers' frames only.
-            own = [event.name] if PYTHON_FRAME.search(event.name) else []
-            stack = own + list(event.stack)
-        site = (op, python_site(stack))
+        site = _innermost_site([event for *_, event in running], label)
         sites[site] = sites.get(site, 0.0) + gap / 1000 / steps
     lines = [
-        "| idle ms/step | innermost host op | Python then (innermost; ours) |",
+        "| idle ms/step | innermost host op (launching thread) | Python then (innermost; ours) |",
         "|---|---|---|",
     ]
     for (op, frame), ms in sorted(sites.items(), key=lambda kv: -kv[1])[:shown]:
@@ -330,8 +323,29 @@ def idle_by_host_site(host, gaps, steps: int, shown: int = 15) -> list[str]:
     return lines
 
 
+def _duration(event) -> float:
+    return event.time_range.end - event.time_range.start
+
+
+def _innermost_site(running: list, label: dict[int, str]) -> tuple[str, str]:
+    """``(op (thread), Python site)`` of the shortest event running; its own stack or,
+    for a CUDA runtime call, that of the innermost event around it with one."""
+    if not running:
+        return "(Python between ops)", ""
+    innermost = min(running, key=_duration)
+    op = f"{innermost.name[:50]} ({label[innermost.thread]})"
+    with_stack = [e for e in running if e.thread == innermost.thread and getattr(e, "stack", None)]
+    if not with_stack:
+        return op, ""
+    event = min(with_stack, key=_duration)
+    # A Python function's own event carries its callers' frames only.
+    own = [event.name] if PYTHON_FRAME.search(event.name) else []
+    return op, python_site(own + list(event.stack))
+
+
 OWN_CODE = ("training/", "megalith/", "benchmarks/", "preprocessing/")
 PYTHON_FRAME = re.compile(r"\.py\(\d+\): ")
+LAUNCH = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel|cudaGraphLaunch|cudaMemcpyAsync)")
 
 
 def python_site(stack: list[str]) -> str:

@@ -50,19 +50,23 @@ def test_curate_benchmark_scores_planted_near_duplicates(tmp_path: Path) -> None
 
 def test_profile_sums_gpu_idle_time_by_the_host_code_running_then() -> None:
     """``--profile``'s idle table: the GPU's gaps between kernels (overlapping kernels are
-    one busy stretch), each charged to the innermost host op running at its middle and
-    the Python code running then (the innermost frame, and ours where that is library
-    code); the longest charge first."""
+    one busy stretch), each charged to what the kernel-launching thread was doing at its
+    middle: its innermost op and the Python code running then (the innermost frame, and
+    ours where that is library code), or plain Python between ops; a thread that
+    launches nothing (the data loader's) is not charged. Longest charge first."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import train_throughput
 
-    def event(name, start, end, device="CPU", stack=None):
+    def event(name, start, end, device="CPU", stack=None, thread=1):
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end),
-                               device_type=f"DeviceType.{device}", stack=stack or [])  # fmt: skip
+                               device_type=f"DeviceType.{device}", stack=stack or [],
+                               thread=thread)  # fmt: skip
 
     kernels = [event("gemm", 0, 100, "CUDA"), event("cast", 80, 120, "CUDA"),
-               event("softmax", 300, 400, "CUDA"), event("add", 450, 500, "CUDA")]  # fmt: skip
+               event("softmax", 300, 400, "CUDA"), event("add", 450, 500, "CUDA"),
+               event("mul", 700, 750, "CUDA")]  # fmt: skip
     host = [
+        event("cudaLaunchKernel", 10, 20),
         event("aten::cat", 50, 330, stack=["training/models/layers.py(313): apply_rope"]),
         event("cudaEventSynchronize", 90, 320),
         event(
@@ -75,18 +79,21 @@ def test_profile_sums_gpu_idle_time_by_the_host_code_running_then() -> None:
             ],
         ),  # fmt: skip  (a Python function's own event: its callers' frames)
         event("cudaLaunchKernel", 410, 440),
+        event("cudaEventSynchronize", 0, 900, thread=2),  # the pin-memory thread
     ]
     gaps = train_throughput.kernel_gaps(kernels)
     assert [(gap, start, before.name, after.name) for gap, start, before, after in gaps] == [
         (180, 120, "cast", "softmax"),
         (50, 400, "softmax", "add"),
+        (200, 500, "add", "mul"),
     ]
     table = train_throughput.idle_by_host_site(host, gaps, steps=2)
     assert table[2:] == [
-        "| 0.1 | cudaEventSynchronize | torch/cuda/streams.py(230): synchronize; "
+        "| 0.1 | (Python between ops) |  |",
+        "| 0.1 | cudaEventSynchronize (t0) | torch/cuda/streams.py(230): synchronize; "
         "training/metrics/pending.py(39): result |",
-        "| 0.0 | cudaLaunchKernel |  |",
+        "| 0.0 | cudaLaunchKernel (t0) |  |",
     ]
     lines = train_throughput.idle_gaps(host + kernels, kernels, steps=2)
-    assert "| 0.1-1 ms | 0.1 |" in lines and "| < 0.1 ms | 0.0 |" in lines
-    assert lines[-2:] == table[2:]
+    assert "| 0.1-1 ms | 0.2 |" in lines and "| < 0.1 ms | 0.0 |" in lines
+    assert lines[-3:] == table[2:]
