@@ -152,7 +152,9 @@ def time_steps(step, warmup: int, steps: int) -> float:
 
 
 def profile_steps(step, out: Path, variant: str, steps: int = 3) -> None:
-    """A few more steps under torch.profiler: the kernels by GPU time, to OUT/profile-VARIANT.txt."""
+    """A few more steps under torch.profiler: the kernels by GPU time, to OUT/profile-VARIANT.txt.
+    Recording Python stacks slows the host: compare the profile's GPU span per step with
+    the timed steps before reading its idle time as the unprofiled run's."""
     from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
@@ -290,6 +292,13 @@ def kernel_gaps(kernels) -> list[tuple[float, float, object, object]]:
     return gaps
 
 
+# Idle attribution: frames of our code, a Python function's own profiler event, the CUDA
+# runtime calls that mark a thread as one that launches kernels.
+OWN_CODE = ("training/", "megalith/", "benchmarks/", "preprocessing/")
+PYTHON_FRAME = re.compile(r"\.py\(\d+\): ")
+LAUNCH = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel|cudaGraphLaunch|cudaMemcpyAsync)")
+
+
 def idle_by_host_site(host, gaps, steps: int, shown: int = 15) -> list[str]:
     """All GPU idle time summed by what the threads that launch kernels were doing at
     each gap's middle: their innermost host operation (none: plain Python between ops)
@@ -341,11 +350,6 @@ def _innermost_site(running: list, label: dict[int, str]) -> tuple[str, str]:
     # A Python function's own event carries its callers' frames only.
     own = [event.name] if PYTHON_FRAME.search(event.name) else []
     return op, python_site(own + list(event.stack))
-
-
-OWN_CODE = ("training/", "megalith/", "benchmarks/", "preprocessing/")
-PYTHON_FRAME = re.compile(r"\.py\(\d+\): ")
-LAUNCH = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel|cudaGraphLaunch|cudaMemcpyAsync)")
 
 
 def python_site(stack: list[str]) -> str:
