@@ -183,18 +183,22 @@ KERNEL_CATEGORIES = (
     # NCCL's collectives, TE's userbuffers (comm+GEMM overlap) kernels and their copies
     ("communication (NCCL, userbuffers)", r"nccl|userbuffers|kuserbuffers|ub_|memcpy.*peer"),
     ("attention", r"sdpa|fmha|flash|attention|cudnn"),
-    (
+    (  # Inductor's (named after _scaled_mm) and TE's (cast-transpose, amax, scale)
         "fp8 amax/scale/cast",
-        r"triton.*(abs|clamp|float8|amax)",
-    ),  # Inductor's, named after _scaled_mm
+        r"triton.*(abs|clamp|float8|amax)|cast_transpose|amax_kernel|scale_from_amax|fp8_quantize",
+    ),
     ("matmul", r"nvjet|gemm|cutlass|xmma|scaled_mm|f8f8|sm90_"),
+    ("norms (LayerNorm, RMSNorm)", r"rmsnorm|layer_norm|layernorm"),
     ("grad norm", r"lpnorm|norm_kernel"),
     ("optimizer (fused AdamW)", r"adam|multi_tensor"),
-    ("loss (log-softmax/CE)", r"log_softmax|nll|logsumexp|cross_entropy"),
+    ("loss (log-softmax/CE)", r"log_softmax|softmax|nll|logsumexp|cross_entropy"),
     ("RMSNorm (Inductor)", r"rsqrt"),
     ("SwiGLU (Inductor)", r"sigmoid|silu"),
     ("RoPE (Inductor)", r"neg|\bcat\b|_cat_|cos|sin"),
     ("other Inductor kernels", r"triton"),
+    # One eager op per kernel: residual and gradient-accumulation adds, muls, the cats of
+    # RoPE's rotate-half (what compilation would fuse)
+    ("eager adds, muls and cats", r"functor_add|binaryfunctor|mulfunctor|catarray"),
     ("aten copies/casts/fills", r"memcpy|memset|copy|fill|elementwise|vectorized|cast"),
     ("embedding/index", r"embedding|index|scatter|gather"),
 )

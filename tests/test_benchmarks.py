@@ -97,3 +97,47 @@ def test_profile_sums_gpu_idle_time_by_the_host_code_running_then() -> None:
     lines = train_throughput.idle_gaps(host + kernels, kernels, steps=2)
     assert "| 0.1-1 ms | 0.2 |" in lines and "| < 0.1 ms | 0.0 |" in lines
     assert lines[-3:] == table[2:]
+
+
+def test_profile_kernel_categories_name_what_the_time_is_spent_on() -> None:
+    """Kernel names from a TE fp8 eager step and a compiled step (H100 profiles in
+    benchmarks/RESULTS.md) land in the category that explains them: TE's fp8 casts with
+    the fp8 work, the eager glue (adds, muls, RoPE's cats) apart from plain copies, a
+    LayerNorm kernel as a norm and not as the gradient norm."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import train_throughput
+
+    expected = {
+        "cast_transpose_optimized_kernel(__nv_bfloat16 const*, float const*, __nv_fp8_e5m2*)": (
+            "fp8 amax/scale/cast"
+        ),
+        "void transformer_engine::(anonymous namespace)::amax_kernel<16, true>": (
+            "fp8 amax/scale/cast"
+        ),
+        "triton_red_fused__to_copy_abs_amax_clamp_0": "fp8 amax/scale/cast",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": (
+            "eager adds, muls and cats"
+        ),
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy<OpaqueType<2u>>": (
+            "eager adds, muls and cats"
+        ),
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": (
+            "aten copies/casts/fills"
+        ),
+        "void transformer_engine::normalization::rmsnorm_bwd_tuned_kernel<Kernel_traits>": (
+            "norms (LayerNorm, RMSNorm)"
+        ),
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float>": (
+            "norms (LayerNorm, RMSNorm)"
+        ),
+        "void at::native::multi_tensor_apply_kernel<TensorListMetadata<1>, LpNormFunctor>": (
+            "grad norm"
+        ),
+        "void at::native::(anonymous namespace)::cunn_SoftMaxBackward<4, float, float>": (
+            "loss (log-softmax/CE)"
+        ),
+        "triton_per_fused_rsqrt_mean_0": "RMSNorm (Inductor)",
+        "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
+    }
+    assert {name: train_throughput.kernel_category(name) for name in expected} == expected
