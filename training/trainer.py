@@ -238,6 +238,7 @@ class Trainer:
         # On a GPU, fit reads step k's metrics after launching step k + 1 (step_metrics);
         # on the CPU there is nothing to overlap, and a step is recorded as it ends.
         self.records_one_step_late = self.device.type == "cuda"
+        self._alloc_retries_reported = 0
         # The output head counts as a real matmul: that matches the reference MFU figures
         # (HF Llama 65.5k tokens/s ≈ 47% at the 1B shape). A T5 sample counts S + T tokens.
         self.tokens_per_sample, self.flops_per_token = self.family.tokens_and_flops(
@@ -697,6 +698,16 @@ class Trainer:
         if self.device.type == "cuda":
             speed["mfu"] = tokens_per_s * self.flops_per_token / PEAK_BF16_FLOPS
             speed["memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+            retries = cuda_alloc_retries()
+            speed["cuda_alloc_retries"] = float(retries)
+            if retries > self._alloc_retries_reported:
+                logger.warning(
+                    "the CUDA allocator emptied its cache and retried %d time(s) so far: each "
+                    "retry stalls the GPU; try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
+                    "a smaller training.micro_batch_size or activation checkpointing",
+                    retries,
+                )
+                self._alloc_retries_reported = retries
         else:
             speed["memory_gb"] = _resident_memory_gb()
         return speed
@@ -715,6 +726,14 @@ class _FitLog:
     metrics_file: MetricsFile | None
     tokens_per_step: int
     rates: list[float] = field(default_factory=list)
+
+
+def cuda_alloc_retries() -> int:
+    """How often torch's CUDA allocator found no free block, emptied its cache and retried:
+    each retry waits for the GPU and frees memory it must then allocate again, so a step
+    that retries is slow for a reason no profile of its kernels shows (fragmentation, or a
+    batch too close to the memory limit). torchtitan's memory monitor reports the same."""
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
 
 def _resident_memory_gb() -> float:
