@@ -25,6 +25,7 @@ measured errors and loss gaps in benchmarks/RESULTS.md ("Tests that need a GPU")
 from __future__ import annotations
 
 import types
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -36,8 +37,10 @@ from torch import nn
 from megalith.config import ModelConfig, load_config
 from training.models import GPTModel, TorchBackend, model_from_tensors, resolve_backend
 from training.models import backend as backend_module
+from training.models.gpt import MLP
 from training.models.package import load_model_package, save_model_package
 from training.models.te_backend import (
+    TEFusedMLP,
     TELinear,
     TENormLinear,
     TransformerEngineBackend,
@@ -79,6 +82,41 @@ class _Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class _LayerNormMLP(nn.Module):
+    def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm",
+                 activation="gelu", params_dtype=None, device="cuda"):  # fmt: skip
+        super().__init__()
+        self.eps, self.normalization, self.activation = eps, normalization, activation
+        chunks = 2 if activation in ("swiglu", "geglu") else 1
+        self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, device=device))
+        if normalization == "LayerNorm":
+            self.layer_norm_bias = nn.Parameter(torch.empty(hidden_size, device=device))
+        self.fc1_weight = nn.Parameter(
+            torch.empty(chunks * ffn_hidden_size, hidden_size, device=device)
+        )
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, device=device))
+        self.fc1_bias = self.fc2_bias = None
+        if bias:
+            self.fc1_bias = nn.Parameter(torch.empty(chunks * ffn_hidden_size, device=device))
+            self.fc2_bias = nn.Parameter(torch.empty(hidden_size, device=device))
+
+    def forward(self, x):
+        if self.normalization == "RMSNorm":
+            x = F.rms_norm(x, x.shape[-1:], self.layer_norm_weight, self.eps)
+        else:
+            x = F.layer_norm(
+                x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps
+            )
+        x = F.linear(x, self.fc1_weight, self.fc1_bias)
+        if self.activation == "gelu":
+            x = F.gelu(x, approximate="tanh")
+        else:
+            gate, up = x.chunk(2, dim=-1)
+            act = F.silu if self.activation == "swiglu" else partial(F.gelu, approximate="tanh")
+            x = act(gate) * up
+        return F.linear(x, self.fc2_weight, self.fc2_bias)
+
+
 class _DotProductAttention(nn.Module):
     def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None,
                  attention_dropout=0.0, qkv_format="sbhd", attn_mask_type="causal"):  # fmt: skip
@@ -94,7 +132,10 @@ class _DotProductAttention(nn.Module):
 
 
 StandInTE = types.SimpleNamespace(
-    LayerNormLinear=_LayerNormLinear, Linear=_Linear, DotProductAttention=_DotProductAttention
+    LayerNormLinear=_LayerNormLinear,
+    Linear=_Linear,
+    LayerNormMLP=_LayerNormMLP,
+    DotProductAttention=_DotProductAttention,
 )
 
 
@@ -120,9 +161,16 @@ def pair(cfg: ModelConfig) -> tuple[GPTModel, GPTModel]:
 
 
 def engines(model: nn.Module) -> list:
-    """The TE engines of ``model``'s modules, built or not (``engine.module`` is None until
-    the first forward on an engine device)."""
-    return [m.__dict__["_engine"] for m in model.modules() if "_engine" in m.__dict__]
+    """The TE engines that run ``model``, built or not (``engine.module`` is None until
+    the first forward on an engine device): each module's own, but a fused MLP's in place
+    of its fc1's and fc2's."""
+    found, skipped = [], set()
+    for module in model.modules():
+        if isinstance(module.__dict__.get("fused"), TEFusedMLP):
+            found.append(module.fused.engine)
+            skipped |= {id(module.fc1), id(module.fc2)}
+    mine = [m for m in model.modules() if "_engine" in m.__dict__ and id(m) not in skipped]
+    return found + [m.__dict__["_engine"] for m in mine]
 
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
@@ -140,7 +188,7 @@ def test_stand_in_engines_run_on_our_parameters_and_write_our_gradients(style: s
         model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the attention engine runs in bf16 only
         bf16 = [model(tokens) for model in (plain, te)]
-    assert len(engines(te)) == 5 * 2  # qkv, core, proj, fc1, fc2 in each of the 2 layers
+    assert len(engines(te)) == 4 * 2  # qkv, core, proj, the fused MLP in each of the 2 layers
     assert all(engine.module is not None for engine in engines(te))  # and every one ran
     torch.testing.assert_close(bf16[1], bf16[0])
     for (name, a), (_, b) in zip(plain.named_parameters(), te.named_parameters(), strict=True):
@@ -151,14 +199,19 @@ def test_stand_in_engines_run_on_our_parameters_and_write_our_gradients(style: s
     assert qkv._engine.module.weight is qkv.linear.weight
     assert qkv._engine.module.layer_norm_weight is qkv.norm.weight
     assert te.layers[0].attention.proj._engine.module.weight is te.layers[0].attention.proj.weight
+    mlp = te.layers[0].mlp
+    assert mlp.fused.engine.module.fc1_weight is mlp.fc1.linear.weight
+    assert mlp.fused.engine.module.fc2_weight is mlp.fc2.weight
+    assert mlp.fused.engine.module.layer_norm_weight is mlp.fc1.norm.weight
 
 
 def test_name_map_from_the_module_tree() -> None:
     _, te = pair(config("gpt2"))
     names = te_parameter_names(te)
     assert names["layers.0.attention.qkv.norm.weight"] == "layers.0.attention.qkv.layer_norm_weight"
-    assert names["layers.1.mlp.fc1.norm.bias"] == "layers.1.mlp.fc1.layer_norm_bias"
-    assert names["layers.1.mlp.fc1.linear.bias"] == "layers.1.mlp.fc1.bias"
+    assert names["layers.1.mlp.fc1.norm.bias"] == "layers.1.mlp.layer_norm_bias"
+    assert names["layers.1.mlp.fc1.linear.bias"] == "layers.1.mlp.fc1_bias"
+    assert names["layers.1.mlp.fc2.weight"] == "layers.1.mlp.fc2_weight"
     assert names["layers.0.attention.proj.weight"] == "layers.0.attention.proj.weight"
     assert names["final_norm.weight"] == "final_norm.weight"
     te(torch.randint(0, 64, (1, 8)))
@@ -167,7 +220,11 @@ def test_name_map_from_the_module_tree() -> None:
     for ours, theirs in names.items():
         path, _, leaf = theirs.rpartition(".")
         owner = te.get_submodule(path)
-        holder = owner._engine.module if "_engine" in owner.__dict__ else owner
+        holder = owner
+        if "_engine" in owner.__dict__:
+            holder = owner._engine.module
+        elif isinstance(owner.__dict__.get("fused"), TEFusedMLP):
+            holder = owner.fused.engine.module
         assert getattr(holder, leaf) is params[ours], ours
 
 
@@ -179,7 +236,55 @@ def test_layernorm_without_bias_runs_unfused() -> None:
     qkv = te.layers[0].attention.qkv
     assert not isinstance(qkv, TENormLinear) and isinstance(qkv.linear, TELinear)
     assert qkv.linear._engine.module is not None
+    assert te.layers[0].mlp.fused is None and te.layers[0].mlp.fc2._engine.module is not None
     assert list(plain.state_dict()) == list(te.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("extra", "fused"),
+    [
+        (dict(style="llama"), True),  # SwiGLU, RMSNorm
+        (dict(style="gpt2"), True),  # tanh GELU, LayerNorm with bias
+        (dict(style="gpt2", gelu_approximation="none"), False),  # TE has no erf GELU
+    ],
+)
+def test_mlp_runs_as_one_layernorm_mlp_where_te_has_its_activation(extra, fused) -> None:
+    """The fused MLP computes the MLP's function with its parameters (the stand-in is the
+    torch functions, so this is wiring: the activation's name, the norm, the biases and
+    the gradients reaching fc1 and fc2); an activation TE lacks runs layer by layer."""
+    plain, te = pair(config(**extra))
+    tokens = torch.randint(0, 64, (2, 9))
+    for model in (plain, te):
+        model(tokens[:, :-1], labels=tokens[:, 1:]).backward()
+    mlp = te.layers[1].mlp
+    assert (mlp.fused is not None) == fused
+    if fused:
+        assert mlp.fused.engine.module is not None and mlp.fc1._engine.module is None
+    else:
+        assert mlp.fc1._engine.module is not None and mlp.fc2._engine.module is not None
+    for (name, a), (_, b) in zip(plain.named_parameters(), te.named_parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
+def test_t5_gated_gelu_mlp_runs_fused() -> None:
+    """T5's gated GELU (tanh) is TE's ``geglu``; RMSNorm without biases."""
+    cfg = ModelConfig(
+        family="t5", num_layers=1, num_decoder_layers=1, hidden_size=32, num_attention_heads=4,
+        vocab_size=64, max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = MLP(cfg, TorchBackend())
+    torch.manual_seed(0)
+    te = MLP(cfg, stand_in_backend())
+    assert te.fused is not None
+    x = torch.randn(2, 5, 32)
+    outputs = [mlp(x) for mlp in (plain, te)]
+    torch.testing.assert_close(outputs[1], outputs[0])
+    for out in outputs:
+        out.square().sum().backward()
+    assert te.fused.engine.module.activation == "geglu"
+    for (name, a), (_, b) in zip(plain.named_parameters(), te.named_parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
 
 
 def test_weights_loaded_later_reach_the_engines(tmp_path) -> None:
@@ -281,10 +386,11 @@ def assert_real_engines_ran(model: nn.Module, attention: bool = True) -> None:
     """Every engine of ``model`` was built, and is TE's own module, not a stand-in."""
     te = real_te()
     built = [engine.module for engine in engines(model)]
-    kinds = (te.LayerNormLinear, te.Linear) + ((te.DotProductAttention,) if attention else ())
+    gemms = (te.LayerNormLinear, te.Linear, te.LayerNormMLP)
+    kinds = gemms + ((te.DotProductAttention,) if attention else ())
     assert built and all(isinstance(module, kinds) for module in built if module is not None)
-    linears = [m for m in built if isinstance(m, (te.LayerNormLinear, te.Linear))]
-    assert len(linears) == 4 * model.config.num_layers  # qkv, proj, fc1, fc2
+    linears = [m for m in built if isinstance(m, gemms)]
+    assert len(linears) == 3 * model.config.num_layers  # qkv, proj, the MLP
     if attention:
         assert sum(isinstance(m, te.DotProductAttention) for m in built) == model.config.num_layers
 

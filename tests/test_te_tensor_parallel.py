@@ -42,7 +42,7 @@ from megalith.config import ModelConfig, load_config
 from megalith.errors import MegalithError
 from training.models import GPTModel, TorchBackend
 from training.models import backend as backend_module
-from training.models.te_backend import TransformerEngineBackend
+from training.models.te_backend import TEFusedMLP, TransformerEngineBackend
 from training.models.tp_backend import TensorParallelBackend
 from training.parallel.data_parallel import shard_model
 from training.parallel.groups import ParallelSizes, build_parallel_state
@@ -134,9 +134,57 @@ class _ParallelLayerNormLinear(_ParallelLinear):
         return self._linear(x2d, x.shape)
 
 
+class _ParallelLayerNormMLP(nn.Module):
+    """``te.LayerNormMLP``'s contract: global sizes, local weights (fc1's ``[gate; up]`` of
+    this rank); with ``set_parallel_mode`` the input copied or all-gathered along the first
+    dimension, fc2's output all-reduced or reduce-scattered along it, then fc2's bias."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm",
+                 activation="gelu", params_dtype=None, device="cuda", set_parallel_mode=False,
+                 tp_group=None, tp_size=1, sequence_parallel=False):  # fmt: skip
+        super().__init__()
+        self.eps, self.normalization, self.activation = eps, normalization, activation
+        self.group, self.sp, self.tp = tp_group, sequence_parallel, set_parallel_mode
+        chunks = 2 if activation in ("swiglu", "geglu") else 1
+        local = ffn_hidden_size // tp_size
+        self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, device=device))
+        if normalization == "LayerNorm":
+            self.layer_norm_bias = nn.Parameter(torch.empty(hidden_size, device=device))
+        self.fc1_weight = nn.Parameter(torch.empty(chunks * local, hidden_size, device=device))
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, local, device=device))
+        self.fc1_bias = self.fc2_bias = None
+        if bias:
+            self.fc1_bias = nn.Parameter(torch.empty(chunks * local, device=device))
+            self.fc2_bias = nn.Parameter(torch.empty(hidden_size, device=device))
+
+    def forward(self, x):
+        x2d = x.reshape(-1, x.size(-1))
+        if self.normalization == "RMSNorm":
+            x2d = F.rms_norm(x2d, x2d.shape[-1:], self.layer_norm_weight, self.eps)
+        else:
+            x2d = F.layer_norm(
+                x2d, x2d.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps
+            )
+        if self.tp:
+            sp = self.sp
+            x2d = _GatherReduceScatter.apply(x2d, 0, self.group) if sp else copy_to_tensor_parallel_region(x2d, self.group)  # fmt: skip
+        h = F.linear(x2d, self.fc1_weight, self.fc1_bias)
+        if self.activation == "gelu":
+            h = F.gelu(h, approximate="tanh")
+        else:
+            gate, up = h.chunk(2, dim=-1)
+            h = (F.silu(gate) if self.activation == "swiglu" else F.gelu(gate, approximate="tanh")) * up  # fmt: skip
+        y = F.linear(h, self.fc2_weight)
+        if self.tp:
+            y = _ReduceScatter.apply(y, 0, self.group) if self.sp else reduce_from_tensor_parallel_region(y, self.group)  # fmt: skip
+        y = y if self.fc2_bias is None else y + self.fc2_bias
+        return y.view(*x.shape[:-1], y.size(-1))
+
+
 class _StandInTE:
     Linear = _ParallelLinear
     LayerNormLinear = _ParallelLayerNormLinear
+    LayerNormMLP = _ParallelLayerNormMLP
     DotProductAttention = _DotProductAttention
 
 
@@ -163,7 +211,11 @@ LAYOUTS = [Layout(s, sp) for s in ("llama", "gpt2") for sp in (False, True)]
 
 
 def engines(model: nn.Module) -> list:
-    return [m.__dict__["_engine"] for m in model.modules() if "_engine" in m.__dict__]
+    """The engines that run ``model``: a fused MLP's in place of its fc1's and fc2's."""
+    fused = [m for m in model.modules() if isinstance(m.__dict__.get("fused"), TEFusedMLP)]
+    skipped = {id(part) for mlp in fused for part in (mlp.fc1, mlp.fc2)}
+    mine = [m for m in model.modules() if "_engine" in m.__dict__ and id(m) not in skipped]
+    return [mlp.fused.engine for mlp in fused] + [m.__dict__["_engine"] for m in mine]
 
 
 def _check_stand_in(layout: Layout, group: dist.ProcessGroup) -> list[str]:
@@ -193,7 +245,7 @@ def _check_stand_in(layout: Layout, group: dist.ProcessGroup) -> list[str]:
     expected.backward()
     got.backward()
     built = [engine.module for engine in engines(model) if engine.module is not None]
-    if len(built) != 4 * config.num_layers:  # qkv, proj, fc1, fc2; fp32 attention is SDPA
+    if len(built) != 3 * config.num_layers:  # qkv, proj, the MLP; fp32 attention is SDPA
         failures.append(f"{where}: engines built: {built}")
     qkv = model.layers[0].attention.qkv
     if qkv._engine.module.weight is not qkv.linear.weight:
@@ -299,7 +351,7 @@ def _check_fsdp_over_engines(style: str) -> list[str]:
     full(tokens, labels).backward()  # the whole batch: the mean of the ranks' losses
     got.backward()
     built = [engine.module for engine in engines(model) if engine.module is not None]
-    if len(built) != 4 * config.num_layers:
+    if len(built) != 3 * config.num_layers:  # qkv, proj, the MLP
         failures.append(f"{where}: engines built: {len(built)}")
     whole = dict(full.named_parameters())
     for name, param in model.named_parameters():
@@ -573,7 +625,7 @@ def _te_case(precision: str, sp: bool, group: dist.ProcessGroup) -> dict:
     te = __import__("transformer_engine.pytorch", fromlist=["Linear"])
     built = [e.module for e in engines(two) if e.module is not None]
     report["engines"] = sorted({type(m).__name__ for m in built})
-    linears = [m for m in built if isinstance(m, (te.Linear, te.LayerNormLinear))]
+    linears = [m for m in built if isinstance(m, (te.Linear, te.LayerNormLinear, te.LayerNormMLP))]
     report["tp_engines"] = sum(m.tp_size == WORLD for m in linears)
     report["fp8_engines"] = sum(bool(m.fp8) for m in linears)
     report["sp_engines"] = sum(bool(m.sequence_parallel) for m in linears)
@@ -622,7 +674,7 @@ def test_real_te_tensor_parallel_matches_te_at_tp1(te_results, precision: str, s
     for rank, results in enumerate(te_results):
         entry = results[case]
         assert "error" not in entry, f"rank {rank}: {entry.get('error')}"
-        assert entry["linears"] == 4 * gpu_config().num_layers
+        assert entry["linears"] == 3 * gpu_config().num_layers  # qkv, proj, the fused MLP
         assert entry["tp_engines"] == entry["linears"]  # every linear is TE's TP module
         assert entry["fp8_engines"] == (0 if precision == "bf16" else entry["linears"])
         assert entry["sp_engines"] == (entry["linears"] if sp else 0)

@@ -25,8 +25,9 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Protocol
 
-from torch import nn
+from torch import Tensor, nn
 
 from megalith.config import ModelConfig
 from megalith.errors import MegalithError
@@ -37,6 +38,15 @@ from training.models.moe import MoELayer
 
 class BackendError(MegalithError):
     """A layer backend that was asked for but cannot be used here."""
+
+
+class FusedMLP(Protocol):
+    """What :meth:`LayerBackend.fused_mlp` returns: ``fused(mlp, x)`` computes
+    ``fc2(activation(fc1(x)))`` with ``mlp``'s parameters, where ``runs_for(x)``."""
+
+    def runs_for(self, x: Tensor) -> bool: ...
+
+    def __call__(self, mlp: nn.Module, x: Tensor) -> Tensor: ...
 
 
 class LayerBackend(ABC):
@@ -116,6 +126,21 @@ class LayerBackend(ABC):
             )
         out_features = (num_heads + 2 * num_groups) * head_dim
         return self.norm_linear(hidden_size, out_features, norm=norm, bias=bias, init_std=init_std)
+
+    def fused_mlp(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        activation: str,
+        norm: NormSpec,
+        bias: bool,
+    ) -> FusedMLP | None:
+        """One kernel-level module for a whole dense MLP (norm, fc1, activation, fc2) that
+        reads the MLP's own parameters, or None: the MLP then runs its layers one by one.
+        ``activation`` is the MLP's function name (``swiglu``, ``geglu``, ``gelu`` for the
+        tanh GELU, ``gelu_erf``)."""
+        return None
 
     def moe_mlp(self, config: ModelConfig, norm: NormSpec) -> nn.Module:
         """A mixture-of-experts MLP with its input norm (:mod:`training.models.moe`);

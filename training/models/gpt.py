@@ -183,6 +183,15 @@ class MLP(nn.Module):
         self.activation = {"swiglu": swiglu, "geglu": geglu, "gelu": gelu}[config.activation]
         if config.activation == "gelu" and config.gelu_approximation == "none":
             self.activation = gelu_erf
+        # Where the backend runs the whole MLP as one module (TE's LayerNormMLP), with
+        # these same parameters; kept outside the module tree.
+        self.fused = backend.fused_mlp(
+            config.hidden_size,
+            config.ffn_hidden_size,
+            activation=self.activation.__name__,
+            norm=_norm_spec(config),
+            bias=config.bias,
+        )
         self.fc2 = backend.row_linear(
             config.ffn_hidden_size,
             config.hidden_size,
@@ -192,6 +201,8 @@ class MLP(nn.Module):
         self.dropout = backend.dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused is not None and self.fused.runs_for(x):
+            return self.dropout(self.fused(self, x))
         return self.dropout(self.fc2(self.activation(self.fc1(x))))
 
 

@@ -1,6 +1,8 @@
 """The Transformer Engine layer backend (``model.backend: te``; ``auto`` picks it where
-``transformer_engine`` imports): ``te.LayerNormLinear`` for the fused norm + QKV and
-norm + fc1, ``te.Linear`` for the output projection and fc2, ``te.DotProductAttention``
+``transformer_engine`` imports): ``te.LayerNormLinear`` for the fused norm + QKV,
+``te.Linear`` for the output projection, ``te.LayerNormMLP`` for a whole dense MLP (norm,
+fc1, activation, fc2: :class:`TEFusedMLP`; an erf GELU or a LayerNorm without bias runs
+as ``te.LayerNormLinear`` + our activation + ``te.Linear``), ``te.DotProductAttention``
 for the attention core, and fp8 through ``te.fp8_autocast`` (:mod:`training.precision.fp8`).
 
 Checkpoint names. The model keeps the torch backend's parameter names and whole-tensor
@@ -57,7 +59,19 @@ TE_PARAMETER_NAMES = {
         "linear.bias": "bias",
     },
     "linear": {"weight": "weight", "bias": "bias"},
+    # The whole dense MLP (fc1 = norm + linear, fc2) as one te.LayerNormMLP.
+    "mlp": {
+        "fc1.norm.weight": "layer_norm_weight",
+        "fc1.norm.bias": "layer_norm_bias",
+        "fc1.linear.weight": "fc1_weight",
+        "fc1.linear.bias": "fc1_bias",
+        "fc2.weight": "fc2_weight",
+        "fc2.bias": "fc2_bias",
+    },
 }
+# Our MLP activations -> TE's of the same function (TE's GELU is the tanh one; it has no
+# erf GELU, so an MLP with that runs its layers one by one).
+TE_ACTIVATIONS = {"swiglu": "swiglu", "geglu": "geglu", "gelu": "gelu"}
 
 TEProvider = Callable[[], Any]
 
@@ -74,15 +88,20 @@ def te_parameter_names(model: nn.Module) -> dict[str, str]:
     the names of the torch layers (embeddings, final norm, head) map to themselves.
     Built from the module tree with the same table the engines use at run time."""
     mapping = {name: name for name, _ in model.named_parameters()}
-    for path, module in model.named_modules():
-        engine = module.__dict__.get("_engine")
-        if engine is None:
-            continue
+    modules = list(model.named_modules())
+    engines = [(path, m.__dict__["_engine"]) for path, m in modules if "_engine" in m.__dict__]
+    # A fused MLP's engine is what runs, not its fc1/fc2 engines: it maps their names last.
+    engines += [(path, m.fused.engine) for path, m in modules if isinstance(_fused(m), TEFusedMLP)]
+    for path, engine in engines:
         for ours, theirs in engine.names.items():
             full = f"{path}.{ours}" if path else ours
             if full in mapping:
                 mapping[full] = f"{path}.{theirs}" if path else theirs
     return mapping
+
+
+def _fused(module: nn.Module) -> object:
+    return module.__dict__.get("fused")
 
 
 Feed = Callable[[str, Tensor], Tensor]
@@ -206,6 +225,55 @@ class TEAttention(layers.SDPAttention):
             out = self._engine(self, q.contiguous(), k.contiguous(), v.contiguous())
             return out.reshape(q.size(0), q.size(1), self.num_heads * self.head_dim)
         return super().forward(q, k, v, attn_mask)
+
+
+def fusable_mlp(activation: str, norm: NormSpec) -> str | None:
+    """TE's name for an MLP activation that ``te.LayerNormMLP`` can run with this norm, or
+    None (an erf GELU; a LayerNorm without bias, which TE's LayerNorm always has)."""
+    if norm.kind == "layernorm" and not norm.bias:
+        return None
+    return TE_ACTIVATIONS.get(activation)
+
+
+class TEFusedMLP:
+    """A dense MLP through ``te.LayerNormMLP`` on CUDA: norm, fc1, activation and fc2 in
+    one module, so under fp8 the activation writes fp8 for fc2 directly and its backward
+    fuses with the cast of fc1's output gradient. It reads the MLP's own parameters
+    (``TE_PARAMETER_NAMES["mlp"]``); the MLP's ``fc1``/``fc2`` engines then never run."""
+
+    def __init__(self, engine: Engine, devices: tuple[str, ...]):
+        self.engine, self.devices = engine, devices
+
+    def runs_for(self, x: Tensor) -> bool:
+        return engine_device(x, self.devices)
+
+    def __call__(self, mlp: nn.Module, x: Tensor) -> Tensor:
+        return self.engine(mlp, x)
+
+
+def layer_norm_mlp_module(
+    te: TEProvider,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    norm: NormSpec,
+    *,
+    activation: str,
+    bias: bool,
+    dtype: torch.dtype,
+    **parallel: Any,
+) -> Callable[[], nn.Module]:
+    """What builds a ``te.LayerNormMLP`` (``parallel`` as in :func:`layer_norm_linear_module`)."""
+    return lambda: te().LayerNormMLP(
+        hidden_size,
+        ffn_hidden_size,
+        eps=norm.eps,
+        bias=bias,
+        normalization="RMSNorm" if norm.kind == "rmsnorm" else "LayerNorm",
+        activation=activation,
+        params_dtype=dtype,
+        device="meta",
+        **parallel,
+    )
 
 
 def layer_norm_linear_module(
@@ -336,6 +404,29 @@ class TransformerEngineBackend(TorchBackend):
     ) -> nn.Module:
         return self.row_linear(in_features, out_features, bias=bias, init_std=init_std)
 
+    def fused_mlp(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        activation: str,
+        norm: NormSpec,
+        bias: bool,
+    ) -> TEFusedMLP | None:
+        te_activation = fusable_mlp(activation, norm)
+        if te_activation is None:
+            return None
+        build = layer_norm_mlp_module(
+            self.te,
+            hidden_size,
+            ffn_hidden_size,
+            norm,
+            activation=te_activation,
+            bias=bias,
+            dtype=torch.get_default_dtype(),
+        )
+        return TEFusedMLP(Engine(build, TE_PARAMETER_NAMES["mlp"]), self.devices)
+
     def row_linear(
         self, in_features: int, out_features: int, *, bias: bool, init_std: float
     ) -> nn.Module:
@@ -357,14 +448,17 @@ __all__ = [
     "TE_PARAMETER_NAMES",
     "Engine",
     "TEAttention",
+    "TEFusedMLP",
     "TELinear",
     "TENormLinear",
     "TransformerEngineBackend",
     "attach_engine",
     "attention_engine",
     "engine_device",
+    "fusable_mlp",
     "layer_norm_linear_engine",
     "layer_norm_linear_module",
+    "layer_norm_mlp_module",
     "linear_engine",
     "linear_module",
     "te_parameter_names",

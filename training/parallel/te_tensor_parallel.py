@@ -12,6 +12,8 @@ on CUDA:
   given the TP group and ``sequence_parallel``: TE does the all-gather of the normalised
   sequence shards (in fp8 under an fp8 recipe), the reduce-scatter or all-reduce of the
   outputs, and their conjugates in backward;
+- a dense MLP whose activation TE has (without userbuffers): one
+  ``te.LayerNormMLP(set_parallel_mode=True)``, fc1 column- and fc2 row-parallel;
 - attention: ``te.DotProductAttention`` over this rank's heads;
 - embedding, output head and loss, the final norm and the sequence split stay the
   tensor-parallel backend's (vocab-parallel; TE has none).
@@ -70,13 +72,16 @@ from training.models.te_backend import (
     TE_PARAMETER_NAMES,
     Engine,
     TEAttention,
+    TEFusedMLP,
     TENormLinear,
     TEProvider,
     attach_engine,
     attention_engine,
     engine_device,
+    fusable_mlp,
     import_transformer_engine,
     layer_norm_linear_module,
+    layer_norm_mlp_module,
     linear_module,
 )
 from training.models.tp_backend import TensorParallelBackend
@@ -352,6 +357,38 @@ class TETensorParallelBackend(TensorParallelBackend):
         )
         attach_engine(module, engine, self.devices)
         return module
+
+    def fused_mlp(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        activation: str,
+        norm: NormSpec,
+        bias: bool,
+    ) -> TEFusedMLP | None:
+        """``te.LayerNormMLP`` over the TP group: fc1 column-, fc2 row-parallel. Under SP it
+        all-gathers and reduce-scatters along the same (first) dimension, so each rank gets
+        back its own tokens and needs no reordering. With userbuffers (named per GEMM in
+        TE's tables) the MLP keeps its two linears."""
+        te_activation = fusable_mlp(activation, norm)
+        if te_activation is None or self.overlap is not None:
+            return None
+        build = layer_norm_mlp_module(
+            self.te,
+            hidden_size,
+            ffn_hidden_size,
+            norm,
+            activation=te_activation,
+            bias=bias,
+            dtype=torch.get_default_dtype(),
+            set_parallel_mode=True,
+            tp_group=self.group,
+            tp_size=self.tensor_parallel_size,
+            sequence_parallel=self.sequence_parallel,
+        )
+        feed = self._reduced("fc1.norm.weight", "fc1.norm.bias", "fc2.bias")
+        return TEFusedMLP(Engine(build, TE_PARAMETER_NAMES["mlp"], feed), self.devices)
 
     def core_attention(
         self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
