@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from parallel_helpers import tiny_settings
 
-from megalith.config import ModelConfig
+from megalith.config import ModelConfig, load_config
 from training.models import GPTModel
+from training.trainer import Trainer, cuda_alloc_retries
 
 pytestmark = pytest.mark.gpu
 
@@ -112,3 +114,34 @@ def test_decode_graphs_replay_the_paged_decode_step(dtype: torch.dtype) -> None:
         for row, token in zip(live, plain.argmax(-1).tolist(), strict=True):
             tokens[row], starts[row] = token, starts[row] + 1
     assert graphs.captured == 3  # (4 rows, 128 keys), (2, 128), (1, 64)
+
+
+def _force_an_allocator_retry() -> None:
+    """Cache a freed block, then ask for a larger one than the memory cap leaves room for
+    beside it: the allocator frees its cache and retries (one ``num_alloc_retries``)."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    room = 2**30
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + room) / total)
+    try:
+        block = torch.empty(int(0.6 * room), dtype=torch.uint8, device="cuda")
+        del block  # stays in the allocator's cache
+        larger = torch.empty(int(0.7 * room), dtype=torch.uint8, device="cuda")
+        del larger
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+def test_allocator_retries_are_counted_and_each_run_counts_its_own(shards, tmp_path) -> None:
+    """``cuda_alloc_retries`` sees a retry forced here; a Trainer started afterwards
+    records only its own (none, for this small model), with every step's metrics."""
+    before = cuda_alloc_retries()
+    _force_an_allocator_retry()
+    assert cuda_alloc_retries() == before + 1
+
+    values = {"training.device": "cuda", "training.train_iters": 3, "training.eval_interval": 0}
+    settings = tiny_settings(shards, {**values, "model.backend": "torch"})
+    config = load_config(None, [f"{key}={value}" for key, value in settings.items()])
+    result = Trainer(config, tmp_path / "run").fit(show_progress=False)
+    assert [record["cuda_alloc_retries"] for record in result.metrics] == [0.0, 0.0, 0.0]
+    assert all(record["memory_gb"] > 0 for record in result.metrics)

@@ -238,6 +238,8 @@ class Trainer:
         # On a GPU, fit reads step k's metrics after launching step k + 1 (step_metrics);
         # on the CPU there is nothing to overlap, and a step is recorded as it ends.
         self.records_one_step_late = self.device.type == "cuda"
+        # The allocator's retries are counted per process: this run's are those after here.
+        self._alloc_retries_start = cuda_alloc_retries() if self.device.type == "cuda" else 0
         self._alloc_retries_reported = 0
         # The output head counts as a real matmul: that matches the reference MFU figures
         # (HF Llama 65.5k tokens/s ≈ 47% at the 1B shape). A T5 sample counts S + T tokens.
@@ -698,7 +700,7 @@ class Trainer:
         if self.device.type == "cuda":
             speed["mfu"] = tokens_per_s * self.flops_per_token / PEAK_BF16_FLOPS
             speed["memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
-            retries = cuda_alloc_retries()
+            retries = cuda_alloc_retries() - self._alloc_retries_start
             speed["cuda_alloc_retries"] = float(retries)
             if retries > self._alloc_retries_reported:
                 logger.warning(
