@@ -1,7 +1,7 @@
 """GPU-only checks (skipped without CUDA): bf16 training steps, CPU/GPU agreement, and
 the serving engine's decode step replayed as a CUDA graph.
 
-Last passed: 2026-11-27 23:05 UTC on one NVIDIA H100 80GB (torch 2.11.0+cu130), 7 passed
+Last passed: 2026-11-27 22:46 UTC on one NVIDIA H100 80GB (torch 2.11.0+cu130), 7 passed
 (the allocator-retry count added), with
 ``python3 -m pytest -m gpu -p no:cacheprovider -rA tests/test_gpu.py`` (benchmarks/RESULTS.md,
 "Tests that need a GPU").
