@@ -158,9 +158,10 @@ def build_config(
 def worker(args) -> None:
     import torch
 
+    from training.metrics.memory import cuda_alloc_retries
     from training.runtime.distributed import distributed
     from training.runtime.launch import comm_overlap_env
-    from training.trainer import Trainer, cuda_alloc_retries
+    from training.trainer import Trainer
 
     config = build_config(
         args.shape,

@@ -14,8 +14,9 @@ import torch
 from parallel_helpers import tiny_settings
 
 from megalith.config import ModelConfig, load_config
+from training.metrics.memory import cuda_alloc_retries
 from training.models import GPTModel
-from training.trainer import Trainer, cuda_alloc_retries
+from training.trainer import Trainer
 
 pytestmark = pytest.mark.gpu
 

@@ -33,7 +33,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ from training.checkpoint.sharded_writer import SaveRequest
 from training.data.shard_set import open_source
 from training.families import model_family
 from training.finetune.session import FineTune
+from training.metrics.memory import cuda_alloc_retries, resident_memory_gb
 from training.metrics.pending import PendingMetrics
 from training.metrics.run_logger import MetricsFile, NullLogger, RunLogger, read_metrics
 from training.models.layers import attention_kernels
@@ -711,7 +711,7 @@ class Trainer:
                 )
                 self._alloc_retries_reported = retries
         else:
-            speed["memory_gb"] = _resident_memory_gb()
+            speed["memory_gb"] = resident_memory_gb()
         return speed
 
     def _tokenizer_path(self) -> str:
@@ -728,23 +728,6 @@ class _FitLog:
     metrics_file: MetricsFile | None
     tokens_per_step: int
     rates: list[float] = field(default_factory=list)
-
-
-def cuda_alloc_retries() -> int:
-    """How often torch's CUDA allocator found no free block, emptied its cache and retried:
-    each retry waits for the GPU and frees memory it must then allocate again, so a step
-    that retries is slow for a reason no profile of its kernels shows (fragmentation, or a
-    batch too close to the memory limit). torchtitan's memory monitor reports the same."""
-    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
-
-
-def _resident_memory_gb() -> float:
-    try:
-        with open("/proc/self/statm") as handle:
-            pages = int(handle.read().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE") / 1e9
-    except (OSError, ValueError):
-        return 0.0
 
 
 def _json_line(record: dict[str, Any]) -> str:
