@@ -26,7 +26,6 @@ measured errors and loss gaps in benchmarks/RESULTS.md ("Tests that need a GPU")
 from __future__ import annotations
 
 import types
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -47,9 +46,24 @@ from training.models.te_backend import (
     TransformerEngineBackend,
     te_parameter_names,
 )
+from training.parallel.tensor_parallel.mappings import (
+    _GatherReduceScatter,
+    _ReduceScatter,
+    copy_to_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+)
 from training.precision.fp8 import FP8Error, prepare_fp8
 from training.precision.mixed import resolve_precision
 from training.trainer import Trainer
+
+
+def stand_in_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """TE's input norm in a stand-in module (``normalization``, ``layer_norm_*``, ``eps``)."""
+    if module.normalization == "RMSNorm":
+        return F.rms_norm(x, x.shape[-1:], module.layer_norm_weight, module.eps)
+    return F.layer_norm(
+        x, x.shape[-1:], module.layer_norm_weight, module.layer_norm_bias, module.eps
+    )
 
 
 class _LayerNormLinear(nn.Module):
@@ -64,13 +78,7 @@ class _LayerNormLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
 
     def forward(self, x):
-        if self.normalization == "RMSNorm":
-            x = F.rms_norm(x, x.shape[-1:], self.layer_norm_weight, self.eps)
-        else:
-            x = F.layer_norm(
-                x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps
-            )
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(stand_in_norm(self, x), self.weight, self.bias)
 
 
 class _Linear(nn.Module):
@@ -84,38 +92,44 @@ class _Linear(nn.Module):
 
 
 class _LayerNormMLP(nn.Module):
+    """``te.LayerNormMLP``'s contract: global sizes, local weights (fc1's ``[gate; up]`` of
+    this rank); with ``set_parallel_mode`` the input copied or all-gathered along the first
+    dimension, fc2's output all-reduced or reduce-scattered along it, then fc2's bias."""
+
     def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm",
-                 activation="gelu", params_dtype=None, device="cuda"):  # fmt: skip
+                 activation="gelu", params_dtype=None, device="cuda", set_parallel_mode=False,
+                 tp_group=None, tp_size=1, sequence_parallel=False):  # fmt: skip
         super().__init__()
         self.eps, self.normalization, self.activation = eps, normalization, activation
+        self.group, self.sp, self.tp = tp_group, sequence_parallel, set_parallel_mode
         chunks = 2 if activation in ("swiglu", "geglu") else 1
+        local = ffn_hidden_size // tp_size
         self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, device=device))
         if normalization == "LayerNorm":
             self.layer_norm_bias = nn.Parameter(torch.empty(hidden_size, device=device))
-        self.fc1_weight = nn.Parameter(
-            torch.empty(chunks * ffn_hidden_size, hidden_size, device=device)
-        )
-        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, device=device))
+        self.fc1_weight = nn.Parameter(torch.empty(chunks * local, hidden_size, device=device))
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, local, device=device))
         self.fc1_bias = self.fc2_bias = None
         if bias:
-            self.fc1_bias = nn.Parameter(torch.empty(chunks * ffn_hidden_size, device=device))
+            self.fc1_bias = nn.Parameter(torch.empty(chunks * local, device=device))
             self.fc2_bias = nn.Parameter(torch.empty(hidden_size, device=device))
 
     def forward(self, x):
-        if self.normalization == "RMSNorm":
-            x = F.rms_norm(x, x.shape[-1:], self.layer_norm_weight, self.eps)
-        else:
-            x = F.layer_norm(
-                x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps
-            )
-        x = F.linear(x, self.fc1_weight, self.fc1_bias)
+        x2d = stand_in_norm(self, x.reshape(-1, x.size(-1)))
+        if self.tp:
+            sp = self.sp
+            x2d = _GatherReduceScatter.apply(x2d, 0, self.group) if sp else copy_to_tensor_parallel_region(x2d, self.group)  # fmt: skip
+        h = F.linear(x2d, self.fc1_weight, self.fc1_bias)
         if self.activation == "gelu":
-            x = F.gelu(x, approximate="tanh")
+            h = F.gelu(h, approximate="tanh")
         else:
-            gate, up = x.chunk(2, dim=-1)
-            act = F.silu if self.activation == "swiglu" else partial(F.gelu, approximate="tanh")
-            x = act(gate) * up
-        return F.linear(x, self.fc2_weight, self.fc2_bias)
+            gate, up = h.chunk(2, dim=-1)
+            h = (F.silu(gate) if self.activation == "swiglu" else F.gelu(gate, approximate="tanh")) * up  # fmt: skip
+        y = F.linear(h, self.fc2_weight)
+        if self.tp:
+            y = _ReduceScatter.apply(y, 0, self.group) if self.sp else reduce_from_tensor_parallel_region(y, self.group)  # fmt: skip
+        y = y if self.fc2_bias is None else y + self.fc2_bias
+        return y.view(*x.shape[:-1], y.size(-1))
 
 
 class _DotProductAttention(nn.Module):

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from parallel_helpers import init_gloo, mismatch
-from test_te_backend import _DotProductAttention
+from test_te_backend import _DotProductAttention, _LayerNormMLP, stand_in_norm
 from torch import nn
 
 from megalith.config import ModelConfig, load_config
@@ -124,67 +124,14 @@ class _ParallelLayerNormLinear(_ParallelLinear):
             self.layer_norm_bias = nn.Parameter(torch.empty(in_features, device=device))
 
     def forward(self, x):
-        x2d = x.reshape(-1, x.size(-1))
-        if self.normalization == "RMSNorm":
-            x2d = F.rms_norm(x2d, x2d.shape[-1:], self.layer_norm_weight, self.eps)
-        else:
-            x2d = F.layer_norm(
-                x2d, x2d.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps
-            )
+        x2d = stand_in_norm(self, x.reshape(-1, x.size(-1)))
         return self._linear(x2d, x.shape)
-
-
-class _ParallelLayerNormMLP(nn.Module):
-    """``te.LayerNormMLP``'s contract: global sizes, local weights (fc1's ``[gate; up]`` of
-    this rank); with ``set_parallel_mode`` the input copied or all-gathered along the first
-    dimension, fc2's output all-reduced or reduce-scattered along it, then fc2's bias."""
-
-    def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm",
-                 activation="gelu", params_dtype=None, device="cuda", set_parallel_mode=False,
-                 tp_group=None, tp_size=1, sequence_parallel=False):  # fmt: skip
-        super().__init__()
-        self.eps, self.normalization, self.activation = eps, normalization, activation
-        self.group, self.sp, self.tp = tp_group, sequence_parallel, set_parallel_mode
-        chunks = 2 if activation in ("swiglu", "geglu") else 1
-        local = ffn_hidden_size // tp_size
-        self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, device=device))
-        if normalization == "LayerNorm":
-            self.layer_norm_bias = nn.Parameter(torch.empty(hidden_size, device=device))
-        self.fc1_weight = nn.Parameter(torch.empty(chunks * local, hidden_size, device=device))
-        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, local, device=device))
-        self.fc1_bias = self.fc2_bias = None
-        if bias:
-            self.fc1_bias = nn.Parameter(torch.empty(chunks * local, device=device))
-            self.fc2_bias = nn.Parameter(torch.empty(hidden_size, device=device))
-
-    def forward(self, x):
-        x2d = x.reshape(-1, x.size(-1))
-        if self.normalization == "RMSNorm":
-            x2d = F.rms_norm(x2d, x2d.shape[-1:], self.layer_norm_weight, self.eps)
-        else:
-            x2d = F.layer_norm(
-                x2d, x2d.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps
-            )
-        if self.tp:
-            sp = self.sp
-            x2d = _GatherReduceScatter.apply(x2d, 0, self.group) if sp else copy_to_tensor_parallel_region(x2d, self.group)  # fmt: skip
-        h = F.linear(x2d, self.fc1_weight, self.fc1_bias)
-        if self.activation == "gelu":
-            h = F.gelu(h, approximate="tanh")
-        else:
-            gate, up = h.chunk(2, dim=-1)
-            h = (F.silu(gate) if self.activation == "swiglu" else F.gelu(gate, approximate="tanh")) * up  # fmt: skip
-        y = F.linear(h, self.fc2_weight)
-        if self.tp:
-            y = _ReduceScatter.apply(y, 0, self.group) if self.sp else reduce_from_tensor_parallel_region(y, self.group)  # fmt: skip
-        y = y if self.fc2_bias is None else y + self.fc2_bias
-        return y.view(*x.shape[:-1], y.size(-1))
 
 
 class _StandInTE:
     Linear = _ParallelLinear
     LayerNormLinear = _ParallelLayerNormLinear
-    LayerNormMLP = _ParallelLayerNormMLP
+    LayerNormMLP = _LayerNormMLP
     DotProductAttention = _DotProductAttention
 
 

@@ -278,6 +278,36 @@ def layer_norm_mlp_module(
     )
 
 
+def fused_mlp_engine(
+    te: TEProvider,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    *,
+    activation: str,
+    norm: NormSpec,
+    bias: bool,
+    devices: tuple[str, ...],
+    feed: Feed | None = None,
+    **parallel: Any,
+) -> TEFusedMLP | None:
+    """A dense MLP as one ``te.LayerNormMLP``, or None where TE lacks its activation or
+    norm (:func:`fusable_mlp`); ``parallel``: TE's tensor-parallel arguments."""
+    te_activation = fusable_mlp(activation, norm)
+    if te_activation is None:
+        return None
+    build = layer_norm_mlp_module(
+        te,
+        hidden_size,
+        ffn_hidden_size,
+        norm,
+        activation=te_activation,
+        bias=bias,
+        dtype=torch.get_default_dtype(),
+        **parallel,
+    )
+    return TEFusedMLP(Engine(build, TE_PARAMETER_NAMES["mlp"], feed), devices)
+
+
 def layer_norm_linear_module(
     te: TEProvider,
     in_features: int,
@@ -415,19 +445,15 @@ class TransformerEngineBackend(TorchBackend):
         norm: NormSpec,
         bias: bool,
     ) -> TEFusedMLP | None:
-        te_activation = fusable_mlp(activation, norm)
-        if te_activation is None:
-            return None
-        build = layer_norm_mlp_module(
+        return fused_mlp_engine(
             self.te,
             hidden_size,
             ffn_hidden_size,
-            norm,
-            activation=te_activation,
+            activation=activation,
+            norm=norm,
             bias=bias,
-            dtype=torch.get_default_dtype(),
+            devices=self.devices,
         )
-        return TEFusedMLP(Engine(build, TE_PARAMETER_NAMES["mlp"]), self.devices)
 
     def row_linear(
         self, in_features: int, out_features: int, *, bias: bool, init_std: float
@@ -458,6 +484,7 @@ __all__ = [
     "attention_engine",
     "engine_device",
     "fusable_mlp",
+    "fused_mlp_engine",
     "layer_norm_linear_engine",
     "layer_norm_linear_module",
     "layer_norm_mlp_module",

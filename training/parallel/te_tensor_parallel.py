@@ -78,10 +78,9 @@ from training.models.te_backend import (
     attach_engine,
     attention_engine,
     engine_device,
-    fusable_mlp,
+    fused_mlp_engine,
     import_transformer_engine,
     layer_norm_linear_module,
-    layer_norm_mlp_module,
     linear_module,
 )
 from training.models.tp_backend import TensorParallelBackend
@@ -371,24 +370,22 @@ class TETensorParallelBackend(TensorParallelBackend):
         all-gathers and reduce-scatters along the same (first) dimension, so each rank gets
         back its own tokens and needs no reordering. With userbuffers (named per GEMM in
         TE's tables) the MLP keeps its two linears."""
-        te_activation = fusable_mlp(activation, norm)
-        if te_activation is None or self.overlap is not None:
+        if self.overlap is not None:
             return None
-        build = layer_norm_mlp_module(
+        return fused_mlp_engine(
             self.te,
             hidden_size,
             ffn_hidden_size,
-            norm,
-            activation=te_activation,
+            activation=activation,
+            norm=norm,
             bias=bias,
-            dtype=torch.get_default_dtype(),
+            devices=self.devices,
+            feed=self._reduced("fc1.norm.weight", "fc1.norm.bias", "fc2.bias"),
             set_parallel_mode=True,
             tp_group=self.group,
             tp_size=self.tensor_parallel_size,
             sequence_parallel=self.sequence_parallel,
         )
-        feed = self._reduced("fc1.norm.weight", "fc1.norm.bias", "fc2.bias")
-        return TEFusedMLP(Engine(build, TE_PARAMETER_NAMES["mlp"], feed), self.devices)
 
     def core_attention(
         self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
