@@ -178,6 +178,20 @@ def test_a_tracking_server_that_does_not_answer_fails_at_once(
     assert "Traceback" not in result.stderr
 
 
+def test_training_without_its_data_names_the_data_and_writes_nothing(tmp_path: Path) -> None:
+    """The recipe's shards were never prepared here: one line naming them and what to run,
+    before any run folder or MLflow run exists."""
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"
+    result = megalith("train", "--config", str(recipe), "--quiet", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == (
+        "error: work/demo/shards/manifest.json not found: the training data work/demo/shards "
+        "is not a prepared shard set (run `megalith data prepare`, or `megalith demo` for the "
+        "shipped corpus)\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("command", [["demo"], ["ui"]])
 @pytest.mark.parametrize("workdir", ["a-file", "a-file/below"])
 def test_a_workdir_blocked_by_a_file_is_named(

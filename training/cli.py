@@ -334,33 +334,33 @@ def _train_or_launch(args: argparse.Namespace) -> int:
 
     output = _output(args, config)
     os.environ.update(comm_overlap_env(config))  # before CUDA starts
-    with (
-        distributed(config.training.device) as (env, _device),
-        hold_run_folder(output, env.rank),
-    ):
+    with distributed(config.training.device) as (env, _device):
         tags = {}
-        if env.is_main:
+        if env.is_main:  # reads the data's manifests: missing data fails before any output
             sources = [source.record_file for source in config.data.training_sources()]
             tags = lineage_tags(sources, storage_options=config.data.storage_options)
-        run_logger = open_run_logger(
-            config.logging,
-            run_name=config.logging.run_name or config.name,
-            rank=env.rank,
-            workdir=Path.cwd(),
-            tags=tags,
-            run_folder=output,
-        )
-        if args.quiet or not env.is_main:
-            level = logging.INFO if env.is_main else logging.WARNING
-            logging.basicConfig(level=level, format="%(message)s", stream=sys.stdout, force=True)
-        status = "FAILED"
-        try:
-            result = train(config, output, run_logger, show_progress=not args.quiet)
-            if hasattr(run_logger, "log_loss_curve"):
-                run_logger.log_loss_curve(output / "metrics.jsonl")
-            status = "FINISHED"
-        finally:
-            run_logger.close(status)
+        with hold_run_folder(output, env.rank):
+            run_logger = open_run_logger(
+                config.logging,
+                run_name=config.logging.run_name or config.name,
+                rank=env.rank,
+                workdir=Path.cwd(),
+                tags=tags,
+                run_folder=output,
+            )
+            if args.quiet or not env.is_main:
+                level = logging.INFO if env.is_main else logging.WARNING
+                logging.basicConfig(
+                    level=level, format="%(message)s", stream=sys.stdout, force=True
+                )
+            status = "FAILED"
+            try:
+                result = train(config, output, run_logger, show_progress=not args.quiet)
+                if hasattr(run_logger, "log_loss_curve"):
+                    run_logger.log_loss_curve(output / "metrics.jsonl")
+                status = "FINISHED"
+            finally:
+                run_logger.close(status)
     if not env.is_main:
         return 0
     run_id = getattr(run_logger, "run_id", None)

@@ -248,6 +248,23 @@ def _is_list_of_mappings(value: Any) -> bool:
     )
 
 
+def _source_digest(url: str, storage_options: dict[str, Any] | None) -> str:
+    """sha256 of a data source's manifest (or Megatron-LM ``.idx``); a missing one is named
+    as the data it should be, before any run or output exists."""
+    try:
+        return sha256_of_file(url, storage_options)
+    except FileNotFoundError:
+        root = url.rsplit("/", 1)[0]
+        if url.endswith(".idx"):
+            raise FileNotFoundError(
+                f"{url} not found: no Megatron-LM indexed dataset at {url.removesuffix('.idx')}"
+            ) from None
+        raise FileNotFoundError(
+            f"{url} not found: the training data {root} is not a prepared shard set (run "
+            "`megalith data prepare`, or `megalith demo` for the shipped corpus)"
+        ) from None
+
+
 def lineage_tags(
     manifests: Sequence[str] = (),
     tokenizer_id: str | None = None,
@@ -267,7 +284,7 @@ def lineage_tags(
     if urls:
         tags["megalith.data.manifests"] = ",".join(urls)
         tags["megalith.data.manifest_sha256"] = ",".join(
-            sha256_of_file(url, storage_options) for url in urls
+            _source_digest(url, storage_options) for url in urls
         )
         if urls[0].endswith(".json"):
             tokenizer_id = tokenizer_id or _manifest_tokenizer_id(urls[0], storage_options)
