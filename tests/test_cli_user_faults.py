@@ -8,6 +8,7 @@ it; stopping ``megalith ui`` (SIGTERM, SIGINT, SIGHUP) stops every server it sta
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -189,6 +190,24 @@ def test_training_without_its_data_names_the_data_and_writes_nothing(tmp_path: P
         "is not a prepared shard set (run `megalith data prepare`, or `megalith demo` for the "
         "shipped corpus)\n"
     )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_te_kernels_where_transformer_engine_is_missing_fail_before_any_run(
+    tmp_path: Path,
+) -> None:
+    """``model.backend=te`` on a machine without Transformer Engine (CI's): refused before
+    the data is read or an MLflow run is opened, naming the key and the way out."""
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed here")
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"
+    result = megalith(
+        "train", "--config", str(recipe), "--set", "model.backend=te", "--quiet", cwd=tmp_path
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith(
+        "error: model.backend is 'te' but transformer_engine is not importable here"
+    ), result.stderr
     assert list(tmp_path.iterdir()) == []
 
 

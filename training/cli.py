@@ -329,9 +329,11 @@ def _train_or_launch(args: argparse.Namespace) -> int:
         return _launch(args, config)
     # Only now the heavy imports (torch, ~seconds): a bad config fails at once.
     from training.mlflow_store.runs import lineage_tags, open_run_logger
+    from training.models.backend import resolve_backend
     from training.runtime.distributed import distributed
     from training.trainer import train
 
+    resolve_backend(config.model.backend)  # kernels this machine lacks: before any run exists
     output = _output(args, config)
     os.environ.update(comm_overlap_env(config))  # before CUDA starts
     with distributed(config.training.device) as (env, _device):
