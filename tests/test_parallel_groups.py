@@ -119,6 +119,12 @@ BAD = [
         r"world size 6 is not divisible by tensor 2 · context 1 · "
         r"pipeline 2 = 4",
     ),
+    (
+        {"tensor": 2},
+        1,
+        r"world size 1 is not divisible by tensor 2 · context 1 · pipeline 1 = 2 \(one "
+        r"process: launch 2 with `megalith train --nproc-per-node 2`\)",
+    ),
     ({"tensor": 8}, 8, r"num_attention_heads 4 is not divisible by tensor 8"),
     ({"pipeline": 3}, 3, r"num_layers 4 is not divisible by pipeline 3 · virtual_pipeline 1"),
     (

@@ -86,9 +86,15 @@ def derive_sizes(parallel: ParallelConfig, world_size: int) -> ParallelSizes:
     problems = []
     model_parallel = tp * cp * pp
     if world_size % model_parallel:
+        launch = (
+            f" (one process: launch {model_parallel} with `megalith train --nproc-per-node "
+            f"{model_parallel}`)"
+            if world_size == 1
+            else ""
+        )
         problems.append(
             f"world size {world_size} is not divisible by tensor {tp} · context {cp} · "
-            f"pipeline {pp} = {model_parallel}"
+            f"pipeline {pp} = {model_parallel}{launch}"
         )
     dp = max(1, world_size // model_parallel)
     if (dp * cp) % ep:
