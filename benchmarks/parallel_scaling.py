@@ -3,8 +3,10 @@
 Each layout runs under ``torchrun`` in its own job (NCCL, one process per GPU) with the
 same per-GPU work as the one-GPU run (weak scaling): every model replica processes
 ``--accumulation`` micro-batches of ``micro_batch_size`` per optimizer step. The timed
-step is ``Trainer.train_step``: real shards and DataLoader, bf16 autocast, fused AdamW,
-clipping, the layout's collectives. Eager mode unless ``--compile`` (then the one-GPU
+steps are the trainer's, run as ``Trainer.fit`` runs them (each step's metrics read once
+the next step is queued; until 2026-11-27 evening each step was read before the next was
+launched, which left the GPU idle at every step boundary): real shards and DataLoader,
+bf16 autocast, fused AdamW, clipping, the layout's collectives. Eager mode unless ``--compile`` (then the one-GPU
 baseline is compiled too), so the comparison is between layouts, not a peak figure
 (``train_throughput.py`` has those).
 
@@ -158,6 +160,7 @@ def build_config(
 def worker(args) -> None:
     import torch
 
+    from benchmarks.train_throughput import FitSteps
     from training.metrics.memory import cuda_alloc_retries
     from training.runtime.distributed import distributed
     from training.runtime.launch import comm_overlap_env
@@ -180,17 +183,19 @@ def worker(args) -> None:
     faulthandler.dump_traceback_later(max(args.timeout - 15, 10), exit=True)
     with distributed(args.device) as (_, device):
         trainer = Trainer(config, Path(args.out) / f"run-{args.shape}-{args.layout}")
-        batches = trainer.train_batches()
+        step = FitSteps(trainer, trainer.train_batches())
         for _ in range(args.warmup):
-            trainer.train_step(batches)
+            step()
         sync()
         started = time.perf_counter()
-        records = [trainer.train_step(batches) for _ in range(args.steps)]
+        for _ in range(args.steps):
+            step()
         sync()
         seconds = time.perf_counter() - started
+        records = step.finish()[-args.steps :]
         peak = torch.cuda.max_memory_allocated() if cuda else 0
         if args.profile:  # every rank steps; rank 0 records its kernels
-            _profile(args, trainer, batches)
+            _profile(args, trainer, step)
         memory = torch.tensor(float(peak), device=device)
         torch.distributed.all_reduce(memory, op=torch.distributed.ReduceOp.MAX)
         if trainer.is_main:
@@ -213,17 +218,17 @@ def worker(args) -> None:
 PROFILED_STEPS = 2
 
 
-def _profile(args, trainer, batches, steps: int = PROFILED_STEPS) -> None:
+def _profile(args, trainer, step, steps: int = PROFILED_STEPS) -> None:
     """``steps`` more steps, rank 0's under torch.profiler (OUT/profile-SHAPE-LAYOUT.txt:
     GPU time per kernel category, including NCCL's and TE's userbuffers' kernels)."""
     from benchmarks.train_throughput import profile_steps
 
-    if not trainer.is_main:
+    if trainer.is_main:
+        profile_steps(step, Path(args.out), f"{args.shape}-{args.layout}", steps)
+    else:
         for _ in range(steps):
-            trainer.train_step(batches)
-        return
-    name = f"{args.shape}-{args.layout}"
-    profile_steps(lambda: trainer.train_step(batches), Path(args.out), name, steps)
+            step()
+    step.finish()
 
 
 def _mean(values: list[float | None]) -> float | None:

@@ -140,6 +140,28 @@ def _peak_memory() -> int:
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 
 
+class FitSteps:
+    """Training steps launched the way ``Trainer.fit`` launches them: step k's metrics are
+    read once step k + 1 is queued, so the host prepares the next step while the GPU still
+    runs this one. Call it once per step; :meth:`finish` reads the step still pending."""
+
+    def __init__(self, trainer, batches):
+        self.trainer, self.batches = trainer, batches
+        self.records: list[dict] = []
+        self._pending = []
+
+    def __call__(self) -> None:
+        self._pending.append(self.trainer.launch_step(self.batches))
+        if len(self._pending) > 1:
+            self.records.append(self._pending.pop(0).result())
+
+    def finish(self) -> list[dict]:
+        """Every step's metrics, oldest first."""
+        while self._pending:
+            self.records.append(self._pending.pop(0).result())
+        return self.records
+
+
 def time_steps(step, warmup: int, steps: int) -> float:
     for _ in range(warmup):
         step()
@@ -390,18 +412,11 @@ def run_ours(args, compile_model: bool) -> dict:
     )
     trainer = Trainer(config, Path(args.out) / f"run-{args.variant}")
     batches = iter(trainer._loader(trainer.train_data, 0, len(trainer.train_data)))
-    losses = []
-
-    pending = []  # as Trainer.fit: step k's metrics are read after step k + 1 is launched
-
-    def step():
-        pending.append(trainer.launch_step(batches))
-        if len(pending) > 1:
-            losses.append(pending.pop(0).result()["loss"])
-
+    step = FitSteps(trainer, batches)
     seconds = time_steps(step, args.warmup, args.steps)
     if args.profile:
         profile_steps(step, Path(args.out), args.variant)
+    losses = [record["loss"] for record in step.finish()]
     tokens = args.steps * config.training.global_batch_size * trainer.tokens_per_sample
     return _result(config, tokens, seconds, losses, _peak_memory())
 

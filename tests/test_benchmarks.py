@@ -30,6 +30,31 @@ def test_t5_throughput_runs_ours_and_the_hugging_face_baseline(tmp_path: Path) -
     assert "| hf |" in completed.stdout and "| ours |" in completed.stdout
 
 
+def test_parallel_scaling_times_each_layout_and_checks_it_against_one_process(
+    tmp_path: Path,
+) -> None:
+    """The scaling benchmark on gloo (its CPU smoke mode): each layout runs under torchrun
+    with the steps launched as ``Trainer.fit`` launches them, and a model-parallel layout's
+    losses are one process's (to rounding): the timed steps are the same steps."""
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "parallel_scaling.py"), "--shape", "tiny",
+        "--device", "cpu", "--layouts", "1gpu,tp2", "--steps", "3", "--warmup", "2",
+        "--accumulation", "2", "--timeout", "240", "--out", str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+
+    results = json.loads((tmp_path / "scaling-tiny.json").read_text())["results"]
+    one, tp2 = results["1gpu"], results["tp2"]
+    assert "error" not in tp2, tp2.get("error")
+    assert one["tokens_per_s"] > 0 and tp2["tokens_per_s"] > 0
+    assert len(one["losses"]) == len(tp2["losses"]) == 3
+    for ours, reference in zip(tp2["losses"], one["losses"], strict=True):
+        assert math.isclose(ours, reference, rel_tol=1e-5)
+    assert "| tp2 | 2 |" in completed.stdout
+
+
 def test_curate_benchmark_scores_planted_near_duplicates(tmp_path: Path) -> None:
     """benchmarks/curate.py at a smoke size, without datatrove (not a project dependency)."""
     out = tmp_path / "curate.json"
