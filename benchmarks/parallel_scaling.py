@@ -6,9 +6,9 @@ same per-GPU work as the one-GPU run (weak scaling): every model replica process
 steps are the trainer's, run as ``Trainer.fit`` runs them (each step's metrics read once
 the next step is queued; until 2026-11-27 evening each step was read before the next was
 launched, which left the GPU idle at every step boundary): real shards and DataLoader,
-bf16 autocast, fused AdamW, clipping, the layout's collectives. Eager mode unless ``--compile`` (then the one-GPU
-baseline is compiled too), so the comparison is between layouts, not a peak figure
-(``train_throughput.py`` has those).
+bf16 autocast, fused AdamW, clipping, the layout's collectives. Eager mode unless
+``--compile`` (then the one-GPU baseline is compiled too), so the comparison is between
+layouts, not a peak figure (``train_throughput.py`` has those).
 
     python benchmarks/parallel_scaling.py --shape 1b --layouts 1gpu,dp2,tp2 --out results/
 

@@ -94,17 +94,17 @@ def te_parameter_names(model: nn.Module) -> dict[str, str]:
     modules = list(model.named_modules())
     engines = [(path, m.__dict__["_engine"]) for path, m in modules if "_engine" in m.__dict__]
     # A fused MLP's engine is what runs, not its fc1/fc2 engines: it maps their names last.
-    engines += [(path, m.fused.engine) for path, m in modules if isinstance(_fused(m), TEFusedMLP)]
+    engines += [
+        (path, m.fused.engine)
+        for path, m in modules
+        if isinstance(m.__dict__.get("fused"), TEFusedMLP)
+    ]
     for path, engine in engines:
         for ours, theirs in engine.names.items():
             full = f"{path}.{ours}" if path else ours
             if full in mapping:
                 mapping[full] = f"{path}.{theirs}" if path else theirs
     return mapping
-
-
-def _fused(module: nn.Module) -> object:
-    return module.__dict__.get("fused")
 
 
 Feed = Callable[[str, Tensor], Tensor]
