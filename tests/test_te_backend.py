@@ -98,8 +98,9 @@ class _LayerNormMLP(nn.Module):
 
     def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True, normalization="LayerNorm",
                  activation="gelu", params_dtype=None, device="cuda", set_parallel_mode=False,
-                 tp_group=None, tp_size=1, sequence_parallel=False):  # fmt: skip
+                 tp_group=None, tp_size=1, sequence_parallel=False, **userbuffers):  # fmt: skip
         super().__init__()
+        self.userbuffers = userbuffers  # TE's ub_* arguments: same math, other schedule
         self.eps, self.normalization, self.activation = eps, normalization, activation
         self.group, self.sp, self.tp = tp_group, sequence_parallel, set_parallel_mode
         chunks = 2 if activation in ("swiglu", "geglu") else 1

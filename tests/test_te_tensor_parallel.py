@@ -214,6 +214,25 @@ OVERLAPPED = {
     "mlp.fc1": dict(ub_name="fc1", ub_overlap_ag=True, ub_bulk_dgrad=True, ub_bulk_wgrad=True),
     "mlp.fc2": dict(ub_name="fc2", ub_overlap_rs=True, ub_overlap_ag=True),
 }
+# te.LayerNormMLP names its GEMMs fc1_* / fc2_* itself and takes both linears' overlaps.
+FUSED_MLP_OVERLAP = dict(
+    ub_overlap_ag=True, ub_bulk_dgrad=True, ub_bulk_wgrad=True, ub_overlap_rs=True
+)
+
+
+def _overlapped_engines(layer: nn.Module) -> dict[str, tuple]:
+    """A block's engines that training forwards run, each with the userbuffers arguments
+    it must have been built with: the fused MLP's in place of fc1's and fc2's."""
+    fused = layer.mlp.__dict__.get("fused")
+    expected = dict(OVERLAPPED)
+    if isinstance(fused, TEFusedMLP):
+        del expected["mlp.fc1"], expected["mlp.fc2"]
+        found = {"mlp": (fused.engine, FUSED_MLP_OVERLAP)}
+    else:
+        found = {}
+    for path, arguments in expected.items():
+        found[path] = (layer.get_submodule(path).__dict__["_engine"], arguments)
+    return found
 
 
 def _check_comm_overlap(style: str) -> list[str]:
@@ -245,9 +264,10 @@ def _check_comm_overlap(style: str) -> list[str]:
     )
     for name, param in model.named_parameters():
         failures += mismatch(f"{where}: gradient of {name}", param.grad, whole[name], GRAD_TOL)
-    for index in range(config.num_layers):
-        for path, arguments in OVERLAPPED.items():
-            engine = model.get_submodule(f"layers.{index}.{path}").__dict__["_engine"]
+    if style == "llama" and "mlp" not in _overlapped_engines(model.layers[0]):
+        failures.append(f"{where}: the SwiGLU MLP did not run as one te.LayerNormMLP")
+    for index, layer in enumerate(model.layers):
+        for path, (engine, arguments) in _overlapped_engines(layer).items():
             ran = engine.overlap_module
             if ran is None or ran.userbuffers != arguments or engine.module is not None:
                 failures.append(f"{where}: layer {index} {path} ran {ran and ran.userbuffers}")
@@ -261,9 +281,12 @@ def _check_comm_overlap(style: str) -> list[str]:
             full(short, short_labels),
             LOSS_TOL,
         )
-    plain = model.layers[0].mlp.fc2.__dict__["_engine"].module
-    if plain is None or plain.userbuffers:
-        failures.append(f"{where}: the no-grad forward ran {plain and plain.userbuffers}")
+    for path, (engine, _) in _overlapped_engines(model.layers[0]).items():
+        plain = engine.module
+        if plain is None or plain.userbuffers:
+            failures.append(
+                f"{where}: the no-grad forward ran {path} {plain and plain.userbuffers}"
+            )
     model.train()
     try:
         model(tokens[:1], labels[:1])
@@ -405,7 +428,8 @@ def test_te_tensor_parallel_shards_are_materialized_from_the_replayed_init(
 @pytest.mark.parametrize("style", FSDP_STYLES)
 def test_te_communication_overlap_engines_match_one_process(stand_in_results, style: str) -> None:
     """``parallel.tp_comm_overlap`` over the stand-in: training forwards run engines with
-    TE's userbuffers arguments (qkv/proj/fc1/fc2) and match one process; validation of
+    TE's userbuffers arguments (qkv/proj, and fc1/fc2 or the fused MLP: llama's runs as
+    one ``te.LayerNormMLP``) and match one process; validation of
     another shape runs the plain engines; a training micro-batch of another shape is
     refused. Speed and parity with the real TE on GPUs: benchmarks/RESULTS.md."""
     failures = [line for by_rank in stand_in_results for line in by_rank[f"{style} overlap"]]

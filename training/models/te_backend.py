@@ -289,24 +289,34 @@ def fused_mlp_engine(
     bias: bool,
     devices: tuple[str, ...],
     feed: Feed | None = None,
+    overlap: dict[str, Any] | None = None,
+    overlap_rows: int | None = None,
     **parallel: Any,
 ) -> TEFusedMLP | None:
     """A dense MLP as one ``te.LayerNormMLP``, or None where TE lacks its activation or
-    norm (:func:`fusable_mlp`); ``parallel``: TE's tensor-parallel arguments."""
+    norm (:func:`fusable_mlp`); ``parallel``: TE's tensor-parallel arguments; ``overlap``:
+    TE's userbuffers arguments of the module training forwards run (``overlap_rows``
+    tokens per input, :class:`Engine`)."""
     te_activation = fusable_mlp(activation, norm)
     if te_activation is None:
         return None
-    build = layer_norm_mlp_module(
-        te,
-        hidden_size,
-        ffn_hidden_size,
-        norm,
-        activation=te_activation,
-        bias=bias,
-        dtype=torch.get_default_dtype(),
-        **parallel,
-    )
-    return TEFusedMLP(Engine(build, TE_PARAMETER_NAMES["mlp"], feed), devices)
+
+    def build(**userbuffers: Any) -> Callable[[], nn.Module]:
+        return layer_norm_mlp_module(
+            te,
+            hidden_size,
+            ffn_hidden_size,
+            norm,
+            activation=te_activation,
+            bias=bias,
+            dtype=torch.get_default_dtype(),
+            **parallel,
+            **userbuffers,
+        )
+
+    overlapped = None if overlap is None else build(**overlap)
+    engine = Engine(build(), TE_PARAMETER_NAMES["mlp"], feed, overlapped, overlap_rows)
+    return TEFusedMLP(engine, devices)
 
 
 def layer_norm_linear_module(

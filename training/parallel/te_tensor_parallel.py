@@ -12,8 +12,8 @@ on CUDA:
   given the TP group and ``sequence_parallel``: TE does the all-gather of the normalised
   sequence shards (in fp8 under an fp8 recipe), the reduce-scatter or all-reduce of the
   outputs, and their conjugates in backward;
-- a dense MLP whose activation TE has (without userbuffers): one
-  ``te.LayerNormMLP(set_parallel_mode=True)``, fc1 column- and fc2 row-parallel;
+- a dense MLP whose activation TE has: one ``te.LayerNormMLP(set_parallel_mode=True)``,
+  fc1 column- and fc2 row-parallel;
 - attention: ``te.DotProductAttention`` over this rank's heads;
 - embedding, output head and loss, the final norm and the sequence split stay the
   tensor-parallel backend's (vocab-parallel; TE has none).
@@ -94,6 +94,9 @@ from training.parallel.tensor_parallel.mappings import copy_to_tensor_parallel_r
 OVERLAP_PAIRS = {"qkv": "proj", "fc1": "fc2"}
 _COLUMN_OVERLAP = dict(ub_overlap_ag=True, ub_bulk_dgrad=True, ub_bulk_wgrad=True)
 _ROW_OVERLAP = dict(ub_overlap_rs=True, ub_overlap_ag=True)
+# te.LayerNormMLP: fc1's column overlaps and fc2's row overlaps in one set (its
+# ub_overlap_ag serves fc1's forward all-gather and fc2's output-gradient all-gather).
+_FUSED_MLP_OVERLAP = dict(_COLUMN_OVERLAP, **_ROW_OVERLAP)
 
 
 @dataclass(frozen=True)
@@ -368,10 +371,10 @@ class TETensorParallelBackend(TensorParallelBackend):
     ) -> TEFusedMLP | None:
         """``te.LayerNormMLP`` over the TP group: fc1 column-, fc2 row-parallel. Under SP it
         all-gathers and reduce-scatters along the same (first) dimension, so each rank gets
-        back its own tokens and needs no reordering. With userbuffers (named per GEMM in
-        TE's tables) the MLP keeps its two linears."""
-        if self.overlap is not None:
-            return None
+        back its own tokens and needs no reordering. With userbuffers it overlaps as the
+        ``fc1`` and ``fc2`` linears would (TE names its GEMMs ``fc1_fprop`` ... ``fc2_wgrad``
+        itself)."""
+        overlap = None if self.overlap is None else _FUSED_MLP_OVERLAP
         return fused_mlp_engine(
             self.te,
             hidden_size,
@@ -381,6 +384,8 @@ class TETensorParallelBackend(TensorParallelBackend):
             bias=bias,
             devices=self.devices,
             feed=self._reduced("fc1.norm.weight", "fc1.norm.bias", "fc2.bias"),
+            overlap=overlap,
+            overlap_rows=self._overlap_rows(sharded=True),
             set_parallel_mode=True,
             tp_group=self.group,
             tp_size=self.tensor_parallel_size,
