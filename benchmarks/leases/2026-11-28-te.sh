@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU runs of 2026-11-28 (benchmarks/RESULTS.md, "TE's fused MLP under the userbuffers
+# overlap; TP=2 compiled"), on one nvidia-h100-x2 lease (x4 was asked for, none came; the
+# `twod` rows need four GPUs and did not run) with Transformer Engine staged as
+# ../shared/te/README.md says, the core wheel re-split into parts of 52.5 MB so that the
+# last part and .te/rest travel together with the tree under 64 MiB, device.sh copied
+# into .te/rest:
+#   for N in 0..4: run `bash .te/rest/device.sh take`  carry [.te/cN, .te/rest/device.sh]
+#   run `bash benchmarks/leases/2026-11-28-te.sh build`  carry [.te/c5, .te/rest]
+#   run `bash benchmarks/leases/2026-11-28-te.sh tp`, then `tp16`, then `profile`
+set -uo pipefail
+export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmark-out}
+mkdir -p "$OUT"
+TE_FP8=(--set model.backend=te --set mixed_precision.fp8=true --set training.micro_batch_size=8)
+case "${1:-}" in
+build)
+  bash .te/rest/device.sh take > /dev/null
+  bash .te/rest/device.sh build 2>&1 | tail -5 | tee "$OUT/te-build.txt"
+  timeout 240 bash benchmarks/gpu_tests.sh tests/test_te_backend.py tests/test_te_tensor_parallel.py | tail -25
+  # bf16, so the comparison measures the overlap and not fp8 scale rounding
+  timeout 240 python3 benchmarks/parallel_parity.py --shape 1b --set model.num_layers=8 \
+    --set model.backend=te --layouts 1gpu,tp2-sp,tp2-ub --save-layout none --steps 12 \
+    --micro-batch 2 --global-batch 16 --timeout 75 --out "$OUT/parity" 2>&1 | tail -25 ;;
+tp)
+  timeout 580 python3 benchmarks/parallel_scaling.py --shape 7b-layers --layouts 1gpu,tp2-sp,tp2-ub \
+    --compile --steps 3 --warmup 3 --accumulation 2 --timeout 180 "${TE_FP8[@]}" \
+    --out "$OUT/tp" 2>&1 | tail -30 ;;
+tp16)  # TP=2 at micro-batch 16 x 1: the same 32,768 tokens a step as one GPU's 8 x 2
+  S=(--shape 7b-layers --compile --steps 3 --warmup 3 --timeout 170 --set model.backend=te
+     --set mixed_precision.fp8=true)
+  timeout 250 python3 benchmarks/parallel_scaling.py "${S[@]}" --layouts tp2 --accumulation 2 \
+    --set training.micro_batch_size=8 --out "$OUT/tp-a" 2>&1 | tail -4
+  timeout 330 python3 benchmarks/parallel_scaling.py "${S[@]}" --layouts tp2-ub,tp2 --accumulation 1 \
+    --set training.micro_batch_size=16 --out "$OUT/tp-b" 2>&1 | tail -5 ;;
+profile)
+  timeout 280 python3 benchmarks/parallel_scaling.py --shape 7b-layers --compile --steps 3 --warmup 3 \
+    --timeout 250 --set model.backend=te --set mixed_precision.fp8=true --layouts tp2-ub \
+    --accumulation 1 --set training.micro_batch_size=16 --profile --out "$OUT/prof" 2>&1 | tail -3 ;;
+twod)
+  timeout 580 python3 benchmarks/parallel_scaling.py --shape 7b-layers --layouts dp4,tp2-dp2-fsdp,tp2-dp2-ub \
+    --compile --steps 3 --warmup 3 --accumulation 2 --timeout 180 "${TE_FP8[@]}" \
+    --out "$OUT/twod" 2>&1 | tail -30 ;;
+*) echo "usage: $0 build|tp|tp16|profile|twod"; exit 2 ;;
+esac
