@@ -616,7 +616,9 @@ class ModelConfig(StrictModel):
         default="auto",
         description="The SDPA kernel tried first: auto keeps torch's order (flash, "
         "memory-efficient, math, cuDNN); cudnn puts cuDNN attention first (Hopper). Kernels "
-        "that cannot run an input fall through to the next.",
+        "that cannot run an input fall through to the next. With model.backend te, auto runs "
+        "Transformer Engine's own attention and any other value runs SDPA (inside compiled "
+        "graphs, where TE's attention is a graph break).",
     )
     loss_chunk_tokens: int = Field(
         default=0,

@@ -35,7 +35,7 @@ from parallel_helpers import tiny_settings
 from torch import nn
 
 from megalith.config import ModelConfig, load_config
-from training.models import GPTModel, TorchBackend, model_from_tensors, resolve_backend
+from training.models import GPTModel, TorchBackend, layers, model_from_tensors, resolve_backend
 from training.models import backend as backend_module
 from training.models.gpt import MLP
 from training.models.package import load_model_package, save_model_package
@@ -219,6 +219,23 @@ def test_stand_in_engines_run_on_our_parameters_and_write_our_gradients(style: s
     assert mlp.fused.engine.module.fc1_weight is mlp.fc1.linear.weight
     assert mlp.fused.engine.module.fc2_weight is mlp.fc2.weight
     assert mlp.fused.engine.module.layer_norm_weight is mlp.fc1.norm.weight
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_an_sdpa_kernel_asked_for_replaces_te_attention(kernel: str) -> None:
+    """``model.attention_backend`` other than ``auto`` under the TE backend: attention runs
+    SDPA (compiled graphs keep it, where TE's attention breaks them) while the linears
+    and the MLP stay TE's; the model computes what the torch backend's does."""
+    plain, te = pair(config("llama", attention_backend=kernel))
+    tokens = torch.randint(0, 64, (2, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # where TE's attention engine would run
+        outputs = [model(tokens) for model in (plain, te)]
+    torch.testing.assert_close(outputs[1], outputs[0])
+    cores = [layer.attention.core for layer in te.layers]
+    assert all(type(core) is layers.SDPAttention for core in cores), cores
+    ran = [engine for engine in engines(te) if engine.module is not None]
+    assert len(ran) == 3 * 2  # qkv, proj and the fused MLP of each layer; no attention engine
+    assert not any(isinstance(e.module, _DotProductAttention) for e in ran)
 
 
 def test_name_map_from_the_module_tree() -> None:

@@ -40,9 +40,9 @@ from torch import nn
 
 from megalith.config import ModelConfig, load_config
 from megalith.errors import MegalithError
-from training.models import GPTModel, TorchBackend
+from training.models import GPTModel, TorchBackend, layers
 from training.models import backend as backend_module
-from training.models.te_backend import TEFusedMLP, TransformerEngineBackend
+from training.models.te_backend import TEAttention, TEFusedMLP, TransformerEngineBackend
 from training.models.tp_backend import TensorParallelBackend
 from training.parallel.data_parallel import shard_model
 from training.parallel.groups import ParallelSizes, build_parallel_state
@@ -458,6 +458,16 @@ def test_te_kernels_get_te_tensor_parallel_modules(monkeypatch) -> None:
     assert te.te is kernels.te and te.devices == ("cpu",) and te.name == "te"
     plain = tensor_parallel_backend(TorchBackend(), group, False)
     assert type(plain) is TensorParallelBackend
+
+
+def test_an_sdpa_kernel_asked_for_replaces_te_attention_under_tensor_parallelism() -> None:
+    """``model.attention_backend`` other than ``auto`` with TE's tensor-parallel modules:
+    this rank's heads run SDPA (forked RNG as the torch TP backend's), not TE's attention."""
+    backend = TETensorParallelBackend(object(), True, te=lambda: _StandInTE, devices=("cpu",))
+    asked = backend.core_attention(4, 2, 8, dropout=0.0, attention_backend="cudnn")
+    own = backend.core_attention(4, 2, 8, dropout=0.0)
+    assert type(asked.module) is layers.SDPAttention, asked
+    assert isinstance(own.module, TEAttention), own
 
 
 def test_fp8_with_tensor_parallelism_is_accepted_with_either_backend() -> None:

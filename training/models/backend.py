@@ -162,13 +162,22 @@ class LayerBackend(ABC):
 
     @abstractmethod
     def core_attention(
-        self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
+        self,
+        num_heads: int,
+        num_groups: int,
+        head_dim: int,
+        *,
+        dropout: float,
+        attention_backend: str = "auto",
     ) -> nn.Module:
         """Causal attention over this rank's heads.
 
         ``forward(q [B,T,heads,D], k [B,S,groups,D], v [B,S,groups,D])`` returns
         ``[B, T, heads*D]``. With a KV cache ``S > T``: the queries are the last ``T``
         positions, and query ``i`` sees keys ``0 .. S-T+i``.
+
+        ``attention_backend`` is ``model.attention_backend``: ``auto`` lets a backend run its
+        own attention kernels; another value asks for SDPA with that kernel first.
         """
 
     @abstractmethod
@@ -234,7 +243,13 @@ class TorchBackend(LayerBackend):
         return layers.Embedding(vocab_size, hidden_size, init_std=init_std)
 
     def core_attention(
-        self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
+        self,
+        num_heads: int,
+        num_groups: int,
+        head_dim: int,
+        *,
+        dropout: float,
+        attention_backend: str = "auto",
     ) -> nn.Module:
         return layers.SDPAttention(num_heads, num_groups, head_dim, dropout=dropout)
 

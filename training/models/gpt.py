@@ -133,7 +133,11 @@ class Attention(nn.Module):
             init_std=config.init_std,
         )
         self.core = backend.core_attention(
-            self.num_heads, self.num_groups, self.head_dim, dropout=config.dropout
+            self.num_heads,
+            self.num_groups,
+            self.head_dim,
+            dropout=config.dropout,
+            attention_backend=config.attention_backend,
         )
         self.proj = backend.row_linear(
             config.num_attention_heads * config.head_dim,

@@ -169,7 +169,11 @@ class CrossAttention(nn.Module):
             config.hidden_size, 2 * width, bias=False, init_std=config.init_std, output_chunks=2
         )
         self.core = backend.core_attention(
-            self.num_heads, self.num_heads, self.head_dim, dropout=config.dropout
+            self.num_heads,
+            self.num_heads,
+            self.head_dim,
+            dropout=config.dropout,
+            attention_backend=config.attention_backend,
         )
         self.proj = backend.row_linear(
             width,

@@ -475,8 +475,16 @@ class TransformerEngineBackend(TorchBackend):
         )
 
     def core_attention(
-        self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
+        self,
+        num_heads: int,
+        num_groups: int,
+        head_dim: int,
+        *,
+        dropout: float,
+        attention_backend: str = "auto",
     ) -> nn.Module:
+        if attention_backend != "auto":  # SDPA asked for: inside compiled graphs, no break
+            return super().core_attention(num_heads, num_groups, head_dim, dropout=dropout)
         engine = attention_engine(self.te, num_heads, num_groups, head_dim, dropout)
         return TEAttention(
             num_heads, num_groups, head_dim, dropout=dropout, engine=engine, devices=self.devices

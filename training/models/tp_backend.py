@@ -162,9 +162,17 @@ class TensorParallelBackend(TorchBackend):
         return nn.Dropout(p)
 
     def core_attention(
-        self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
+        self,
+        num_heads: int,
+        num_groups: int,
+        head_dim: int,
+        *,
+        dropout: float,
+        attention_backend: str = "auto",
     ) -> nn.Module:
-        attention = super().core_attention(num_heads, num_groups, head_dim, dropout=dropout)
+        attention = super().core_attention(
+            num_heads, num_groups, head_dim, dropout=dropout, attention_backend=attention_backend
+        )
         return RankForked(attention, self.group, random=dropout > 0.0)
 
     def sequence_scatter(self) -> nn.Module:

@@ -200,9 +200,17 @@ class ContextParallelBackend(LayerBackend):
         return RankForked(self.inner.dropout(p), self.group, random=p > 0.0)
 
     def core_attention(
-        self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
+        self,
+        num_heads: int,
+        num_groups: int,
+        head_dim: int,
+        *,
+        dropout: float,
+        attention_backend: str = "auto",
     ) -> nn.Module:
-        inner = self.inner.core_attention(num_heads, num_groups, head_dim, dropout=dropout)
+        inner = self.inner.core_attention(
+            num_heads, num_groups, head_dim, dropout=dropout, attention_backend=attention_backend
+        )
         return RankForked(ContextParallelAttention(inner, self.group), self.group, dropout > 0.0)
 
     def output_head(self, hidden_size: int, vocab_size: int, **kwargs) -> nn.Module:

@@ -393,8 +393,22 @@ class TETensorParallelBackend(TensorParallelBackend):
         )
 
     def core_attention(
-        self, num_heads: int, num_groups: int, head_dim: int, *, dropout: float
+        self,
+        num_heads: int,
+        num_groups: int,
+        head_dim: int,
+        *,
+        dropout: float,
+        attention_backend: str = "auto",
     ) -> nn.Module:
+        if attention_backend != "auto":  # SDPA asked for (TensorParallelBackend's)
+            return super().core_attention(
+                num_heads,
+                num_groups,
+                head_dim,
+                dropout=dropout,
+                attention_backend=attention_backend,
+            )
         engine = attention_engine(self.te, num_heads, num_groups, head_dim, dropout)
         attention = TEAttention(
             num_heads, num_groups, head_dim, dropout=dropout, engine=engine, devices=self.devices
