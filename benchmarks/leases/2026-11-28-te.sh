@@ -10,7 +10,7 @@
 #   run `bash benchmarks/leases/2026-11-28-te.sh tp`, then `tp16`, then `profile`
 # A second lease (SDPA in place of TE's attention, model.attention_backend=cudnn): the same
 # staging, then `attn` (builds TE first where it is not built yet) carry [.te/c5, .te/rest],
-# then `attn1b`.
+# then `delayed` (`attn1b` did not run).
 set -uo pipefail
 export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmark-out}
@@ -55,7 +55,14 @@ attn)  # TE's attention against SDPA's cuDNN kernel, one GPU at 8 x 2 and TP=2 o
       --set training.micro_batch_size=16 --set model.attention_backend=$attention \
       --out "$OUT/tp2-$attention" 2>&1 | tail -1
   done ;;
-attn1b)  # the 1B recipe, TE fp8 delayed compiled, TE's attention against SDPA's cuDNN, beside HF
+delayed)  # delayed scaling (TE's attention): one GPU at 8 x 2, TP=2 overlapped at 16 x 1
+  S=(--shape 7b-layers --compile --steps 3 --warmup 3 --timeout 120 --set model.backend=te
+     --set mixed_precision.fp8=true --set mixed_precision.fp8_recipe=delayed)
+  timeout 125 python3 benchmarks/parallel_scaling.py "${S[@]}" --layouts 1gpu --accumulation 2 \
+    --set training.micro_batch_size=8 --out "$OUT/one-delayed" 2>&1 | tail -1
+  timeout 125 python3 benchmarks/parallel_scaling.py "${S[@]}" --layouts tp2-ub --accumulation 1 \
+    --set training.micro_batch_size=16 --out "$OUT/tp2-delayed" 2>&1 | tail -1 ;;
+attn1b)  # (not run: device time was spent) the 1B recipe, TE fp8 delayed compiled, TE's attention against SDPA's cuDNN, beside HF
   fp8=model.backend=te+mixed_precision.fp8=true+mixed_precision.fp8_recipe=delayed
   timeout 580 python3 benchmarks/train_throughput.py --shape 1b --steps 8 --warmup 4 \
     --variants hf-compile,ours-compile@$fp8,ours-compile@$fp8+model.attention_backend=cudnn \
@@ -64,5 +71,5 @@ twod)
   timeout 580 python3 benchmarks/parallel_scaling.py --shape 7b-layers --layouts dp4,tp2-dp2-fsdp,tp2-dp2-ub \
     --compile --steps 3 --warmup 3 --accumulation 2 --timeout 180 "${TE_FP8[@]}" \
     --out "$OUT/twod" 2>&1 | tail -30 ;;
-*) echo "usage: $0 build|tp|tp16|profile|attn|attn1b|twod"; exit 2 ;;
+*) echo "usage: $0 build|tp|tp16|profile|attn|delayed|attn1b|twod"; exit 2 ;;
 esac
