@@ -39,6 +39,7 @@ from training.models import GPTModel, TorchBackend, layers, model_from_tensors, 
 from training.models import backend as backend_module
 from training.models.gpt import MLP
 from training.models.package import load_model_package, save_model_package
+from training.models.t5 import T5Model
 from training.models.te_backend import (
     TEFusedMLP,
     TELinear,
@@ -140,10 +141,20 @@ class _DotProductAttention(nn.Module):
         assert (qkv_format, attn_mask_type) == ("bshd", "causal")
         self.heads, self.groups = num_attention_heads, num_gqa_groups
 
-    def forward(self, q, k, v):  # [b, s, h, d] -> [b, s, h*d]
+    def forward(self, q, k, v, attn_mask_type=None, core_attention_bias_type=None,
+                core_attention_bias=None):  # [b, s, h, d] -> [b, s, h*d]  # fmt: skip
         repeats = self.heads // self.groups
         k, v = (t.repeat_interleave(repeats, dim=2).transpose(1, 2) for t in (k, v))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)
+        if core_attention_bias_type is None:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)
+            return out.transpose(1, 2).flatten(2)
+        # TE's post_scale_bias over no mask: the bias added to the scaled scores
+        assert (attn_mask_type, core_attention_bias_type) == ("no_mask", "post_scale_bias")
+        bias = core_attention_bias
+        assert bias.dim() == 4 and bias.size(0) == 1 and bias.is_contiguous()
+        assert tuple(bias.shape[2:]) == (q.size(1), k.size(2)) and bias.dtype == q.dtype
+        self.biased_calls = getattr(self, "biased_calls", 0) + 1
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=bias)
         return out.transpose(1, 2).flatten(2)
 
 
@@ -320,6 +331,50 @@ def test_t5_gated_gelu_mlp_runs_fused() -> None:
         torch.testing.assert_close(b.grad, a.grad, msg=name)
 
 
+def t5_pair() -> tuple[T5Model, T5Model]:
+    cfg = ModelConfig(
+        family="t5", num_layers=2, num_decoder_layers=2, hidden_size=32, num_attention_heads=4,
+        vocab_size=64, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = T5Model(cfg, TorchBackend())
+    torch.manual_seed(0)
+    return plain, T5Model(cfg, stand_in_backend())
+
+
+def test_t5_relative_bias_runs_through_te_attention_with_its_gradient() -> None:
+    """T5's attentions under the TE backend (the stand-in, bf16 on CPU): the encoder's and
+    the decoder's self-attentions give TE their relative bias (one for the whole batch,
+    the decoder's causality folded in) as ``post_scale_bias`` and cross-attention its
+    all-zero mask, so every attention is TE's; the loss and every gradient, the bias
+    tables' included, are the torch backend's. With padding (a per-sample mask) the
+    encoder's attentions fall back to SDPA and still match."""
+    plain, te = t5_pair()
+    generator = torch.Generator().manual_seed(1)
+    encoder = torch.randint(0, 64, (3, 12), generator=generator)
+    decoder = torch.randint(0, 64, (3, 7), generator=generator)
+    labels = torch.randint(0, 64, (3, 7), generator=generator)
+    for padded in (None, torch.arange(12)[None, :] < torch.tensor([[12], [9], [5]])):
+        losses = []
+        for model in (plain, te):
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(encoder, decoder, labels, encoder_mask=padded)
+            loss.backward()
+            losses.append(loss)
+        torch.testing.assert_close(losses[1], losses[0])
+        for (name, a), (_, b) in zip(plain.named_parameters(), te.named_parameters(), strict=True):
+            torch.testing.assert_close(b.grad, a.grad, msg=name, rtol=2e-2, atol=2e-3)
+        assert te.encoder.relative_bias.weight.grad.abs().sum() > 0
+        cores = [layer.attention.core for layer in (*te.encoder.layers, *te.decoder.layers)]
+        cores += [layer.cross_attention.core for layer in te.decoder.layers]
+        biased = [getattr(core._engine.module, "biased_calls", 0) for core in cores]
+        if padded is None:
+            assert biased == [1] * 6, biased  # 2 encoder, 2 decoder self, 2 cross
+        else:  # the encoder's per-sample masks went to SDPA; the decoder's self-attentions did not
+            assert biased == [1, 1, 2, 2, 1, 1], biased
+
+
 def test_weights_loaded_later_reach_the_engines(tmp_path) -> None:
     """Engines are fed the current parameters on every call: a load after the first
     forward, or a model rebuilt from tensors (to_empty), computes with the new weights."""
@@ -469,6 +524,50 @@ def test_real_te_gated_gelu_mlp_matches_the_torch_mlp() -> None:
         te_error, torch_error = relative_error(ours, reference), relative_error(theirs, reference)
         assert te_error <= 3 * torch_error + 5e-3, (name, te_error, torch_error)
     print(f"t5 geglu: worst fp32 {max(report.values()):.2e}")
+
+
+@needs_te
+@pytest.mark.gpu
+def test_real_te_t5_biased_attention_matches_the_torch_backend() -> None:
+    """A T5 (relative position biases, span-corruption shapes: 128 encoder and 29 decoder
+    tokens) under TE in bf16: its attentions run TE's ``post_scale_bias`` (cuDNN's kernels
+    also return the bias's gradient); the loss and every gradient, the bias tables'
+    included, as close to the fp32 torch model as the torch backend's own bf16."""
+    cfg = ModelConfig(
+        family="t5", num_layers=2, num_decoder_layers=2, hidden_size=256, num_attention_heads=4,
+        ffn_hidden_size=512, vocab_size=512, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = T5Model(cfg, TorchBackend()).cuda()
+    torch.manual_seed(0)
+    te = T5Model(cfg, TransformerEngineBackend()).cuda()
+    generator = torch.Generator().manual_seed(1)
+    encoder = torch.randint(0, 512, (8, 128), generator=generator).cuda()
+    decoder = torch.randint(0, 512, (8, 29), generator=generator).cuda()
+    labels = torch.randint(0, 512, (8, 29), generator=generator).cuda()
+
+    def run(model: nn.Module, bf16: bool) -> tuple[float, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(encoder, decoder, labels)
+        loss.backward()
+        return loss.item(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    exact, exact_grads = run(plain, bf16=False)
+    torch_loss, torch_grads = run(plain, bf16=True)
+    te_loss, te_grads = run(te, bf16=True)
+    attention = te.encoder.layers[0].attention.core._engine.module
+    assert isinstance(attention, real_te().DotProductAttention)
+    worst = {}
+    for name, grad in te_grads.items():
+        te_error = relative_error(grad, exact_grads[name])
+        torch_error = relative_error(torch_grads[name], exact_grads[name])
+        worst[name] = (round(te_error, 5), round(torch_error, 5))
+        assert te_error <= 3 * torch_error + 5e-3, (name, te_error, torch_error)
+    assert abs(te_loss - exact) <= 3 * abs(torch_loss - exact) + 5e-3 * exact
+    print(f"t5 biased attention: loss fp32 {exact:.5f} torch bf16 {torch_loss:.5f} te {te_loss:.5f}; "
+          f"relative bias grads (te, torch): {worst['encoder.relative_bias.weight']}, "
+          f"{worst['decoder.relative_bias.weight']}")  # fmt: skip
 
 
 @needs_te

@@ -23,8 +23,9 @@ weights. TE's own per-module state (delayed scaling's amax history, kept in its
 
 Limits: a LayerNorm without bias has no fused TE kernel (TE's LayerNorm always has a
 bias), so it runs as our norm then ``te.Linear``; attention over a KV cache (queries
-fewer than keys) and fp32 inputs use SDPA; ``torch.compile`` graph-breaks around the
-TE calls (TE marks them dynamo-disabled); activation checkpointing with fp8 is refused
+fewer than keys), bool or per-sample masks and fp32 inputs use SDPA (T5's relative bias,
+one for the whole batch, goes to TE's attention as a bias with its gradient);
+``torch.compile`` graph-breaks around the TE calls (TE marks them dynamo-disabled); activation checkpointing with fp8 is refused
 by :mod:`training.precision.fp8` (the recomputed forward would run outside ``fp8_autocast``);
 under tensor parallelism the model gets TE's own tensor-parallel modules instead
 (:mod:`training.parallel.te_tensor_parallel`).
@@ -34,7 +35,8 @@ Verified with a real Transformer Engine (2.20.2, torch 2.11, one H100, 2026-11-2
 backward, Trainer curves in bf16, fp8 tensorwise/delayed, fp8 under torch.compile); the
 rest of that file checks the wiring on CPU against a stand-in. The fused MLP
 (``te.LayerNormMLP``, alone and over a TP group) passed the same tests on 2026-11-27 (4× H100)
-with SwiGLU and the tanh GELU; T5's gated GELU (``geglu``) has its GPU test, not yet run.
+with SwiGLU and the tanh GELU, T5's gated GELU (``geglu``) on 2026-11-28 (2× H100). T5's
+biased attention through TE has its GPU test, not yet run.
 Results: benchmarks/RESULTS.md ("Tests that need a GPU", and "the dense MLP as one
 ``te.LayerNormMLP``").
 """
@@ -138,10 +140,10 @@ class Engine:
         # decorator, which would import dynamo (1.6 s) in every process importing models.
         self._run_opaque = torch.compiler.disable(self._run)
 
-    def __call__(self, owner: nn.Module, *inputs: Tensor) -> Tensor:
-        return self._run_opaque(owner, *inputs)
+    def __call__(self, owner: nn.Module, *inputs: Tensor, **options: Any) -> Tensor:
+        return self._run_opaque(owner, *inputs, **options)
 
-    def _run(self, owner: nn.Module, *inputs: Tensor) -> Tensor:
+    def _run(self, owner: nn.Module, *inputs: Tensor, **options: Any) -> Tensor:
         module = self._module(inputs[0])
         for ours, theirs in self.names.items():
             param = _attribute(owner, ours)
@@ -149,7 +151,7 @@ class Engine:
                 fed = param if self.feed is None else self.feed(ours, param)
                 module._parameters[theirs] = fed  # alias: TE reads and grads ours
         module.train(owner.training)
-        return module(*inputs)
+        return module(*inputs, **options)
 
     def _module(self, x: Tensor) -> nn.Module:
         """The overlapping module for a training forward, the plain one otherwise."""
@@ -214,20 +216,46 @@ class TELinear(layers.Linear):
 
 
 class TEAttention(layers.SDPAttention):
-    """Causal attention through ``te.DotProductAttention`` (``bshd``) on CUDA in bf16/fp16
-    when queries and keys are the same positions; SDPA otherwise, and whenever a mask
-    replaces the causal one (packed documents, T5's biases and padding)."""
+    """Attention through ``te.DotProductAttention`` (``bshd``) on CUDA in bf16/fp16:
+    causal when queries and keys are the same positions and no mask is given; with a
+    float mask that is one bias for the whole batch (``[1, heads or 1, T, S]``: T5's
+    relative position biases, causality folded in), as TE's ``post_scale_bias`` over no
+    mask, whose cuDNN kernels also return the bias's gradient (``[1, heads, T, S]``
+    only). SDPA otherwise: a KV cache, bool masks (packed documents), per-sample float
+    masks (T5 with padding)."""
 
     def __init__(self, num_heads, num_groups, head_dim, *, dropout, engine, devices):
         super().__init__(num_heads, num_groups, head_dim, dropout=dropout)
         attach_engine(self, engine, devices)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
-        usable = q.dtype in (torch.bfloat16, torch.float16) and q.size(1) == k.size(1)
-        if usable and attn_mask is None and engine_device(q, self._devices):
+        usable = q.dtype in (torch.bfloat16, torch.float16) and engine_device(q, self._devices)
+        if usable and attn_mask is None and q.size(1) == k.size(1):
             out = self._engine(self, q.contiguous(), k.contiguous(), v.contiguous())
-            return out.reshape(q.size(0), q.size(1), self.num_heads * self.head_dim)
-        return super().forward(q, k, v, attn_mask)
+        elif usable and self._batch_bias(attn_mask, q, k):
+            bias = attn_mask.clamp(min=torch.finfo(q.dtype).min).to(q.dtype)  # as SDPA's
+            bias = bias.expand(1, bias.size(1), q.size(1), k.size(1)).contiguous()
+            out = self._engine(
+                self,
+                q.contiguous(),
+                k.contiguous(),
+                v.contiguous(),
+                attn_mask_type="no_mask",
+                core_attention_bias_type="post_scale_bias",
+                core_attention_bias=bias,
+            )
+        else:
+            return super().forward(q, k, v, attn_mask)
+        return out.reshape(q.size(0), q.size(1), self.num_heads * self.head_dim)
+
+    def _batch_bias(self, mask: Tensor | None, q: Tensor, k: Tensor) -> bool:
+        """Whether ``mask`` is a float bias TE takes with its gradient: one for the
+        whole batch, per head (or, without a gradient, shared by the heads)."""
+        if mask is None or not mask.is_floating_point() or mask.dim() != 4 or mask.size(0) != 1:
+            return False
+        if mask.size(2) not in (1, q.size(1)) or mask.size(3) not in (1, k.size(1)):
+            return False
+        return mask.size(1) == self.num_heads or (mask.size(1) == 1 and not mask.requires_grad)
 
 
 def fusable_mlp(activation: str, norm: NormSpec) -> str | None:
