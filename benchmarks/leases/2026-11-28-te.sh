@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs of 2026-11-28 (benchmarks/RESULTS.md, "TE's fused MLP under the userbuffers
 # overlap; TP=2 compiled"), on one nvidia-h100-x2 lease (x4 was asked for, none came; the
-# `twod` rows need four GPUs and did not run) with Transformer Engine staged as
+# 2-D rows moved to te-next.sh) with Transformer Engine staged as
 # ../shared/te/README.md says, the core wheel re-split into parts of 52.5 MB so that the
 # last part and .te/rest travel together with the tree under 64 MiB, device.sh copied
 # into .te/rest:
@@ -67,9 +67,5 @@ attn1b)  # (not run: device time was spent) the 1B recipe, TE fp8 delayed compil
   timeout 580 python3 benchmarks/train_throughput.py --shape 1b --steps 8 --warmup 4 \
     --variants hf-compile,ours-compile@$fp8,ours-compile@$fp8+model.attention_backend=cudnn \
     --out "$OUT/1b" 2>&1 | tail -8 ;;
-twod)
-  timeout 580 python3 benchmarks/parallel_scaling.py --shape 7b-layers --layouts dp4,tp2-dp2-fsdp,tp2-dp2-ub \
-    --compile --steps 3 --warmup 3 --accumulation 2 --timeout 180 "${TE_FP8[@]}" \
-    --out "$OUT/twod" 2>&1 | tail -30 ;;
-*) echo "usage: $0 build|tp|tp16|profile|attn|delayed|attn1b|twod"; exit 2 ;;
+*) echo "usage: $0 build|tp|tp16|profile|attn|delayed|attn1b"; exit 2 ;;
 esac

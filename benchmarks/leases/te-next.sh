@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Transformer Engine measurements written but not yet run (rename to the lease's date
+# when they run, and record them in benchmarks/RESULTS.md). Stage TE as
+# benchmarks/leases/2026-11-28-te.sh says (`take` per part), then one call per subcommand:
+#   build: TE built, the GPU tests of the TE backend (T5's biased attention through TE's
+#          post_scale_bias among them: its first run)        carry [.te/c5, .te/rest]
+#   t5:    T5-base, TE's attention with the relative bias's gradient against the torch
+#          backend and HF, compiled, one GPU (the issue's 40% MFU goal; 24.4% today)
+#   twod:  DP=4 against TP=2 × DP=2 under FSDP and overlapped (needs nvidia-h100-x4)
+set -uo pipefail
+export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmark-out}
+mkdir -p "$OUT"
+case "${1:-}" in
+build)
+  [ -d /tmp/tesite/transformer_engine ] || {
+    bash .te/rest/device.sh take > /dev/null
+    bash .te/rest/device.sh build 2>&1 | tail -2 | tee "$OUT/te-build.txt"
+  }
+  timeout 300 bash benchmarks/gpu_tests.sh tests/test_te_backend.py tests/test_te_tensor_parallel.py | tail -30 ;;
+t5)
+  timeout 580 python3 benchmarks/train_throughput.py --shape t5-base --steps 15 --warmup 5 \
+    --variants matmul,ours-compile,ours-compile@model.backend=te,hf-compile --out "$OUT/t5" 2>&1 | tail -8 ;;
+twod)
+  timeout 580 python3 benchmarks/parallel_scaling.py --shape 7b-layers --layouts dp4,tp2-dp2-fsdp,tp2-dp2-ub \
+    --compile --steps 3 --warmup 3 --accumulation 2 --timeout 180 --set model.backend=te \
+    --set mixed_precision.fp8=true --set training.micro_batch_size=8 --out "$OUT/twod" 2>&1 | tail -8 ;;
+*) echo "usage: $0 build|t5|twod"; exit 2 ;;
+esac
