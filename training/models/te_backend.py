@@ -25,8 +25,9 @@ Limits: a LayerNorm without bias has no fused TE kernel (TE's LayerNorm always h
 bias), so it runs as our norm then ``te.Linear``; attention over a KV cache (queries
 fewer than keys), bool or per-sample masks and fp32 inputs use SDPA (T5's relative bias,
 one for the whole batch, goes to TE's attention as a bias with its gradient);
-``torch.compile`` graph-breaks around the TE calls (TE marks them dynamo-disabled); activation checkpointing with fp8 is refused
-by :mod:`training.precision.fp8` (the recomputed forward would run outside ``fp8_autocast``);
+``torch.compile`` graph-breaks around the TE calls (TE marks them dynamo-disabled);
+activation checkpointing with fp8 is refused by :mod:`training.precision.fp8` (the
+recomputed forward would run outside ``fp8_autocast``);
 under tensor parallelism the model gets TE's own tensor-parallel modules instead
 (:mod:`training.parallel.te_tensor_parallel`).
 
