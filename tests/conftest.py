@@ -143,16 +143,6 @@ def one_cpu_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """``-n auto``: one worker more than there are cores (``--maxprocesses`` still caps
-    it). Much of the suite waits on servers and child processes, so a third worker on
-    the 2-core CI machine fills that time: 830 s -> 799 s for the whole suite there.
-    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still wins (None falls through to xdist's own)."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-        return None
-    return len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else None
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Files with a test marked ``slow`` first (pytest-xdist hands out whole files in this
     order, so no worker is left running a long file alone at the end); tests marked
