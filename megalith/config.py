@@ -830,6 +830,13 @@ class TrainingConfig(StrictModel):
     grad_clip: float = Field(default=1.0, ge=0.0, description="Max global grad norm; 0: off.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     compile: bool = Field(default=False, description="torch.compile the model.")
+    compile_backend: Literal["inductor", "aot_eager"] = Field(
+        default="inductor",
+        description="torch.compile's backend: inductor generates fused kernels (the speed); "
+        "aot_eager traces the same graphs (dynamo and AOT autograd) and runs them eagerly, "
+        "without code generation: for telling a compile problem from a kernel one, and "
+        "fast compiled runs on CPU.",
+    )
     num_workers: int = Field(default=1, ge=0, le=256, description="DataLoader worker processes.")
 
     @model_validator(mode="after")

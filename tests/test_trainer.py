@@ -398,6 +398,28 @@ def test_constant_after_warmup() -> None:
 # --- precision ----------------------------------------------------------------------------
 
 
+def test_aot_eager_compile_backend_traces_without_generating_kernels(
+    shards: Path, tmp_path: Path
+) -> None:
+    """``training.compile_backend=aot_eager``: torch.compile traces the model (dynamo and
+    AOT autograd) but Inductor generates nothing, and the losses are eager's. (Inductor,
+    the default, runs in tests/test_pipeline_parallel.py's compiled cases.)"""
+    from torch._dynamo.utils import counters
+
+    values = {"training.train_iters": 3, "training.eval_interval": 0}
+    compiled = {"training.compile": "true", "training.compile_backend": "aot_eager"}
+    torch._dynamo.reset()
+    counters.clear()
+    traced = train(
+        tiny_config(shards, {**values, **compiled}), tmp_path / "aot", show_progress=False
+    )
+    assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
+    assert not sum(counters["inductor"].values()), dict(counters["inductor"])
+    eager = train(tiny_config(shards, values), tmp_path / "eager", show_progress=False)
+    got, want = ([r["loss"] for r in run.metrics] for run in (traced, eager))
+    assert got == pytest.approx(want, abs=1e-5)
+
+
 def test_bf16_autocast_trains_on_cpu(shards: Path, tmp_path: Path) -> None:
     """The MLP blocks compute in bf16 (a run ignoring the setting computes them in fp32),
     while the trained parameters and the saved tensors stay fp32 master weights."""

@@ -123,7 +123,7 @@ def parallelize(
         )
         if finetune is not None:  # the base's rows over the replayed init's, adapters' rows
             finetune.prepare(model, state)
-        forward_model = torch.compile(model) if config.training.compile else model
+        forward_model = _compiled(model, config) if config.training.compile else model
         return ParallelModel(model, model, forward_model, None)
     sequence_parallel = config.parallel.sequence_parallel
     model = ep.build_model(model_config, state, sequence_parallel, device, overlap)
@@ -134,8 +134,12 @@ def parallelize(
     if config.parallel.data_parallel_mode == "fsdp" and dp.data_parallel_size(state) > 1:
         ep.shard_experts(model, state)  # their own FSDP units, before the blocks'
     dp_model = dp.wrap_model(model, state, config.parallel, device)
-    forward_model = torch.compile(dp_model) if config.training.compile else dp_model
+    forward_model = _compiled(dp_model, config) if config.training.compile else dp_model
     return ParallelModel(model, dp_model, forward_model, None)
+
+
+def _compiled(model: nn.Module, config: MegalithConfig) -> nn.Module:
+    return torch.compile(model, backend=config.training.compile_backend)
 
 
 def enable_async_tensor_parallel(

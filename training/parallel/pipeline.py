@@ -332,7 +332,7 @@ class PipelineParallel:
         self.model, chunk_layers = split.build_stage(whole, state, self.counts)
         if config.training.compile:  # each block in place: names and chunks stay as they are
             for block in split.blocks(self.model):
-                block.compile()
+                block.compile(backend=config.training.compile_backend)
         self.virtual_stages = virtual_stages_of(state.pp_rank, sizes.pp, sizes.vpp)
         self.num_virtual = sizes.pp * sizes.vpp
         shards = sizes.tp if config.parallel.sequence_parallel else 1

@@ -104,6 +104,7 @@ def async_tp_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]
         f"parallel.tensor > 1 (it is {sizes.tp})": sizes.tp > 1,
         "parallel.sequence_parallel=true": config.parallel.sequence_parallel,
         "training.compile=true": config.training.compile,
+        "training.compile_backend inductor": config.training.compile_backend == "inductor",
         "training.device cuda or auto (symmetric memory)": config.training.device != "cpu",
         "model.backend torch (TE overlaps its own TP communication)": (
             config.model.backend != "te"
