@@ -245,7 +245,10 @@ def test_model_package_loads_in_one_process(
     assert_package_logits_match(parallel_runs / case, reference, layout(case))
 
 
-COMPILED = {"training.compile": "true"}
+# Traced with aot_eager: the stages' graphs (dynamo, AOT autograd) without Inductor's CPU
+# code generation, a minute of compiling on a cold cache; Inductor itself:
+# tests/test_trainer.py, and on GPUs benchmarks/RESULTS.md (compiled pipeline stages).
+COMPILED = {"training.compile": "true", "training.compile_backend": "aot_eager"}
 
 
 @pytest.fixture(scope="module")
