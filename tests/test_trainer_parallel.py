@@ -179,7 +179,6 @@ def test_te_communication_overlap_names_what_it_needs(shards: Path, monkeypatch)
     complete["training.device"] = "auto"
     check_trainer_support(config_of(complete), ParallelSizes(tp=2, dp=2))
     for key, value, named in (
-        ("training.compile_backend", "aot_eager", "training.compile_backend inductor"),
         ("training.device", "cpu", "training.device cuda or auto"),
         ("model.backend", "auto", "model.backend=te"),
     ):
