@@ -761,6 +761,34 @@ class ModelConfig(StrictModel):
         return bool(self.num_experts) and index % self.moe_layer_frequency == 0
 
 
+# The GEMMs of a transformer block whose tensor-parallel communication Transformer Engine's
+# userbuffers can overlap (``te.initialize_ub``'s names).
+UserbufferGemm = Literal[
+    "qkv_fprop", "qkv_dgrad", "qkv_wgrad", "proj_fprop", "proj_dgrad", "proj_wgrad",
+    "fc1_fprop", "fc1_dgrad", "fc1_wgrad", "fc2_fprop", "fc2_dgrad", "fc2_wgrad",
+]  # fmt: skip
+
+
+class UserbufferSettings(StrictModel):
+    """How one GEMM overlaps its communication (an entry of TE's ``initialize_ub``
+    ``ub_cfgs``, as Megatron-LM's ``--tp-comm-overlap-cfg`` file holds them); unset fields
+    keep TE's defaults."""
+
+    method: Literal["ring_exchange", "pipeline", "bulk", "external"] | None = Field(
+        default=None,
+        description="ring_exchange: point-to-point chunks, the GEMM reduces; pipeline: the "
+        "GEMM in num_splits chunks, a reduction kernel on num_sm SMs beside it.",
+    )
+    num_sm: int | None = Field(default=None, ge=1, le=264, description="SMs for the copies.")
+    cga_size: int | None = Field(default=None, ge=1, le=16)
+    num_splits: int | None = Field(default=None, ge=1, le=64)
+    set_sm_margin: bool | None = None
+    atomic_gemm: bool | None = None
+    aggregate: bool | None = None
+    use_ce: bool | None = Field(default=None, description="Copy engines for the transfers.")
+    fp8_buf: bool | None = None
+
+
 class ParallelConfig(StrictModel):
     """How the model and data are split over GPUs; data parallel fills the rest of the world.
 
@@ -791,6 +819,11 @@ class ParallelConfig(StrictModel):
         "overlaps each all-gather and reduce-scatter of the TP linears with their GEMMs "
         "through userbuffers; every training micro-batch must then be "
         "training.micro_batch_size x data.seq_length tokens.",
+    )
+    tp_comm_overlap_config: dict[UserbufferGemm, UserbufferSettings] = Field(
+        default_factory=dict,
+        description="Per GEMM, how parallel.tp_comm_overlap overlaps it (TE's ub_cfgs, e.g. "
+        "{proj_fprop: {method: ring_exchange}}); GEMMs not named keep TE's defaults.",
     )
     data_parallel_mode: Literal["ddp", "distributed_optimizer", "fsdp"] = Field(
         default="ddp",

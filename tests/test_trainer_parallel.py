@@ -52,7 +52,11 @@ from megalith.errors import MegalithError
 from training.parallel.groups import ParallelSizes
 from training.parallel.parallelize import enable_async_tensor_parallel, enable_comm_overlap
 from training.parallel.support import check_trainer_support
-from training.parallel.te_tensor_parallel import CommOverlap, initialize_comm_overlap
+from training.parallel.te_tensor_parallel import (
+    CommOverlap,
+    comm_overlap,
+    initialize_comm_overlap,
+)
 from training.precision.mixed import Precision
 from training.runtime.launch import comm_overlap_env
 
@@ -218,9 +222,48 @@ def test_te_communication_overlap_names_what_it_needs(shards: Path, monkeypatch)
         "tp_size": 2,
         "quantization_modes": ["fp8"],
         "dtype": torch.bfloat16,
+        "ub_cfgs": None,  # TE's defaults
         "bootstrap_backend": "nccl",
     }
     assert os.environ == {"UB_SKIPMC": "1"}
+
+
+def test_te_communication_overlap_settings_per_gemm(shards: Path) -> None:
+    """``parallel.tp_comm_overlap_config``: the set fields of each named GEMM reach TE's
+    ``initialize_ub`` as its ``ub_cfgs`` (the rest keep TE's defaults); without the overlap,
+    or with a pair TE refuses, it is refused before any process starts, naming the keys."""
+    complete = {
+        **trainer_settings(shards),
+        "parallel.tp_comm_overlap": True,
+        "parallel.sequence_parallel": True,
+        "model.backend": "te",
+        "training.device": "auto",
+        "parallel.tp_comm_overlap_config": "{proj_fprop: {method: ring_exchange, num_sm: 2}}",
+    }
+    config = config_of(complete)
+    check_trainer_support(config, ParallelSizes(tp=2))
+    overlap = comm_overlap(config, config.model, ParallelSizes(tp=2))
+    assert overlap.gemms == {"proj_fprop": {"method": "ring_exchange", "num_sm": 2}}
+    calls: dict = {}
+    te = SimpleNamespace(
+        UserBufferQuantizationMode=SimpleNamespace(FP8="fp8", NONE="none"),
+        initialize_ub=lambda **kw: calls.update(kw),
+    )
+    initialize_comm_overlap(te, overlap, 2, False, torch.bfloat16)
+    assert calls["ub_cfgs"] == {"proj_fprop": {"method": "ring_exchange", "num_sm": 2}}
+
+    off = config_of({**complete, "parallel.tp_comm_overlap": False})
+    with pytest.raises(
+        MegalithError, match=r"tp_comm_overlap_config \(proj_fprop\) needs parallel"
+    ):
+        check_trainer_support(off, ParallelSizes(tp=2))
+    both = "{fc1_dgrad: {method: ring_exchange}, fc1_wgrad: {num_sm: 4}}"
+    with pytest.raises(
+        MegalithError, match="fc1_dgrad with method ring_exchange .* leave fc1_wgrad out"
+    ):
+        check_trainer_support(
+            config_of({**complete, "parallel.tp_comm_overlap_config": both}), ParallelSizes(tp=2)
+        )
 
 
 @pytest.mark.slow

@@ -7,6 +7,8 @@
 #   t5:    T5-base, TE's attention with the relative bias's gradient against the torch
 #          backend and HF, compiled, one GPU (the 40% MFU goal; 24.4% today)
 #   twod:  DP=4 against TP=2 × DP=2 under FSDP and overlapped (needs nvidia-h100-x4)
+#   ub:    TP=2 overlapped at 16 × 1 with the forward reduce-scatters as ring exchanges
+#          (TE's default pipelines them through a reduction kernel on 16 SMs: 22 ms a step)
 set -uo pipefail
 export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmark-out}
@@ -25,5 +27,12 @@ twod)
   timeout 580 python3 benchmarks/parallel_scaling.py --shape 7b-layers --layouts dp4,tp2-dp2-fsdp,tp2-dp2-ub \
     --compile --steps 3 --warmup 3 --accumulation 2 --timeout 180 --set model.backend=te \
     --set mixed_precision.fp8=true --set training.micro_batch_size=8 --out "$OUT/twod" 2>&1 | tail -8 ;;
-*) echo "usage: $0 build|t5|twod"; exit 2 ;;
+ub)
+  S=(--shape 7b-layers --compile --steps 3 --warmup 3 --timeout 120 --set model.backend=te
+     --set mixed_precision.fp8=true --accumulation 1 --set training.micro_batch_size=16)
+  timeout 125 python3 benchmarks/parallel_scaling.py "${S[@]}" --layouts tp2-ub --out "$OUT/ub-default" 2>&1 | tail -1
+  timeout 125 python3 benchmarks/parallel_scaling.py "${S[@]}" --layouts tp2-ub \
+    --set 'parallel.tp_comm_overlap_config={proj_fprop: {method: ring_exchange}, fc2_fprop: {method: ring_exchange}}' \
+    --out "$OUT/ub-ring" 2>&1 | tail -1 ;;
+*) echo "usage: $0 build|t5|twod|ub"; exit 2 ;;
 esac

@@ -115,15 +115,29 @@ def async_tp_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]
 
 def comm_overlap_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """TE's userbuffers overlap the sequence-parallel collectives of TE's TP linears."""
+    gemms = config.parallel.tp_comm_overlap_config
     if not config.parallel.tp_comm_overlap:
-        return []
+        if not gemms:
+            return []
+        return [
+            f"parallel.tp_comm_overlap_config ({', '.join(gemms)}) needs parallel.tp_comm_overlap=true"
+        ]
+    problems = []
+    for dgrad in ("qkv_dgrad", "fc1_dgrad"):  # TE: a reduce-scatter dgrad takes wgrad's buffer
+        method = gemms[dgrad].method if dgrad in gemms else None
+        wgrad = dgrad.replace("dgrad", "wgrad")
+        if method not in (None, "bulk") and wgrad in gemms:
+            problems.append(
+                f"parallel.tp_comm_overlap_config: {dgrad} with method {method} overlaps its "
+                f"reduce-scatter through {wgrad}'s buffer; leave {wgrad} out"
+            )
     needs = {
         f"parallel.tensor > 1 (it is {sizes.tp})": sizes.tp > 1,
         "parallel.sequence_parallel=true": config.parallel.sequence_parallel,
         "model.backend=te (TE's userbuffers)": config.model.backend == "te",
         "training.device cuda or auto (CUDA IPC buffers)": config.training.device != "cpu",
     }
-    return _unmet("parallel.tp_comm_overlap", needs)
+    return _unmet("parallel.tp_comm_overlap", needs) + problems
 
 
 def _unmet(key: str, needs: dict[str, bool]) -> list[str]:

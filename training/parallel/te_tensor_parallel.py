@@ -56,7 +56,7 @@ layers with the same weights.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -102,10 +102,12 @@ _FUSED_MLP_OVERLAP = dict(_COLUMN_OVERLAP, **_ROW_OVERLAP)
 @dataclass(frozen=True)
 class CommOverlap:
     """TE's userbuffers: ``tokens`` rows (a micro-batch's tokens on this CP rank, the
-    whole sequence) of ``hidden`` features."""
+    whole sequence) of ``hidden`` features; ``gemms``: TE's ``ub_cfgs``, per GEMM the
+    settings that differ from TE's defaults (``parallel.tp_comm_overlap_config``)."""
 
     tokens: int
     hidden: int
+    gemms: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def comm_overlap(
@@ -115,7 +117,11 @@ def comm_overlap(
     if not config.parallel.tp_comm_overlap:
         return None
     tokens = config.training.micro_batch_size * config.data.seq_length // sizes.cp
-    return CommOverlap(tokens, model_config.hidden_size)
+    gemms = {
+        name: settings.model_dump(exclude_none=True)
+        for name, settings in config.parallel.tp_comm_overlap_config.items()
+    }
+    return CommOverlap(tokens, model_config.hidden_size, gemms)
 
 
 def initialize_comm_overlap(
@@ -130,6 +136,7 @@ def initialize_comm_overlap(
         tp_size=tp_size,
         quantization_modes=[modes.FP8 if fp8 else modes.NONE],
         dtype=dtype,
+        ub_cfgs=overlap.gemms or None,
         bootstrap_backend="nccl",
     )
 
