@@ -254,7 +254,8 @@ def test_te_communication_overlap_settings_per_gemm(shards: Path) -> None:
 
     off = config_of({**complete, "parallel.tp_comm_overlap": False})
     with pytest.raises(
-        MegalithError, match=r"tp_comm_overlap_config \(proj_fprop\) needs parallel"
+        MegalithError,
+        match=r"tp_comm_overlap_config \(proj_fprop\) needs parallel.tp_comm_overlap=true",
     ):
         check_trainer_support(off, ParallelSizes(tp=2))
     both = "{fc1_dgrad: {method: ring_exchange}, fc1_wgrad: {num_sm: 4}}"

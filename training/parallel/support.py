@@ -119,11 +119,22 @@ def comm_overlap_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[
     if not config.parallel.tp_comm_overlap:
         if not gemms:
             return []
-        return [
-            f"parallel.tp_comm_overlap_config ({', '.join(gemms)}) needs parallel.tp_comm_overlap=true"
-        ]
+        named = ", ".join(gemms)
+        return [f"parallel.tp_comm_overlap_config ({named}) needs parallel.tp_comm_overlap=true"]
+    needs = {
+        f"parallel.tensor > 1 (it is {sizes.tp})": sizes.tp > 1,
+        "parallel.sequence_parallel=true": config.parallel.sequence_parallel,
+        "model.backend=te (TE's userbuffers)": config.model.backend == "te",
+        "training.device cuda or auto (CUDA IPC buffers)": config.training.device != "cpu",
+    }
+    return _unmet("parallel.tp_comm_overlap", needs) + _userbuffer_problems(gemms)
+
+
+def _userbuffer_problems(gemms: dict) -> list[str]:
+    """TE's rule for ``ub_cfgs``: a dgrad that reduce-scatters (any method but bulk) takes
+    over its wgrad's buffer, so the wgrad cannot be configured too."""
     problems = []
-    for dgrad in ("qkv_dgrad", "fc1_dgrad"):  # TE: a reduce-scatter dgrad takes wgrad's buffer
+    for dgrad in ("qkv_dgrad", "fc1_dgrad"):
         method = gemms[dgrad].method if dgrad in gemms else None
         wgrad = dgrad.replace("dgrad", "wgrad")
         if method not in (None, "bulk") and wgrad in gemms:
@@ -131,13 +142,7 @@ def comm_overlap_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[
                 f"parallel.tp_comm_overlap_config: {dgrad} with method {method} overlaps its "
                 f"reduce-scatter through {wgrad}'s buffer; leave {wgrad} out"
             )
-    needs = {
-        f"parallel.tensor > 1 (it is {sizes.tp})": sizes.tp > 1,
-        "parallel.sequence_parallel=true": config.parallel.sequence_parallel,
-        "model.backend=te (TE's userbuffers)": config.model.backend == "te",
-        "training.device cuda or auto (CUDA IPC buffers)": config.training.device != "cpu",
-    }
-    return _unmet("parallel.tp_comm_overlap", needs) + problems
+    return problems
 
 
 def _unmet(key: str, needs: dict[str, bool]) -> list[str]:
