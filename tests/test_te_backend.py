@@ -145,16 +145,17 @@ class _DotProductAttention(nn.Module):
                 core_attention_bias=None):  # [b, s, h, d] -> [b, s, h*d]  # fmt: skip
         repeats = self.heads // self.groups
         k, v = (t.repeat_interleave(repeats, dim=2).transpose(1, 2) for t in (k, v))
-        if core_attention_bias_type is None:
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True)
-            return out.transpose(1, 2).flatten(2)
-        # TE's post_scale_bias over no mask: the bias added to the scaled scores
-        assert (attn_mask_type, core_attention_bias_type) == ("no_mask", "post_scale_bias")
         bias = core_attention_bias
-        assert bias.dim() == 4 and bias.size(0) == 1 and bias.is_contiguous()
-        assert tuple(bias.shape[2:]) == (q.size(1), k.size(2)) and bias.dtype == q.dtype
-        self.biased_calls = getattr(self, "biased_calls", 0) + 1
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=bias)
+        if core_attention_bias_type is not None:  # TE's post_scale_bias: added to scaled scores
+            assert core_attention_bias_type == "post_scale_bias" and bias.is_contiguous()
+            assert tuple(bias.shape) == (1, q.size(2), q.size(1), k.size(2)), bias.shape
+            assert bias.dtype == q.dtype
+        self.calls = getattr(self, "calls", [])
+        self.calls.append((attn_mask_type or "causal", core_attention_bias_type))
+        causal = attn_mask_type in (None, "causal")
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=bias, is_causal=causal
+        )
         return out.transpose(1, 2).flatten(2)
 
 
@@ -345,10 +346,10 @@ def t5_pair() -> tuple[T5Model, T5Model]:
 def test_t5_relative_bias_runs_through_te_attention_with_its_gradient() -> None:
     """T5's attentions under the TE backend (the stand-in, bf16 on CPU): the encoder's and
     the decoder's self-attentions give TE their relative bias (one for the whole batch,
-    the decoder's causality folded in) as ``post_scale_bias`` and cross-attention its
-    all-zero mask, so every attention is TE's; the loss and every gradient, the bias
-    tables' included, are the torch backend's. With padding (a per-sample mask) the
-    encoder's attentions fall back to SDPA and still match."""
+    the decoder's causality folded in) as ``post_scale_bias``, cross-attention runs TE's
+    unmasked (its all-zero mask changes nothing), so every attention is TE's; the loss
+    and every gradient, the bias tables' included, are the torch backend's. With padding
+    (per-sample masks) the encoder's and cross attentions fall back to SDPA and match."""
     plain, te = t5_pair()
     generator = torch.Generator().manual_seed(1)
     encoder = torch.randint(0, 64, (3, 12), generator=generator)
@@ -368,11 +369,12 @@ def test_t5_relative_bias_runs_through_te_attention_with_its_gradient() -> None:
         assert te.encoder.relative_bias.weight.grad.abs().sum() > 0
         cores = [layer.attention.core for layer in (*te.encoder.layers, *te.decoder.layers)]
         cores += [layer.cross_attention.core for layer in te.decoder.layers]
-        biased = [getattr(core._engine.module, "biased_calls", 0) for core in cores]
-        if padded is None:
-            assert biased == [1] * 6, biased  # 2 encoder, 2 decoder self, 2 cross
-        else:  # the encoder's per-sample masks went to SDPA; the decoder's self-attentions did not
-            assert biased == [1, 1, 2, 2, 1, 1], biased
+        calls = [core._engine.module.calls for core in cores]
+        biased, unmasked = ("no_mask", "post_scale_bias"), ("no_mask", None)
+        if padded is None:  # 2 encoder, 2 decoder self-attentions biased; 2 cross unmasked
+            assert calls == [[biased]] * 4 + [[unmasked]] * 2, calls
+        else:  # per-sample masks (the encoder's, the cross-attention's) went to SDPA
+            assert calls == [[biased]] * 2 + [[biased, biased]] * 2 + [[unmasked]] * 2, calls
 
 
 def test_weights_loaded_later_reach_the_engines(tmp_path) -> None:

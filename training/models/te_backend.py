@@ -218,12 +218,16 @@ class TELinear(layers.Linear):
 
 class TEAttention(layers.SDPAttention):
     """Attention through ``te.DotProductAttention`` (``bshd``) on CUDA in bf16/fp16:
-    causal when queries and keys are the same positions and no mask is given; with a
-    float mask that is one bias for the whole batch (``[1, heads or 1, T, S]``: T5's
-    relative position biases, causality folded in), as TE's ``post_scale_bias`` over no
-    mask, whose cuDNN kernels also return the bias's gradient (``[1, heads, T, S]``
-    only). SDPA otherwise: a KV cache, bool masks (packed documents), per-sample float
-    masks (T5 with padding)."""
+
+    - causal, where queries and keys are the same positions and no mask is given;
+    - with a float mask that is one bias per head for the whole batch (``[1, heads, T,
+      S]``: T5's relative position biases, the decoder's causality folded in): TE's
+      ``post_scale_bias`` over no mask, whose cuDNN kernels also return the bias's gradient;
+    - with a float mask constant over the keys (``[B or 1, 1, T, 1]``: T5's cross-attention
+      without padding), which softmax ignores: no mask.
+
+    SDPA otherwise: a KV cache without a mask, bool masks (packed documents), per-sample
+    float masks (T5 with padding), fp32."""
 
     def __init__(self, num_heads, num_groups, head_dim, *, dropout, engine, devices):
         super().__init__(num_heads, num_groups, head_dim, dropout=dropout)
@@ -231,32 +235,41 @@ class TEAttention(layers.SDPAttention):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         usable = q.dtype in (torch.bfloat16, torch.float16) and engine_device(q, self._devices)
+        qkv = (q.contiguous(), k.contiguous(), v.contiguous()) if usable else ()
         if usable and attn_mask is None and q.size(1) == k.size(1):
-            out = self._engine(self, q.contiguous(), k.contiguous(), v.contiguous())
-        elif usable and self._batch_bias(attn_mask, q, k):
+            out = self._engine(self, *qkv)
+        elif usable and _constant_over_keys(attn_mask):
+            out = self._engine(self, *qkv, attn_mask_type="no_mask")
+        elif usable and self._bias_per_head(attn_mask, q, k):
             bias = attn_mask.clamp(min=torch.finfo(q.dtype).min).to(q.dtype)  # as SDPA's
-            bias = bias.expand(1, bias.size(1), q.size(1), k.size(1)).contiguous()
             out = self._engine(
                 self,
-                q.contiguous(),
-                k.contiguous(),
-                v.contiguous(),
+                *qkv,
                 attn_mask_type="no_mask",
                 core_attention_bias_type="post_scale_bias",
-                core_attention_bias=bias,
+                core_attention_bias=bias.contiguous(),
             )
         else:
             return super().forward(q, k, v, attn_mask)
         return out.reshape(q.size(0), q.size(1), self.num_heads * self.head_dim)
 
-    def _batch_bias(self, mask: Tensor | None, q: Tensor, k: Tensor) -> bool:
-        """Whether ``mask`` is a float bias TE takes with its gradient: one for the
-        whole batch, per head (or, without a gradient, shared by the heads)."""
-        if mask is None or not mask.is_floating_point() or mask.dim() != 4 or mask.size(0) != 1:
-            return False
-        if mask.size(2) not in (1, q.size(1)) or mask.size(3) not in (1, k.size(1)):
-            return False
-        return mask.size(1) == self.num_heads or (mask.size(1) == 1 and not mask.requires_grad)
+    def _bias_per_head(self, mask: Tensor | None, q: Tensor, k: Tensor) -> bool:
+        """``mask`` is ``[1, heads, T, S]`` float: one bias for the whole batch."""
+        shape = (1, self.num_heads, q.size(1), k.size(1))
+        return mask is not None and mask.is_floating_point() and tuple(mask.shape) == shape
+
+
+def _constant_over_keys(mask: Tensor | None) -> bool:
+    """``mask`` adds one value per query to all its keys (``[..., 1]``, no gradient):
+    softmax is unchanged by it."""
+    return (
+        mask is not None
+        and mask.is_floating_point()
+        and mask.dim() == 4
+        and mask.size(1) == 1
+        and mask.size(3) == 1
+        and not mask.requires_grad
+    )
 
 
 def fusable_mlp(activation: str, norm: NormSpec) -> str | None:
