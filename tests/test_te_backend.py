@@ -311,12 +311,17 @@ def test_mlp_runs_as_one_layernorm_mlp_where_te_has_its_activation(extra, fused)
         torch.testing.assert_close(b.grad, a.grad, msg=name)
 
 
+def tiny_t5(layers: int) -> ModelConfig:
+    """A T5 of ``layers`` encoder and decoder layers, hidden 32, 4 heads, vocabulary 64."""
+    return ModelConfig(
+        family="t5", num_layers=layers, num_decoder_layers=layers, hidden_size=32,
+        num_attention_heads=4, vocab_size=64, max_position_embeddings=32,
+    )  # fmt: skip
+
+
 def test_t5_gated_gelu_mlp_runs_fused() -> None:
     """T5's gated GELU (tanh) is TE's ``geglu``; RMSNorm without biases."""
-    cfg = ModelConfig(
-        family="t5", num_layers=1, num_decoder_layers=1, hidden_size=32, num_attention_heads=4,
-        vocab_size=64, max_position_embeddings=16,
-    )  # fmt: skip
+    cfg = tiny_t5(1)
     torch.manual_seed(0)
     plain = MLP(cfg, TorchBackend())
     torch.manual_seed(0)
@@ -333,10 +338,7 @@ def test_t5_gated_gelu_mlp_runs_fused() -> None:
 
 
 def t5_pair() -> tuple[T5Model, T5Model]:
-    cfg = ModelConfig(
-        family="t5", num_layers=2, num_decoder_layers=2, hidden_size=32, num_attention_heads=4,
-        vocab_size=64, max_position_embeddings=32,
-    )  # fmt: skip
+    cfg = tiny_t5(2)
     torch.manual_seed(0)
     plain = T5Model(cfg, TorchBackend())
     torch.manual_seed(0)
