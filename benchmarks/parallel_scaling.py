@@ -70,7 +70,9 @@ SHAPES: dict[str, dict] = {
 # pipeline stages (interleaved schedule), zb the zero-bubble schedule (ZB1P, with or
 # without vN), sp sequence parallelism, async sequence parallelism with async TP (needs
 # --compile), ub sequence parallelism with TE's userbuffers overlap (parallel.tp_comm_overlap,
-# needs --set model.backend=te), zero1/fsdp the data-parallel mode (default ddp).
+# needs --set model.backend=te), zero1/fsdp the data-parallel mode (default ddp), mbN this
+# layout's micro-batch: the step keeps the tokens of --accumulation micro-batches of the
+# shape's (or --set's) size, in fewer, larger ones (e.g. tp2-ub-mb16 against 1gpu at 8 x 2).
 _SIZE_KEYS = {
     "dp": None,
     "tp": "parallel.tensor",
@@ -101,12 +103,15 @@ def parse_layout(name: str) -> tuple[int, dict]:
             overrides.update(_FLAGS[part])
             continue
         prefix = part.rstrip("0123456789")
-        if prefix not in (*_SIZE_KEYS, "ep") or prefix == part:
+        if prefix not in (*_SIZE_KEYS, "ep", "mb") or prefix == part:
             raise SystemExit(
                 f"layout {name!r}: unknown part {part!r} "
-                "(dpN tpN ppN cpN epN vN zb sp async ub zero1 fsdp)"
+                "(dpN tpN ppN cpN epN vN mbN zb sp async ub zero1 fsdp)"
             )
         size = int(part[len(prefix) :])
+        if prefix == "mb":  # the layout's micro-batch (build_config keeps the step's tokens)
+            overrides["training.micro_batch_size"] = size
+            continue
         if prefix == "ep":  # carved out of data x context: no GPUs of its own
             overrides["parallel.expert"] = size
             continue
@@ -132,6 +137,7 @@ def build_config(
     from megalith.config import load_config, parse_override
 
     gpus, overrides = parse_layout(layout)
+    layout_micro = overrides.pop("training.micro_batch_size", None)
     values = {
         "data.inputs": [],
         "data.output": shards,
@@ -150,9 +156,15 @@ def build_config(
     config = load_config(ROOT / "configs" / "llama-1b.yaml", values=values)
     sizes = config.parallel
     data_parallel = gpus // (sizes.tensor * sizes.pipeline * sizes.context)
-    micro = config.training.micro_batch_size
+    global_batch = config.training.micro_batch_size * accumulation * data_parallel
+    micro = layout_micro or config.training.micro_batch_size
+    if global_batch % (micro * data_parallel):
+        raise SystemExit(
+            f"layout {layout!r}: micro-batch {micro} on {data_parallel} replicas does not "
+            f"divide the step's {global_batch} samples"
+        )
     config.training = config.training.model_copy(
-        update={"global_batch_size": micro * accumulation * data_parallel}
+        update={"micro_batch_size": micro, "global_batch_size": global_batch}
     )
     return config
 
@@ -200,8 +212,10 @@ def worker(args) -> None:
         torch.distributed.all_reduce(memory, op=torch.distributed.ReduceOp.MAX)
         if trainer.is_main:
             tokens = args.steps * config.training.global_batch_size * config.data.seq_length
+            per_replica = config.training.global_batch_size // trainer.parallel.sizes.dp
             result = {
                 "tokens_per_s": tokens / seconds,
+                "micro_batches": per_replica // config.training.micro_batch_size,
                 "flops_per_token": trainer.flops_per_token,
                 "losses": [r["loss"] for r in records],
                 # The trainer's own measures (training.parallel.pipeline's docstring).
@@ -311,7 +325,7 @@ def table(report: dict) -> str:
         per_gpu = r["tokens_per_s"] / r["gpus"]
         efficiency = per_gpu / base if base else float("nan")
         achieved = per_gpu * r["flops_per_token"]
-        theory = bubble_theory(name, report["accumulation"])
+        theory = bubble_theory(name, r.get("micro_batches", report["accumulation"]))
         bubble = "- | - | -"
         if theory and r.get("pipeline_bubble") is not None:
             bubble = (

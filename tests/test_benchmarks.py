@@ -9,6 +9,10 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
+from benchmarks import parallel_scaling as scaling
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,10 +39,11 @@ def test_parallel_scaling_times_each_layout_and_checks_it_against_one_process(
 ) -> None:
     """The scaling benchmark on gloo (its CPU smoke mode): each layout runs under torchrun
     with the steps launched as ``Trainer.fit`` launches them, and a model-parallel layout's
-    losses are one process's (to rounding): the timed steps are the same steps."""
+    losses are one process's (to rounding): the timed steps are the same steps, here with
+    TP=2 at twice the micro-batch in half as many micro-batches (``mb4``)."""
     command = [
         sys.executable, str(ROOT / "benchmarks" / "parallel_scaling.py"), "--shape", "tiny",
-        "--device", "cpu", "--layouts", "1gpu,tp2", "--steps", "3", "--warmup", "2",
+        "--device", "cpu", "--layouts", "1gpu,tp2-mb4", "--steps", "3", "--warmup", "2",
         "--accumulation", "2", "--timeout", "240", "--out", str(tmp_path),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -46,13 +51,16 @@ def test_parallel_scaling_times_each_layout_and_checks_it_against_one_process(
     assert completed.returncode == 0, completed.stderr[-3000:]
 
     results = json.loads((tmp_path / "scaling-tiny.json").read_text())["results"]
-    one, tp2 = results["1gpu"], results["tp2"]
+    one, tp2 = results["1gpu"], results["tp2-mb4"]
     assert "error" not in tp2, tp2.get("error")
     assert one["tokens_per_s"] > 0 and tp2["tokens_per_s"] > 0
+    assert (one["micro_batches"], tp2["micro_batches"]) == (2, 1)  # 2 x 2 samples, 1 x 4
     assert len(one["losses"]) == len(tp2["losses"]) == 3
     for ours, reference in zip(tp2["losses"], one["losses"], strict=True):
         assert math.isclose(ours, reference, rel_tol=1e-5)
-    assert "| tp2 | 2 |" in completed.stdout
+    assert "| tp2-mb4 | 2 |" in completed.stdout
+    with pytest.raises(SystemExit, match="micro-batch 3 on 1 replicas does not divide"):
+        scaling.build_config("tiny", "tp2-mb3", str(tmp_path), 1, 2, False)
 
 
 def test_curate_benchmark_scores_planted_near_duplicates(tmp_path: Path) -> None:
