@@ -1,0 +1,132 @@
+"""The typed configuration tree shared by every stage.
+
+One Pydantic model per section. The same classes are the YAML recipe schema, the
+values behind ``--set key=value`` on the command line, and the parameters of the
+Prefect flows (Prefect renders them as forms). Unknown keys are errors.
+
+The sections live by stage (``base``: bounds, errors, the strict model; ``data``: the
+tokenizer, shard sets, curation; ``model``; ``run``: parallelism, the loop, optimizer,
+precision, checkpoints, logging, promotion, fine-tuning; ``tree``: the root and how a
+recipe is read); everything is importable from ``megalith.config``. The package imports
+only Pydantic, PyYAML and the shared safe reader so that any stage can use it.
+"""
+
+from megalith.config.base import (
+    MAX_EXPERTS,
+    MAX_FFN,
+    MAX_HEAD_DIM,
+    MAX_HEADS,
+    MAX_HIDDEN,
+    MAX_LAYERS,
+    MAX_PARAMETERS,
+    MAX_POSITIONS,
+    MAX_PROBLEMS_SHOWN,
+    MAX_VOCAB,
+    ConfigError,
+    StrictModel,
+    types_in,
+)
+from megalith.config.data import (
+    DEFAULT_SPECIAL_TOKENS,
+    GOPHER_STOP_WORDS,
+    CurateConfig,
+    DataConfig,
+    DatasetSource,
+    DecontaminationConfig,
+    ExactDedupConfig,
+    NearDedupConfig,
+    PIIConfig,
+    QualityConfig,
+    SpanCorruptionConfig,
+    TokenizerConfig,
+)
+from megalith.config.model import (
+    FAMILY_RULES,
+    STYLE_DEFAULTS,
+    T5_DEFAULTS,
+    FamilyRules,
+    ModelConfig,
+    RopeScaling,
+)
+from megalith.config.run import (
+    CheckpointConfig,
+    FinetuneConfig,
+    LoggingConfig,
+    LoRAConfig,
+    MetricRule,
+    MixedPrecisionConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    PromotionConfig,
+    SchedulerConfig,
+    TrainingConfig,
+    UserbufferGemm,
+    UserbufferSettings,
+)
+from megalith.config.tree import (
+    MegalithConfig,
+    apply_overrides,
+    dump_config,
+    format_validation_error,
+    keys_of_section,
+    load_config,
+    parse_override,
+    read_yaml,
+    set_value,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "ConfigError",
+    "CurateConfig",
+    "DEFAULT_SPECIAL_TOKENS",
+    "DataConfig",
+    "DatasetSource",
+    "DecontaminationConfig",
+    "ExactDedupConfig",
+    "FAMILY_RULES",
+    "FamilyRules",
+    "FinetuneConfig",
+    "GOPHER_STOP_WORDS",
+    "LoRAConfig",
+    "LoggingConfig",
+    "MAX_EXPERTS",
+    "MAX_FFN",
+    "MAX_HEADS",
+    "MAX_HEAD_DIM",
+    "MAX_HIDDEN",
+    "MAX_LAYERS",
+    "MAX_PARAMETERS",
+    "MAX_POSITIONS",
+    "MAX_PROBLEMS_SHOWN",
+    "MAX_VOCAB",
+    "MegalithConfig",
+    "MetricRule",
+    "MixedPrecisionConfig",
+    "ModelConfig",
+    "NearDedupConfig",
+    "OptimizerConfig",
+    "PIIConfig",
+    "ParallelConfig",
+    "PromotionConfig",
+    "QualityConfig",
+    "RopeScaling",
+    "STYLE_DEFAULTS",
+    "SchedulerConfig",
+    "SpanCorruptionConfig",
+    "StrictModel",
+    "T5_DEFAULTS",
+    "TokenizerConfig",
+    "TrainingConfig",
+    "UserbufferGemm",
+    "UserbufferSettings",
+    "apply_overrides",
+    "dump_config",
+    "format_validation_error",
+    "keys_of_section",
+    "load_config",
+    "parse_override",
+    "read_yaml",
+    "set_value",
+    "types_in",
+]
