@@ -4,7 +4,10 @@
 # 2-D rows moved to te-next.sh) with Transformer Engine staged as
 # ../shared/te/README.md says, the core wheel re-split into parts of 52.5 MB so that the
 # last part and .te/rest travel together with the tree under 64 MiB, device.sh copied
-# into .te/rest:
+# into .te/rest (after `bash ../shared/te/prepare.sh`):
+#   cat .te/c*/part-* > /tmp/core.whl && rm -r .te/c? && (cd /tmp && split -b 52500000 -d -a 1 core.whl part-)
+#   for i in 0 1 2 3 4 5; do mkdir -p .te/c$i && mv /tmp/part-$i .te/c$i/; done
+#   cp ../shared/te/device.sh .te/rest/
 #   for N in 0..4: run `bash .te/rest/device.sh take`  carry [.te/cN, .te/rest/device.sh]
 #   run `bash benchmarks/leases/2026-11-28-te.sh build`  carry [.te/c5, .te/rest]
 #   run `bash benchmarks/leases/2026-11-28-te.sh tp`, then `tp16`, then `profile`
