@@ -530,6 +530,22 @@ def test_real_te_gated_gelu_mlp_matches_the_torch_mlp() -> None:
     print(f"t5 geglu: worst fp32 {max(report.values()):.2e}")
 
 
+def _assert_biased_attention_is_fused(core: nn.Module) -> None:
+    """One biased call of ``core`` (a ``TEAttention``): TE chose its cuDNN (fused) kernels,
+    not its unfused fallback, and returned the bias's gradient."""
+    from transformer_engine.pytorch.attention.dot_product_attention import (
+        dot_product_attention as selection,
+    )
+
+    heads, length = core.num_heads, 128
+    q = torch.randn(2, length, heads, core.head_dim, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(1, heads, length, length, device="cuda", requires_grad=True)
+    core(q.requires_grad_(), q, q, bias).float().square().mean().backward()
+    chosen = selection._attention_backends
+    assert chosen["use_fused_attention"] and not chosen["use_unfused_attention"], chosen
+    assert bias.grad is not None and bias.grad.abs().sum() > 0
+
+
 @needs_te
 @pytest.mark.gpu
 def test_real_te_t5_biased_attention_matches_the_torch_backend() -> None:
@@ -562,6 +578,7 @@ def test_real_te_t5_biased_attention_matches_the_torch_backend() -> None:
     te_loss, te_grads = run(te, bf16=True)
     attention = te.encoder.layers[0].attention.core._engine.module
     assert isinstance(attention, real_te().DotProductAttention)
+    _assert_biased_attention_is_fused(te.encoder.layers[0].attention.core)
     worst = {}
     for name, grad in te_grads.items():
         te_error = relative_error(grad, exact_grads[name])
