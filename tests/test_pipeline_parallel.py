@@ -245,9 +245,9 @@ def test_model_package_loads_in_one_process(
     assert_package_logits_match(parallel_runs / case, reference, layout(case))
 
 
-# Traced with aot_eager: the stages' graphs (dynamo, AOT autograd) without Inductor's CPU
-# code generation, a minute of compiling on a cold cache; Inductor itself:
-# tests/test_trainer.py, and on GPUs benchmarks/RESULTS.md (compiled pipeline stages).
+# Traced with aot_eager: the stages' graphs (dynamo, AOT autograd) without Inductor's slow
+# CPU code generation; Inductor itself: tests/test_trainer.py, and on GPUs
+# benchmarks/RESULTS.md (compiled pipeline stages).
 COMPILED = {"training.compile": "true", "training.compile_backend": "aot_eager"}
 
 

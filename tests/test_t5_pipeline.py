@@ -236,8 +236,8 @@ def test_compiled_t5_pipeline_stages_match_one_compiled_process(
     """``training.compile`` with T5 stages (PP=2: encoder, then decoder): each encoder and
     decoder block compiled in place gives the compiled single process's losses and grad
     norms, whole checkpoint tensors, and resumes exactly. Traced with ``aot_eager`` (the
-    stages' graphs without Inductor's CPU code generation: 17 s here against 60 s on a
-    cold cache; Inductor itself: tests/test_trainer.py)."""
+    stages' graphs without Inductor's slow CPU code generation; Inductor itself:
+    tests/test_trainer.py)."""
     compiled = {"training.compile": "true", "training.compile_backend": "aot_eager"}
     compiled = t5_settings(t5_shards, compiled)
     one = tmp_path / "one"

@@ -254,11 +254,11 @@ def _source_digest(url: str, storage_options: dict[str, Any] | None) -> str:
     try:
         return sha256_of_file(url, storage_options)
     except FileNotFoundError:
-        root = url.rsplit("/", 1)[0]
         if url.endswith(".idx"):
             raise FileNotFoundError(
                 f"{url} not found: no Megatron-LM indexed dataset at {url.removesuffix('.idx')}"
             ) from None
+        root = url.rsplit("/", 1)[0]
         raise FileNotFoundError(
             f"{url} not found: the training data {root} is not a prepared shard set (run "
             "`megalith data prepare`, or `megalith demo` for the shipped corpus)"

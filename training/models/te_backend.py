@@ -75,9 +75,9 @@ TE_PARAMETER_NAMES = {
         "fc2.bias": "fc2_bias",
     },
 }
-# Our MLP activations -> TE's of the same function (TE's GELU is the tanh one; it has no
-# erf GELU, so an MLP with that runs its layers one by one).
-TE_ACTIVATIONS = {"swiglu": "swiglu", "geglu": "geglu", "gelu": "gelu"}
+# Our MLP activations that TE has under the same name (TE's GELU is the tanh one; it has
+# no erf GELU, so an MLP with that runs its layers one by one).
+TE_ACTIVATIONS = frozenset({"swiglu", "geglu", "gelu"})
 
 TEProvider = Callable[[], Any]
 
@@ -277,7 +277,7 @@ def fusable_mlp(activation: str, norm: NormSpec) -> str | None:
     None (an erf GELU; a LayerNorm without bias, which TE's LayerNorm always has)."""
     if norm.kind == "layernorm" and not norm.bias:
         return None
-    return TE_ACTIVATIONS.get(activation)
+    return activation if activation in TE_ACTIVATIONS else None
 
 
 class TEFusedMLP:
