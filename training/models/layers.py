@@ -161,6 +161,19 @@ def attention_kernels(first: str) -> Callable[[], contextlib.AbstractContextMana
     return functools.partial(sdpa_kernel, order, set_priority=True)
 
 
+def constant_over_keys(mask: Tensor | None) -> bool:
+    """``mask`` adds one value per query to all its keys (``[..., T, 1]`` float, no
+    gradient): softmax is unchanged by it."""
+    return (
+        mask is not None
+        and mask.is_floating_point()
+        and mask.dim() == 4
+        and mask.size(1) == 1
+        and mask.size(3) == 1
+        and not mask.requires_grad
+    )
+
+
 class SDPAttention(nn.Module):
     """Causal attention through ``F.scaled_dot_product_attention``."""
 
@@ -200,7 +213,11 @@ class SDPAttention(nn.Module):
             mask, causal = _causal_mask(length, k.size(2), q.device)
         else:
             mask, causal = attn_mask, False
-            if mask.is_floating_point() and mask.dtype != q.dtype:
+            if constant_over_keys(mask):
+                # Softmax ignores it (T5's cross-attention without padding), and SDPA's CUDA
+                # kernels refuse a bias broadcast over the keys.
+                mask = None
+            elif mask.is_floating_point() and mask.dtype != q.dtype:
                 # Clamped first: fp32's most negative value would become -inf in fp16/bf16.
                 mask = mask.clamp(min=torch.finfo(q.dtype).min).to(q.dtype)
         extra = {"enable_gqa": True} if native_gqa else {}

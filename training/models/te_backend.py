@@ -238,7 +238,7 @@ class TEAttention(layers.SDPAttention):
         qkv = (q.contiguous(), k.contiguous(), v.contiguous()) if usable else ()
         if usable and attn_mask is None and q.size(1) == k.size(1):
             out = self._engine(self, *qkv)
-        elif usable and _constant_over_keys(attn_mask):
+        elif usable and layers.constant_over_keys(attn_mask):
             out = self._engine(self, *qkv, attn_mask_type="no_mask")
         elif usable and self._bias_per_head(attn_mask, q, k):
             bias = attn_mask.clamp(min=torch.finfo(q.dtype).min).to(q.dtype)  # as SDPA's
@@ -257,19 +257,6 @@ class TEAttention(layers.SDPAttention):
         """``mask`` is ``[1, heads, T, S]`` float: one bias for the whole batch."""
         shape = (1, self.num_heads, q.size(1), k.size(1))
         return mask is not None and mask.is_floating_point() and tuple(mask.shape) == shape
-
-
-def _constant_over_keys(mask: Tensor | None) -> bool:
-    """``mask`` adds one value per query to all its keys (``[..., 1]``, no gradient):
-    softmax is unchanged by it."""
-    return (
-        mask is not None
-        and mask.is_floating_point()
-        and mask.dim() == 4
-        and mask.size(1) == 1
-        and mask.size(3) == 1
-        and not mask.requires_grad
-    )
 
 
 def fusable_mlp(activation: str, norm: NormSpec) -> str | None:
