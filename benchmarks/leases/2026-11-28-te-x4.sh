@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Transformer Engine measurements written but not yet run (rename to the lease's date
-# when they run, and record them in benchmarks/RESULTS.md). Stage TE as
-# benchmarks/leases/2026-11-28-te.sh says (`take` per part), then one call per subcommand:
+# What ran on nvidia-h100-x4 (4x H100 80GB HBM3), 2026-11-28 02:50-03:08 UTC, after staging
+# TE as benchmarks/leases/2026-11-28-te.sh says (`take` per part, c0..c4), one call each:
+#   build (carry [.te/c5, .te/rest]), pair, twod, then by hand (GPU 1 beside GPU 0):
+#     CUDA_VISIBLE_DEVICES=1 python3 benchmarks/train_throughput.py --shape t5-base --steps 10 \
+#       --warmup 5 --variants ours --out $OUT/t5e &
+#     CUDA_VISIBLE_DEVICES=0 python3 benchmarks/train_throughput.py --shape t5-base --steps 10 \
+#       --warmup 5 --profile --variants ours-compile --out $OUT/t5p
+# (`ours` then left model.backend at auto, which resolved to TE with TE installed.)
 #   build: TE built, the GPU tests of the TE backend (T5's biased attention through TE's
 #          post_scale_bias among them: its first run)        carry [.te/c5, .te/rest]
 #   t5:    T5-base, TE's attention with the relative bias's gradient against the torch
 #          backend and HF, compiled, one GPU (the issue's 40% MFU goal; 24.4% today)
 #   twod:  DP=4 against TP=2 × DP=2 under FSDP and overlapped (needs nvidia-h100-x4)
-#   ub:    TP=2 overlapped at 16 × 1 with the forward reduce-scatters as ring exchanges, then
-#          pipelined on 8 SMs in 2 splits (TE's default: 16 SMs, 4 splits; 22 ms a step)
-#   pair:  t5 on the fourth GPU beside ub on the first two (nvidia-h100-x4)
 set -uo pipefail
 export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmark-out}
