@@ -400,6 +400,7 @@ def run_matmul() -> dict:
 
 
 def run_ours(args, compile_model: bool) -> dict:
+    from training.precision.fp8 import backend_name
     from training.trainer import Trainer
 
     config = load_shape(
@@ -418,7 +419,8 @@ def run_ours(args, compile_model: bool) -> dict:
         profile_steps(step, Path(args.out), args.variant)
     losses = [record["loss"] for record in step.finish()]
     tokens = args.steps * config.training.global_batch_size * trainer.tokens_per_sample
-    return _result(config, tokens, seconds, losses, _peak_memory())
+    result = _result(config, tokens, seconds, losses, _peak_memory())
+    return {**result, "kernel_backend": backend_name(trainer.model)}  # what auto resolved to
 
 
 def hf_model(config):
@@ -641,8 +643,9 @@ def table(report: dict) -> str:
         if name == "matmul" or "tokens_per_s" not in r:
             continue
         achieved = r["tokens_per_s"] * r["flops_per_token"]
+        label = f"{name} ({r['kernel_backend']})" if "kernel_backend" in r else name
         lines.append(
-            f"| {name} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
+            f"| {label} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
             f"{100 * achieved / (peak * 1e12) if peak else float('nan'):.1f}% | {r['peak_memory_gb']:.1f} | "
             f"{r['tokens_per_s'] / base if base else float('nan'):.2f} |"
         )

@@ -31,7 +31,8 @@ def test_t5_throughput_runs_ours_and_the_hugging_face_baseline(tmp_path: Path) -
         result = results[variant]
         assert "error" not in result, f"{variant}: {result.get('error')}"
         assert result["tokens_per_s"] > 0 and math.isfinite(result["last_loss"]), result
-    assert "| hf |" in completed.stdout and "| ours |" in completed.stdout
+    assert results["ours"]["kernel_backend"] == "torch"  # what auto resolved to, on CPU
+    assert "| hf |" in completed.stdout and "| ours (torch) |" in completed.stdout
 
 
 def test_parallel_scaling_times_each_layout_and_checks_it_against_one_process(

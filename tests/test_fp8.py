@@ -299,7 +299,7 @@ def test_every_parallelism_trains_in_fp8_like_one_process(shards: Path, tmp_path
 
 
 CUDA_COMPILED = {
-    "model.backend": "torch",  # auto would pick Transformer Engine where it is installed
+    "model.backend": "torch",  # torchao, even where auto would pick Transformer Engine
     "training.device": "cuda",
     "training.compile": "true",
     "training.train_iters": 30,

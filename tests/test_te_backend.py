@@ -35,7 +35,14 @@ from parallel_helpers import tiny_settings
 from torch import nn
 
 from megalith.config import ModelConfig, load_config
-from training.models import GPTModel, TorchBackend, layers, model_from_tensors, resolve_backend
+from training.models import (
+    GPTModel,
+    TorchBackend,
+    kernel_backend_name,
+    layers,
+    model_from_tensors,
+    resolve_backend,
+)
 from training.models import backend as backend_module
 from training.models.gpt import MLP
 from training.models.package import load_model_package, save_model_package
@@ -400,12 +407,32 @@ def test_weights_loaded_later_reach_the_engines(tmp_path) -> None:
     torch.testing.assert_close(loaded(tokens), other(tokens))
 
 
-def test_auto_picks_te_when_it_imports(monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "settings, picked",
+    [
+        ([], "torch"),  # bf16: the torch backend compiled is as fast
+        (["mixed_precision.fp8=true"], "torch"),  # tensorwise below hidden 2048
+        (["mixed_precision.fp8=true", "model.hidden_size=2048"], "te"),
+        (["mixed_precision.fp8=true", "mixed_precision.fp8_recipe=delayed"], "te"),  # TE's alone
+        (["mixed_precision.fp8=true", "mixed_precision.fp8_recipe=rowwise", "model.hidden_size=2048"], "torch"),
+        (["model.backend=te"], "te"),
+        (["model.backend=torch", "mixed_precision.fp8=true", "model.hidden_size=2048"], "torch"),
+    ],
+)  # fmt: skip
+def test_auto_picks_te_only_where_it_measured_faster(monkeypatch, settings, picked) -> None:
     monkeypatch.setattr(backend_module, "transformer_engine_available", lambda: True)
-    assert isinstance(resolve_backend("auto"), TransformerEngineBackend)
-    assert isinstance(resolve_backend("te"), TransformerEngineBackend)
+    run = load_config(None, settings)
+    assert kernel_backend_name(run.model, run.mixed_precision) == picked
+
+
+def test_auto_without_transformer_engine_is_torch(monkeypatch) -> None:
     monkeypatch.setattr(backend_module, "transformer_engine_available", lambda: False)
+    run = load_config(None, ["mixed_precision.fp8=true", "mixed_precision.fp8_recipe=delayed"])
+    assert kernel_backend_name(run.model, run.mixed_precision) == "torch"
     assert isinstance(resolve_backend("auto"), TorchBackend)
+    monkeypatch.setattr(backend_module, "transformer_engine_available", lambda: True)
+    assert isinstance(resolve_backend("auto"), TorchBackend)  # a model built outside a run
+    assert isinstance(resolve_backend("te"), TransformerEngineBackend)
 
 
 def test_fp8_on_te_refuses_what_it_cannot_do() -> None:

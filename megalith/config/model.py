@@ -216,7 +216,9 @@ class ModelConfig(StrictModel):
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     backend: Literal["auto", "torch", "te"] = Field(
         default="auto",
-        description="Layer backend: Transformer Engine when importable (auto) or plain torch.",
+        description="Layer kernels: plain torch, Transformer Engine (te), or auto: te where it "
+        "imports and measured faster (fp8 with delayed scaling, or tensorwise fp8 at hidden "
+        ">= 2048), torch otherwise.",
     )
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = Field(

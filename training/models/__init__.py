@@ -12,6 +12,7 @@ from training.models.backend import (
     BackendError,
     LayerBackend,
     TorchBackend,
+    kernel_backend_name,
     resolve_backend,
 )
 from training.models.gpt import GPTModel, KVCache
@@ -80,5 +81,6 @@ __all__ = [
     "TorchBackend",
     "build_model",
     "model_class",
+    "kernel_backend_name",
     "resolve_backend",
 ]

@@ -29,7 +29,7 @@ from typing import Protocol
 
 from torch import Tensor, nn
 
-from megalith.config import ModelConfig
+from megalith.config import MixedPrecisionConfig, ModelConfig
 from megalith.errors import MegalithError
 from training.models import layers
 from training.models.layers import NormSpec
@@ -286,11 +286,33 @@ def transformer_engine_available() -> bool:
     return True
 
 
+# model.backend auto runs Transformer Engine only where it measured faster than the torch
+# backend compiled (benchmarks/RESULTS.md, "Which backend auto picks"): fp8 at the 1B shape
+# (hidden 2048: TE's delayed scaling 1.43x HF compiled, torchao 1.34x). In bf16 the torch
+# backend was as fast or faster (1B: 1.17x against TE's 1.14x), and below that width TE's
+# per-module host work dominates (T5-base, hidden 768: several times slower, compiled).
+TE_AUTO_MIN_HIDDEN = 2048
+
+
+def kernel_backend_name(model: ModelConfig, mixed_precision: MixedPrecisionConfig) -> str:
+    """The kernel backend a run builds (``torch`` or ``te``): ``model.backend`` as given,
+    or for ``auto`` Transformer Engine where it is importable and pays: fp8 with delayed
+    scaling (TE's alone), or tensorwise fp8 at hidden >= ``TE_AUTO_MIN_HIDDEN``."""
+    if model.backend != "auto":
+        return model.backend
+    recipe = mixed_precision.fp8_recipe if mixed_precision.fp8 else None
+    pays = recipe == "delayed" or (
+        recipe == "tensorwise" and model.hidden_size >= TE_AUTO_MIN_HIDDEN
+    )
+    usable = pays and "te" in BACKENDS and transformer_engine_available()
+    return "te" if usable else "torch"
+
+
 def resolve_backend(name: str) -> LayerBackend:
-    """``"torch"``, ``"te"``, or ``"auto"``: Transformer Engine when usable, else torch."""
+    """``"torch"``, ``"te"``, or ``"auto"`` (torch here: a run picks TE for ``auto`` through
+    :func:`kernel_backend_name`, which sees its precision)."""
     if name == "auto":
-        use_te = "te" in BACKENDS and transformer_engine_available()
-        return BACKENDS["te" if use_te else "torch"]()
+        return BACKENDS["torch"]()
     if name == "te":
         if not transformer_engine_available():
             raise BackendError(

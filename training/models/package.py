@@ -155,7 +155,8 @@ def save_model_package(
     """
     out_dir = Path(out_dir)
     tokenizer_path = Path(tokenizer_path)
-    if config.model_dump() != model.config.model_dump():
+    kernels = {"backend"}  # a run may build auto's kernels as torch or te: same weights
+    if config.model_dump(exclude=kernels) != model.config.model_dump(exclude=kernels):
         raise ValueError("config does not describe this model (differs from model.config)")
     if not tokenizer_path.is_file():
         raise PackageFileError(f"tokenizer {tokenizer_path} is not a file")

@@ -39,8 +39,9 @@ The trainer calls it once. It applies, in this order:
    Inductor also fuses the sequence-parallel collectives into the TP matmuls
    (:func:`enable_async_tensor_parallel`).
 
-The kernel backend (``model.backend``: torch | te) chooses the layers' kernels only;
-:func:`~training.models.resolve_backend` resolves it and the sharding backends wrap it
+The kernel backend (``model.backend``: torch | te | auto) chooses the layers' kernels only;
+:func:`~training.models.kernel_backend_name` settles ``auto`` for the run's precision and
+width, :func:`~training.models.resolve_backend` builds it and the sharding backends wrap it
 (:func:`~training.parallel.te_tensor_parallel.tensor_parallel_backend` picks TE's own
 tensor-parallel modules for ``te``). What cannot be combined yet is refused before any
 process starts, in :mod:`training.parallel.support`.
@@ -64,7 +65,7 @@ from training import models
 from training.families.spec import ModelFamily
 from training.finetune.lora import add_adapters, is_adapter_param
 from training.finetune.session import FineTune
-from training.models import resolve_backend
+from training.models import kernel_backend_name, resolve_backend
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import expert_parallel_training as ep
@@ -104,6 +105,8 @@ def parallelize(
 ) -> ParallelModel:
     """This rank's model of ``model_config``, sharded and wrapped in the order the module
     docstring gives."""
+    backend = kernel_backend_name(model_config, config.mixed_precision)  # auto: torch or te
+    model_config = model_config.model_copy(update={"backend": backend})
     if config.parallel.async_tensor_parallel:
         enable_async_tensor_parallel(state, device, model_config)
     overlap = enable_comm_overlap(config, model_config, state, device, precision)
