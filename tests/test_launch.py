@@ -368,6 +368,7 @@ def test_prefect_pretrain_on_two_ranks_records_the_layout(
     assert run.data.params["parallel.data_parallel_mode"] == "ddp"
     assert run.data.tags["megalith.parallel.layout"] == "tp1-cp1-pp1-dp2"
     assert run.data.tags["megalith.world_size"] == "2"
+    assert run.data.tags["megalith.kernel_backend"] == "torch"  # auto, on CPU
 
 
 # --- command lines and scripts, no processes ----------------------------------------------

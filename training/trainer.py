@@ -70,6 +70,7 @@ from training.parallel.dtensor import is_dtensor
 from training.parallel.groups import ParallelState, build_parallel_state, validate_layout
 from training.parallel.parallelize import parallelize
 from training.parallel.support import check_trainer_support
+from training.precision.fp8 import backend_name
 from training.precision.mixed import Precision, resolve_precision
 from training.runtime.distributed import env_from_torchrun, local_device
 
@@ -549,6 +550,7 @@ class Trainer:
                 "megalith.world_size": str(sizes.world),
                 "megalith.parallel.layout": f"tp{sizes.tp}-cp{sizes.cp}-pp{sizes.pp}-dp{sizes.dp}",
                 "megalith.parallel.data_parallel_mode": self.config.parallel.data_parallel_mode,
+                "megalith.kernel_backend": backend_name(self.model),  # what model.backend ran
             }
         )
         if self.finetune is not None:
