@@ -287,10 +287,11 @@ def transformer_engine_available() -> bool:
 
 
 # model.backend auto runs Transformer Engine only where it measured faster than the torch
-# backend compiled (benchmarks/RESULTS.md, "Which backend auto picks"): fp8 at the 1B shape
-# (hidden 2048: TE's delayed scaling 1.43x HF compiled, torchao 1.34x). In bf16 the torch
-# backend was as fast or faster (1B: 1.17x against TE's 1.14x), and below that width TE's
-# per-module host work dominates (T5-base, hidden 768: several times slower, compiled).
+# backend compiled (benchmarks/RESULTS.md, "Which kernel backend auto picks"): fp8 at the 1B
+# shape (hidden 2048: TE's delayed scaling 1.43x HF compiled, torchao 1.34x). In bf16 the
+# torch backend was as fast or faster (1B: 1.17x against TE's 1.14x), and below that width
+# TE's per-module host work dominates (bf16, compiled: TE ran 0.38x the torch backend's
+# speed at T5-base, hidden 768, and 0.66x at GPT-2 350M, hidden 1024).
 TE_AUTO_MIN_HIDDEN = 2048
 
 
