@@ -421,8 +421,18 @@ def test_weights_loaded_later_reach_the_engines(tmp_path) -> None:
 )  # fmt: skip
 def test_auto_picks_te_only_where_it_measured_faster(monkeypatch, settings, picked) -> None:
     monkeypatch.setattr(backend_module, "transformer_engine_available", lambda: True)
+    monkeypatch.setattr(backend_module, "torchao_available", lambda: True)
     run = load_config(None, settings)
     assert kernel_backend_name(run.model, run.mixed_precision) == picked
+
+
+def test_auto_takes_te_for_fp8_where_torchao_is_missing(monkeypatch) -> None:
+    monkeypatch.setattr(backend_module, "transformer_engine_available", lambda: True)
+    monkeypatch.setattr(backend_module, "torchao_available", lambda: False)
+    run = load_config(None, ["mixed_precision.fp8=true"])  # tensorwise, hidden below 2048
+    assert kernel_backend_name(run.model, run.mixed_precision) == "te"
+    run = load_config(None, ["mixed_precision.fp8=true", "mixed_precision.fp8_recipe=rowwise"])
+    assert kernel_backend_name(run.model, run.mixed_precision) == "torch"  # torchao's alone
 
 
 def test_auto_without_transformer_engine_is_torch(monkeypatch) -> None:

@@ -218,7 +218,7 @@ class ModelConfig(StrictModel):
         default="auto",
         description="Layer kernels: plain torch, Transformer Engine (te), or auto: te where it "
         "imports and measured faster (fp8 with delayed scaling, or tensorwise fp8 at hidden "
-        ">= 2048), torch otherwise.",
+        ">= 2048) or is the only fp8 route (no torchao), torch otherwise.",
     )
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     attention_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = Field(

@@ -23,6 +23,7 @@ Conventions every backend keeps:
 from __future__ import annotations
 
 import functools
+import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Protocol
@@ -295,16 +296,22 @@ def transformer_engine_available() -> bool:
 TE_AUTO_MIN_HIDDEN = 2048
 
 
+@functools.cache
+def torchao_available() -> bool:
+    """True when torchao (the torch backend's fp8 route) is installed."""
+    return importlib.util.find_spec("torchao") is not None
+
+
 def kernel_backend_name(model: ModelConfig, mixed_precision: MixedPrecisionConfig) -> str:
     """The kernel backend a run builds (``torch`` or ``te``): ``model.backend`` as given,
     or for ``auto`` Transformer Engine where it is importable and pays: fp8 with delayed
-    scaling (TE's alone), or tensorwise fp8 at hidden >= ``TE_AUTO_MIN_HIDDEN``."""
+    scaling (TE's alone), or tensorwise fp8 at hidden >= ``TE_AUTO_MIN_HIDDEN`` (below
+    that too when torchao is missing: TE is then the only fp8 route)."""
     if model.backend != "auto":
         return model.backend
     recipe = mixed_precision.fp8_recipe if mixed_precision.fp8 else None
-    pays = recipe == "delayed" or (
-        recipe == "tensorwise" and model.hidden_size >= TE_AUTO_MIN_HIDDEN
-    )
+    wide = model.hidden_size >= TE_AUTO_MIN_HIDDEN
+    pays = recipe == "delayed" or (recipe == "tensorwise" and (wide or not torchao_available()))
     usable = pays and "te" in BACKENDS and transformer_engine_available()
     return "te" if usable else "torch"
 
