@@ -414,6 +414,7 @@ def test_weights_loaded_later_reach_the_engines(tmp_path) -> None:
         (["mixed_precision.fp8=true"], "torch"),  # tensorwise below hidden 2048
         (["mixed_precision.fp8=true", "model.hidden_size=2048"], "te"),
         (["mixed_precision.fp8=true", "mixed_precision.fp8_recipe=delayed"], "te"),  # TE's alone
+        (["mixed_precision.fp8=true", "model.hidden_size=2048", "model.activation_checkpointing=full"], "torch"),
         (["mixed_precision.fp8=true", "mixed_precision.fp8_recipe=rowwise", "model.hidden_size=2048"], "torch"),
         (["model.backend=te"], "te"),
         (["model.backend=torch", "mixed_precision.fp8=true", "model.hidden_size=2048"], "torch"),

@@ -310,7 +310,8 @@ def kernel_backend_name(model: ModelConfig, mixed_precision: MixedPrecisionConfi
     if model.backend != "auto":
         return model.backend
     recipe = mixed_precision.fp8_recipe if mixed_precision.fp8 else None
-    wide = model.hidden_size >= TE_AUTO_MIN_HIDDEN
+    # TE's fp8 refuses activation checkpointing (precision/fp8.py); torchao's takes it.
+    wide = model.hidden_size >= TE_AUTO_MIN_HIDDEN and model.activation_checkpointing == "none"
     pays = recipe == "delayed" or (recipe == "tensorwise" and (wide or not torchao_available()))
     usable = pays and "te" in BACKENDS and transformer_engine_available()
     return "te" if usable else "torch"
