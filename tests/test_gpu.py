@@ -1,7 +1,7 @@
 """GPU-only checks (skipped without CUDA): bf16 training steps, CPU/GPU agreement, and
 the serving engine's decode step replayed as a CUDA graph.
 
-Last run: 2026-11-28 04:00 UTC on one NVIDIA H100 80GB (torch 2.11.0+cu130), 7 passed (the
+Last run: 2026-11-28 03:54 UTC on one NVIDIA H100 80GB (torch 2.11.0+cu130), 7 passed (the
 T5 test added) and the allocator-retry test not run (its corpus fixture needs zstandard,
 not staged on that bare machine; it passed 2026-11-27 22:46 UTC), with
 ``python3 -m pytest -m gpu -p no:cacheprovider -rA tests/test_gpu.py`` (benchmarks/RESULTS.md,
