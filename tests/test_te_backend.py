@@ -42,6 +42,7 @@ from training.models import (
     layers,
     model_from_tensors,
     resolve_backend,
+    slow_backend_warning,
 )
 from training.models import backend as backend_module
 from training.models.gpt import MLP
@@ -444,6 +445,19 @@ def test_auto_without_transformer_engine_is_torch(monkeypatch) -> None:
     monkeypatch.setattr(backend_module, "transformer_engine_available", lambda: True)
     assert isinstance(resolve_backend("auto"), TorchBackend)  # a model built outside a run
     assert isinstance(resolve_backend("te"), TransformerEngineBackend)
+
+
+def test_te_asked_for_where_it_measured_slower_is_warned_about() -> None:
+    narrow = load_config(None, ["model.backend=te", "model.hidden_size=768"])
+    warning = slow_backend_warning(narrow.model, narrow.mixed_precision)
+    assert warning and "model.hidden_size 768" in warning and "model.backend=auto" in warning
+    for settings in (
+        ["model.hidden_size=768"],  # auto
+        ["model.backend=te", "model.hidden_size=768", "mixed_precision.fp8=true"],
+        ["model.backend=te", "model.hidden_size=2048"],
+    ):
+        run = load_config(None, settings)
+        assert slow_backend_warning(run.model, run.mixed_precision) is None, settings
 
 
 def test_fp8_on_te_refuses_what_it_cannot_do() -> None:

@@ -14,6 +14,7 @@ from training.models.backend import (
     TorchBackend,
     kernel_backend_name,
     resolve_backend,
+    slow_backend_warning,
 )
 from training.models.gpt import GPTModel, KVCache
 from training.models.meta import shapes_only
@@ -83,4 +84,5 @@ __all__ = [
     "model_class",
     "kernel_backend_name",
     "resolve_backend",
+    "slow_backend_warning",
 ]

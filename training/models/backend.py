@@ -317,6 +317,18 @@ def kernel_backend_name(model: ModelConfig, mixed_precision: MixedPrecisionConfi
     return "te" if usable else "torch"
 
 
+def slow_backend_warning(model: ModelConfig, mixed_precision: MixedPrecisionConfig) -> str | None:
+    """What to tell a run that asked for ``te`` where it measured slower than torch
+    (narrower than ``TE_AUTO_MIN_HIDDEN`` in bf16), or None."""
+    if model.backend != "te" or mixed_precision.fp8 or model.hidden_size >= TE_AUTO_MIN_HIDDEN:
+        return None
+    return (
+        f"model.backend=te at model.hidden_size {model.hidden_size} in bf16: TE measured slower "
+        "than the torch backend at such widths (T5-base 0.38x, GPT-2 350M 0.66x, compiled; "
+        "benchmarks/RESULTS.md); model.backend=auto or torch runs the torch kernels"
+    )
+
+
 def resolve_backend(name: str) -> LayerBackend:
     """``"torch"``, ``"te"``, or ``"auto"`` (torch here: a run picks TE for ``auto`` through
     :func:`kernel_backend_name`, which sees its precision)."""

@@ -65,7 +65,7 @@ from training import models
 from training.families.spec import ModelFamily
 from training.finetune.lora import add_adapters, is_adapter_param
 from training.finetune.session import FineTune
-from training.models import kernel_backend_name, resolve_backend
+from training.models import kernel_backend_name, resolve_backend, slow_backend_warning
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import expert_parallel_training as ep
@@ -106,6 +106,9 @@ def parallelize(
     """This rank's model of ``model_config``, sharded and wrapped in the order the module
     docstring gives."""
     backend = kernel_backend_name(model_config, config.mixed_precision)  # auto: torch or te
+    warning = slow_backend_warning(model_config, config.mixed_precision)
+    if warning and state.rank == 0:
+        logger.warning(warning)
     model_config = model_config.model_copy(update={"backend": backend})
     if config.parallel.async_tensor_parallel:
         enable_async_tensor_parallel(state, device, model_config)
