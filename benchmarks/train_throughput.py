@@ -400,7 +400,7 @@ def run_matmul() -> dict:
 
 
 def run_ours(args, compile_model: bool) -> dict:
-    from training.precision.fp8 import backend_name
+    from training.models import backend_name
     from training.trainer import Trainer
 
     config = load_shape(

@@ -58,6 +58,7 @@ from training.finetune.session import FineTune
 from training.metrics.memory import cuda_alloc_retries, resident_memory_gb
 from training.metrics.pending import PendingMetrics
 from training.metrics.run_logger import MetricsFile, NullLogger, RunLogger, read_metrics
+from training.models import backend_name
 from training.models.layers import attention_kernels
 from training.models.moe import moe_aux_loss
 from training.models.package import TrainingData, save_model_package
@@ -70,7 +71,6 @@ from training.parallel.dtensor import is_dtensor
 from training.parallel.groups import ParallelState, build_parallel_state, validate_layout
 from training.parallel.parallelize import parallelize
 from training.parallel.support import check_trainer_support
-from training.precision.fp8 import backend_name
 from training.precision.mixed import Precision, resolve_precision
 from training.runtime.distributed import env_from_torchrun, local_device
 

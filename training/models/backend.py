@@ -329,6 +329,14 @@ def slow_backend_warning(model: ModelConfig, mixed_precision: MixedPrecisionConf
     )
 
 
+def backend_name(model: nn.Module) -> str:
+    """The kernel backend a model was built with, seen through wrappers
+    (``te+context_parallel`` -> ``te``)."""
+    backend = getattr(model, "backend", None)
+    backend = getattr(backend, "inner", backend)
+    return getattr(backend, "name", "torch")
+
+
 def resolve_backend(name: str) -> LayerBackend:
     """``"torch"``, ``"te"``, or ``"auto"`` (torch here: a run picks TE for ``auto`` through
     :func:`kernel_backend_name`, which sees its precision)."""

@@ -36,8 +36,8 @@ Verified with a real Transformer Engine (2.20.2, torch 2.11, one H100, 2026-11-2
 backward, Trainer curves in bf16, fp8 tensorwise/delayed, fp8 under torch.compile); the
 rest of that file checks the wiring on CPU against a stand-in. The fused MLP
 (``te.LayerNormMLP``, alone and over a TP group) passed the same tests on 2026-11-27 (4× H100)
-with SwiGLU and the tanh GELU, T5's gated GELU (``geglu``) on 2026-11-28 (2× H100). T5's
-biased attention through TE has its GPU test, not yet run.
+with SwiGLU and the tanh GELU, T5's gated GELU (``geglu``) on 2026-11-28 (2× H100), and
+T5's biased attention through TE's ``post_scale_bias`` on 2026-11-28 (H100).
 Results: benchmarks/RESULTS.md ("Tests that need a GPU", and "the dense MLP as one
 ``te.LayerNormMLP``").
 """

@@ -56,6 +56,7 @@ from torch import nn
 
 from megalith.config import MixedPrecisionConfig
 from megalith.errors import MegalithError
+from training.models.backend import backend_name
 from training.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from training.precision.mixed import Precision
 
@@ -67,13 +68,6 @@ MIN_CUDA_CAPABILITY = (8, 9)  # Ada, Hopper, Blackwell have float8 tensor cores
 
 class FP8Error(MegalithError):
     """fp8 was asked for with settings or software that cannot provide it."""
-
-
-def backend_name(model: nn.Module) -> str:
-    """The model's layer backend, seen through wrappers (``te+context_parallel`` -> ``te``)."""
-    backend = getattr(model, "backend", None)
-    backend = getattr(backend, "inner", backend)
-    return getattr(backend, "name", "torch")
 
 
 def fp8_eligible(module: nn.Module, fqn: str) -> bool:
@@ -233,7 +227,6 @@ def prepare_fp8(model: nn.Module, config: MixedPrecisionConfig, precision: Preci
 
 __all__ = [
     "FP8Error",
-    "backend_name",
     "check_device",
     "convert_linears",
     "fp8_eligible",
