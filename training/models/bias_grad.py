@@ -1,0 +1,173 @@
+"""The gradient of an attention bias shared by the whole batch, summed over the batch in
+one kernel: T5's relative position bias ``[heads, T, S]`` is added to every sample's
+scores, so its gradient is ``sum over b of dS[b]``, where ``dS = P * (dO Vᵀ - D)`` is the
+gradient of the scores (``P`` the attention probabilities, ``D`` the row sums of
+``dO * O``).
+
+SDPA's only CUDA kernel that returns a bias gradient (the memory-efficient one) writes
+``dS`` for every sample, ``[B, heads, T, S]``, which autograd then reduces over the batch.
+:func:`bias_grad` recomputes ``P`` and ``dO Vᵀ`` tile by tile and sums the batch in
+registers, so nothing of size ``B·heads·T·S`` is written.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch wheels ship without Triton
+    triton = None
+
+
+def bias_grad_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    grad_out: Tensor,
+    lse: Tensor,
+    bias: Tensor,
+    *,
+    scale: float,
+    causal: bool,
+) -> Tensor:
+    """``dbias [heads, T, S]`` in plain torch, in fp32 (the definition the kernel follows).
+
+    ``q, out, grad_out [B, heads, T, D]``, ``k, v [B, heads, S, D]``, ``lse [B, heads, T]``
+    (natural log of each query's softmax denominator), ``bias [heads, T, S]``."""
+    q, k, v, out, grad_out = (t.float() for t in (q, k, v, out, grad_out))
+    scores = scale * q @ k.transpose(-1, -2) + bias.float()
+    probs = torch.exp(scores - lse.float()[..., None])
+    if causal:
+        probs = probs.masked_fill(~_causal_keep(q.size(2), k.size(2), q.device), 0.0)
+    delta = (grad_out * out).sum(-1, keepdim=True)
+    grad_scores = probs * (grad_out @ v.transpose(-1, -2) - delta)
+    return grad_scores.sum(0)
+
+
+def _causal_keep(queries: int, keys: int, device: torch.device) -> Tensor:
+    """Bottom-right aligned: query ``i`` sees keys up to ``i + keys - queries``."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+
+
+def kernel_available(q: Tensor) -> bool:
+    """Triton can run :func:`bias_grad` for these queries: a CUDA tensor (or the Triton
+    interpreter, ``TRITON_INTERPRET=1``, on CPU), head size a power of two from 16."""
+    if triton is None:
+        return False
+    head_dim = q.size(-1)
+    power_of_two = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    return power_of_two and head_dim <= 128
+
+
+def bias_grad(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    grad_out: Tensor,
+    lse: Tensor,
+    bias: Tensor,
+    *,
+    scale: float,
+    causal: bool,
+) -> Tensor:
+    """:func:`bias_grad_reference`'s ``dbias`` by the Triton kernel, in ``bias``'s dtype
+    (``D``, the row sums of ``dO * O``, computed in the kernel too)."""
+    batch, heads, queries, head_dim = q.shape
+    keys = k.size(2)
+    grad = torch.empty(heads, queries, keys, dtype=bias.dtype, device=q.device)
+
+    def grid(meta):
+        return triton.cdiv(queries, meta["BLOCK_M"]), triton.cdiv(keys, meta["BLOCK_N"]), heads
+
+    _bias_grad_kernel[grid](
+        q, k, v, out, grad_out, lse, bias, grad,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *grad_out.stride(),
+        *lse.stride(), *bias.stride(), *grad.stride(),
+        queries, keys, scale,
+        BATCH=batch, CAUSAL=causal, HEAD_DIM=head_dim,
+    )  # fmt: skip
+    return grad
+
+
+def _tile_configs() -> list:
+    """Tiles Triton times on first use at each shape (one under the CPU interpreter)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32})]
+    shapes = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2)]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+        for m, n, warps, stages in shapes
+    ]
+
+
+if triton is not None:
+
+    @triton.autotune(configs=_tile_configs(), key=["queries", "keys", "BATCH", "HEAD_DIM"])
+    @triton.jit
+    def _bias_grad_kernel(
+        Q, K, V, OUT, DO, LSE, BIAS, GRAD,
+        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+        sob, soh, som, sod, sdob, sdoh, sdom, sdod, slb, slh, slm,
+        sbh, sbm, sbn, sgh, sgm, sgn,
+        queries, keys, scale,
+        BATCH: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        head = tl.program_id(2)
+        dims = tl.arange(0, HEAD_DIM)
+        row_ok = rows < queries
+        col_ok = cols < keys
+        inside = row_ok[:, None] & col_ok[None, :]
+        keep = inside
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= rows[:, None] + (keys - queries))
+        bias = tl.load(
+            BIAS + head * sbh + rows[:, None] * sbm + cols[None, :] * sbn, mask=keep, other=0.0
+        ).to(tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for b in range(BATCH):
+            q = tl.load(
+                Q + b * sqb + head * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
+                mask=row_ok[:, None],
+                other=0.0,
+            )
+            out = tl.load(
+                OUT + b * sob + head * soh + rows[:, None] * som + dims[None, :] * sod,
+                mask=row_ok[:, None],
+                other=0.0,
+            )
+            grad_out = tl.load(
+                DO + b * sdob + head * sdoh + rows[:, None] * sdom + dims[None, :] * sdod,
+                mask=row_ok[:, None],
+                other=0.0,
+            )
+            k = tl.load(
+                K + b * skb + head * skh + cols[:, None] * skn + dims[None, :] * skd,
+                mask=col_ok[:, None],
+                other=0.0,
+            )
+            v = tl.load(
+                V + b * svb + head * svh + cols[:, None] * svn + dims[None, :] * svd,
+                mask=col_ok[:, None],
+                other=0.0,
+            )
+            lse = tl.load(LSE + b * slb + head * slh + rows * slm, mask=row_ok, other=0.0)
+            delta = tl.sum(grad_out.to(tl.float32) * out.to(tl.float32), axis=1)
+            scores = tl.dot(q, tl.trans(k)) * scale + bias
+            probs = tl.where(keep, tl.exp(scores - lse[:, None]), 0.0)
+            grad_probs = tl.dot(grad_out, tl.trans(v))
+            acc += probs * (grad_probs - delta[:, None])
+        tl.store(
+            GRAD + head * sgh + rows[:, None] * sgm + cols[None, :] * sgn,
+            acc.to(GRAD.dtype.element_ty),
+            mask=inside,
+        )
