@@ -1,7 +1,7 @@
 """GPU-only checks (skipped without CUDA): bf16 training steps, CPU/GPU agreement, and
 the serving engine's decode step replayed as a CUDA graph.
 
-Last run: 2026-11-28 03:54 UTC on one NVIDIA H100 80GB (torch 2.11.0+cu130), 7 passed (the
+Last full run: 2026-11-28 03:54 UTC on one NVIDIA H100 80GB (torch 2.11.0+cu130), 7 passed (the
 T5 test added) and the allocator-retry test not run (its corpus fixture needs zstandard,
 not staged on that bare machine; it passed 2026-11-27 22:46 UTC), with
 ``python3 -m pytest -m gpu -p no:cacheprovider -rA tests/test_gpu.py`` (benchmarks/RESULTS.md,
@@ -16,7 +16,7 @@ from parallel_helpers import tiny_settings
 
 from megalith.config import ModelConfig, load_config
 from training.metrics.memory import cuda_alloc_retries
-from training.models import GPTModel, T5Model
+from training.models import GPTModel, T5Model, shared_bias_attention
 from training.trainer import Trainer
 
 pytestmark = pytest.mark.gpu
@@ -71,6 +71,85 @@ def test_t5_without_an_encoder_mask_matches_cpu_and_trains_in_bf16() -> None:
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def _sdpa_case(batch: int, heads: int, queries: int, keys: int, causal: bool):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, heads, queries, 64, device="cuda", generator=gen)
+    k, v = (torch.randn(batch, heads, keys, 64, device="cuda", generator=gen) for _ in "kv")
+    bias = torch.randn(1, heads, queries, keys, device="cuda", generator=gen)
+    if causal:
+        keep = torch.ones(queries, keys, dtype=torch.bool, device="cuda").tril()
+        bias = bias.masked_fill(~keep, torch.finfo(torch.bfloat16).min)
+    return q, k, v, bias, torch.randn(batch, heads, queries, 64, device="cuda", generator=gen)
+
+
+@pytest.mark.parametrize("kernel", shared_bias_attention.KERNELS)
+@pytest.mark.parametrize(
+    ("queries", "keys", "causal"), [(512, 512, False), (114, 114, True), (96, 100, False)]
+)
+def test_shared_bias_attention_matches_fp32_attention(kernel, queries, keys, causal) -> None:
+    """The shared-bias op in bf16 (output, dq, dk, dv and the batch-summed bias gradient)
+    against attention in fp32 with autograd, within bf16 SDPA's own error."""
+    shared_bias_attention.set_kernel(kernel)
+    tensors = _sdpa_case(4, 3, queries, keys, causal)
+
+    def run(dtype, op):
+        q, k, v, bias, grad_out = (
+            t.detach().to(dtype).requires_grad_(i < 4) for i, t in enumerate(tensors)
+        )
+        if op:
+            out = shared_bias_attention.shared_bias_attention(
+                q, k, v, bias, causal=False, scale=0.125
+            )
+        else:
+            out = torch.softmax(0.125 * q @ k.transpose(-1, -2) + bias, -1) @ v
+        out.backward(grad_out)
+        return out, q.grad, k.grad, v.grad, bias.grad
+
+    q, bias = tensors[0].bfloat16(), tensors[3].bfloat16()
+    assert shared_bias_attention.usable(q, bias) == (
+        queries * keys >= shared_bias_attention.MIN_SCORES
+    )
+    want = run(torch.float32, op=False)
+    got = run(torch.bfloat16, op=True)
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want, strict=True):
+        error = (g.float() - w).norm() / w.norm()
+        assert error < 1.5e-2, f"{kernel} {name}: relative error {error:.3g}"
+
+
+def test_t5_trains_its_relative_bias_through_the_shared_bias_op_compiled() -> None:
+    """A T5 without padding, compiled, in bf16: its relative-bias gradients (through the
+    shared-bias op) match the same model's with an all-true padding mask (SDPA's path)."""
+    config = ModelConfig(
+        family="t5", num_layers=2, num_decoder_layers=2, hidden_size=256, num_attention_heads=4,
+        ffn_hidden_size=512, vocab_size=512, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = T5Model(config).cuda()
+    encoder = torch.randint(0, 512, (8, 256), device="cuda")  # 256² scores: the op's
+    decoder = torch.randint(0, 512, (8, 32), device="cuda")
+    padding = torch.ones(8, 256, dtype=torch.bool, device="cuda")
+    compiled = torch.compile(model)
+
+    def bias_grads(mask):
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(encoder, decoder, decoder, encoder_mask=mask)
+        loss.backward()
+        return [
+            model.encoder.relative_bias.weight.grad.clone(),
+            model.decoder.relative_bias.weight.grad.clone(),
+        ]
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        through_op = bias_grads(None)
+    ops = {event.name for event in profile.events()}
+    assert "megalith::shared_bias_attention" in ops, "the encoder did not run the shared-bias op"
+    assert "megalith::shared_bias_attention_backward" in ops
+    for got, want in zip(through_op, bias_grads(padding), strict=True):
+        error = (got - want).norm() / want.norm()
+        assert error < 2e-2, f"relative-bias gradient differs by {error:.3g}"
 
 
 def test_fused_adamw_training_reduces_loss_on_gpu() -> None:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalith.config import RopeScaling
+from training.models import shared_bias_attention
 from training.models.fused_cross_entropy import linear_cross_entropy
 
 IGNORE_INDEX = -100
@@ -220,6 +221,11 @@ class SDPAttention(nn.Module):
             elif mask.is_floating_point() and mask.dtype != q.dtype:
                 # Clamped first: fp32's most negative value would become -inf in fp16/bf16.
                 mask = mask.clamp(min=torch.finfo(q.dtype).min).to(q.dtype)
+        if self._shared_bias(q, k, mask):
+            out = shared_bias_attention.shared_bias_attention(
+                q, k, v, mask, causal=False, scale=self.head_dim**-0.5
+            )
+            return out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
         extra = {"enable_gqa": True} if native_gqa else {}
         out = F.scaled_dot_product_attention(
             q,
@@ -233,6 +239,19 @@ class SDPAttention(nn.Module):
         if fold:
             out = out.reshape(batch, self.num_heads, 1, self.head_dim)
         return out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
+
+    def _shared_bias(self, q: Tensor, k: Tensor, mask: Tensor | None) -> bool:
+        """A learned bias ``[1, heads, T, S]`` to train (T5's relative positions without
+        padding) goes to :mod:`~training.models.shared_bias_attention`, whose bias
+        gradient is summed over the batch in one kernel (CUDA only)."""
+        return (
+            mask is not None
+            and mask.requires_grad
+            and torch.is_grad_enabled()
+            and k.size(1) == q.size(1)
+            and not (self.dropout and self.training)
+            and shared_bias_attention.usable(q, mask)
+        )
 
 
 def _causal_mask(queries: int, keys: int, device: torch.device) -> tuple[Tensor | None, bool]:

@@ -26,7 +26,7 @@ from megalith.errors import MegalithError
 from training.data.t5_chat_dataset import chat_lengths
 from training.data.t5_dataset import IGNORE_INDEX, T5_KEYS, span_corruption_lengths
 from training.models.flops import encoder_decoder_flops
-from training.models.t5 import ContextShard
+from training.models.t5 import ContextShard, padding_only
 from training.parallel import context_parallel as cp
 from training.parallel.groups import ParallelState
 
@@ -41,7 +41,7 @@ def micro_batch_loss(
         count = (batch["labels"] != IGNORE_INDEX).sum().to(losses.device).clamp(min=1)
         return losses.sum() * state.sizes.cp / count
     encoder, decoder, labels, mask = (batch[key].to(device, non_blocking=True) for key in T5_KEYS)
-    return model(encoder, decoder, labels, encoder_mask=mask)
+    return model(encoder, decoder, labels, encoder_mask=padding_only(batch["encoder_mask"], mask))
 
 
 def context_parallel_losses(
@@ -72,6 +72,7 @@ def context_parallel_losses(
         target,
     )
     parts = (cp.split_sequence(x, cp_size, cp_rank) for x in (encoder, decoder, labels))
+    mask = padding_only(batch["encoder_mask"], mask)
     return model(*parts, encoder_mask=mask, loss_reduction="none", shard=shard)
 
 

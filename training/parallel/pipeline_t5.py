@@ -49,7 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from training.data.t5_dataset import T5_KEYS
-from training.models.t5 import ContextShard, T5Model
+from training.models.t5 import ContextShard, T5Model, padding_only
 from training.parallel import context_parallel as cp
 from training.parallel.groups import ParallelState
 from training.parallel.pipeline_layout import stage_layers, virtual_stages_of
@@ -135,21 +135,22 @@ class T5StageChunk(nn.Module):
         source: Tensor,
         target: Tensor,
         *,
-        encoder_mask: Tensor,
+        encoder_mask: Tensor | None = None,
         encoder_positions: Tensor | None = None,
         decoder_positions: Tensor | None = None,
     ):
         """Under context parallelism ``encoder_positions [B, S/CP]`` and
         ``decoder_positions [B, T/CP]`` are the global positions of this rank's part of
-        the sequences (:func:`t5_context_parallel_part`); ``encoder_mask`` stays whole."""
-        device = encoder_mask.device
-        source_length = encoder_mask.size(1)
+        the sequences (:func:`t5_context_parallel_part`); ``encoder_mask`` stays whole
+        (None: no sample pads)."""
+        device = source.device
         with self._autocast():
+            shards = self._context_shards
+            if self.embedding is None:  # activations, split over TP ranks under SP
+                shards *= self._sequence_shards
+            source_length, target_length = source.size(1) * shards, target.size(1) * shards
             if self.embedding is not None:  # token ids of both stacks
-                target_length = target.size(1) * self._context_shards
                 source, target = self.embedding(source, 0), self.embedding(target, 0)
-            else:
-                target_length = target.size(1) * self._sequence_shards * self._context_shards
             shard = None
             if encoder_positions is not None:
                 shard = ContextShard(
@@ -212,13 +213,13 @@ def t5_schedule_inputs(
     batches: list[dict[str, Tensor]], device: torch.device
 ) -> tuple[tuple[Tensor, ...], dict[str, Tensor], Tensor]:
     """One step's micro-batches as the schedule's whole-batch inputs: the first stage's
-    ``(encoder_tokens, decoder_tokens)``, every stage's ``encoder_mask`` keyword and
-    the last stage's ``labels`` (contiguous, see the pipeline module's docstring)."""
-    encoder, decoder, labels, mask = (
-        torch.cat([b[key] for b in batches]).to(device, non_blocking=True).contiguous()
-        for key in T5_KEYS
-    )
-    return (encoder, decoder), {"encoder_mask": mask}, labels
+    ``(encoder_tokens, decoder_tokens)``, every stage's ``encoder_mask`` keyword (left
+    out where no sample pads, :func:`~training.models.t5.padding_only`) and the last
+    stage's ``labels`` (contiguous, see the pipeline module's docstring)."""
+    host = [torch.cat([b[key] for b in batches]) for key in T5_KEYS]
+    encoder, decoder, labels, mask = (x.to(device, non_blocking=True).contiguous() for x in host)
+    mask = padding_only(host[3], mask)
+    return (encoder, decoder), ({} if mask is None else {"encoder_mask": mask}), labels
 
 
 def t5_activation_shapes(
