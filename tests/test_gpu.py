@@ -1,9 +1,9 @@
 """GPU-only checks (skipped without CUDA): bf16 training steps, CPU/GPU agreement, and
 the serving engine's decode step replayed as a CUDA graph.
 
-Last full run: 2026-11-28 03:54 UTC on one NVIDIA H100 80GB (torch 2.11.0+cu130), 7 passed (the
-T5 test added) and the allocator-retry test not run (its corpus fixture needs zstandard,
-not staged on that bare machine; it passed 2026-11-27 22:46 UTC), with
+Last full run: 2026-11-28 05:07 UTC on one NVIDIA H100 80GB (torch 2.11.0+cu130), 14 passed
+and the compiled T5 shared-bias test failed on its backward's fake-kernel layout; fixed, the
+7 shared-bias tests then passed on an H100 and twice on an H200, with
 ``python3 -m pytest -m gpu -p no:cacheprovider -rA tests/test_gpu.py`` (benchmarks/RESULTS.md,
 "Tests that need a GPU").
 """

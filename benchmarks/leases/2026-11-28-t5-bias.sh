@@ -8,6 +8,7 @@
 #                                                             carry [.te/rest, .base]
 #   t5:    T5-base throughput: before (.base), after, HF compiled      carry [.base]
 #   again: the same after the op's second version                     carry [.te/rest, .base]
+#   split: the op switched off (.mid) against on, same call           carry [.te/rest, .mid]
 set -uo pipefail
 export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmark-out}
@@ -34,5 +35,14 @@ again)
     --variants matmul,ours-compile --out "$OUT/before" 2>&1 | tail -4)
   timeout 280 python3 benchmarks/train_throughput.py --shape t5-base --steps 15 --warmup 5 --profile \
     --variants matmul,ours-compile,hf-compile --out "$OUT/after" 2>&1 | tail -5 ;;
-*) echo "usage: $0 tests|t5|again"; exit 2 ;;
+split)
+  # Which part gains: `.mid/` is this tree with the op switched off (`MIN_SCORES = 1 << 62`:
+  # no padding mask, the bias broadcast through SDPA) against this tree, same call.
+  python3 -c "import pydantic, zstandard" 2>/dev/null || pip install -q --no-deps --target /tmp/tesite \
+    .te/rest/{pydantic,pydantic_core,annotated_types,typing_inspection,zstandard}-*.whl
+  (cd .mid && timeout 120 python3 benchmarks/train_throughput.py --shape t5-base --steps 15 --warmup 5 \
+    --variants ours-compile --out "$OUT/no-op" 2>&1 | tail -3)
+  timeout 120 python3 benchmarks/train_throughput.py --shape t5-base --steps 15 --warmup 5 \
+    --variants ours-compile --out "$OUT/op" 2>&1 | tail -3 ;;
+*) echo "usage: $0 tests|t5|again|split"; exit 2 ;;
 esac

@@ -31,9 +31,9 @@ def set_kernel(name: str) -> None:
     _kernel = name
 
 
-# Below this many scores a query row block (T · S) the op lost to SDPA with the bias
-# broadcast (H100, benchmarks/shared_bias_attention.py: T5-base's decoder, 114 × 114, 1.22
-# against 0.68 ms; its encoder, 512 × 512, 1.28 against 1.43 ms, 2.38 ms per sample).
+# Below this many scores a head (T · S) the op lost to SDPA with the bias broadcast: at
+# T5-base's decoder, 114 × 114, 1.09-1.55 ms against 0.68-0.76 (H100, three calls of
+# benchmarks/shared_bias_attention.py, 2026-11-28); its encoder, 512 × 512, takes the op.
 MIN_SCORES = 256 * 256
 
 
