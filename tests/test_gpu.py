@@ -28,6 +28,13 @@ def small_config(**overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def small_t5_config() -> ModelConfig:
+    return ModelConfig(
+        family="t5", num_layers=2, num_decoder_layers=2, hidden_size=256, num_attention_heads=4,
+        ffn_hidden_size=512, vocab_size=512, max_position_embeddings=256,
+    )  # fmt: skip
+
+
 def test_bf16_forward_matches_fp32_on_gpu() -> None:
     torch.manual_seed(0)
     model = GPTModel(small_config()).cuda()
@@ -54,10 +61,7 @@ def test_t5_without_an_encoder_mask_matches_cpu_and_trains_in_bf16() -> None:
     """T5 called without a padding mask: its cross-attention's mask is constant over the
     keys (``[1, 1, T, 1]``), which SDPA's CUDA kernels refuse as a bias; it must run, with
     the CPU's logits, and backpropagate under bf16 autocast."""
-    config = ModelConfig(
-        family="t5", num_layers=2, num_decoder_layers=2, hidden_size=256, num_attention_heads=4,
-        ffn_hidden_size=512, vocab_size=512, max_position_embeddings=256,
-    )  # fmt: skip
+    config = small_t5_config()
     torch.manual_seed(0)
     model = T5Model(config).eval()
     encoder, decoder = torch.randint(0, 512, (2, 64)), torch.randint(0, 512, (2, 16))
@@ -121,10 +125,7 @@ def test_shared_bias_attention_matches_fp32_attention(kernel, queries, keys, cau
 def test_t5_trains_its_relative_bias_through_the_shared_bias_op_compiled() -> None:
     """A T5 without padding, compiled, in bf16: its relative-bias gradients (through the
     shared-bias op) match the same model's with an all-true padding mask (SDPA's path)."""
-    config = ModelConfig(
-        family="t5", num_layers=2, num_decoder_layers=2, hidden_size=256, num_attention_heads=4,
-        ffn_hidden_size=512, vocab_size=512, max_position_embeddings=256,
-    )  # fmt: skip
+    config = small_t5_config()
     torch.manual_seed(0)
     model = T5Model(config).cuda()
     encoder = torch.randint(0, 512, (8, 256), device="cuda")  # 256² scores: the op's

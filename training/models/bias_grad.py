@@ -108,6 +108,11 @@ def _tile_configs() -> list:
 
 
 if triton is not None:
+    # A [rows, HEAD_DIM] tile of one sample's head, zeros past the sequence.
+    @triton.jit
+    def _rows(base, rows, dims, row_stride, dim_stride, row_ok):
+        pointers = base + rows[:, None] * row_stride + dims[None, :] * dim_stride
+        return tl.load(pointers, mask=row_ok[:, None], other=0.0)
 
     @triton.autotune(configs=_tile_configs(), key=["queries", "keys", "BATCH", "HEAD_DIM"])
     @triton.jit
@@ -135,31 +140,11 @@ if triton is not None:
         ).to(tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for b in range(BATCH):
-            q = tl.load(
-                Q + b * sqb + head * sqh + rows[:, None] * sqm + dims[None, :] * sqd,
-                mask=row_ok[:, None],
-                other=0.0,
-            )
-            out = tl.load(
-                OUT + b * sob + head * soh + rows[:, None] * som + dims[None, :] * sod,
-                mask=row_ok[:, None],
-                other=0.0,
-            )
-            grad_out = tl.load(
-                DO + b * sdob + head * sdoh + rows[:, None] * sdom + dims[None, :] * sdod,
-                mask=row_ok[:, None],
-                other=0.0,
-            )
-            k = tl.load(
-                K + b * skb + head * skh + cols[:, None] * skn + dims[None, :] * skd,
-                mask=col_ok[:, None],
-                other=0.0,
-            )
-            v = tl.load(
-                V + b * svb + head * svh + cols[:, None] * svn + dims[None, :] * svd,
-                mask=col_ok[:, None],
-                other=0.0,
-            )
+            q = _rows(Q + b * sqb + head * sqh, rows, dims, sqm, sqd, row_ok)
+            out = _rows(OUT + b * sob + head * soh, rows, dims, som, sod, row_ok)
+            grad_out = _rows(DO + b * sdob + head * sdoh, rows, dims, sdom, sdod, row_ok)
+            k = _rows(K + b * skb + head * skh, cols, dims, skn, skd, col_ok)
+            v = _rows(V + b * svb + head * svh, cols, dims, svn, svd, col_ok)
             lse = tl.load(LSE + b * slb + head * slh + rows * slm, mask=row_ok, other=0.0)
             delta = tl.sum(grad_out.to(tl.float32) * out.to(tl.float32), axis=1)
             scores = tl.dot(q, tl.trans(k)) * scale + bias
