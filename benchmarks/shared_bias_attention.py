@@ -70,7 +70,9 @@ def run(variant: str, q, k, v, bias, causal: bool):
         return torch.softmax(scores, -1) @ v.float()
     kernel = variant.removeprefix("op-")
     shared_bias_attention.set_kernel(kernel)
-    return shared_bias_attention.shared_bias_attention(q, k, v, bias, causal=causal, scale=scale)
+    return shared_bias_attention.shared_bias_attention(
+        q, k, v, causal_bias(bias, causal), scale=scale
+    )
 
 
 def grads(variant: str, tensors, causal: bool):
@@ -134,7 +136,15 @@ def main() -> None:
         )
         scale = q.size(-1) ** -0.5
         call = functools.partial(
-            bias_grad.bias_grad, q, k, v, out, grad_out, lse, bias[0], scale=scale, causal=causal
+            bias_grad.bias_grad,
+            q,
+            k,
+            v,
+            out,
+            grad_out,
+            lse,
+            causal_bias(bias, causal)[0],
+            scale=scale,
         )
         ms = time_ms(call)
         rows.append({"shape": name, "variant": "bias_grad kernel alone", "ms": ms})

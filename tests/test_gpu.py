@@ -103,9 +103,7 @@ def test_shared_bias_attention_matches_fp32_attention(kernel, queries, keys, cau
             t.detach().to(dtype).requires_grad_(i < 4) for i, t in enumerate(tensors)
         )
         if op:
-            out = shared_bias_attention.shared_bias_attention(
-                q, k, v, bias, causal=False, scale=0.125
-            )
+            out = shared_bias_attention.shared_bias_attention(q, k, v, bias, scale=0.125)
         else:
             out = torch.softmax(0.125 * q @ k.transpose(-1, -2) + bias, -1) @ v
         out.backward(grad_out)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import Tensor
 from torch.utils.data import Dataset
 
 from megalith.config import ConfigError, DataConfig
@@ -168,6 +169,17 @@ def t5_sample(
         "labels": torch.from_numpy(labels),
         "encoder_mask": torch.arange(encoder_length) < encoder.size,
     }
+
+
+def encoder_mask_on(mask: Tensor, device: torch.device) -> Tensor | None:
+    """A batch's ``encoder_mask`` on ``device``, or None where no sample pads (span
+    corruption at the window length never does): the encoder's relative bias then stays
+    one ``[1, heads, S, S]`` for the batch, whose gradient the shared-bias attention sums
+    in its kernel (:mod:`training.models.shared_bias_attention`). Give it the host copy:
+    checking a CUDA mask would wait for the device."""
+    if not mask.is_cuda and bool(mask.all()):
+        return None
+    return mask.to(device, non_blocking=True)
 
 
 class SpanCorruptionDataset(Dataset):

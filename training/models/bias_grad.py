@@ -7,7 +7,9 @@ gradient of the scores (``P`` the attention probabilities, ``D`` the row sums of
 SDPA's only CUDA kernel that returns a bias gradient (the memory-efficient one) writes
 ``dS`` for every sample, ``[B, heads, T, S]``, which autograd then reduces over the batch.
 :func:`bias_grad` recomputes ``P`` and ``dO Vᵀ`` tile by tile and sums the batch in
-registers, so nothing of size ``B·heads·T·S`` is written.
+registers, so nothing of size ``B·heads·T·S`` is written. A mask (the decoder's
+causality) is part of the bias, as the model builds it: the most negative value makes
+``P`` 0 there.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ def bias_grad_reference(
     bias: Tensor,
     *,
     scale: float,
-    causal: bool,
 ) -> Tensor:
     """``dbias [heads, T, S]`` in plain torch, in fp32 (the definition the kernel follows).
 
@@ -43,16 +44,9 @@ def bias_grad_reference(
     q, k, v, out, grad_out = (t.float() for t in (q, k, v, out, grad_out))
     scores = scale * q @ k.transpose(-1, -2) + bias.float()
     probs = torch.exp(scores - lse.float()[..., None])
-    if causal:
-        probs = probs.masked_fill(~_causal_keep(q.size(2), k.size(2), q.device), 0.0)
     delta = (grad_out * out).sum(-1, keepdim=True)
     grad_scores = probs * (grad_out @ v.transpose(-1, -2) - delta)
     return grad_scores.sum(0)
-
-
-def _causal_keep(queries: int, keys: int, device: torch.device) -> Tensor:
-    """Bottom-right aligned: query ``i`` sees keys up to ``i + keys - queries``."""
-    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
 
 
 def kernel_available(q: Tensor) -> bool:
@@ -75,7 +69,6 @@ def bias_grad(
     bias: Tensor,
     *,
     scale: float,
-    causal: bool,
 ) -> Tensor:
     """:func:`bias_grad_reference`'s ``dbias`` by the Triton kernel, in ``bias``'s dtype
     (``D``, the row sums of ``dO * O``, computed in the kernel too)."""
@@ -91,7 +84,7 @@ def bias_grad(
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *grad_out.stride(),
         *lse.stride(), *bias.stride(), *grad.stride(),
         queries, keys, scale,
-        BATCH=batch, CAUSAL=causal, HEAD_DIM=head_dim,
+        BATCH=batch, HEAD_DIM=head_dim,
     )  # fmt: skip
     return grad
 
@@ -122,7 +115,7 @@ if triton is not None:
         sob, soh, som, sod, sdob, sdoh, sdom, sdod, slb, slh, slm,
         sbh, sbm, sbn, sgh, sgm, sgn,
         queries, keys, scale,
-        BATCH: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BATCH: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -132,11 +125,8 @@ if triton is not None:
         row_ok = rows < queries
         col_ok = cols < keys
         inside = row_ok[:, None] & col_ok[None, :]
-        keep = inside
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= rows[:, None] + (keys - queries))
         bias = tl.load(
-            BIAS + head * sbh + rows[:, None] * sbm + cols[None, :] * sbn, mask=keep, other=0.0
+            BIAS + head * sbh + rows[:, None] * sbm + cols[None, :] * sbn, mask=inside, other=0.0
         ).to(tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for b in range(BATCH):
@@ -148,7 +138,7 @@ if triton is not None:
             lse = tl.load(LSE + b * slb + head * slh + rows * slm, mask=row_ok, other=0.0)
             delta = tl.sum(grad_out.to(tl.float32) * out.to(tl.float32), axis=1)
             scores = tl.dot(q, tl.trans(k)) * scale + bias
-            probs = tl.where(keep, tl.exp(scores - lse[:, None]), 0.0)
+            probs = tl.where(inside, tl.exp(scores - lse[:, None]), 0.0)
             grad_probs = tl.dot(grad_out, tl.trans(v))
             acc += probs * (grad_probs - delta[:, None])
         tl.store(

@@ -223,7 +223,7 @@ class SDPAttention(nn.Module):
                 mask = mask.clamp(min=torch.finfo(q.dtype).min).to(q.dtype)
         if self._shared_bias(q, k, mask):
             out = shared_bias_attention.shared_bias_attention(
-                q, k, v, mask, causal=False, scale=self.head_dim**-0.5
+                q, k, v, mask, scale=self.head_dim**-0.5
             )
             return out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
         extra = {"enable_gqa": True} if native_gqa else {}

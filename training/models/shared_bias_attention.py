@@ -52,12 +52,10 @@ def usable(q: Tensor, bias: Tensor) -> bool:
     )
 
 
-def shared_bias_attention(
-    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, causal: bool, scale: float
-) -> Tensor:
-    """``softmax(scale·q kᵀ + bias [+ causal]) v`` for ``q [B, heads, T, D]``, ``k, v [B,
-    heads, S, D]``, ``bias [1, heads, T, S]``; causal is bottom-right aligned."""
-    out, _ = torch.ops.megalith.shared_bias_attention(q, k, v, bias, causal, scale)
+def shared_bias_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: float) -> Tensor:
+    """``softmax(scale·q kᵀ + bias) v`` for ``q [B, heads, T, D]``, ``k, v [B, heads, S,
+    D]``, ``bias [1, heads, T, S]`` (a mask folded in as the most negative value)."""
+    out, _ = torch.ops.megalith.shared_bias_attention(q, k, v, bias, scale)
     return out
 
 
@@ -93,23 +91,21 @@ def _dropout_state(device: torch.device) -> tuple[Tensor, Tensor]:
 
 
 @torch.library.custom_op("megalith::shared_bias_attention", mutates_args=())
-def _forward(
-    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, causal: bool, scale: float
-) -> tuple[Tensor, Tensor]:
+def _forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     mask = _aligned(bias, q.size(0))
     if _kernel == "cudnn":
         result = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, mask, True, 0.0, causal, False, scale=scale
+            q, k, v, mask, True, 0.0, False, False, scale=scale
         )
     else:
         result = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, mask, True, 0.0, causal, scale=scale
+            q, k, v, mask, True, 0.0, False, scale=scale
         )
     return _heads_inside(result[0]), result[1].contiguous()
 
 
 @_forward.register_fake
-def _(q, k, v, bias, causal, scale):
+def _(q, k, v, bias, scale):
     batch, heads, queries = q.shape[:3]
     # The kernel's own log-sum-exp layout: cuDNN [B, heads, T, 1]; memory-efficient
     # [B, heads, T rounded up to 32].
@@ -128,7 +124,6 @@ def _backward(
     bias: Tensor,
     out: Tensor,
     lse: Tensor,
-    causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     grad_out = _heads_inside(grad_out)  # the output's layout, as the kernels expect
@@ -137,17 +132,15 @@ def _backward(
     if _kernel == "cudnn":
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             grad_out, q, k, v, out, lse, seed, offset, mask, None, None,
-            q.size(2), k.size(2), 0.0, causal, scale=scale,
+            q.size(2), k.size(2), 0.0, False, scale=scale,
         )  # fmt: skip
     else:
         grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             grad_out, q, k, v, mask, out, lse, seed, offset, 0.0,
-            [True, True, True, False], causal, scale=scale,
+            [True, True, True, False], False, scale=scale,
         )  # fmt: skip
     rows_lse = lse.reshape(q.size(0), q.size(1), -1)[..., : q.size(2)]
-    grad_bias = bias_grad.bias_grad(
-        q, k, v, out, grad_out, rows_lse, bias[0], scale=scale, causal=causal
-    )
+    grad_bias = bias_grad.bias_grad(q, k, v, out, grad_out, rows_lse, bias[0], scale=scale)
     dq, dk, dv = (_heads_inside(g) for g in grads[:3])
     # In the bias's own layout, as the fake kernel's empty_like states it.
     grad_bias = grad_bias[None]
@@ -157,22 +150,22 @@ def _backward(
 
 
 @_backward.register_fake
-def _(grad_out, q, k, v, bias, out, lse, causal, scale):
+def _(grad_out, q, k, v, bias, out, lse, scale):
     grads = (_empty_heads_inside(t) for t in (q, k, v))
     return *grads, torch.empty_like(bias)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, bias, causal, scale = inputs
+    q, k, v, bias, scale = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, bias, out, lse)
-    ctx.causal, ctx.scale = causal, scale
+    ctx.scale = scale
 
 
 def _autograd_backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
     q, k, v, bias, out, lse = ctx.saved_tensors
-    grads = _backward(grad_out, q, k, v, bias, out, lse, ctx.causal, ctx.scale)
-    return *grads, None, None
+    grads = _backward(grad_out, q, k, v, bias, out, lse, ctx.scale)
+    return *grads, None
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)

@@ -159,16 +159,6 @@ def additive_mask(
     return bias.masked_fill(~allowed, torch.finfo(bias.dtype).min)
 
 
-def padding_only(host_mask: Tensor, mask: Tensor) -> Tensor | None:
-    """``mask`` (the encoder's padding, ``host_mask`` its copy on the host), or None
-    where no sample pads (span corruption at the window length never does): the encoder's
-    relative bias then stays one ``[1, heads, S, S]`` for the whole batch, whose gradient
-    the shared-bias attention sums in its kernel. Read on the host: no device sync."""
-    if host_mask.is_cuda or not bool(host_mask.all()):
-        return mask
-    return None
-
-
 def causal_allowed(queries: int, keys: int, device: torch.device) -> Tensor:
     """``[1, 1, T, S]`` True where query ``i`` (the last ``T`` of ``S``) may see the key."""
     allowed = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)

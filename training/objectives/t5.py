@@ -24,9 +24,14 @@ from torch import Tensor, nn
 from megalith.config import DataConfig, ModelConfig
 from megalith.errors import MegalithError
 from training.data.t5_chat_dataset import chat_lengths
-from training.data.t5_dataset import IGNORE_INDEX, T5_KEYS, span_corruption_lengths
+from training.data.t5_dataset import (
+    IGNORE_INDEX,
+    T5_KEYS,
+    encoder_mask_on,
+    span_corruption_lengths,
+)
 from training.models.flops import encoder_decoder_flops
-from training.models.t5 import ContextShard, padding_only
+from training.models.t5 import ContextShard
 from training.parallel import context_parallel as cp
 from training.parallel.groups import ParallelState
 
@@ -40,8 +45,10 @@ def micro_batch_loss(
         losses = context_parallel_losses(model, batch, device, state)
         count = (batch["labels"] != IGNORE_INDEX).sum().to(losses.device).clamp(min=1)
         return losses.sum() * state.sizes.cp / count
-    encoder, decoder, labels, mask = (batch[key].to(device, non_blocking=True) for key in T5_KEYS)
-    return model(encoder, decoder, labels, encoder_mask=padding_only(batch["encoder_mask"], mask))
+    encoder, decoder, labels = (batch[key].to(device, non_blocking=True) for key in T5_KEYS[:3])
+    return model(
+        encoder, decoder, labels, encoder_mask=encoder_mask_on(batch["encoder_mask"], device)
+    )
 
 
 def context_parallel_losses(
@@ -54,7 +61,7 @@ def context_parallel_losses(
     attention is exact over the keys it gathers. As for GPT, ``CP · sum / whole count``
     summed over the CP ranks is one device's mean, and the gradient average over data ×
     context leaves one device's gradient."""
-    encoder, decoder, labels, mask = (batch[key].to(device, non_blocking=True) for key in T5_KEYS)
+    encoder, decoder, labels = (batch[key].to(device, non_blocking=True) for key in T5_KEYS[:3])
     cp_size, cp_rank = state.sizes.cp, state.cp_rank
     source, target = encoder.size(1), decoder.size(1)
     if source % (2 * cp_size) or target % (2 * cp_size):
@@ -72,7 +79,7 @@ def context_parallel_losses(
         target,
     )
     parts = (cp.split_sequence(x, cp_size, cp_rank) for x in (encoder, decoder, labels))
-    mask = padding_only(batch["encoder_mask"], mask)
+    mask = encoder_mask_on(batch["encoder_mask"], device)
     return model(*parts, encoder_mask=mask, loss_reduction="none", shard=shard)
 
 

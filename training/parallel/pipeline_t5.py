@@ -48,8 +48,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from training.data.t5_dataset import T5_KEYS
-from training.models.t5 import ContextShard, T5Model, padding_only
+from training.data.t5_dataset import T5_KEYS, encoder_mask_on
+from training.models.t5 import ContextShard, T5Model
 from training.parallel import context_parallel as cp
 from training.parallel.groups import ParallelState
 from training.parallel.pipeline_layout import stage_layers, virtual_stages_of
@@ -214,11 +214,11 @@ def t5_schedule_inputs(
 ) -> tuple[tuple[Tensor, ...], dict[str, Tensor], Tensor]:
     """One step's micro-batches as the schedule's whole-batch inputs: the first stage's
     ``(encoder_tokens, decoder_tokens)``, every stage's ``encoder_mask`` keyword (left
-    out where no sample pads, :func:`~training.models.t5.padding_only`) and the last
-    stage's ``labels`` (contiguous, see the pipeline module's docstring)."""
+    out where no sample pads, :func:`~training.data.t5_dataset.encoder_mask_on`) and the
+    last stage's ``labels`` (contiguous, see the pipeline module's docstring)."""
     host = [torch.cat([b[key] for b in batches]) for key in T5_KEYS]
-    encoder, decoder, labels, mask = (x.to(device, non_blocking=True).contiguous() for x in host)
-    mask = padding_only(host[3], mask)
+    encoder, decoder, labels = (x.to(device, non_blocking=True).contiguous() for x in host[:3])
+    mask = encoder_mask_on(host[3], device)
     return (encoder, decoder), ({} if mask is None else {"encoder_mask": mask}), labels
 
 
