@@ -44,9 +44,11 @@ CHECKPOINT = 2  # committed before the node is lost; the second run resumes from
 DIST_TIMEOUT_S = 30  # MEGALITH_DIST_TIMEOUT_S: the lost node must fail the run sooner
 ENV = {"OMP_NUM_THREADS": "1", "MEGALITH_DIST_TIMEOUT_S": str(DIST_TIMEOUT_S)}
 HANG_GUARD_S = 240
-# With MEGALITH_TEST_HOLD_DIR set, every rank waits before step CHECKPOINT + 1 (after the
-# checkpoint is committed) and says so with a file there: the run is stopped mid-run
-# whatever the machine's speed.
+# With MEGALITH_TEST_HOLD_DIR set, every rank waits before step CHECKPOINT + 1, once the
+# checkpoint is committed (the background writer joined: its last barrier follows rank
+# 0's commit), and says so with a file there: the run is stopped mid-run whatever the
+# machine's speed. (Without the join, a loaded CI machine once killed the node before the
+# commit, and the second run started from scratch.)
 HOLD = f"""
 import os
 from pathlib import Path
@@ -59,6 +61,7 @@ if "RANK" in os.environ and os.environ.get("MEGALITH_TEST_HOLD_DIR"):
 
     def held_step(self, batches):
         if self.step == {CHECKPOINT}:
+            self.checkpointer.wait()
             Path(os.environ["MEGALITH_TEST_HOLD_DIR"], "rank-" + os.environ["RANK"]).touch()
             while True:
                 time.sleep(0.1)
