@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from parallel_helpers import tiny_settings
+from torch._dynamo.utils import counters
 
 from megalith.config import ModelConfig, load_config
 from training.metrics.memory import cuda_alloc_retries
@@ -234,6 +235,26 @@ def _force_an_allocator_retry() -> None:
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+def test_cuda_graph_training_matches_the_default_compiled_run(shards, tmp_path) -> None:
+    """``training.compile_mode=reduce-overhead``: the compiled forward and backward replay
+    as CUDA graphs (nothing skipped them) through training steps and evaluations, and the
+    run's losses are the default compiled run's."""
+    losses = {}
+    for mode in ("default", "reduce-overhead"):
+        values = {
+            "training.device": "cuda", "training.compile": "true", "training.compile_mode": mode,
+            "mixed_precision.dtype": "bf16", "model.backend": "torch", "training.train_iters": 6,
+            "training.global_batch_size": 2,  # one micro-batch a step, as the mode needs
+        }  # fmt: skip
+        config = load_config(None, [f"{k}={v}" for k, v in tiny_settings(shards, values).items()])
+        counters.clear()
+        result = Trainer(config, tmp_path / mode).fit(show_progress=False)
+        losses[mode] = [record["loss"] for record in result.metrics]
+        assert counters["inductor"]["cudagraph_skips"] == 0, f"{mode}: {dict(counters)}"
+    assert len(losses["default"]) == 6
+    torch.testing.assert_close(losses["reduce-overhead"], losses["default"], rtol=1e-3, atol=0)
 
 
 def test_allocator_retries_are_counted_and_each_run_counts_its_own(shards, tmp_path) -> None:

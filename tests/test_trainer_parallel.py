@@ -169,6 +169,33 @@ def test_async_tensor_parallelism_names_what_it_needs(shards: Path) -> None:
         enable_async_tensor_parallel(None, torch.device("cpu"), config.model)  # type: ignore[arg-type]
 
 
+def test_cuda_graphs_name_what_they_need(shards: Path) -> None:
+    """``training.compile_mode=reduce-overhead`` (CUDA graph trees) runs compiled on one
+    GPU with the torch kernels: each missing setting and each parallel size above 1 is
+    named before any process starts. The graphs themselves: tests/test_gpu.py."""
+    settings = {**trainer_settings(shards), "training.compile_mode": "reduce-overhead"}
+    with pytest.raises(MegalithError, match="training.compile=true"):
+        check_trainer_support(config_of(settings), ParallelSizes())
+    complete = {**settings, "training.compile": True}
+    complete["training.global_batch_size"] = complete["training.micro_batch_size"]
+    check_trainer_support(config_of(complete), ParallelSizes())
+    for key, value, named in (
+        ("training.global_batch_size", 8, "training.global_batch_size = training.micro"),
+        ("training.compile_backend", "aot_eager", "training.compile_backend inductor"),
+        ("model.backend", "te", "model.backend torch or auto"),
+        ("mixed_precision.fp8", True, "mixed_precision.fp8=false"),
+    ):
+        bf16 = {"mixed_precision.dtype": "bf16"} if key == "mixed_precision.fp8" else {}
+        with pytest.raises(MegalithError, match=named):
+            check_trainer_support(config_of({**complete, key: value, **bf16}), ParallelSizes())
+    for sizes, named in (
+        (ParallelSizes(dp=2), "parallel.data = 1 \\(it is 2\\)"),
+        (ParallelSizes(tp=2, pp=2), "parallel.tensor = 1 .*parallel.pipeline = 1"),
+    ):
+        with pytest.raises(MegalithError, match=named):
+            check_trainer_support(config_of(complete), sizes)
+
+
 def test_te_communication_overlap_names_what_it_needs(shards: Path, monkeypatch) -> None:
     """``parallel.tp_comm_overlap`` (TE's userbuffers): each missing setting is named
     before any process starts, T5 is refused (two sequence lengths, one buffer shape), a

@@ -121,6 +121,14 @@ class TrainingConfig(StrictModel):
         "without code generation: for telling a compile problem from a kernel one, and "
         "fast compiled runs on CPU.",
     )
+    compile_mode: Literal["default", "reduce-overhead"] = Field(
+        default="default",
+        description="torch.compile's mode: reduce-overhead replays the compiled forward and "
+        "backward as CUDA graphs (torch's CUDA graph trees), so the host no longer launches "
+        "each kernel: for models small enough that launching bounds the step (T5-base, "
+        "GPT-2 sizes); one GPU, torch kernels, no fp8, one micro-batch a step (global_batch_size "
+        "= micro_batch_size), Inductor only.",
+    )
     num_workers: int = Field(default=1, ge=0, le=256, description="DataLoader worker processes.")
 
     @model_validator(mode="after")

@@ -335,6 +335,10 @@ class RotaryEmbedding(nn.Module):
                 f"positions {start_pos}..{start_pos + length - 1} are outside "
                 f"0..{self.max_positions - 1} (model.max_position_embeddings)"
             )
+        if torch.compiler.is_compiling():
+            # A table cached from inside a compiled graph is that graph's output, which CUDA
+            # graphs (training.compile_mode=reduce-overhead) overwrite on their next replay.
+            return self._cos_sin(torch.arange(start_pos, start_pos + length, device=device))
         cos, sin = self._table_for(start_pos + length, device)
         return cos[start_pos : start_pos + length], sin[start_pos : start_pos + length]
 

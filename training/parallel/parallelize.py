@@ -145,7 +145,8 @@ def parallelize(
 
 
 def _compiled(model: nn.Module, config: MegalithConfig) -> nn.Module:
-    return torch.compile(model, backend=config.training.compile_backend)
+    mode = config.training.compile_mode
+    return torch.compile(model, backend=config.training.compile_backend, mode=mode)
 
 
 def enable_async_tensor_parallel(

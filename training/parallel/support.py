@@ -23,6 +23,7 @@ def check_trainer_support(config: MegalithConfig, sizes: ParallelSizes) -> None:
     problems += async_tp_problems(config, sizes)
     problems += comm_overlap_problems(config, sizes)
     problems += family_problems(config, sizes)
+    problems += compile_mode_problems(config, sizes)
     if problems:
         raise MegalithError("; ".join(problems))
 
@@ -111,6 +112,31 @@ def async_tp_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]
         ),
     }
     return _unmet("parallel.async_tensor_parallel", needs)
+
+
+def compile_mode_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
+    """CUDA graphs (``training.compile_mode=reduce-overhead``) run one GPU's compiled step
+    with the torch kernels and no fp8, one micro-batch a step; over collectives, pipeline
+    schedules, fp8 scaling state and Transformer Engine's modules (their own graph breaks)
+    they are neither integrated nor measured."""
+    training = config.training
+    if training.compile_mode == "default":
+        return []
+    needs = {
+        "training.compile=true": training.compile,
+        "training.compile_backend inductor": training.compile_backend == "inductor",
+        "model.backend torch or auto": config.model.backend != "te",
+        "mixed_precision.fp8=false": not config.mixed_precision.fp8,
+        # A micro-batch's gradients live in the backward graph's memory, which the next
+        # micro-batch's replay overwrites before they are accumulated.
+        "training.global_batch_size = training.micro_batch_size": (
+            training.global_batch_size == training.micro_batch_size
+        ),
+    }
+    layout = {"data": sizes.dp, "tensor": sizes.tp, "pipeline": sizes.pp, "context": sizes.cp}
+    for name, size in {**layout, "expert": sizes.ep}.items():
+        needs[f"parallel.{name} = 1 (it is {size})"] = size == 1
+    return _unmet(f"training.compile_mode={training.compile_mode}", needs)
 
 
 def comm_overlap_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
