@@ -13,6 +13,8 @@ reports tokens/s over the timed steps after warm-up:
                   already on the GPU (no loader cost); no per-step host sync (losses
                   read after timing, as HF Trainer reads them only to log)
 * ``hf-compile``  the same under ``torch.compile``
+* ``hf-compile-cudagraphs`` the same with ``mode="reduce-overhead"`` (CUDA graphs), the
+                  peer of ``ours-compile-cudagraphs`` (``training.compile_mode``)
 
 An ``ours`` variant may carry config settings after ``@`` to measure one switch on its
 own in the same run (several joined by ``+``), e.g.
@@ -79,6 +81,7 @@ ALIASES = {
     "ours-compile-fp8-rowwise": f"ours-compile@{FP8}+mixed_precision.fp8_recipe=rowwise",
     "ours-te": f"ours@{TE}",
     "ours-te-fp8": f"ours@{TE}+{FP8}",
+    "ours-compile-cudagraphs": "ours-compile@training.compile_mode=reduce-overhead",
 }
 
 
@@ -400,6 +403,8 @@ def run_matmul() -> dict:
 
 
 def run_ours(args, compile_model: bool) -> dict:
+    from torch._dynamo.utils import counters
+
     from training.models import backend_name
     from training.trainer import Trainer
 
@@ -420,7 +425,10 @@ def run_ours(args, compile_model: bool) -> dict:
     losses = [record["loss"] for record in step.finish()]
     tokens = args.steps * config.training.global_batch_size * trainer.tokens_per_sample
     result = _result(config, tokens, seconds, losses, _peak_memory())
-    return {**result, "kernel_backend": backend_name(trainer.model)}  # what auto resolved to
+    result["kernel_backend"] = backend_name(trainer.model)  # what auto resolved to
+    # Compiled regions Inductor ran without the CUDA graphs compile_mode asked for.
+    result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+    return result
 
 
 def hf_model(config):
@@ -485,7 +493,7 @@ HF_REFERENCE = {
 }
 
 
-def run_hf(args, compile_model: bool) -> dict:
+def run_hf(args, compile_model: bool, mode: str = "default") -> dict:
     import torch
 
     config = load_shape(args.shape, args.shards, 1, False, args.micro_batch)
@@ -493,7 +501,7 @@ def run_hf(args, compile_model: bool) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the smoke shapes only
     model = hf_model(config).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
-    forward = torch.compile(model) if compile_model else model
+    forward = torch.compile(model, mode=mode) if compile_model else model
     mbs = config.training.micro_batch_size
     reference = HF_REFERENCE[config.model.family]
     seq, decoder = reference.lengths(config.data)
@@ -517,7 +525,9 @@ def run_hf(args, compile_model: bool) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())  # read after timing, as HF Trainer reads only at logging
+        # Read after timing, as HF Trainer reads only at logging; a CUDA graph's output is
+        # overwritten by its next replay, so that one is copied out.
+        losses.append(loss.detach() if mode == "default" else loss.detach().clone())
 
     seconds = time_steps(step, args.warmup, args.steps)
     if args.profile:
@@ -561,6 +571,7 @@ def worker(args) -> None:
         "ours-compile": lambda: run_ours(args, True),
         "hf": lambda: run_hf(args, False),
         "hf-compile": lambda: run_hf(args, True),
+        "hf-compile-cudagraphs": lambda: run_hf(args, True, "reduce-overhead"),
     }
     print(
         "RESULT " + json.dumps(runners[expand_variant(args.variant).partition("@")[0]]()),
