@@ -207,7 +207,7 @@ def profile_steps(step, out: Path, variant: str, steps: int = 3) -> None:
 KERNEL_CATEGORIES = (
     # NCCL's collectives, TE's userbuffers (comm+GEMM overlap) kernels and their copies
     ("communication (NCCL, userbuffers)", r"nccl|userbuffers|kuserbuffers|ub_|memcpy.*peer"),
-    ("attention", r"sdpa|fmha|flash|attention|cudnn"),
+    ("attention", r"sdpa|fmha|flash|attention|cudnn|bias_grad"),  # + T5's bias gradient
     (  # Inductor's (named after _scaled_mm) and TE's (cast-transpose, amax, scale)
         "fp8 amax/scale/cast",
         r"triton.*(abs|clamp|float8|amax)|cast_transpose|amax_kernel|scale_from_amax|fp8_quantize",
@@ -219,6 +219,7 @@ KERNEL_CATEGORIES = (
     ("loss (log-softmax/CE)", r"log_softmax|softmax|nll|logsumexp|cross_entropy"),
     ("RMSNorm (Inductor)", r"rsqrt"),
     ("SwiGLU (Inductor)", r"sigmoid|silu"),
+    ("GeGLU (Inductor)", r"gelu"),  # T5's; its kernels also carry "cat"
     ("RoPE (Inductor)", r"neg|\bcat\b|_cat_|cos|sin"),
     ("other Inductor kernels", r"triton"),
     # One eager op per kernel: residual and gradient-accumulation adds, muls, the cats of

@@ -173,5 +173,8 @@ def test_profile_kernel_categories_name_what_the_time_is_spent_on() -> None:
         "triton_per_fused_rsqrt_mean_0": "RMSNorm (Inductor)",
         "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT": "matmul",
         "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
+        "_bias_grad_kernel": "attention",
+        "triton_poi_fused__unsafe_view_cat_gelu_gelu_backward_mul_split_view_24": "GeGLU (Inductor)",
+        "triton_poi_fused_cat_cos_neg_sin_0": "RoPE (Inductor)",
     }
     assert {name: train_throughput.kernel_category(name) for name in expected} == expected
