@@ -222,6 +222,20 @@ def test_rope_table_is_sized_by_the_positions_used_not_the_config(
     assert loaded.rope._table[0].shape == (4096, config.head_dim)
 
 
+def test_a_compiled_forward_keeps_no_rope_table_made_inside_its_graph() -> None:
+    """Compiled, RoPE computes its cos/sin in the graph and caches nothing on the module: a
+    cached graph output is overwritten by the next replay under CUDA graphs
+    (``training.compile_mode=reduce-overhead``). The logits are the eager model's."""
+    torch.manual_seed(0)
+    model = GPTModel(tiny_config()).eval()
+    x = torch.randint(0, VOCAB, (2, 8))
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="aot_eager")(x)
+        assert model.rope._table is None
+        torch.testing.assert_close(compiled, model(x), rtol=1e-5, atol=1e-5)
+    assert model.rope._table is not None  # eager runs keep their table
+
+
 @pytest.mark.parametrize(
     ("lie", "expected"),
     [
