@@ -237,11 +237,21 @@ def _force_an_allocator_retry() -> None:
         torch.cuda.empty_cache()
 
 
-def test_cuda_graph_training_matches_the_default_compiled_run(shards, tmp_path) -> None:
+def test_cuda_graph_training_matches_the_default_compiled_run(
+    shards, tmp_path, monkeypatch
+) -> None:
     """``training.compile_mode=reduce-overhead``: the compiled forward and backward replay
-    as CUDA graphs (nothing skipped them) through training steps and evaluations, and the
-    run's losses are the default compiled run's."""
-    losses = {}
+    as CUDA graphs (counted at ``CUDAGraph.replay``; nothing skipped them) through training
+    steps and evaluations, and the run's losses are the default compiled run's."""
+    replays = [0]
+    replay = torch.cuda.CUDAGraph.replay
+
+    def counted_replay(graph) -> None:
+        replays[0] += 1
+        replay(graph)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counted_replay)
+    losses, replayed = {}, {}
     for mode in ("default", "reduce-overhead"):
         values = {
             "training.device": "cuda", "training.compile": "true", "training.compile_mode": mode,
@@ -250,10 +260,14 @@ def test_cuda_graph_training_matches_the_default_compiled_run(shards, tmp_path) 
         }  # fmt: skip
         config = load_config(None, [f"{k}={v}" for k, v in tiny_settings(shards, values).items()])
         counters.clear()
+        replays[0] = 0
         result = Trainer(config, tmp_path / mode).fit(show_progress=False)
         losses[mode] = [record["loss"] for record in result.metrics]
+        replayed[mode] = replays[0]
         assert counters["inductor"]["cudagraph_skips"] == 0, f"{mode}: {dict(counters)}"
     assert len(losses["default"]) == 6
+    # 6 steps of a forward and a backward graph; the first ones record rather than replay.
+    assert replayed["default"] == 0 and replayed["reduce-overhead"] >= 6, replayed
     torch.testing.assert_close(losses["reduce-overhead"], losses["default"], rtol=1e-3, atol=0)
 
 
