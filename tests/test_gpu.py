@@ -93,9 +93,13 @@ def _sdpa_case(batch: int, heads: int, queries: int, keys: int, causal: bool):
 @pytest.mark.parametrize(
     ("queries", "keys", "causal"), [(512, 512, False), (114, 114, True), (96, 100, False)]
 )
-def test_shared_bias_attention_matches_fp32_attention(kernel, queries, keys, causal) -> None:
+def test_shared_bias_attention_matches_fp32_attention(
+    kernel, queries, keys, causal, monkeypatch
+) -> None:
     """The shared-bias op in bf16 (output, dq, dk, dv and the batch-summed bias gradient)
     against attention in fp32 with autograd, within bf16 SDPA's own error."""
+    # Back to the default kernel afterwards, so the compiled T5 test runs what users get.
+    monkeypatch.setattr(shared_bias_attention, "_kernel", shared_bias_attention._kernel)
     shared_bias_attention.set_kernel(kernel)
     tensors = _sdpa_case(4, 3, queries, keys, causal)
 
