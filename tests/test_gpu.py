@@ -241,12 +241,14 @@ def _force_an_allocator_retry() -> None:
         torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("micro_batches", [1, 4])
 def test_cuda_graph_training_matches_the_default_compiled_run(
-    shards, tmp_path, monkeypatch
+    shards, tmp_path, monkeypatch, micro_batches: int
 ) -> None:
     """``training.compile_mode=reduce-overhead``: the compiled forward and backward replay
     as CUDA graphs (counted at ``CUDAGraph.replay``; nothing skipped them) through training
-    steps and evaluations, and the run's losses are the default compiled run's."""
+    steps and evaluations, one micro-batch a step or four accumulated, and the run's
+    losses are the default compiled run's."""
     replays = [0]
     replay = torch.cuda.CUDAGraph.replay
 
@@ -260,7 +262,7 @@ def test_cuda_graph_training_matches_the_default_compiled_run(
         values = {
             "training.device": "cuda", "training.compile": "true", "training.compile_mode": mode,
             "mixed_precision.dtype": "bf16", "model.backend": "torch", "training.train_iters": 6,
-            "training.global_batch_size": 2,  # one micro-batch a step, as the mode needs
+            "training.global_batch_size": 2 * micro_batches,
         }  # fmt: skip
         config = load_config(None, [f"{k}={v}" for k, v in tiny_settings(shards, values).items()])
         counters.clear()
@@ -270,8 +272,8 @@ def test_cuda_graph_training_matches_the_default_compiled_run(
         replayed[mode] = replays[0]
         assert counters["inductor"]["cudagraph_skips"] == 0, f"{mode}: {dict(counters)}"
     assert len(losses["default"]) == 6
-    # 6 steps of a forward and a backward graph; the first ones record rather than replay.
-    assert replayed["default"] == 0 and replayed["reduce-overhead"] >= 6, replayed
+    # 6 steps of a forward and a backward graph a micro-batch; the first ones record.
+    assert replayed["default"] == 0 and replayed["reduce-overhead"] >= 6 * micro_batches, replayed
     torch.testing.assert_close(losses["reduce-overhead"], losses["default"], rtol=1e-3, atol=0)
 
 

@@ -177,10 +177,8 @@ def test_cuda_graphs_name_what_they_need(shards: Path) -> None:
     with pytest.raises(MegalithError, match="training.compile=true"):
         check_trainer_support(config_of(settings), ParallelSizes())
     complete = {**settings, "training.compile": True}
-    complete["training.global_batch_size"] = complete["training.micro_batch_size"]
-    check_trainer_support(config_of(complete), ParallelSizes())
+    check_trainer_support(config_of(complete), ParallelSizes())  # with accumulation
     for key, value, named in (
-        ("training.global_batch_size", 8, "training.global_batch_size = training.micro"),
         ("training.compile_backend", "aot_eager", "training.compile_backend inductor"),
         ("model.backend", "te", "model.backend torch or auto"),
         ("mixed_precision.fp8", True, "mixed_precision.fp8=false"),

@@ -427,6 +427,18 @@ class Trainer:
                 self.forward_model, batch, self.device, self.parallel
             )
 
+    def _zero_grads(self, accumulation: int) -> None:
+        """Drop last step's gradients; under CUDA graphs with accumulation, zero them in
+        place instead: each backward graph's gradients live in the graphs' memory, which
+        the next micro-batch's replay overwrites, so they are added into gradients that
+        live outside it (AccumulateGrad adds in place into an existing ``.grad``)."""
+        resident = accumulation > 1 and self.config.training.compile_mode == "reduce-overhead"
+        self.optimizer.zero_grad(set_to_none=not resident)
+        if resident:
+            for param in self.model.parameters():
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
+
     def train_step(self, batches) -> dict[str, float]:
         """One optimizer step over ``accumulation`` micro-batches; its metrics."""
         return self.launch_step(batches).result()
@@ -443,7 +455,7 @@ class Trainer:
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads(accumulation)
         scaler = self.precision.scaler
         pipeline_metrics = {}
         total_aux = torch.zeros((), device=self.device)

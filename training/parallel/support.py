@@ -116,9 +116,9 @@ def async_tp_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]
 
 def compile_mode_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[str]:
     """CUDA graphs (``training.compile_mode=reduce-overhead``) run one GPU's compiled step
-    with the torch kernels and no fp8, one micro-batch a step; over collectives, pipeline
-    schedules, fp8 scaling state and Transformer Engine's modules (their own graph breaks)
-    they are neither integrated nor measured."""
+    with the torch kernels and no fp8, with or without gradient accumulation; over
+    collectives, pipeline schedules, fp8 scaling state and Transformer Engine's modules
+    (their own graph breaks) they are neither integrated nor measured."""
     training = config.training
     if training.compile_mode == "default":
         return []
@@ -127,11 +127,6 @@ def compile_mode_problems(config: MegalithConfig, sizes: ParallelSizes) -> list[
         "training.compile_backend inductor": training.compile_backend == "inductor",
         "model.backend torch or auto": config.model.backend != "te",
         "mixed_precision.fp8=false": not config.mixed_precision.fp8,
-        # A micro-batch's gradients live in the backward graph's memory, which the next
-        # micro-batch's replay overwrites before they are accumulated.
-        "training.global_batch_size = training.micro_batch_size": (
-            training.global_batch_size == training.micro_batch_size
-        ),
     }
     layout = {"data": sizes.dp, "tensor": sizes.tp, "pipeline": sizes.pp, "context": sizes.cp}
     for name, size in {**layout, "expert": sizes.ep}.items():
