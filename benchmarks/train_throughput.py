@@ -92,6 +92,7 @@ def load_shape(
     compile_model: bool,
     micro_batch: int | None,
     settings: list[str] = (),
+    accumulation: int = 1,
 ):
     from megalith.config import load_config
 
@@ -111,7 +112,7 @@ def load_shape(
     )
     mbs = micro_batch or config.training.micro_batch_size
     config.training = config.training.model_copy(
-        update={"micro_batch_size": mbs, "global_batch_size": mbs}
+        update={"micro_batch_size": mbs, "global_batch_size": mbs * accumulation}
     )
     return config
 
@@ -416,6 +417,7 @@ def run_ours(args, compile_model: bool) -> dict:
         compile_model,
         args.micro_batch,
         variant_settings(args.variant),
+        args.accumulation,
     )
     trainer = Trainer(config, Path(args.out) / f"run-{args.variant}")
     batches = iter(trainer._loader(trainer.train_data, 0, len(trainer.train_data)))
@@ -497,7 +499,8 @@ HF_REFERENCE = {
 def run_hf(args, compile_model: bool, mode: str = "default") -> dict:
     import torch
 
-    config = load_shape(args.shape, args.shards, 1, False, args.micro_batch)
+    accumulation = args.accumulation
+    config = load_shape(args.shape, args.shards, 1, False, args.micro_batch, (), accumulation)
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the smoke shapes only
     model = hf_model(config).to(device).train()
@@ -515,26 +518,35 @@ def run_hf(args, compile_model: bool, mode: str = "default") -> dict:
     ]
     losses, counter = [], [0]
 
+    # Accumulating under CUDA graphs: the gradients are added into ones that live outside
+    # the graphs' memory (which the next replay overwrites), as Megalith's trainer does.
+    resident = accumulation > 1 and mode == "reduce-overhead"
+    if resident:
+        for param in model.parameters():
+            param.grad = torch.zeros_like(param)
+
     def step():
-        tokens, labels = batches[counter[0] % len(batches)]
-        counter[0] += 1
-        if reference.labels_are_inputs:
-            labels = tokens
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = forward(input_ids=tokens, labels=labels).loss
-        loss.backward()
+        total = 0.0
+        for _ in range(accumulation):
+            tokens, labels = batches[counter[0] % len(batches)]
+            counter[0] += 1
+            if reference.labels_are_inputs:
+                labels = tokens
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = forward(input_ids=tokens, labels=labels).loss / accumulation
+            loss.backward()
+            # A CUDA graph's output is overwritten by its next replay: added up here.
+            total = total + loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        # Read after timing, as HF Trainer reads only at logging; a CUDA graph's output is
-        # overwritten by its next replay, so that one is copied out.
-        losses.append(loss.detach() if mode == "default" else loss.detach().clone())
+        optimizer.zero_grad(set_to_none=not resident)
+        losses.append(total)  # read after timing, as HF Trainer reads only at logging
 
     seconds = time_steps(step, args.warmup, args.steps)
     if args.profile:
         profile_steps(step, Path(args.out), args.variant)
     losses = [loss.item() for loss in losses]
-    tokens = args.steps * mbs * tokens_and_flops(config)[0]
+    tokens = args.steps * mbs * accumulation * tokens_and_flops(config)[0]
     return _result(config, tokens, seconds, losses, _peak_memory())
 
 
@@ -546,6 +558,7 @@ def _result(config, tokens: int, seconds: float, losses: list[float], memory: in
         "flops_per_token": flops_per_token(config),
         "peak_memory_gb": memory / 2**30,
         "micro_batch": config.training.micro_batch_size,
+        "global_batch": config.training.global_batch_size,
         "seq_length": config.data.seq_length,
         "last_loss": losses[-1] if losses else None,
     }
@@ -628,6 +641,7 @@ def drive(args) -> None:
         command = [
             sys.executable, __file__, "--worker", "--variant", variant, "--shape", args.shape,
             "--shards", shards, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out),
+            "--accumulation", str(args.accumulation),
         ] + (["--micro-batch", str(args.micro_batch)] if args.micro_batch else [])  # fmt: skip
         command += ["--profile"] * args.profile
         results[variant] = run_worker(command)
@@ -683,6 +697,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--micro-batch", type=int, default=None)
+    parser.add_argument(
+        "--accumulation", type=int, default=1, help="micro-batches a step (ours and HF's)"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmark-out"))
     parser.add_argument(
         "--profile", action="store_true", help="then profile 3 steps: OUT/profile-VARIANT.txt"

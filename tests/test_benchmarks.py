@@ -20,7 +20,7 @@ def test_t5_throughput_runs_ours_and_the_hugging_face_baseline(tmp_path: Path) -
     command = [
         sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--shape", "t5-tiny",
         "--variants", "ours,hf", "--steps", "1", "--warmup", "1", "--micro-batch", "2",
-        "--out", str(tmp_path),
+        "--accumulation", "2", "--out", str(tmp_path),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
@@ -31,6 +31,7 @@ def test_t5_throughput_runs_ours_and_the_hugging_face_baseline(tmp_path: Path) -
         result = results[variant]
         assert "error" not in result, f"{variant}: {result.get('error')}"
         assert result["tokens_per_s"] > 0 and math.isfinite(result["last_loss"]), result
+        assert result["global_batch"] == 4, result  # two micro-batches of 2 a step
     assert results["ours"]["kernel_backend"] == "torch"  # what auto resolved to, on CPU
     assert "| hf |" in completed.stdout and "| ours (torch) |" in completed.stdout
 
