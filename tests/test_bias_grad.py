@@ -66,7 +66,8 @@ for causal, queries, keys in [(False, 40, 40), (True, 24, 24), (False, 20, 70), 
 
 def test_triton_kernel_matches_autograd_in_the_interpreter() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]  # keep the caller's
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(paths)}
     run = subprocess.run(
         [sys.executable, "-c", KERNEL_CHECK],
         cwd=ROOT,

@@ -70,30 +70,45 @@ def bias_grad(
     *,
     scale: float,
 ) -> Tensor:
-    """:func:`bias_grad_reference`'s ``dbias`` by the Triton kernel, in ``bias``'s dtype
-    (``D``, the row sums of ``dO * O``, computed in the kernel too)."""
+    """:func:`bias_grad_reference`'s ``dbias`` by the Triton kernels, in ``bias``'s dtype."""
     batch, heads, queries, head_dim = q.shape
     keys = k.size(2)
+    delta = _row_dots(out, grad_out)
     grad = torch.empty(heads, queries, keys, dtype=bias.dtype, device=q.device)
 
     def grid(meta):
         return triton.cdiv(queries, meta["BLOCK_M"]), triton.cdiv(keys, meta["BLOCK_N"]), heads
 
     _bias_grad_kernel[grid](
-        q, k, v, out, grad_out, lse, bias, grad,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *grad_out.stride(),
-        *lse.stride(), *bias.stride(), *grad.stride(),
+        q, k, v, grad_out, lse, delta, bias, grad,
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(),
+        *lse.stride(), *delta.stride(), *bias.stride(), *grad.stride(),
         queries, keys, scale,
         BATCH=batch, HEAD_DIM=head_dim,
     )  # fmt: skip
     return grad
 
 
+def _row_dots(out: Tensor, grad_out: Tensor, block: int = 64) -> Tensor:
+    """``D [B, heads, T]``, the row sums of ``dO * O`` in fp32: once per row here rather
+    than once per key tile in the gradient's kernel."""
+    batch, heads, queries, head_dim = out.shape
+    delta = torch.empty(batch, heads, queries, dtype=torch.float32, device=out.device)
+    _row_dot_kernel[(triton.cdiv(queries, block), batch * heads)](
+        out, grad_out, delta, *out.stride(), *grad_out.stride(), heads, queries,
+        BLOCK=block, HEAD_DIM=head_dim,
+    )  # fmt: skip
+    return delta
+
+
 def _tile_configs() -> list:
     """Tiles Triton times on first use at each shape (one under the CPU interpreter)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32})]
-    shapes = [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2)]
+    shapes = [
+        (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3),
+        (64, 128, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3),
+    ]  # fmt: skip
     return [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
         for m, n, warps, stages in shapes
@@ -107,17 +122,34 @@ if triton is not None:
         pointers = base + rows[:, None] * row_stride + dims[None, :] * dim_stride
         return tl.load(pointers, mask=row_ok[:, None], other=0.0)
 
+    @triton.jit
+    def _row_dot_kernel(
+        OUT, DO, DELTA, sob, soh, som, sod, sdob, sdoh, sdom, sdod, heads, queries,
+        BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        sample, head = tl.program_id(1) // heads, tl.program_id(1) % heads
+        dims = tl.arange(0, HEAD_DIM)
+        ok = rows < queries
+        out = _rows(OUT + sample * sob + head * soh, rows, dims, som, sod, ok)
+        grad_out = _rows(DO + sample * sdob + head * sdoh, rows, dims, sdom, sdod, ok)
+        dots = tl.sum(out.to(tl.float32) * grad_out.to(tl.float32), axis=1)
+        tl.store(DELTA + tl.program_id(1) * queries + rows, dots, mask=ok)
+
     @triton.autotune(configs=_tile_configs(), key=["queries", "keys", "BATCH", "HEAD_DIM"])
     @triton.jit
     def _bias_grad_kernel(
-        Q, K, V, OUT, DO, LSE, BIAS, GRAD,
+        Q, K, V, DO, LSE, DELTA, BIAS, GRAD,
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-        sob, soh, som, sod, sdob, sdoh, sdom, sdod, slb, slh, slm,
+        sdob, sdoh, sdom, sdod, slb, slh, slm, sdb, sdh, sdm,
         sbh, sbm, sbn, sgh, sgm, sgn,
         queries, keys, scale,
         BATCH: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
+        # exp(x) as exp2(x · log2 e): the scores, the bias and the log-sum-exp scaled once
+        # (a mask's most negative bias becomes -inf, so P is 0 there as before).
+        log2e: tl.constexpr = 1.4426950408889634
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         head = tl.program_id(2)
@@ -128,17 +160,18 @@ if triton is not None:
         bias = tl.load(
             BIAS + head * sbh + rows[:, None] * sbm + cols[None, :] * sbn, mask=inside, other=0.0
         ).to(tl.float32)
+        bias = bias * log2e
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # Tiles past the sequence load zeros and are not stored, so nothing masks them here.
         for b in range(BATCH):
             q = _rows(Q + b * sqb + head * sqh, rows, dims, sqm, sqd, row_ok)
-            out = _rows(OUT + b * sob + head * soh, rows, dims, som, sod, row_ok)
             grad_out = _rows(DO + b * sdob + head * sdoh, rows, dims, sdom, sdod, row_ok)
             k = _rows(K + b * skb + head * skh, cols, dims, skn, skd, col_ok)
             v = _rows(V + b * svb + head * svh, cols, dims, svn, svd, col_ok)
             lse = tl.load(LSE + b * slb + head * slh + rows * slm, mask=row_ok, other=0.0)
-            delta = tl.sum(grad_out.to(tl.float32) * out.to(tl.float32), axis=1)
-            scores = tl.dot(q, tl.trans(k)) * scale + bias
-            probs = tl.where(inside, tl.exp(scores - lse[:, None]), 0.0)
+            delta = tl.load(DELTA + b * sdb + head * sdh + rows * sdm, mask=row_ok, other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * (scale * log2e) + bias
+            probs = tl.exp2(scores - lse[:, None] * log2e)
             grad_probs = tl.dot(grad_out, tl.trans(v))
             acc += probs * (grad_probs - delta[:, None])
         tl.store(
