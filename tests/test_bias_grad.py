@@ -5,17 +5,11 @@ CPU through Triton's interpreter (where Triton is installed; on a GPU the kernel
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from triton_helpers import run_in_interpreter
 
 from training.models import bias_grad
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def autograd_case(causal: bool, queries: int, keys: int, seed: int = 0):
@@ -65,16 +59,4 @@ for causal, queries, keys in [(False, 40, 40), (True, 24, 24), (False, 20, 70), 
 
 
 def test_triton_kernel_matches_autograd_in_the_interpreter() -> None:
-    pytest.importorskip("triton")
-    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]  # keep the caller's
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(paths)}
-    run = subprocess.run(
-        [sys.executable, "-c", KERNEL_CHECK],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("ok") == 4, run.stdout
+    assert run_in_interpreter(KERNEL_CHECK).count("ok") == 4

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from megalith.config import ModelConfig, load_config
 from training.metrics.memory import cuda_alloc_retries
-from training.models import GPTModel, T5Model, shared_bias_attention
+from training.models import GPTModel, T5Model, gated_grad, shared_bias_attention
 from training.trainer import Trainer
 
 pytestmark = pytest.mark.gpu
@@ -154,6 +154,35 @@ def test_t5_trains_its_relative_bias_through_the_shared_bias_op_compiled() -> No
     for got, want in zip(through_op, bias_grads(padding), strict=True):
         error = (got - want).norm() / want.norm()
         assert error < 2e-2, f"relative-bias gradient differs by {error:.3g}"
+
+
+@pytest.mark.parametrize("activation", gated_grad.ACTIVATIONS)
+def test_gated_activation_kernel_matches_fp32_autograd_compiled(activation, monkeypatch) -> None:
+    """SwiGLU/GeGLU compiled in bf16 run their backward through the one-pass kernel (its
+    calls counted) and give fp32 autograd's gradients to bf16 rounding; a width that is
+    not a multiple of the kernel's block checks its masking."""
+    calls = [0]
+    kernel = gated_grad._kernel_backward
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(gated_grad, "_kernel_backward", counted)
+    torch.manual_seed(0)
+    x = (torch.randn(4096, 2 * 1000, device="cuda") * 3).bfloat16()
+    grad = torch.randn(4096, 1000, device="cuda").bfloat16()
+
+    def loss(x):
+        return (gated_grad.gated(x, activation).float() * grad.float()).sum()
+
+    leaf = x.clone().requires_grad_(True)
+    torch.compile(loss)(leaf).backward()
+    assert calls[0] == 1
+    want = x.float().requires_grad_(True)
+    (gated_grad.gated_reference(want, activation) * grad.float()).sum().backward()
+    error = (leaf.grad.float() - want.grad).abs().max() / want.grad.abs().max()
+    assert error < 1e-2, error
 
 
 def test_fused_adamw_training_reduces_loss_on_gpu() -> None:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from megalith.config import RopeScaling
 from training.models import shared_bias_attention
 from training.models.fused_cross_entropy import linear_cross_entropy
+from training.models.gated_grad import gated
 
 IGNORE_INDEX = -100
 
@@ -355,14 +356,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def swiglu(x: Tensor) -> Tensor:
     """``silu(gate) * up`` for ``x = [gate; up]`` along the last dimension."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return gated(x, "silu")
 
 
 def geglu(x: Tensor) -> Tensor:
     """``gelu(gate) * up`` (tanh GELU) for ``x = [gate; up]``: T5 v1.1's gated-GELU."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    return gated(x, "gelu_tanh")
 
 
 def gelu(x: Tensor) -> Tensor:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# SwiGLU/GeGLU's backward as one kernel that reads gate, up and the gradient once
+# (training/models/gated_grad.py) against Inductor's backward of the split. One machine,
+# one GPU, carry [.whl]. T5-base at micro-batch 128 compared with 2026-11-28-bias-grad.sh's
+# "after" (536,913 tokens/s, the tree before this change, same machine kind).
+set -uo pipefail
+export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmark-out}
+mkdir -p "$OUT"
+python3 -c "import pydantic, zstandard" 2>/dev/null || pip install -q --no-deps --target /tmp/tesite .whl/*.whl
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+timeout 100 python3 -m pytest -p no:cacheprovider -q tests/test_gated_grad.py 2>&1 | tail -1
+timeout 100 python3 -m pytest -m gpu -p no:cacheprovider -q tests/test_gpu.py -k gated 2>&1 | tail -1
+timeout 100 python3 - <<'PY' | tee "$OUT/gated.txt"
+import statistics, torch
+from training.models import gated_grad
+
+def time_ms(fn, iters=20, repeats=5):
+    for _ in range(3): fn()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(); a.record()
+        for _ in range(iters): fn()
+        b.record(); torch.cuda.synchronize(); times.append(a.elapsed_time(b) / iters)
+    return statistics.median(times)
+
+for rows, width, act in ((65536, 2048, "gelu_tanh"), (16384, 8192, "silu")):  # T5-base B 128; 1B
+    x = torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    for name, fn in (("inductor", gated_grad.gated_reference), ("one-pass", gated_grad.gated)):
+        compiled = torch.compile(lambda x: fn(x, act))
+        def step():
+            compiled(x).backward(grad)
+            x.grad = None
+        forward = time_ms(lambda: compiled(x).detach())
+        both = time_ms(step)
+        gb = rows * width * 10 / 1e9  # the backward: read gate, up, grad; write two halves
+        print(f"{act} {rows}x{width} {name}: forward {forward:.3f} ms, forward+backward {both:.3f} ms,"
+              f" backward {both - forward:.3f} ms = {gb / (both - forward):.2f} TB/s of {gb:.2f} GB",
+              flush=True)
+PY
+(timeout 200 python3 benchmarks/train_throughput.py --shape t5-base --steps 10 --warmup 5 \
+  --micro-batch 128 --variants ours-compile --out "$OUT/t5" 2>&1 | tail -3)
+rm -rf "$OUT"/*/shards-* "$OUT"/*/tokenizer-* "$OUT"/*/run-*
