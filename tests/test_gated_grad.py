@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_model import build, tiny, tokens
 from triton_helpers import run_in_interpreter
 
-from training.models import gated_grad
+from training.models import GPTModel, gated_grad
 from training.models.layers import geglu, swiglu
 
 
@@ -48,6 +49,34 @@ def test_the_model_takes_the_op_only_where_its_kernel_runs() -> None:
     assert not gated_grad.kernel_usable(x.requires_grad_(True))
     assert torch.equal(swiglu(x), gated_grad.gated_reference(x, "silu"))
     assert torch.equal(geglu(x), gated_grad.gated_reference(x, "gelu_tanh"))
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_compiled_model_through_the_op_matches_the_plain_formula(recompute, monkeypatch) -> None:
+    """A Llama-style model compiled (dynamo and AOT autograd) with the op forced on the
+    CPU (its backward by aten's activation gradients): under each activation
+    checkpointing mode, the loss and every gradient are the plain formula's."""
+
+    def loss_and_grads(model: GPTModel) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = torch.compile(model, backend="aot_eager")(tokens(), tokens(seed=3))
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    config = tiny("llama", activation_checkpointing=recompute)
+    want_loss, want = loss_and_grads(build(config))
+    forced = [0]
+
+    def usable(x: torch.Tensor) -> bool:
+        forced[0] += 1
+        return x.requires_grad and torch.is_grad_enabled()
+
+    monkeypatch.setattr(gated_grad, "kernel_usable", usable)
+    torch._dynamo.reset()
+    loss, grads = loss_and_grads(build(config))
+    assert forced[0] > 0
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    for name, grad in want.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 KERNEL_CHECK = """
