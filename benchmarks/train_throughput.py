@@ -28,7 +28,9 @@ Engine backend (fp8 tensorwise: current scaling); more settings may follow ``@``
 ``--shape t5-base`` (configs/t5-base.yaml) measures the T5 encoder-decoder on span
 corruption against transformers' ``T5ForConditionalGeneration``; a T5 sample counts as its
 encoder plus decoder tokens and its FLOPs come from ``encoder_decoder_flops``
-(``--shape t5-tiny`` smoke-runs it on CPU).
+(``--shape t5-tiny`` smoke-runs it on CPU). A step is one micro-batch of the shape's
+``micro_batch_size`` (``--micro-batch`` sets it), or ``--accumulation N`` of them, for ours
+and HF's alike.
 
     python benchmarks/train_throughput.py --shape 1b --steps 20 --out results/
 
