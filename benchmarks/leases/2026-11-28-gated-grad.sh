@@ -50,3 +50,6 @@ rm -rf "$OUT"/*/shards-* "$OUT"/*/tokenizer-* "$OUT"/*/run-*
 #       --variants matmul,ours-compile,hf-compile --out $OUT/after
 #   (cd .base/tree && python3 benchmarks/train_throughput.py --shape 1b --steps 10 \
 #       --warmup 4 --variants ours-compile --out $OUT/before)
+#   and, for a forward kernel, the activation alone (Inductor's forward and backward, the
+#   one-pass backward, a candidate one-pass forward, each checked against fp32):
+#   python3 benchmarks/gated_activation.py --out $OUT

@@ -104,14 +104,8 @@ def _kernel_backward(x: Tensor, grad: Tensor, activation: str, block: int = 1024
 if triton is not None:
 
     @triton.jit
-    def _gated_backward_kernel(X, GRAD, DX, width, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = cols < width
-        gate_at = X + row * 2 * width + cols
-        gate = tl.load(gate_at, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(gate_at + width, mask=ok, other=0.0).to(tl.float32)
-        grad = tl.load(GRAD + row * width + cols, mask=ok, other=0.0).to(tl.float32)
+    def activation_and_slope(gate, ACTIVATION: tl.constexpr):
+        """``act(gate)`` and its derivative, fp32 (``ACTIVATION`` indexes :data:`ACTIVATIONS`)."""
         if ACTIVATION == 0:  # silu(g) = g σ(g); its derivative σ(g) (1 + g (1 - σ(g)))
             sig = tl.sigmoid(gate)
             act = gate * sig
@@ -122,6 +116,18 @@ if triton is not None:
             act = 0.5 * gate * (1.0 + tanh)
             du = root * (1.0 + 3.0 * 0.044715 * gate * gate)
             slope = 0.5 * (1.0 + tanh) + 0.5 * gate * (1.0 - tanh * tanh) * du
+        return act, slope
+
+    @triton.jit
+    def _gated_backward_kernel(X, GRAD, DX, width, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < width
+        gate_at = X + row * 2 * width + cols
+        gate = tl.load(gate_at, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(gate_at + width, mask=ok, other=0.0).to(tl.float32)
+        grad = tl.load(GRAD + row * width + cols, mask=ok, other=0.0).to(tl.float32)
+        act, slope = activation_and_slope(gate, ACTIVATION)
         out_at = DX + row * 2 * width + cols
         tl.store(out_at, (grad * up * slope).to(DX.dtype.element_ty), mask=ok)
         tl.store(out_at + width, (grad * act).to(DX.dtype.element_ty), mask=ok)
