@@ -47,9 +47,11 @@ rm -rf "$OUT"/*/shards-* "$OUT"/*/tokenizer-* "$OUT"/*/run-*
 # backward, HF in the same call, carry [.whl, .base] with .base/tree/ = `git archive 2a71d99`
 # (the tree before gated_grad):
 #   python3 benchmarks/train_throughput.py --shape 1b --steps 10 --warmup 4 \
-#       --variants matmul,ours-compile,hf-compile --out $OUT/after
+#       --variants matmul,ours-compile,ours-compile-fp8,hf-compile --out $OUT/after
 #   (cd .base/tree && python3 benchmarks/train_throughput.py --shape 1b --steps 10 \
-#       --warmup 4 --variants ours-compile --out $OUT/before)
+#       --warmup 4 --variants ours-compile,ours-compile-fp8 --out $OUT/before)
+#   (fp8 too: Inductor fused the amax of fc1's output gradient into its SwiGLU backward;
+#   with the op that amax is a pass of its own over the op's output.)
 #   and, for a forward kernel, the activation alone (Inductor's forward and backward, the
 #   one-pass backward, a candidate one-pass forward, each checked against fp32):
 #   python3 benchmarks/gated_activation.py --out $OUT
