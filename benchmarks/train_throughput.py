@@ -501,6 +501,8 @@ HF_REFERENCE = {
 def run_hf(args, compile_model: bool, mode: str = "default") -> dict:
     import torch
 
+    from training.optim.adamw import zero_grads
+
     accumulation = args.accumulation
     config = load_shape(args.shape, args.shards, 1, False, args.micro_batch, (), accumulation)
     torch.manual_seed(0)
@@ -520,14 +522,12 @@ def run_hf(args, compile_model: bool, mode: str = "default") -> dict:
     ]
     losses, counter = [], [0]
 
-    # Accumulating under CUDA graphs: the gradients are added into ones that live outside
-    # the graphs' memory (which the next replay overwrites), as Megalith's trainer does.
+    # Accumulating under CUDA graphs keeps the gradients outside the graphs' memory, as
+    # Megalith's trainer does.
     resident = accumulation > 1 and mode == "reduce-overhead"
-    if resident:
-        for param in model.parameters():
-            param.grad = torch.zeros_like(param)
 
     def step():
+        zero_grads(optimizer, model.parameters(), resident=resident)
         total = 0.0
         for _ in range(accumulation):
             tokens, labels = batches[counter[0] % len(batches)]
@@ -541,7 +541,6 @@ def run_hf(args, compile_model: bool, mode: str = "default") -> dict:
             total = total + loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=not resident)
         losses.append(total)  # read after timing, as HF Trainer reads only at logging
 
     seconds = time_steps(step, args.warmup, args.steps)

@@ -63,7 +63,7 @@ from training.models.layers import attention_kernels
 from training.models.moe import moe_aux_loss
 from training.models.package import TrainingData, save_model_package
 from training.objectives import sft
-from training.optim.adamw import folds_clipping, step_with_clipping
+from training.optim.adamw import folds_clipping, step_with_clipping, zero_grads
 from training.optim.schedule import learning_rate
 from training.parallel import data_parallel as dp
 from training.parallel import expert_parallel_training as ep
@@ -427,18 +427,6 @@ class Trainer:
                 self.forward_model, batch, self.device, self.parallel
             )
 
-    def _zero_grads(self, accumulation: int) -> None:
-        """Drop last step's gradients; under CUDA graphs with accumulation, zero them in
-        place instead: each backward graph's gradients live in the graphs' memory, which
-        the next micro-batch's replay overwrites, so they are added into gradients that
-        live outside it (AccumulateGrad adds in place into an existing ``.grad``)."""
-        resident = accumulation > 1 and self.config.training.compile_mode == "reduce-overhead"
-        self.optimizer.zero_grad(set_to_none=not resident)
-        if resident:
-            for param in self.model.parameters():
-                if param.requires_grad and param.grad is None:
-                    param.grad = torch.zeros_like(param)
-
     def train_step(self, batches) -> dict[str, float]:
         """One optimizer step over ``accumulation`` micro-batches; its metrics."""
         return self.launch_step(batches).result()
@@ -455,7 +443,8 @@ class Trainer:
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self._zero_grads(accumulation)
+        resident = accumulation > 1 and training.compile_mode == "reduce-overhead"
+        zero_grads(self.optimizer, self.model.parameters(), resident=resident)
         scaler = self.precision.scaler
         pipeline_metrics = {}
         total_aux = torch.zeros((), device=self.device)

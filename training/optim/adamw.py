@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from megalith.config import OptimizerConfig
@@ -24,6 +26,19 @@ def build_optimizer(
         fused=fused or None,
     )
     return optimizer, ordered_names
+
+
+def zero_grads(optimizer: object, params: Iterable[torch.Tensor], *, resident: bool) -> None:
+    """Drop the step's gradients; with ``resident``, zero them in place and give every
+    trainable parameter one. CUDA graphs with gradient accumulation need that: a backward
+    graph's gradients live in the graphs' memory, which the next micro-batch's replay
+    overwrites, so AccumulateGrad must add them into ``.grad`` tensors outside it (it adds
+    in place into an existing one)."""
+    optimizer.zero_grad(set_to_none=not resident)
+    if resident:
+        for param in params:
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
 
 
 def folds_clipping(optimizer: object) -> bool:
