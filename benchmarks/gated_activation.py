@@ -1,8 +1,7 @@
 """SwiGLU/GeGLU alone on one GPU, compiled, bf16: Inductor's forward and backward against
-the one-pass backward Megalith ships (:mod:`training.models.gated_grad`) and a candidate
-forward kernel (one Triton pass reading ``gate`` and ``up``, writing the product), at
-T5-base's encoder (micro-batch 128) and Llama 1B's MLP (micro-batch 8). Each kernel's
-result is checked against fp32, and its bandwidth is reported against the bytes it must
+the one-pass forward and backward kernels Megalith ships (:mod:`training.models.gated_grad`),
+at T5-base's encoder (micro-batch 128) and Llama 1B's MLP (micro-batch 8). Each result is
+checked against fp32, and each kernel's bandwidth is reported against the bytes it must
 move.
 
     python3 benchmarks/gated_activation.py --out results/
@@ -16,41 +15,16 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.shared_bias_attention import time_ms  # noqa: E402
 from training.models import gated_grad  # noqa: E402
-from training.models.gated_grad import activation_and_slope  # noqa: E402
 
 SHAPES = {  # name: (rows, F, activation)
     "t5-base-encoder": (65536, 2048, "gelu_tanh"),
     "llama-1b-mlp": (16384, 8192, "silu"),
 }
-
-
-@triton.jit
-def _forward_kernel(X, OUT, width, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < width
-    gate = tl.load(X + row * 2 * width + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(X + row * 2 * width + width + cols, mask=ok, other=0.0).to(tl.float32)
-    act, _ = activation_and_slope(gate, ACTIVATION)
-    tl.store(OUT + row * width + cols, (act * up).to(OUT.dtype.element_ty), mask=ok)
-
-
-def candidate_forward(x: torch.Tensor, activation: str, block: int = 1024) -> torch.Tensor:
-    width = x.size(-1) // 2
-    out = x.new_empty(*x.shape[:-1], width)
-    rows = out.numel() // width
-    grid = (rows, triton.cdiv(width, block))
-    _forward_kernel[grid](
-        x, out, width, ACTIVATION=gated_grad.ACTIVATIONS.index(activation), BLOCK=block
-    )
-    return out
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -73,17 +47,16 @@ def measure(rows: int, width: int, activation: str) -> dict:
             compiled(x).backward(grad)
             x.grad = None
 
-        compiled(x).backward(grad)
+        out = compiled(x)
+        row[f"{name}_forward_error"] = relative_error(out, want)
+        out.backward(grad)
         row[f"{name}_backward_error"] = relative_error(x.grad, exact.grad)
         x.grad = None
         forward = time_ms(lambda compiled=compiled: compiled(x).detach())
         backward = time_ms(step) - forward
         row[f"{name}_forward_ms"], row[f"{name}_backward_ms"] = forward, backward
         row[f"{name}_backward_tb_s"] = backward_gb / backward
-    with torch.no_grad():
-        row["candidate_forward_error"] = relative_error(candidate_forward(x, activation), want)
-        row["candidate_forward_ms"] = time_ms(lambda: candidate_forward(x, activation))
-    for name in ("inductor", "one-pass", "candidate"):
+    for name in ("inductor", "one-pass"):
         row[f"{name}_forward_tb_s"] = forward_gb / row[f"{name}_forward_ms"]
     return row
 

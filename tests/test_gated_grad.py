@@ -1,6 +1,6 @@
-"""Gated activations with a one-pass backward (training/models/gated_grad.py): the
-autograd wiring and the op's fake kernel under torch.compile on the CPU, the Triton
-kernel against autograd through Triton's interpreter (where Triton is installed), and
+"""Gated activations as one-pass kernels (training/models/gated_grad.py): the autograd
+wiring and the ops' fake kernels under torch.compile on the CPU, the Triton kernels
+against autograd through Triton's interpreter (where Triton is installed), and
 the model's MLP taking the op. On a GPU: ``tests/test_gpu.py``."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def reference_grad(x: torch.Tensor, grad: torch.Tensor, activation: str) -> torc
 
 @pytest.mark.parametrize("activation", gated_grad.ACTIVATIONS)
 def test_the_function_and_its_op_match_autograd_compiled(activation: str) -> None:
-    """The autograd.Function (forward in torch, backward the custom op) traced by dynamo
-    and AOT autograd (the op's fake kernel states its output) gives autograd's values."""
+    """The autograd.Function (forward and backward custom ops) traced by dynamo and AOT
+    autograd (the ops' fake kernels state their outputs) gives autograd's values."""
     x, grad = case()
 
     def loss(x: torch.Tensor) -> torch.Tensor:
@@ -86,6 +86,9 @@ from training.models import gated_grad
 for activation in gated_grad.ACTIVATIONS:
     for rows, width, block in [(6, 40, 16), (3, 64, 64), (5, 7, 1024)]:
         x, grad = case(rows, width)
+        got = gated_grad._kernel_forward(x.float(), activation, block=block)
+        want = gated_grad.gated_reference(x, activation)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
         got = gated_grad._kernel_backward(x.float(), grad.float(), activation, block=block)
         want = reference_grad(x, grad, activation)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
@@ -93,5 +96,7 @@ for activation in gated_grad.ACTIVATIONS:
 """
 
 
-def test_triton_kernel_matches_autograd_in_the_interpreter() -> None:
+def test_triton_kernels_match_autograd_in_the_interpreter() -> None:
+    """Both kernels against the plain formula and its autograd, with widths that fill,
+    split and underfill the kernels' column block."""
     assert run_in_interpreter(KERNEL_CHECK).count("ok") == 6

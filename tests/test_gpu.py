@@ -157,32 +157,36 @@ def test_t5_trains_its_relative_bias_through_the_shared_bias_op_compiled() -> No
 
 
 @pytest.mark.parametrize("activation", gated_grad.ACTIVATIONS)
-def test_gated_activation_kernel_matches_fp32_autograd_compiled(activation, monkeypatch) -> None:
-    """SwiGLU/GeGLU compiled in bf16 run their backward through the one-pass kernel (its
-    calls counted) and give fp32 autograd's gradients to bf16 rounding; a width that is
-    not a multiple of the kernel's block checks its masking."""
-    calls = [0]
-    kernel = gated_grad._kernel_backward
+def test_gated_activation_kernels_match_fp32_autograd_compiled(activation, monkeypatch) -> None:
+    """SwiGLU/GeGLU compiled in bf16 run forward and backward through the one-pass
+    kernels (their calls counted) and give fp32 autograd's values to bf16 rounding; a
+    width that is not a multiple of the kernels' block checks their masking."""
+    calls = {"_kernel_forward": 0, "_kernel_backward": 0}
+    for name in calls:
+        kernel = getattr(gated_grad, name)
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return kernel(*args, **kwargs)
+        def counted(*args, name=name, kernel=kernel, **kwargs):
+            calls[name] += 1
+            return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(gated_grad, "_kernel_backward", counted)
+        monkeypatch.setattr(gated_grad, name, counted)
     torch.manual_seed(0)
     x = (torch.randn(4096, 2 * 1000, device="cuda") * 3).bfloat16()
     grad = torch.randn(4096, 1000, device="cuda").bfloat16()
 
-    def loss(x):
-        return (gated_grad.gated(x, activation).float() * grad.float()).sum()
+    def forward(x):
+        return gated_grad.gated(x, activation)
 
     leaf = x.clone().requires_grad_(True)
-    torch.compile(loss)(leaf).backward()
-    assert calls[0] == 1
+    out = torch.compile(forward)(leaf)
+    (out.float() * grad.float()).sum().backward()
+    assert calls == {"_kernel_forward": 1, "_kernel_backward": 1}
     want = x.float().requires_grad_(True)
-    (gated_grad.gated_reference(want, activation) * grad.float()).sum().backward()
-    error = (leaf.grad.float() - want.grad).abs().max() / want.grad.abs().max()
-    assert error < 1e-2, error
+    want_out = gated_grad.gated_reference(want, activation)
+    (want_out * grad.float()).sum().backward()
+    for got, expected in ((out, want_out), (leaf.grad, want.grad)):
+        error = (got.float() - expected).abs().max() / expected.abs().max()
+        assert error < 1e-2, error
 
 
 def test_fused_adamw_training_reduces_loss_on_gpu() -> None:
