@@ -30,7 +30,9 @@ corruption against transformers' ``T5ForConditionalGeneration``; a T5 sample cou
 encoder plus decoder tokens and its FLOPs come from ``encoder_decoder_flops``
 (``--shape t5-tiny`` smoke-runs it on CPU). A step is one micro-batch of the shape's
 ``micro_batch_size`` (``--micro-batch`` sets it), or ``--accumulation N`` of them, for ours
-and HF's alike.
+and HF's alike. For ours the table also gives the timed step's wall time and, in brackets,
+the host's time to queue one step from an idle GPU (:func:`launch_ms`): the two close
+together mean the host bounds the step.
 
     python benchmarks/train_throughput.py --shape 1b --steps 20 --out results/
 
@@ -45,6 +47,7 @@ import heapq
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -177,6 +180,25 @@ def time_steps(step, warmup: int, steps: int) -> float:
         step()
     _synchronize()
     return time.perf_counter() - started
+
+
+LAUNCH_STEPS = 3  # steps run after the timed ones, each from an idle GPU
+
+
+def launch_ms(trainer, batches, steps: int = LAUNCH_STEPS) -> float:
+    """The host's time to queue one step from an idle GPU, in ms (median of ``steps``).
+    Near the timed step's wall time, the host bounds the step (CUDA graphs remove that);
+    well below it, the GPU does, and the idle time a profile shows comes from elsewhere.
+    (A launch blocks once about a thousand kernels are queued, so on a step of more
+    kernels than that this also reads near the step time when the GPU is the bound.)"""
+    times = []
+    for _ in range(steps):
+        _synchronize()
+        started = time.perf_counter()
+        pending = trainer.launch_step(batches)
+        times.append(time.perf_counter() - started)
+        pending.result()
+    return 1e3 * statistics.median(times)
 
 
 def profile_steps(step, out: Path, variant: str, steps: int = 3) -> None:
@@ -415,7 +437,7 @@ def run_ours(args, compile_model: bool) -> dict:
     config = load_shape(
         args.shape,
         args.shards,
-        args.warmup + args.steps + 3 * args.profile,
+        args.warmup + args.steps + 3 * args.profile + LAUNCH_STEPS,
         compile_model,
         args.micro_batch,
         variant_settings(args.variant),
@@ -430,6 +452,8 @@ def run_ours(args, compile_model: bool) -> dict:
     losses = [record["loss"] for record in step.finish()]
     tokens = args.steps * config.training.global_batch_size * trainer.tokens_per_sample
     result = _result(config, tokens, seconds, losses, _peak_memory())
+    result["step_ms"] = 1e3 * seconds / args.steps
+    result["launch_ms"] = launch_ms(trainer, batches)
     result["kernel_backend"] = backend_name(trainer.model)  # what auto resolved to
     # Compiled regions Inductor ran without the CUDA graphs compile_mode asked for.
     result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
@@ -663,8 +687,8 @@ def table(report: dict) -> str:
     base = results.get("hf-compile", {}).get("tokens_per_s")
     lines = [
         f"{report['device']}, shape {report['shape']}, matmul peak {peak or float('nan'):.0f} TFLOP/s",
-        "| variant | tokens/s | MFU (989) | of matmul peak | peak mem GiB | × hf-compile |",
-        "|---|---|---|---|---|---|",
+        "| variant | tokens/s | MFU (989) | of matmul peak | peak mem GiB | × hf-compile | step ms (host launch) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         if name == "matmul" or "tokens_per_s" not in r:
@@ -674,9 +698,15 @@ def table(report: dict) -> str:
         lines.append(
             f"| {label} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
             f"{100 * achieved / (peak * 1e12) if peak else float('nan'):.1f}% | {r['peak_memory_gb']:.1f} | "
-            f"{r['tokens_per_s'] / base if base else float('nan'):.2f} |"
+            f"{r['tokens_per_s'] / base if base else float('nan'):.2f} | {_step_times(r)} |"
         )
     return "\n".join(lines)
+
+
+def _step_times(result: dict) -> str:
+    if "launch_ms" not in result:  # HF's loop has no separate launch
+        return ""
+    return f"{result['step_ms']:.1f} ({result['launch_ms']:.1f})"
 
 
 def _device() -> str:
