@@ -431,6 +431,7 @@ def run_matmul() -> dict:
 def run_ours(args, compile_model: bool) -> dict:
     from torch._dynamo.utils import counters
 
+    from training.metrics.memory import cuda_alloc_retries
     from training.models import backend_name
     from training.trainer import Trainer
 
@@ -454,6 +455,8 @@ def run_ours(args, compile_model: bool) -> dict:
     result = _result(config, tokens, seconds, losses, _peak_memory())
     result["step_ms"] = 1e3 * seconds / args.steps
     result["launch_ms"] = launch_ms(trainer, batches)
+    # Each retry waits for the GPU: a stall no kernel profile shows.
+    result["alloc_retries"] = cuda_alloc_retries() if trainer.device.type == "cuda" else 0
     result["kernel_backend"] = backend_name(trainer.model)  # what auto resolved to
     # Compiled regions Inductor ran without the CUDA graphs compile_mode asked for.
     result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
