@@ -25,10 +25,12 @@ import contextlib
 import logging
 import multiprocessing
 import re
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -69,6 +71,25 @@ def _run_local(task: Task, job: Any) -> Any:
 
 def _warm_up() -> None:
     pass
+
+
+def _unguarded_script_hint() -> str:
+    """Where the run was started from a plain Python script: the other way workers die at
+    start. Spawned workers import the script again, and one that starts this work at
+    import time fails in each of them."""
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    if script is None or getattr(main, "__spec__", None) is not None:  # python -m, REPL
+        return ""
+    try:  # a guarded script (console-script wrappers, `megalith` among them) is fine
+        if "__main__" in Path(script).read_text(encoding="utf-8", errors="replace"):
+            return ""
+    except OSError:
+        return ""
+    return (
+        f" Or {script} starts this work when imported, which each spawned worker repeats:"
+        ' call it under `if __name__ == "__main__":` there.'
+    )
 
 
 class OrderedPool:
@@ -116,8 +137,9 @@ class OrderedPool:
 
     def _broken(self, exc: BrokenProcessPool) -> WorkerError:
         return WorkerError(
-            f"a {self.what} worker process died ({exc}); killed for lack of memory? "
-            "Rerun the same command to resume: complete work is kept"
+            f"a {self.what} worker process died ({exc}); killed for lack of memory?"
+            f"{_unguarded_script_hint()} Rerun the same command to resume: complete work "
+            "is kept"
         )
 
     def close(self) -> None:

@@ -254,6 +254,36 @@ def test_dead_worker_fails_the_run(tokenizer: Tokenizer, texts: list[str]) -> No
         pool.close()
 
 
+UNGUARDED_SCRIPT = """
+import sys
+from megalith.config import DataConfig
+from preprocessing.prepare import prepare_dataset
+from preprocessing.tokenizer import load_tokenizer
+
+corpus, output, tokenizer = sys.argv[1:]
+prepare_dataset(DataConfig(inputs=[corpus], output=output, workers=2), load_tokenizer(tokenizer))
+"""
+
+
+def test_a_script_that_prepares_at_import_is_told_to_guard_it(
+    tokenizer: Tokenizer, small_corpus: Path, tmp_path: Path
+) -> None:
+    """Run from a user's script without a ``__main__`` guard, the spawned workers import
+    the script again and die starting; the error names the script and the guard (and
+    leaves no output looking complete)."""
+    script = tmp_path / "prepare_my_data.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    output = tmp_path / "shards"
+    command = [sys.executable, str(script), str(small_corpus), str(output), tokenizer.model_path]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode != 0
+    last_line = done.stderr.strip().splitlines()[-1]
+    assert "WorkerError" in last_line and str(script) in last_line, last_line
+    assert 'if __name__ == "__main__":' in last_line, last_line
+    assert not (output / MANIFEST_NAME).exists()
+
+
 # ---------------------------------------------------------------- bad records
 
 
