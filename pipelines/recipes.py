@@ -5,12 +5,12 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+from megalith import CODE_ROOT
 from megalith.config import MegalithConfig, load_config
 from megalith.errors import MegalithError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEMO_RECIPE = REPO_ROOT / "configs" / "tiny-cpu.yaml"
-FINETUNE_RECIPE = REPO_ROOT / "configs" / "finetune-chat-tiny.yaml"
+DEMO_RECIPE = CODE_ROOT / "configs" / "tiny-cpu.yaml"
+FINETUNE_RECIPE = CODE_ROOT / "configs" / "finetune-chat-tiny.yaml"
 FINETUNE_CRON = "0 3 * * *"
 
 

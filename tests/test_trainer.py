@@ -558,6 +558,11 @@ def test_megalith_train_logs_one_mlflow_run(
         tags["megalith.data.manifest_sha256"] == hashlib.sha256(manifest.read_bytes()).hexdigest()
     )
     assert tags["megalith.code.version"]
+    checkout = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True)
+    if head.returncode == 0:  # run from a checkout (CI clones one): the run names its commit
+        assert tags["mlflow.source.git.commit"] == head.stdout.decode().strip()
+        assert tags["megalith.code.version"].startswith(tags["mlflow.source.git.commit"])
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id, "plots")]
     assert artifacts == ["plots/loss_curve.png"]
 

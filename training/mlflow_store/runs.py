@@ -27,13 +27,13 @@ import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from megalith import safe_read
+import megalith
+from megalith import CODE_ROOT, safe_read
 from megalith.config import LoggingConfig
 from megalith.errors import MegalithError
 from megalith.storage import atomic_write_json, sha256_of_file
@@ -295,7 +295,7 @@ def lineage_tags(
     if commit:
         tags["mlflow.source.git.commit"] = commit
         commit = f"{commit}-dirty" if dirty else commit
-    tags["megalith.code.version"] = code_version or commit or package_version()
+    tags["megalith.code.version"] = code_version or commit or megalith.__version__
     return tags
 
 
@@ -337,7 +337,7 @@ def git_commit() -> tuple[str | None, bool]:
     An installed copy (site-packages) may sit inside some unrelated repository, so the
     repository must be the one whose top level holds this package.
     """
-    repo = Path(__file__).resolve().parents[1]
+    repo = CODE_ROOT
     try:
         if Path(_git(repo, "rev-parse", "--show-toplevel")).resolve() != repo:
             return None, False
@@ -353,13 +353,6 @@ def _git(repo: Path, *args: str) -> str:
         ["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10, check=True
     )
     return result.stdout.strip()
-
-
-def package_version() -> str:
-    try:
-        return metadata.version("megalith")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _safe_key(key: str) -> str:

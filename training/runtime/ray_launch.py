@@ -42,10 +42,10 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from megalith import CODE_ROOT
 from megalith.config import MegalithConfig
 from megalith.errors import MegalithError
 from megalith.ray_cluster import connected, import_ray
@@ -59,9 +59,8 @@ UNANSWERED_POLLS = 3  # an agent that does not answer this often in a row is los
 LAST_LOOK_S = 5.0  # after a failure: how long the other agents get to answer once more
 STOP_GRACE_S = 15.0  # SIGTERM, then SIGKILL: a rank stuck in a collective may not unwind
 POLL_SECONDS = 1.0
-# The folder that holds this package: a checkout or site-packages. The launcher an agent
-# starts imports the same megalith code as the agent, however the agent found it.
-CODE_ROOT = Path(__file__).resolve().parents[2]
+# The launcher an agent starts imports the same megalith code as the agent (CODE_ROOT on
+# its path), however the agent found it.
 
 
 class RayJobFailed(MegalithError):
