@@ -40,6 +40,23 @@ def test_t5_throughput_runs_ours_and_the_hugging_face_baseline(tmp_path: Path) -
     assert "| hf |" in completed.stdout and "| ours (torch) |" in completed.stdout
 
 
+def test_data_loader_benchmark_draws_t5_batches(tmp_path: Path) -> None:
+    """The loader benchmark at a T5 shape: span-corrupted micro-batches counted as encoder
+    plus decoder tokens, in the training process and with a worker."""
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "data_loader.py"), "--shape", "t5-tiny",
+        "--micro-batch", "4", "--workers", "0", "1", "--batches", "3", "--out", str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = json.loads((tmp_path / "data-loader.json").read_text())
+    assert [row["workers"] for row in rows] == [0, 1]
+    for row in rows:
+        assert row["micro_batch"] == 4 and row["tokens_per_s"] > 0
+        assert row["tokens_per_sample"] > 0 and row["headroom"] is None  # no GPU figure for it
+
+
 def test_parallel_scaling_times_each_layout_and_checks_it_against_one_process(
     tmp_path: Path,
 ) -> None:
