@@ -189,8 +189,8 @@ def launch_ms(trainer, batches, steps: int = LAUNCH_STEPS) -> float:
     """The host's time to queue one step from an idle GPU, in ms (median of ``steps``).
     Near the timed step's wall time, the host bounds the step (CUDA graphs remove that);
     well below it, the GPU does, and the idle time a profile shows comes from elsewhere.
-    (A launch blocks once about a thousand kernels are queued, so on a step of more
-    kernels than that this also reads near the step time when the GPU is the bound.)"""
+    (A launch blocks once the driver's launch queue is full, so on a step of many small
+    kernels this can also read near the step time when the GPU is the bound.)"""
     times = []
     for _ in range(steps):
         _synchronize()

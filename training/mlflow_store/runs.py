@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-import megalith
-from megalith import CODE_ROOT, safe_read
+from megalith import CODE_ROOT, __version__, safe_read
 from megalith.config import LoggingConfig
 from megalith.errors import MegalithError
 from megalith.storage import atomic_write_json, sha256_of_file
@@ -295,7 +294,7 @@ def lineage_tags(
     if commit:
         tags["mlflow.source.git.commit"] = commit
         commit = f"{commit}-dirty" if dirty else commit
-    tags["megalith.code.version"] = code_version or commit or megalith.__version__
+    tags["megalith.code.version"] = code_version or commit or __version__
     return tags
 
 
