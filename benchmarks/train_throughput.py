@@ -51,6 +51,8 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
+import warnings
 from collections.abc import Callable
 from datetime import date
 from pathlib import Path
@@ -183,6 +185,7 @@ def time_steps(step, warmup: int, steps: int) -> float:
 
 
 LAUNCH_STEPS = 3  # steps run after the timed ones, each from an idle GPU
+SYNC_STEPS = 1  # then one step watched for host syncs
 
 
 def launch_ms(trainer, batches, steps: int = LAUNCH_STEPS) -> float:
@@ -199,6 +202,37 @@ def launch_ms(trainer, batches, steps: int = LAUNCH_STEPS) -> float:
         times.append(time.perf_counter() - started)
         pending.result()
     return 1e3 * statistics.median(times)
+
+
+def host_syncs(trainer, batches) -> dict[str, int]:
+    """Where one more step makes the host wait for the GPU (``.item()``, a blocking copy,
+    a stream synchronize: what ``torch.cuda.set_sync_debug_mode`` flags), as ``python
+    site -> count``. A sync inside the step drains the GPU's queue, and the GPU then idles
+    while the host launches what follows: waiting no kernel profile explains. Reading the
+    step's metrics afterwards (an event wait) is not counted."""
+    import torch
+
+    sites: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchronizing CUDA operation" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack() if not f.filename.endswith("warnings.py")]
+        stack = [f"{f.filename}({f.lineno}): {f.name}" for f in frames[-2::-1]]  # innermost first
+        site = python_site(stack) or f"{filename}({lineno})"
+        sites[site] = sites.get(site, 0) + 1
+
+    _synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            pending = trainer.launch_step(batches)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    pending.result()
+    return sites
 
 
 def profile_steps(step, out: Path, variant: str, steps: int = 3) -> None:
@@ -438,7 +472,7 @@ def run_ours(args, compile_model: bool) -> dict:
     config = load_shape(
         args.shape,
         args.shards,
-        args.warmup + args.steps + 3 * args.profile + LAUNCH_STEPS,
+        args.warmup + args.steps + 3 * args.profile + LAUNCH_STEPS + SYNC_STEPS,
         compile_model,
         args.micro_batch,
         variant_settings(args.variant),
@@ -455,6 +489,8 @@ def run_ours(args, compile_model: bool) -> dict:
     result = _result(config, tokens, seconds, losses, _peak_memory())
     result["step_ms"] = 1e3 * seconds / args.steps
     result["launch_ms"] = launch_ms(trainer, batches)
+    if trainer.device.type == "cuda":
+        result["host_syncs"] = host_syncs(trainer, batches)
     # Each retry waits for the GPU: a stall no kernel profile shows.
     result["alloc_retries"] = cuda_alloc_retries() if trainer.device.type == "cuda" else 0
     result["kernel_backend"] = backend_name(trainer.model)  # what auto resolved to
@@ -703,6 +739,10 @@ def table(report: dict) -> str:
             f"{100 * achieved / (peak * 1e12) if peak else float('nan'):.1f}% | {r['peak_memory_gb']:.1f} | "
             f"{r['tokens_per_s'] / base if base else float('nan'):.2f} | {_step_times(r)} |"
         )
+    for name, r in results.items():
+        if "host_syncs" in r:
+            syncs = ", ".join(f"{site} ×{count}" for site, count in r["host_syncs"].items())
+            lines.append(f"{name}: host syncs in one step: {syncs or 'none'}")
     return "\n".join(lines)
 
 

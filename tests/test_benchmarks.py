@@ -155,6 +155,35 @@ def test_profile_sums_gpu_idle_time_by_the_host_code_running_then() -> None:
     assert lines[-3:] == table[2:]
 
 
+@pytest.mark.gpu
+def test_host_syncs_names_the_line_of_a_step_that_waits_for_the_gpu() -> None:
+    """A step that reads a value with ``.item()`` mid-step is reported with the line that
+    does it (a sync drains the GPU's queue); the step's own metrics, read afterwards
+    through an event, are not counted, and a step without such a read reports none."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import train_throughput
+
+    class Step:
+        def __init__(self, sync: bool):
+            self.sync = sync
+
+        def launch_step(self, batches):
+            x = next(batches)
+            y = (x @ x).sum()
+            if self.sync:
+                y = y * (1 if y.item() > 0 else 2)  # the line that syncs
+            return SimpleNamespace(result=lambda: float(y))
+
+    batches = iter(lambda: torch.randn(256, 256, device="cuda"), None)
+    syncing = train_throughput.host_syncs(Step(sync=True), batches)
+    assert list(syncing.values()) == [1]
+    (site,) = syncing
+    assert "test_benchmarks.py(" in site and site.endswith(": launch_step")
+    assert train_throughput.host_syncs(Step(sync=False), batches) == {}
+
+
 def test_profile_kernel_categories_name_what_the_time_is_spent_on() -> None:
     """Kernel names from a TE fp8 eager step and a compiled step (H100 profiles in
     benchmarks/RESULTS.md) land in the category that explains them: TE's fp8 casts with
