@@ -89,6 +89,10 @@ ALIASES = {
     "ours-te": f"ours@{TE}",
     "ours-te-fp8": f"ours@{TE}+{FP8}",
     "ours-compile-cudagraphs": "ours-compile@training.compile_mode=reduce-overhead",
+    # CUDA graphs over torchao's fp8 (auto could pick TE's fp8, which the mode refuses)
+    "ours-compile-fp8-cudagraphs": (
+        f"ours-compile@{FP8}+model.backend=torch+training.compile_mode=reduce-overhead"
+    ),
 }
 
 

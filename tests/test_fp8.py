@@ -28,6 +28,8 @@ from training.checkpoint.sharded_reader import read_global_tensors
 from training.finetune.lora import LoRAAdapter
 from training.models import GPTModel
 from training.models.package import load_model_package
+from training.parallel.groups import ParallelSizes
+from training.parallel.support import check_trainer_support
 from training.precision.fp8 import FP8Error, convert_linears, fp8_eligible, prepare_fp8
 from training.precision.mixed import resolve_precision
 from training.trainer import Trainer
@@ -235,13 +237,15 @@ def test_benchmark_variants_resolve_to_valid_configs(shards: Path) -> None:
         "mixed_precision.fp8_recipe=rowwise",
         "model.loss_chunk_tokens=64",
     ]
-    for variant in ("ours-fp8", "ours-compile-fp8", "ours-compile-fp8-rowwise"):
+    fp8_variants = ("ours-fp8", "ours-compile-fp8", "ours-compile-fp8-rowwise")
+    for variant in (*fp8_variants, "ours-compile-fp8-cudagraphs"):
         expanded = throughput.expand_variant(variant)
         config = throughput.load_shape(
             "tiny", str(shards), 2, expanded.startswith("ours-compile"), 2,
             throughput.variant_settings(variant),
         )  # fmt: skip
         assert config.mixed_precision.fp8 and config.model.hidden_size == 64
+        check_trainer_support(config, ParallelSizes())  # runs as the trainer would take it
 
     convergence = _benchmark("fp8_convergence")
     args = convergence.main.__globals__["argparse"].Namespace(

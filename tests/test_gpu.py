@@ -274,14 +274,19 @@ def _force_an_allocator_retry() -> None:
         torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("micro_batches", [1, 4])
+@pytest.mark.parametrize(("micro_batches", "fp8"), [(1, False), (4, False), (4, True)])
 def test_cuda_graph_training_matches_the_default_compiled_run(
-    shards, tmp_path, monkeypatch, micro_batches: int
+    shards, tmp_path, monkeypatch, micro_batches: int, fp8: bool
 ) -> None:
     """``training.compile_mode=reduce-overhead``: the compiled forward and backward replay
     as CUDA graphs (counted at ``CUDAGraph.replay``; nothing skipped them) through training
-    steps and evaluations, one micro-batch a step or four accumulated, and the run's
-    losses are the default compiled run's."""
+    steps and evaluations, one micro-batch a step or four accumulated, in bf16 or torchao's
+    tensorwise fp8 (its scales computed inside the graphs), and the run's losses are the
+    default compiled run's."""
+    if fp8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 GEMMs need compute capability 8.9+")
+    if fp8:
+        pytest.importorskip("torchao.float8", reason="fp8 needs torchao (megalith[gpu])")
     replays = [0]
     replay = torch.cuda.CUDAGraph.replay
 
@@ -297,12 +302,18 @@ def test_cuda_graph_training_matches_the_default_compiled_run(
             "mixed_precision.dtype": "bf16", "model.backend": "torch", "training.train_iters": 6,
             "training.global_batch_size": 2 * micro_batches,
         }  # fmt: skip
+        if fp8:  # widths torchao converts (multiples of 16)
+            values |= {"mixed_precision.fp8": "true", "model.hidden_size": 64}
+            values |= {"model.ffn_hidden_size": 128}
         config = load_config(None, [f"{k}={v}" for k, v in tiny_settings(shards, values).items()])
         counters.clear()
         replays[0] = 0
-        result = Trainer(config, tmp_path / mode).fit(show_progress=False)
+        trainer = Trainer(config, tmp_path / mode)
+        result = trainer.fit(show_progress=False)
         losses[mode] = [record["loss"] for record in result.metrics]
         replayed[mode] = replays[0]
+        converted = [m for m in trainer.model.modules() if type(m).__name__ == "Float8Linear"]
+        assert bool(converted) == fp8, converted
         assert counters["inductor"]["cudagraph_skips"] == 0, f"{mode}: {dict(counters)}"
     assert len(losses["default"]) == 6
     # 6 steps of a forward and a backward graph a micro-batch; the first ones record.

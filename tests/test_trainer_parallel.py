@@ -171,21 +171,26 @@ def test_async_tensor_parallelism_names_what_it_needs(shards: Path) -> None:
 
 def test_cuda_graphs_name_what_they_need(shards: Path) -> None:
     """``training.compile_mode=reduce-overhead`` (CUDA graph trees) runs compiled on one
-    GPU with the torch kernels: each missing setting and each parallel size above 1 is
-    named before any process starts. The graphs themselves: tests/test_gpu.py."""
+    GPU with the torch kernels, in bf16 or torchao's fp8: each missing setting and each
+    parallel size above 1 is named before any process starts. The graphs themselves:
+    tests/test_gpu.py."""
     settings = {**trainer_settings(shards), "training.compile_mode": "reduce-overhead"}
     with pytest.raises(MegalithError, match="training.compile=true"):
         check_trainer_support(config_of(settings), ParallelSizes())
     complete = {**settings, "training.compile": True}
     check_trainer_support(config_of(complete), ParallelSizes())  # with accumulation
+    fp8 = {"mixed_precision.dtype": "bf16", "mixed_precision.fp8": True, "model.backend": "torch"}
+    for recipe in ("tensorwise", "rowwise"):  # torchao's scales live inside the graphs
+        recipe_fp8 = {**fp8, "mixed_precision.fp8_recipe": recipe}
+        check_trainer_support(config_of({**complete, **recipe_fp8}), ParallelSizes())
     for key, value, named in (
         ("training.compile_backend", "aot_eager", "training.compile_backend inductor"),
         ("model.backend", "te", "model.backend torch or auto"),
-        ("mixed_precision.fp8", True, "mixed_precision.fp8=false"),
+        ("model.backend", "auto", "model.backend torch with mixed_precision.fp8"),
     ):
-        bf16 = {"mixed_precision.dtype": "bf16"} if key == "mixed_precision.fp8" else {}
         with pytest.raises(MegalithError, match=named):
-            check_trainer_support(config_of({**complete, key: value, **bf16}), ParallelSizes())
+            extra = fp8 if named.endswith("fp8") else {}
+            check_trainer_support(config_of({**complete, **extra, key: value}), ParallelSizes())
     for sizes, named in (
         (ParallelSizes(dp=2), "parallel.data = 1 \\(it is 2\\)"),
         (ParallelSizes(tp=2, pp=2), "parallel.tensor = 1 .*parallel.pipeline = 1"),
