@@ -9,6 +9,8 @@ variant in its own process:
 * ``fp8-rowwise``     torchao float8, a scale per row
 * ``te-bf16``, ``te-fp8``  the Transformer Engine backend without / with fp8
   (tensorwise = Float8CurrentScaling); added by default where transformer_engine imports
+* ``bf16-residual``   bf16 with the residual stream in bf16 as well
+  (``model.fp32_residual: false``); on request
 
 It writes ``fp8-convergence-SHAPE.json`` (every loss, tokens/s, the comparison) and
 ``fp8-convergence-SHAPE.png`` (the curves and |Δloss| against bf16), and prints, per
@@ -55,6 +57,8 @@ VARIANTS = {
     "fp8-rowwise": ["model.backend=torch", FP8, "mixed_precision.fp8_recipe=rowwise"],
     "te-bf16": ["model.backend=te"],
     "te-fp8": ["model.backend=te", FP8, "mixed_precision.fp8_recipe=tensorwise"],
+    # bf16 with the residual stream in bf16 too (model.fp32_residual false, Megatron's default)
+    "bf16-residual": ["model.backend=torch", "model.fp32_residual=false"],
 }
 REFERENCE = "bf16"
 WINDOW = 100  # the last steps compared

@@ -180,7 +180,8 @@ def test_host_syncs_names_the_line_of_a_step_that_waits_for_the_gpu() -> None:
     syncing = train_throughput.host_syncs(Step(sync=True), batches)
     assert list(syncing.values()) == [1]
     (site,) = syncing
-    assert "test_benchmarks.py(" in site and site.endswith(": launch_step")
+    innermost = site.split("; ")[0]  # then the innermost frame of ours: host_syncs here
+    assert "test_benchmarks.py(" in innermost and innermost.endswith(": launch_step")
     assert train_throughput.host_syncs(Step(sync=False), batches) == {}
 
 

@@ -435,3 +435,36 @@ def test_package_checksums_cannot_name_outside_files(tmp_path, tokenizer_file):
     (path / "checksums.json").write_text(json.dumps(checksums))
     with pytest.raises(PackageConfigError, match="not a plain file name"):
         load_model_package(path)
+
+
+RESIDUAL_FAMILIES = {
+    "gpt": {},
+    "t5": {"family": "t5", "num_decoder_layers": 2, "backend": "torch"},
+}
+
+
+@pytest.mark.parametrize("family", sorted(RESIDUAL_FAMILIES))
+def test_the_residual_stream_runs_in_the_autocast_dtype_unless_fp32_residual(family) -> None:
+    """Under bf16 autocast every block receives the residual stream in fp32 by default (the
+    embedding's dtype) and in bf16 with ``model.fp32_residual: false``; the two losses
+    agree to bf16 rounding and the bf16 stream gives every parameter a finite gradient."""
+    from training.models import build_model
+
+    losses = {}
+    for fp32 in (True, False):
+        config = tiny(**RESIDUAL_FAMILIES[family], fp32_residual=fp32)
+        torch.manual_seed(0)
+        model = build_model(config)
+        seen = []
+        for block in model.transformer_blocks():
+            block.register_forward_pre_hook(lambda _, args, seen=seen: seen.append(args[0].dtype))
+        x = tokens()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, x, x) if family == "t5" else model(x, x)
+        loss.backward()
+        assert set(seen) == {torch.float32 if fp32 else torch.bfloat16}
+        assert len(seen) == len(model.transformer_blocks())
+        grads = [p.grad for p in model.parameters() if p.requires_grad]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads)
+        losses[fp32] = loss.item()
+    assert losses[False] == pytest.approx(losses[True], rel=2e-2)

@@ -237,6 +237,13 @@ class ModelConfig(StrictModel):
         "time, so the whole [tokens, vocabulary] fp32 logits never exist (plain head, "
         "tensor parallelism 1); 0: off.",
     )
+    fp32_residual: bool = Field(
+        default=True,
+        description="Under bf16/fp16 autocast, keep the residual stream (the embedding's "
+        "output and every block's sum) in fp32, as an fp32 embedding makes it and HF does; "
+        "false: in the autocast dtype, as Megatron-LM without --fp32-residual-connection "
+        "(every norm and residual add then moves half the bytes).",
+    )
     # Mixture of experts (training/models/moe.py); None or 0 experts: every MLP is dense.
     num_experts: int | None = Field(
         default=None,

@@ -61,6 +61,7 @@ from training.models.layers import (
     geglu,
     gelu,
     gelu_erf,
+    residual_stream,
     scaled_init_std,
     swiglu,
 )
@@ -461,6 +462,7 @@ class GPTModel(nn.Module):
         start_pos: int,
         attn_mask: Tensor | None = None,
     ) -> Tensor:
+        x = residual_stream(x, self.config.fp32_residual)
         mode = self.activation_checkpointing
         if mode == "none" or kv_cache is not None or not torch.is_grad_enabled():
             return block(x, rope, kv_cache, start_pos, attn_mask)

@@ -42,6 +42,17 @@ def make_norm(size: int, spec: NormSpec) -> nn.Module:
     return nn.LayerNorm(size, eps=spec.eps, bias=spec.bias)
 
 
+def residual_stream(x: Tensor, fp32: bool) -> Tensor:
+    """``x`` as a block takes it: unchanged with ``fp32`` (the embedding's fp32 output
+    keeps every residual sum in fp32) or without autocast, else in the autocast dtype
+    (``model.fp32_residual: false``, Megatron-LM's default). Casting at each block's entry
+    also covers a pipeline stage's input, which arrives in the parameters' dtype."""
+    device = x.device.type
+    if fp32 or not torch.is_autocast_enabled(device):
+        return x
+    return x.to(torch.get_autocast_dtype(device))
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` initialised as in GPT-2/Megatron: weight ~ N(0, init_std), bias 0."""
 

@@ -68,7 +68,7 @@ from training.models.gpt import (
     _selective_context,
     reset_submodules,
 )
-from training.models.layers import RotaryEmbedding, scaled_init_std
+from training.models.layers import RotaryEmbedding, residual_stream, scaled_init_std
 
 
 def relative_position_bucket(
@@ -504,7 +504,8 @@ class T5Model(nn.Module):
         )
         return self.output(hidden).float()
 
-    def _run_block(self, block: nn.Module, *args, **kwargs) -> Tensor:
+    def _run_block(self, block: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
+        args = (residual_stream(x, self.config.fp32_residual), *args)
         mode = self.activation_checkpointing
         if mode == "none" or kwargs.get("kv_cache") is not None or not torch.is_grad_enabled():
             return block(*args, **kwargs)
