@@ -12,6 +12,8 @@
 #        fp32, side by side. GPU 0: the host-sync detector's test; T5-base micro-batch 128
 #        compiled; 1B bf16 compiled. GPU 1: 1B fp8 compiled; 350M, 300 steps on a corpus
 #        that does not repeat (the loss curves).
+#   t5-profile: one GPU, the bf16-residual T5 step profiled by kernel.
+#   ab (nvidia-h200-x2): 'two's throughput pairs again, nothing else running beside them.
 #   three: all four GPUs: the TP=2 x PP=2 checkpoint resumed on one GPU; compiled DP=4
 #        with larger DDP buckets (issue 20: DP efficiency)
 set -uo pipefail
@@ -58,12 +60,31 @@ two)  # on nvidia-h200-x2 (the x4 kind was no longer lent): two jobs side by sid
   ) > "$OUT/gpu1.log" 2>&1 &
   wait
   tail -n 14 "$OUT"/gpu*.log ;;
+t5-profile)  # one GPU: where T5-base's step goes with the residual stream in bf16
+  timeout 300 python3 benchmarks/train_throughput.py --shape t5-base --steps 10 --warmup 5 \
+    --micro-batch 128 --profile --variants ours-compile@model.fp32_residual=false --out "$OUT/t5" 2>&1 | tail -4
+  head -40 "$OUT"/t5/profile-*.txt | cut -c1-200 ;;
+ab)  # nvidia-h200-x2, nothing CPU-heavy beside the timed runs (in 'two' the corpus build on
+    # GPU 1's side slowed GPU 0's second T5 run to 232 ms a step): fp32 against bf16 residual
+  F=model.fp32_residual=true R=model.fp32_residual=false
+  (
+    export CUDA_VISIBLE_DEVICES=0
+    timeout 240 python3 benchmarks/train_throughput.py --shape t5-base --steps 10 --warmup 5 \
+      --micro-batch 128 --variants matmul,ours-compile@$F,ours-compile@$R --out "$OUT/t5" 2>&1 | tail -6
+    timeout 240 python3 benchmarks/train_throughput.py --shape 1b --steps 10 --warmup 4 \
+      --variants matmul,ours-compile@$F,ours-compile@$R --out "$OUT/1b" 2>&1 | tail -6
+  ) > "$OUT/gpu0.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 400 python3 benchmarks/train_throughput.py --shape 1b --steps 10 \
+    --warmup 4 --variants matmul,ours-compile-fp8@$F,ours-compile-fp8@$R,hf-compile \
+    --out "$OUT/1b-fp8" > "$OUT/gpu1.log" 2>&1 &
+  wait
+  tail -n 9 "$OUT"/gpu*.log ;;
 three)
   timeout 300 python3 benchmarks/parallel_parity.py --layouts 1gpu,tp2-pp2 --save-layout tp2-pp2 \
     --save-step 12 --resume-layouts 1gpu --steps 24 --timeout 110 --work /tmp/parity \
     --out "$OUT/parity" 2>&1 | tail -12
   timeout 270 python3 benchmarks/parallel_scaling.py --shape 1b --layouts dp4 --compile --steps 4 \
     --warmup 3 --accumulation 4 --timeout 120 --set parallel.ddp_bucket_mb=100 --out "$OUT/dp" 2>&1 | tail -6 ;;
-*) echo "usage: $0 one|two|three"; exit 2 ;;
+*) echo "usage: $0 one|two|t5-profile|ab|three"; exit 2 ;;
 esac
 rm -rf "$OUT"/*/shards* "$OUT"/*/tokenizer* "$OUT"/*/run-* "$OUT"/*/runs /tmp/parity
