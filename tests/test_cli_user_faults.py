@@ -179,11 +179,20 @@ def test_a_tracking_server_that_does_not_answer_fails_at_once(
     assert "Traceback" not in result.stderr
 
 
-def test_training_without_its_data_names_the_data_and_writes_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "launch",
+    [[], ["--nproc-per-node", "2", "--set", "training.micro_batch_size=4"]],
+    ids=["one process", "torchrun"],
+)
+def test_training_without_its_data_names_the_data_and_writes_nothing(
+    launch: list[str], tmp_path: Path
+) -> None:
     """The recipe's shards were never prepared here: one line naming them and what to run,
-    before any run folder or MLflow run exists."""
+    before any run folder or MLflow run exists; with ``--nproc-per-node`` before torchrun
+    starts a worker (a worker's failure printed a traceback, then waited 30 s for its
+    peer to be stopped)."""
     recipe = Path(__file__).resolve().parents[1] / "configs" / "tiny-cpu.yaml"
-    result = megalith("train", "--config", str(recipe), "--quiet", cwd=tmp_path)
+    result = megalith("train", "--config", str(recipe), "--quiet", *launch, cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     assert result.stderr == (
         "error: work/demo/shards/manifest.json not found: the training data work/demo/shards "

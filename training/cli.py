@@ -15,6 +15,7 @@ import yaml
 from megalith.config import MegalithConfig, load_config
 from megalith.errors import MegalithError
 from megalith.storage import atomic_write_json
+from training.mlflow_store.runs import lineage_tags
 from training.parallel.groups import validate_layout
 from training.parallel.support import check_trainer_support
 from training.runtime.launch import (
@@ -301,6 +302,7 @@ def _launch(args: argparse.Namespace, config: MegalithConfig) -> int:
     spec.check()
     # Fail before any process starts.
     check_trainer_support(config, validate_layout(config, spec.nproc_per_node * spec.nnodes))
+    _check_training_data(config)
     # One node's launcher holds the run folder for its workers; several nodes' rank 0 does.
     holder = hold_run_folder(_output(args, config)) if spec.nnodes == 1 else nullcontext()
     with holder as lock:
@@ -310,6 +312,14 @@ def _launch(args: argparse.Namespace, config: MegalithConfig) -> int:
         why = "was stopped by a signal" if returncode > 128 else "failed on at least one rank"
         print(f"error: training {why} (torchrun exit code {returncode})", file=sys.stderr)
     return returncode
+
+
+def _check_training_data(config: MegalithConfig) -> None:
+    """Missing training data named in one line before torchrun starts any worker (the
+    workers would find it only after starting, and rank 0's failure then waits for its
+    peers to be stopped)."""
+    sources = [source.record_file for source in config.data.training_sources()]
+    lineage_tags(sources, storage_options=config.data.storage_options)
 
 
 def _output(args: argparse.Namespace, config: MegalithConfig) -> Path:
@@ -328,7 +338,7 @@ def _train_or_launch(args: argparse.Namespace) -> int:
     if args.nproc_per_node is not None and not under_torchrun():
         return _launch(args, config)
     # Only now the heavy imports (torch, ~seconds): a bad config fails at once.
-    from training.mlflow_store.runs import lineage_tags, open_run_logger
+    from training.mlflow_store.runs import open_run_logger
     from training.models.backend import resolve_backend
     from training.runtime.distributed import distributed
     from training.trainer import train

@@ -149,8 +149,8 @@ def distributed(device_name: str = "auto") -> Iterator[tuple[DistributedEnv, tor
 def _report(error: Exception) -> None:
     """One line for an error the user can act on (as ``megalith`` prints it), else the
     traceback."""
-    message = str(error) if isinstance(error, MegalithError) else None
-    if isinstance(error, OSError):
+    message = str(error) if isinstance(error, MegalithError | FileNotFoundError) else None
+    if isinstance(error, OSError) and message is None:
         message = storage_error_message(error)
     if (cause := lost_peer(error)) is not None:
         message = (
