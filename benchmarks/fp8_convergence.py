@@ -9,8 +9,8 @@ variant in its own process:
 * ``fp8-rowwise``     torchao float8, a scale per row
 * ``te-bf16``, ``te-fp8``  the Transformer Engine backend without / with fp8
   (tensorwise = Float8CurrentScaling); added by default where transformer_engine imports
-* ``bf16-residual``   bf16 with the residual stream in bf16 as well
-  (``model.fp32_residual: false``); on request
+* ``bf16-fp32-residual``  bf16 with the residual stream kept in fp32
+  (``model.fp32_residual: true``; the default is bf16 as Megatron's); on request
 
 It writes ``fp8-convergence-SHAPE.json`` (every loss, tokens/s, the comparison) and
 ``fp8-convergence-SHAPE.png`` (the curves and |Δloss| against bf16), and prints, per
@@ -57,8 +57,8 @@ VARIANTS = {
     "fp8-rowwise": ["model.backend=torch", FP8, "mixed_precision.fp8_recipe=rowwise"],
     "te-bf16": ["model.backend=te"],
     "te-fp8": ["model.backend=te", FP8, "mixed_precision.fp8_recipe=tensorwise"],
-    # bf16 with the residual stream in bf16 too (model.fp32_residual false, Megatron's default)
-    "bf16-residual": ["model.backend=torch", "model.fp32_residual=false"],
+    # bf16 with the residual stream kept in fp32 (HF's numerics under autocast)
+    "bf16-fp32-residual": ["model.backend=torch", "model.fp32_residual=true"],
 }
 REFERENCE = "bf16"
 WINDOW = 100  # the last steps compared
@@ -161,7 +161,8 @@ def plot(report: dict, path: Path) -> bool:
             delta = [abs(a - b) for a, b in zip(result["losses"], reference, strict=False)]
             deltas.plot(steps[: len(delta)], delta, label=name, linewidth=1, color=line.get_color())
     curves.set_ylabel("training loss")
-    curves.set_title(f"fp8 vs bf16, shape {report['shape']} ({report['device']})")
+    names = " vs ".join(results)
+    curves.set_title(f"{names}, shape {report['shape']} ({report['device']})")
     curves.legend()
     deltas.axhline(report["tolerance"], color="grey", linestyle="--", label="tolerance (mean)")
     deltas.set_xlabel("step")

@@ -238,11 +238,12 @@ class ModelConfig(StrictModel):
         "tensor parallelism 1); 0: off.",
     )
     fp32_residual: bool = Field(
-        default=True,
+        default=False,
         description="Under bf16/fp16 autocast, keep the residual stream (the embedding's "
-        "output and every block's sum) in fp32, as an fp32 embedding makes it and HF does; "
-        "false: in the autocast dtype, as Megatron-LM without --fp32-residual-connection "
-        "(every norm and residual add then moves half the bytes).",
+        "output and every block's sum) in fp32, as HF's models under autocast do; false "
+        "(default): in the autocast dtype, as Megatron-LM without "
+        "--fp32-residual-connection (every norm and residual add moves about half the "
+        "bytes: 1B +2%, T5-base +4% tokens/s on an H200, benchmarks/RESULTS.md).",
     )
     # Mixture of experts (training/models/moe.py); None or 0 experts: every MLP is dense.
     num_experts: int | None = Field(

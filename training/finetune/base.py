@@ -80,6 +80,7 @@ RUNTIME_KEYS = frozenset(
         "dropout",
         "activation_checkpointing",
         "loss_chunk_tokens",
+        "fp32_residual",
         "moe_aux_loss_coeff",
         "moe_capacity_factor",
         "init_std",

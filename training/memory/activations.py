@@ -21,6 +21,13 @@ def compute_dtype(config: MegalithConfig) -> str:
     return "bf16" if dtype == "auto" else dtype
 
 
+def residual_bytes(config: MegalithConfig) -> int:
+    """Bytes of one residual-stream element: the compute dtype's, or fp32 with
+    ``model.fp32_residual`` (:func:`training.models.layers.residual_stream`)."""
+    fp32 = config.model.fp32_residual or compute_dtype(config) == "fp32"
+    return 4 if fp32 else 2
+
+
 def saved_bytes_per_token(config: MegalithConfig, sizes: ParallelSizes, recompute: str) -> float:
     """Bytes one transformer layer keeps for backward per token of a micro-batch on this rank
     (16-bit compute; :mod:`training.memory.estimate`'s docstring explains each term)."""
@@ -30,7 +37,7 @@ def saved_bytes_per_token(config: MegalithConfig, sizes: ParallelSizes, recomput
         f = model.moe_top_k * model.moe_ffn_hidden_size  # a token meets top_k experts
     kv = h * model.num_query_groups / a  # K (or V) width under GQA
     e = 4 if compute_dtype(config) == "fp32" else 2
-    r = 4  # the fp32 residual stream
+    r = residual_bytes(config)
     mask = h if model.dropout > 0 else 0
     tp = sizes.tp
     sp = tp if config.parallel.sequence_parallel else 1

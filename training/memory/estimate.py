@@ -39,8 +39,8 @@ same tensors for *our* block, with these adjustments:
 - GQA: K and V are ``g/n`` of Q; RoPE saves its inputs (the QKV output) as well;
 - FFN width F and SwiGLU: the activation saves ``[gate; up]`` (2F) and ``silu(gate)`` (F),
   fc2 saves its input (F); GELU saves its input (F) and fc2 its input (F);
-- the residual stream is fp32 (fp32 parameters, autocast outputs added to it), so norm
-  inputs take 4 bytes; dropout masks (1 byte) only with ``model.dropout > 0``;
+- the residual stream is in the compute dtype, or fp32 with ``model.fp32_residual`` (then
+  norm inputs take 4 bytes); dropout masks (1 byte) only with ``model.dropout > 0``;
 - tensor parallelism divides the tensors inside the TP regions; sequence parallelism the
   rest too (Megatron's ``10 + 24/t`` becomes ``34/t``); context parallelism divides ``s``;
 - ``full`` keeps the block input only; with any recomputation one layer's full set is live

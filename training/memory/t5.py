@@ -7,7 +7,7 @@ encoder's then the decoder's, split as :mod:`training.parallel.pipeline_t5` does
 - each encoder layer: GPT's block tensors (:func:`training.memory.activations.saved_bytes_per_token`,
   gated for geglu) for ``b·S`` tokens;
 - each decoder layer: the same for ``b·T`` tokens, plus its cross-attention's: per
-  decoder token the query norm's input (fp32 residual), the query projection's input, Q,
+  decoder token the query norm's input (the residual stream), the query projection's input, Q,
   the SDPA output and its log-sum-exp (``selective``: Q, SDPA output, the projection's
   output; ``full``: nothing more than the block input); per encoder token the key/value
   projection's input (the encoder output cast to 16-bit) and K and V (``selective``: K
@@ -27,7 +27,7 @@ Like GPT's rows these are estimates of an eager step, to check on a GPU.
 from __future__ import annotations
 
 from megalith.config import DataConfig, MegalithConfig
-from training.memory.activations import compute_dtype, saved_bytes_per_token
+from training.memory.activations import compute_dtype, residual_bytes, saved_bytes_per_token
 from training.objectives.t5 import sample_lengths
 from training.parallel.groups import ParallelSizes
 from training.parallel.pipeline_layout import layer_counts, pipelined_layers, stage_layers
@@ -54,7 +54,7 @@ def cross_attention_bytes(
     h, a = model.hidden_size, model.num_attention_heads
     kv = h * model.num_query_groups / a
     tp, sp = sizes.tp, sizes.tp if config.parallel.sequence_parallel else 1
-    e, r, lse = element, 4, 4 * a
+    e, r, lse = element, residual_bytes(config), 4 * a
     mask = h if model.dropout > 0 else 0
     if recompute == "full":
         return 0.0, 0.0

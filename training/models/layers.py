@@ -36,17 +36,34 @@ class NormSpec:
 
 
 def make_norm(size: int, spec: NormSpec) -> nn.Module:
-    """``nn.RMSNorm`` or ``nn.LayerNorm``; weights start at 1, biases at 0."""
+    """:class:`RMSNorm` or ``nn.LayerNorm``; weights start at 1, biases at 0."""
     if spec.kind == "rmsnorm":
-        return nn.RMSNorm(size, eps=spec.eps)
+        return RMSNorm(size, eps=spec.eps)
     return nn.LayerNorm(size, eps=spec.eps, bias=spec.bias)
 
 
+def weight_like(weight: Tensor | None, x: Tensor) -> Tensor | None:
+    """A norm's ``weight`` in its input's dtype. torch's fused RMSNorm kernel needs the two
+    equal, and a bf16 residual stream (the default under autocast) meets fp32 weights: an
+    eager step would otherwise run the op's composite form, one kernel per part. (LayerNorm
+    needs none: autocast runs it in fp32.)"""
+    if weight is None or weight.dtype == x.dtype:
+        return weight
+    return weight.to(x.dtype)
+
+
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` with its weight cast to the input's dtype (:func:`weight_like`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.normalized_shape, weight_like(self.weight, x), self.eps)
+
+
 def residual_stream(x: Tensor, fp32: bool) -> Tensor:
-    """``x`` as a block takes it: unchanged with ``fp32`` (the embedding's fp32 output
-    keeps every residual sum in fp32) or without autocast, else in the autocast dtype
-    (``model.fp32_residual: false``, Megatron-LM's default). Casting at each block's entry
-    also covers a pipeline stage's input, which arrives in the parameters' dtype."""
+    """``x`` as a block takes it: unchanged with ``fp32`` (``model.fp32_residual``: the
+    embedding's fp32 output keeps every residual sum in fp32) or without autocast, else in
+    the autocast dtype (the default, as Megatron-LM's). Casting at each block's entry also
+    covers a pipeline stage's input, which arrives in the parameters' dtype."""
     device = x.device.type
     if fp32 or not torch.is_autocast_enabled(device):
         return x

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from training.models.layers import NormSpec
+from training.models.layers import NormSpec, RMSNorm, weight_like
 from training.parallel.dtensor import local_tensor
 from training.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from training.parallel.tensor_parallel.mappings import (
@@ -300,15 +300,16 @@ class VocabParallelOutputHead(nn.Module):
         return losses.sum() / (labels != IGNORE_INDEX).sum()
 
 
-class SequenceParallelRMSNorm(nn.RMSNorm):
-    """``nn.RMSNorm`` on a sequence shard; the weight's gradient is all-reduced over TP."""
+class SequenceParallelRMSNorm(RMSNorm):
+    """:class:`RMSNorm` on a sequence shard; the weight's gradient is all-reduced over TP
+    (in the weight's dtype: the cast to the input's comes after)."""
 
     def __init__(self, size: int, *, eps: float, group: ProcessGroup):
         super().__init__(size, eps=eps)
         self.group = group
 
     def forward(self, x: Tensor) -> Tensor:
-        weight = copy_to_tensor_parallel_region(self.weight, self.group)
+        weight = weight_like(copy_to_tensor_parallel_region(self.weight, self.group), x)
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
