@@ -14,6 +14,7 @@
 #        that does not repeat (the loss curves).
 #   t5-profile: one GPU, the bf16-residual T5 step profiled by kernel.
 #   ab (nvidia-h200-x2): 'two's throughput pairs again, nothing else running beside them.
+#   final (one GPU): T5 and 1B compiled at the new default, then the GPU tests.
 #   three: all four GPUs: the TP=2 x PP=2 checkpoint resumed on one GPU; compiled DP=4
 #        with larger DDP buckets (issue 20: DP efficiency)
 set -uo pipefail
@@ -79,12 +80,20 @@ ab)  # nvidia-h200-x2, nothing CPU-heavy beside the timed runs (in 'two' the cor
     --out "$OUT/1b-fp8" > "$OUT/gpu1.log" 2>&1 &
   wait
   tail -n 9 "$OUT"/gpu*.log ;;
+final)  # one GPU, at the commit that made the bf16 stream the default (RMSNorm's weight cast
+    # to the input's dtype came with it): T5 and 1B compiled as users get them, then the GPU tests
+  timeout 120 python3 benchmarks/train_throughput.py --shape t5-base --steps 10 --warmup 5 \
+    --micro-batch 128 --variants ours-compile --out "$OUT/t5" 2>&1 | tail -3
+  timeout 110 python3 benchmarks/train_throughput.py --shape 1b --steps 10 --warmup 4 \
+    --variants ours-compile --out "$OUT/1b" 2>&1 | tail -3
+  timeout 170 python3 -m pytest -m gpu -p no:cacheprovider -q tests/test_gpu.py tests/test_fp8.py \
+    tests/test_benchmarks.py 2>&1 | tail -4 ;;
 three)
   timeout 300 python3 benchmarks/parallel_parity.py --layouts 1gpu,tp2-pp2 --save-layout tp2-pp2 \
     --save-step 12 --resume-layouts 1gpu --steps 24 --timeout 110 --work /tmp/parity \
     --out "$OUT/parity" 2>&1 | tail -12
   timeout 270 python3 benchmarks/parallel_scaling.py --shape 1b --layouts dp4 --compile --steps 4 \
     --warmup 3 --accumulation 4 --timeout 120 --set parallel.ddp_bucket_mb=100 --out "$OUT/dp" 2>&1 | tail -6 ;;
-*) echo "usage: $0 one|two|t5-profile|ab|three"; exit 2 ;;
+*) echo "usage: $0 one|two|t5-profile|ab|final|three"; exit 2 ;;
 esac
 rm -rf "$OUT"/*/shards* "$OUT"/*/tokenizer* "$OUT"/*/run-* "$OUT"/*/runs /tmp/parity
