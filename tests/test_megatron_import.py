@@ -30,6 +30,7 @@ from training.interop.megatron import (
     load_torch_file,
     model_config_from_args,
 )
+from training.interop.megatron_export import megatron_args
 from training.models.package import load_model_package
 
 DATA = Path(__file__).parent / "data/megatron"
@@ -102,6 +103,21 @@ def test_gelu_follows_megatron_core_and_the_override_wins(
         model_config_from_args(argparse.Namespace(**args), source)
     config = model_config_from_args(argparse.Namespace(**args), source, gelu="erf")
     assert config.gelu_approximation == "none"
+
+
+@pytest.mark.parametrize("fp32_residual", [False, True])
+def test_the_residual_precision_travels_with_megatron_args(fp32_residual: bool) -> None:
+    """``--fp32-residual-connection`` becomes ``model.fp32_residual`` on import, and the
+    exported args carry ours back (a checkpoint's args without the flag: bf16, Megatron's
+    default)."""
+    args = vars(real_args("torch_dist")).copy()
+    args["fp32_residual_connection"] = fp32_residual
+    config = model_config_from_args(argparse.Namespace(**args), Path("common.pt"))
+    assert config.fp32_residual is fp32_residual
+    exported = megatron_args(config, "local", torch.bfloat16)
+    assert exported.fp32_residual_connection is fp32_residual
+    del args["fp32_residual_connection"]
+    assert not model_config_from_args(argparse.Namespace(**args), Path("x")).fp32_residual
 
 
 def test_rope_scaling_is_applied(tokenizer_file: Path, tmp_path: Path) -> None:

@@ -296,6 +296,7 @@ def model_config_from_args(
         "norm_eps": get("norm_epsilon", 1e-5),
         "init_std": get("init_method_std", 0.02),
         "dropout": get("hidden_dropout", 0.0),
+        "fp32_residual": get("fp32_residual_connection", False),
         "backend": "torch",
     }
     if not swiglu:

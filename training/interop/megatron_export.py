@@ -132,6 +132,7 @@ def megatron_args(config: ModelConfig, impl: Impl, dtype: torch.dtype) -> argpar
         init_method_std=config.init_std,
         hidden_dropout=config.dropout,
         attention_dropout=config.dropout,
+        fp32_residual_connection=config.fp32_residual,
         params_dtype=dtype,
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
