@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,14 @@ from safetensors.torch import load_file, save_file
 from saved_tensors_probe import saved_for_backward, total_bytes
 
 from megalith.config import ConfigError, ModelConfig, load_config
-from training.models import BackendError, GPTModel, TorchBackend, resolve_backend
+from training.models import (
+    BackendError,
+    GPTModel,
+    TorchBackend,
+    build_model,
+    layers,
+    resolve_backend,
+)
 from training.models import backend as backend_module
 from training.models.flops import flops_per_token, matmul_params, param_groups, total_params
 from training.models.package import (
@@ -445,11 +453,9 @@ RESIDUAL_FAMILIES = {
 
 @pytest.mark.parametrize("family", sorted(RESIDUAL_FAMILIES))
 def test_the_residual_stream_runs_in_the_autocast_dtype_unless_fp32_residual(family) -> None:
-    """Under bf16 autocast every block receives the residual stream in fp32 by default (the
-    embedding's dtype) and in bf16 with ``model.fp32_residual: false``; the two losses
+    """Under bf16 autocast every block receives the residual stream in bf16 by default and
+    in fp32 (the embedding's dtype) with ``model.fp32_residual: true``; the two losses
     agree to bf16 rounding and the bf16 stream gives every parameter a finite gradient."""
-    from training.models import build_model
-
     losses = {}
     for fp32 in (True, False):
         config = tiny(**RESIDUAL_FAMILIES[family], fp32_residual=fp32)
@@ -468,3 +474,18 @@ def test_the_residual_stream_runs_in_the_autocast_dtype_unless_fp32_residual(fam
         assert all(g is not None and torch.isfinite(g).all() for g in grads)
         losses[fp32] = loss.item()
     assert losses[False] == pytest.approx(losses[True], rel=2e-2)
+
+
+def test_rmsnorm_takes_a_bf16_input_with_its_fp32_weight_through_the_fused_kernel() -> None:
+    """torch's fused RMSNorm needs input and weight of one dtype and otherwise warns and
+    runs the op's composite form; ours casts the weight to the bf16 stream's dtype, so it
+    neither warns nor differs from the fused kernel fed the cast weight."""
+    norm = layers.RMSNorm(32, eps=1e-6)
+    x = torch.randn(4, 32).bfloat16()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = norm(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, F.rms_norm(x, (32,), norm.weight.bfloat16(), 1e-6))
+    with pytest.warns(UserWarning, match="fused implementation"):
+        torch.nn.RMSNorm(32, eps=1e-6)(x)  # the plain module: the slow path
