@@ -325,9 +325,11 @@ def kernel_summary(events, steps: int) -> str:
         by_category[kernel_category(e.name)] = by_category.get(kernel_category(e.name), 0) + ms
         by_kernel[e.name] = by_kernel.get(e.name, 0) + ms
     total = sum(by_category.values())
+    # The kernel count: a timed step's time beyond its kernels' sum, over it, is the mean
+    # gap between kernels where the host is ahead and never syncs (launch_ms, host_syncs).
     lines = [
-        f"GPU span {wall:.1f} ms/step, kernels busy {busy / 1000 / steps:.1f}, "
-        f"idle {wall - busy / 1000 / steps:.1f} ms/step",
+        f"GPU span {wall:.1f} ms/step, {len(kernels) / steps:.0f} kernels a step, "
+        f"kernels busy {busy / 1000 / steps:.1f}, idle {wall - busy / 1000 / steps:.1f} ms/step",
         "| part | ms/step | share of kernel time |",
         "|---|---|---|",
     ]

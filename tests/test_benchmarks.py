@@ -155,6 +155,24 @@ def test_profile_sums_gpu_idle_time_by_the_host_code_running_then() -> None:
     assert lines[-3:] == table[2:]
 
 
+def test_profile_summary_counts_kernels_and_their_busy_time_per_step() -> None:
+    """The profile's first line: kernels a step (annotations and NCCL ranges are not
+    kernels), their busy time with overlaps counted once, and the idle rest of the span."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import train_throughput
+
+    def kernel(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end),
+                               device_type="DeviceType.CUDA", stack=[], thread=1)  # fmt: skip
+
+    events = [kernel("gemm", 0, 1000), kernel("cast", 500, 1500), kernel("softmax", 3000, 4000),
+              kernel("Optimizer.step#AdamW.step", 0, 4000), kernel("nccl:all_reduce", 0, 4000),
+              kernel("gemm", 4000, 5000), kernel("add", 7000, 8000), kernel("mul", 9000, 10000)]  # fmt: skip
+    first = train_throughput.kernel_summary(events, steps=2).splitlines()[0]
+    # span 10 ms over 2 steps; busy 1.5 + 1 + 1 + 1 + 1 = 5.5 ms over 2 steps
+    assert first == "GPU span 5.0 ms/step, 3 kernels a step, kernels busy 2.8, idle 2.2 ms/step"
+
+
 @pytest.mark.gpu
 def test_host_syncs_names_the_line_of_a_step_that_waits_for_the_gpu() -> None:
     """A step that reads a value with ``.item()`` mid-step is reported with the line that
