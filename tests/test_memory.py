@@ -144,6 +144,20 @@ def test_activations_order_and_linearity():
     assert abs(halved.activations - four.activations / 2) <= 4, "SP divides everything by TP"
 
 
+def test_an_fp32_residual_stream_costs_two_more_bytes_per_norm_input():
+    """The norm inputs a layer keeps (two per block, hidden wide, no recomputation) are the
+    residual stream's: 2 bytes each in bf16 (the default), 4 with model.fp32_residual."""
+    bf16 = load_config(LLAMA_1B)
+    fp32 = load_config(LLAMA_1B, ["model.fp32_residual=true"])
+    sizes = resolve_layout(bf16, 1)
+    extra = (
+        memory_report(fp32, sizes, micro_batch_size=1, recompute="none").activations
+        - memory_report(bf16, sizes, micro_batch_size=1, recompute="none").activations
+    )
+    m = bf16.model
+    assert abs(extra - 2 * 2 * m.hidden_size * bf16.data.seq_length * m.num_layers) <= 4, extra
+
+
 def test_chunked_loss_holds_one_chunk_of_logits():
     """model.loss_chunk_tokens: one chunk's bf16 + fp32 logits and the fp32 output-weight
     gradient, instead of every token's logits (10 bytes each in bf16)."""

@@ -126,8 +126,8 @@ class TrainingConfig(StrictModel):
         description="torch.compile's mode: reduce-overhead replays the compiled forward and "
         "backward as CUDA graphs (torch's CUDA graph trees), so the host no longer launches "
         "each kernel: for models small enough that launching bounds the step (T5-base, "
-        "GPT-2 sizes); one GPU, torch kernels (bf16 or torchao's fp8), Inductor only (gradient accumulation "
-        "works: the gradients are kept outside the graphs' memory).",
+        "GPT-2 sizes); one GPU, torch kernels (bf16 or torchao's fp8), Inductor only "
+        "(gradient accumulation works: the gradients are kept outside the graphs' memory).",
     )
     num_workers: int = Field(default=1, ge=0, le=256, description="DataLoader worker processes.")
 

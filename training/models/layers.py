@@ -59,15 +59,24 @@ class RMSNorm(nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, weight_like(self.weight, x), self.eps)
 
 
+def to_autocast_dtype(*tensors: Tensor | None) -> list[Tensor | None]:
+    """The tensors in the autocast dtype where autocast is on for their device (as
+    ``F.linear`` would cast them), else as they are: for code outside autocast's reach
+    (a custom autograd Function, whose backward runs without autocast; the residual
+    stream)."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return list(tensors)
+    dtype = torch.get_autocast_dtype(device)
+    return [None if t is None else t.to(dtype) for t in tensors]
+
+
 def residual_stream(x: Tensor, fp32: bool) -> Tensor:
     """``x`` as a block takes it: unchanged with ``fp32`` (``model.fp32_residual``: the
-    embedding's fp32 output keeps every residual sum in fp32) or without autocast, else in
-    the autocast dtype (the default, as Megatron-LM's). Casting at each block's entry also
-    covers a pipeline stage's input, which arrives in the parameters' dtype."""
-    device = x.device.type
-    if fp32 or not torch.is_autocast_enabled(device):
-        return x
-    return x.to(torch.get_autocast_dtype(device))
+    embedding's fp32 output keeps every residual sum in fp32), else in the autocast dtype
+    (the default, as Megatron-LM's). Casting at each block's entry also covers a pipeline
+    stage's input, which arrives in the parameters' dtype."""
+    return x if fp32 else to_autocast_dtype(x)[0]
 
 
 class Linear(nn.Linear):

@@ -57,6 +57,7 @@ from torch import nn
 from megalith.config import MixedPrecisionConfig
 from megalith.errors import MegalithError
 from training.models.backend import backend_name
+from training.models.layers import to_autocast_dtype
 from training.parallel.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from training.precision.mixed import Precision
 
@@ -118,8 +119,7 @@ class Float8Matmul:
         self.apply = float8.float8_linear.matmul_with_hp_or_float8_args.apply
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(x.device.type):  # as F.linear under autocast
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+        (x,) = to_autocast_dtype(x)  # as F.linear under autocast
         return self.apply(x, weight.t(), self.mm_config, self.config)
 
 

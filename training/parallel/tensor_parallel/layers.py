@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from training.models.layers import NormSpec, RMSNorm, weight_like
+from training.models.layers import NormSpec, RMSNorm, to_autocast_dtype, weight_like
 from training.parallel.dtensor import local_tensor
 from training.parallel.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from training.parallel.tensor_parallel.mappings import (
@@ -76,16 +76,6 @@ class _SequenceParallelLinear(torch.autograd.Function):
         grad_weight = grad_2d.t().matmul(total.reshape(-1, total.size(-1)))
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None
         return grad_input, grad_weight, grad_bias, None
-
-
-def _autocast(*tensors: Tensor | None) -> list[Tensor | None]:
-    """Cast to the autocast dtype, as ``F.linear`` would, outside a custom autograd
-    Function (whose backward runs without autocast)."""
-    device = tensors[0].device.type
-    if not torch.is_autocast_enabled(device):
-        return list(tensors)
-    dtype = torch.get_autocast_dtype(device)
-    return [None if t is None else t.to(dtype) for t in tensors]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -141,7 +131,9 @@ class ColumnParallelLinear(nn.Module):
             y = self.matmul(x, self.weight)
             y = y if self.bias is None else y + self.bias.to(y.dtype)
         elif self.sequence_parallel:
-            y = _SequenceParallelLinear.apply(*_autocast(x, self.weight, self.bias), self.group)
+            y = _SequenceParallelLinear.apply(
+                *to_autocast_dtype(x, self.weight, self.bias), self.group
+            )
         else:
             y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
         if not self.gather_output:
@@ -283,7 +275,9 @@ class VocabParallelOutputHead(nn.Module):
     def local_logits(self, hidden: Tensor) -> Tensor:
         """Logits of this rank's vocabulary range, ``[B, T, V/tp]``."""
         if self.sequence_parallel:
-            return _SequenceParallelLinear.apply(*_autocast(hidden, self.weight, None), self.group)
+            return _SequenceParallelLinear.apply(
+                *to_autocast_dtype(hidden, self.weight, None), self.group
+            )
         return F.linear(copy_to_tensor_parallel_region(hidden, self.group), self.weight)
 
     def forward(self, hidden: Tensor) -> Tensor:
