@@ -32,6 +32,7 @@ from training.interop.hf import HFInteropError, import_hf, model_config_from_hf
 from training.mlflow_store.registered import RegistryError, check_mlmodel, verify_package
 from training.models import build_model
 from training.models.gpt import GPTModel
+from training.models.layers import cache_rope_tables
 from training.models.package import (
     PackageConfigError,
     PackageTensorError,
@@ -234,6 +235,30 @@ def test_a_compiled_forward_keeps_no_rope_table_made_inside_its_graph() -> None:
         assert model.rope._table is None
         torch.testing.assert_close(compiled, model(x), rtol=1e-5, atol=1e-5)
     assert model.rope._table is not None  # eager runs keep their table
+
+
+def test_a_table_cached_before_compiling_is_read_by_the_graph_not_recomputed() -> None:
+    """``cache_rope_tables`` (called before ``torch.compile`` by ``parallelize``): the
+    compiled forward slices the cached table, so no sin or cos of the angles is left in
+    its graph for Inductor to fuse into every kernel that applies RoPE; same logits."""
+    targets: dict[bool, set[str]] = {}
+    for cached in (False, True):
+        torch.manual_seed(0)
+        model = GPTModel(tiny_config()).eval()
+        if cached:
+            cache_rope_tables(model, 8, torch.device("cpu"))
+        seen: set[str] = set()
+
+        def backend(graph: torch.fx.GraphModule, inputs: list, seen: set[str] = seen):
+            seen.update(str(node.target) for node in graph.graph.nodes)
+            return graph
+
+        x = torch.randint(0, VOCAB, (2, 8))
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x))
+        targets[cached] = seen
+    assert {"sin", "cos"} <= targets[False]
+    assert not {"sin", "cos"} & targets[True]
 
 
 @pytest.mark.parametrize(

@@ -373,12 +373,35 @@ class RotaryEmbedding(nn.Module):
                 f"positions {start_pos}..{start_pos + length - 1} are outside "
                 f"0..{self.max_positions - 1} (model.max_position_embeddings)"
             )
-        if torch.compiler.is_compiling():
+        end = start_pos + length
+        if torch.compiler.is_compiling() and not self._covers(end, device):
             # A table cached from inside a compiled graph is that graph's output, which CUDA
-            # graphs (training.compile_mode=reduce-overhead) overwrite on their next replay.
-            return self._cos_sin(torch.arange(start_pos, start_pos + length, device=device))
-        cos, sin = self._table_for(start_pos + length, device)
-        return cos[start_pos : start_pos + length], sin[start_pos : start_pos + length]
+            # graphs (training.compile_mode=reduce-overhead) overwrite on their next replay;
+            # so without a table cached beforehand (cache_rope_tables) the graph makes its own.
+            return self._cos_sin(torch.arange(start_pos, end, device=device))
+        cos, sin = self._table_for(end, device)
+        return cos[start_pos:end], sin[start_pos:end]
+
+    def _covers(self, end: int, device: torch.device) -> bool:
+        table = self._table
+        return table is not None and table[0].device == device and table[0].size(0) >= end
+
+    def cache_table(self, length: int, device: torch.device) -> None:
+        """Build the table for positions ``0..length-1`` now, outside any compiled graph."""
+        for part in self._table_for(min(length, self.max_positions), device):
+            torch._dynamo.mark_static_address(part)  # CUDA graphs read it in place, uncopied
+
+
+def cache_rope_tables(model: nn.Module, length: int, device: torch.device) -> None:
+    """Cache every RoPE table of ``model`` for ``length`` positions before it is compiled.
+
+    A compiled forward then slices the table (a graph input); without one, Inductor fuses
+    the sin and cos of the angles into every kernel that rotates queries or keys, which
+    made RoPE cost 6.5 instead of 2.9 ms of a 211 ms 1B Llama step on an H200
+    (benchmarks/RESULTS.md)."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.cache_table(length, device)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

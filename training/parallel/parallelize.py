@@ -66,6 +66,7 @@ from training.families.spec import ModelFamily
 from training.finetune.lora import add_adapters, is_adapter_param
 from training.finetune.session import FineTune
 from training.models import kernel_backend_name, resolve_backend, slow_backend_warning
+from training.models.layers import cache_rope_tables
 from training.parallel import context_parallel as cp
 from training.parallel import data_parallel as dp
 from training.parallel import expert_parallel_training as ep
@@ -129,7 +130,7 @@ def parallelize(
         )
         if finetune is not None:  # the base's rows over the replayed init's, adapters' rows
             finetune.prepare(model, state)
-        forward_model = _compiled(model, config) if config.training.compile else model
+        forward_model = _compiled(model, config, device) if config.training.compile else model
         return ParallelModel(model, model, forward_model, None)
     sequence_parallel = config.parallel.sequence_parallel
     model = ep.build_model(model_config, state, sequence_parallel, device, overlap)
@@ -140,11 +141,12 @@ def parallelize(
     if config.parallel.data_parallel_mode == "fsdp" and dp.data_parallel_size(state) > 1:
         ep.shard_experts(model, state)  # their own FSDP units, before the blocks'
     dp_model = dp.wrap_model(model, state, config.parallel, device)
-    forward_model = _compiled(dp_model, config) if config.training.compile else dp_model
+    forward_model = _compiled(dp_model, config, device) if config.training.compile else dp_model
     return ParallelModel(model, dp_model, forward_model, None)
 
 
-def _compiled(model: nn.Module, config: MegalithConfig) -> nn.Module:
+def _compiled(model: nn.Module, config: MegalithConfig, device: torch.device) -> nn.Module:
+    cache_rope_tables(model, config.data.seq_length, device)
     mode = config.training.compile_mode
     return torch.compile(model, backend=config.training.compile_backend, mode=mode)
 
