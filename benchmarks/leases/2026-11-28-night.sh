@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# One nvidia-h200-x4 call, 2026-11-28 night; carry [.whl, .base] with .base/gated/ =
+# `git archive next/fp8-gated-cast` (fc2's float8 input made by the gated activation).
+# Four jobs, one per GPU; every before/after pair runs on one GPU, one after the other.
+#   GPU 0  the gated branch's GPU tests (its own, fp8's, test_gpu.py); then where the 1B
+#          bf16 step goes now (bf16 residual stream), profiled by kernel category
+#   GPU 1  1B fp8 compiled: main, then the gated branch; HF compiled; the matmul peak
+#   GPU 2  1B bf16 compiled, then with Inductor's GEMM autotuning (Triton templates with
+#          fused prologues/epilogues, TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1)
+#   GPU 3  the same for 1B fp8 (torchao's scaled matmuls as Triton templates)
+#   two: with .base/tree/ = `git archive 72d9890` (before the RoPE tables cached before
+#        compiling) and .base/gated/ rebased on that change:
+#   GPU 0  the gated branch's failing GPU test with its whole traceback; CUDA-graph tests
+#   GPU 1  1B bf16 compiled: before, after; HF compiled
+#   GPU 2  1B fp8 compiled: before, after, the gated branch
+#   GPU 3  the GPU tests at main (RoPE's cached table under CUDA graphs among them)
+set -uo pipefail
+export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmark-out}
+mkdir -p "$OUT"
+python3 -c "import pydantic, zstandard, torchao" 2>/dev/null ||
+  pip install -q --no-deps --target /tmp/tesite .whl/*.whl 2>&1 | grep -v WARNING
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | sort | uniq -c | tee "$OUT/device.txt"
+TP="python3 benchmarks/train_throughput.py --shape 1b --steps 10 --warmup 4"
+HERE=$PWD
+case "${1:-}" in
+one)
+  (
+    export CUDA_VISIBLE_DEVICES=0
+    (cd .base/gated && timeout 250 python3 -m pytest -m gpu -p no:cacheprovider -q \
+      tests/test_gated_fp8.py tests/test_fp8.py tests/test_gpu.py 2>&1 | tail -6)
+    timeout 300 $TP --profile --variants ours-compile --out "$OUT/profile" 2>&1 | tail -3
+    head -30 "$OUT"/profile/profile-*.txt | cut -c1-200
+  ) > "$OUT/gpu0.log" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=1
+    timeout 200 $TP --variants matmul,ours-compile-fp8 --out "$OUT/fp8-main" 2>&1 | tail -4
+    (cd .base/gated && timeout 150 $TP --variants ours-compile-fp8 --out "$OUT/fp8-gated" 2>&1 | tail -3)
+    timeout 200 $TP --variants hf-compile --out "$OUT/hf" 2>&1 | tail -3
+  ) > "$OUT/gpu1.log" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=2
+    timeout 150 $TP --variants ours-compile --out "$OUT/bf16" 2>&1 | tail -3
+    TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 timeout 420 $TP --variants ours-compile \
+      --out "$OUT/bf16-autotune" 2>&1 | tail -3
+  ) > "$OUT/gpu2.log" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=3
+    timeout 150 $TP --variants ours-compile-fp8 --out "$OUT/fp8" 2>&1 | tail -3
+    TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 timeout 420 $TP --variants ours-compile-fp8 \
+      --out "$OUT/fp8-autotune" 2>&1 | tail -3
+  ) > "$OUT/gpu3.log" 2>&1 &
+  wait
+  tail -n 40 "$OUT"/gpu*.log ;;
+two)
+  (
+    export CUDA_VISIBLE_DEVICES=0
+    cd .base/gated && timeout 280 python3 -m pytest -m gpu -p no:cacheprovider -q -x \
+      --tb=long tests/test_gpu.py -k cuda_graph 2>&1 | tail -120
+  ) > "$OUT/gpu0.log" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=1
+    (cd .base/tree && timeout 150 $TP --variants matmul,ours-compile --out "$OUT/bf16-before" 2>&1 | tail -4)
+    timeout 150 $TP --variants ours-compile --out "$OUT/bf16-after" 2>&1 | tail -3
+    timeout 200 $TP --variants hf-compile --out "$OUT/hf" 2>&1 | tail -3
+  ) > "$OUT/gpu1.log" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=2
+    (cd .base/tree && timeout 150 $TP --variants ours-compile-fp8 --out "$OUT/fp8-before" 2>&1 | tail -3)
+    timeout 150 $TP --variants ours-compile-fp8 --out "$OUT/fp8-after" 2>&1 | tail -3
+    (cd .base/gated && timeout 150 $TP --variants ours-compile-fp8 --out "$OUT/fp8-gated" 2>&1 | tail -3)
+  ) > "$OUT/gpu2.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=3 timeout 400 python3 -m pytest -m gpu -p no:cacheprovider -q \
+    tests/test_gpu.py tests/test_fp8.py 2>&1 | tail -8 > "$OUT/gpu3.log" &
+  wait
+  tail -n 150 "$OUT"/gpu*.log ;;
+*) echo "usage: $0 one|two"; exit 2 ;;
+esac
+cd "$HERE" && rm -rf "$OUT"/*/shards* "$OUT"/*/tokenizer* "$OUT"/*/run-* "$OUT"/*/runs
