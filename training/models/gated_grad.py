@@ -148,7 +148,7 @@ if triton is not None:
         return act, slope
 
     @triton.jit
-    def _this_block(X, width, BLOCK: tl.constexpr):
+    def this_block(X, width, BLOCK: tl.constexpr):
         """This program's row, its block of columns, their mask, and ``gate`` and ``up``
         there in fp32 (the program grid is rows × column blocks)."""
         row = tl.program_id(0).to(tl.int64)
@@ -161,13 +161,13 @@ if triton is not None:
 
     @triton.jit
     def _gated_forward_kernel(X, OUT, width, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
-        row, cols, ok, gate, up = _this_block(X, width, BLOCK)
+        row, cols, ok, gate, up = this_block(X, width, BLOCK)
         act, _ = activation_and_slope(gate, ACTIVATION)
         tl.store(OUT + row * width + cols, (act * up).to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _gated_backward_kernel(X, GRAD, DX, width, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
-        row, cols, ok, gate, up = _this_block(X, width, BLOCK)
+        row, cols, ok, gate, up = this_block(X, width, BLOCK)
         grad = tl.load(GRAD + row * width + cols, mask=ok, other=0.0).to(tl.float32)
         act, slope = activation_and_slope(gate, ACTIVATION)
         out_at = DX + row * 2 * width + cols

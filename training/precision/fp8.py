@@ -42,7 +42,12 @@ the loss of the Trainer in fp8 stays within 4e-4 of bf16's at every step, tensor
 rowwise, and tensorwise under ``training.compile`` (inductor) with selective checkpointing;
 2-process DDP in fp8 equals one process to the bit, FSDP2 within 1e-6.
 
-torchao is imported only here and only when fp8 is on.
+Gated MLPs (SwiGLU, GeGLU) then make their ``fc2``'s float8 input themselves in the
+tensorwise recipe (:mod:`training.precision.gated_fp8`): the same float8 tensor torchao
+would cast, without writing the bf16 product.
+
+torchao is imported only here and in :mod:`training.precision.gated_fp8`, and only when
+fp8 is on.
 """
 
 from __future__ import annotations
@@ -157,6 +162,10 @@ def convert_linears(model: nn.Module, recipe: str) -> list[str]:
             f"features divisible by {FP8_DIM_MULTIPLE}); check model.hidden_size and "
             "model.ffn_hidden_size, or set mixed_precision.fp8=false"
         )
+    from training.precision import gated_fp8  # imports torchao, installed only with [gpu]
+
+    armed = gated_fp8.arm_gated_mlps(model, config)
+    logger.info("fp8: %d gated MLPs make their fc2's float8 input themselves", len(armed))
     return converted
 
 

@@ -1,0 +1,206 @@
+"""fc2's float8 input made by the gated activation itself (SwiGLU/GeGLU before a torchao
+``Float8Linear`` with tensorwise scaling).
+
+torchao casts a linear's input in three passes: the activation writes ``act(gate) * up``
+in bf16, a reduction reads it back for its absolute maximum, a pointwise kernel reads it
+again to scale and cast it; in backward the saved bf16 input is cast once more for the
+weight gradient. Inductor fuses the first two into the producer when the producer is its
+own code, but the gated activation is a Triton op of ours
+(:mod:`training.models.gated_grad`), so at Llama 1B the bare amax alone took 5.4 ms of a
+182 ms fp8 step (H200 profile, benchmarks/RESULTS.md). Here two passes over ``[gate; up]``
+replace all of that: one takes each block's absolute maximum of the product rounded to
+the input's dtype, the other recomputes the product and writes it scaled to float8. The
+result is the ``Float8TrainingTensor`` torchao would have made (same amax, scale and
+rounding), which ``Float8Linear`` takes as already cast and keeps for its weight
+gradient, so no bf16 product is written or saved. On the CPU (tests) the ops run torch's
+own arithmetic: the plain gated activation, then torchao's cast.
+
+Imported only with fp8 on (torchao is optional): :func:`training.precision.fp8.prepare_fp8`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torchao.float8.config import Float8LinearConfig, ScalingGranularity, ScalingType
+from torchao.float8.float8_linear import Float8Linear
+from torchao.float8.float8_ops import implements
+from torchao.float8.float8_training_tensor import (
+    Float8TrainingTensor,
+    GemmInputRole,
+    LinearMMConfig,
+)
+from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+
+from training.models import gated_grad
+from training.models.gpt import MLP
+from training.models.layers import geglu, swiglu
+
+FLOAT8 = torch.float8_e4m3fn  # torchao's tensorwise input dtype
+ACTIVATION_NAMES = {swiglu: "silu", geglu: "gelu_tanh"}
+triton = gated_grad.triton
+
+
+def arm_gated_mlps(model: nn.Module, config: Float8LinearConfig) -> list[str]:
+    """Give every gated MLP whose ``fc2`` is a ``Float8Linear`` an activation that returns
+    ``fc2``'s float8 input (:class:`GatedFloat8`); returns the MLPs' names. Only where the
+    input's cast is dynamic, tensorwise float8_e4m3fn and the same for the weight gradient
+    (torchao then reuses the forward's cast there, as this does)."""
+    if not reuses_tensorwise_input(config):
+        return []
+    armed = []
+    for name, module in model.named_modules():
+        if not isinstance(module, MLP) or not isinstance(module.fc2, Float8Linear):
+            continue
+        activation = ACTIVATION_NAMES.get(module.activation)
+        if activation is not None:
+            module.activation = GatedFloat8(activation, module.fc2)
+            armed.append(name)
+    return armed
+
+
+def reuses_tensorwise_input(config: Float8LinearConfig) -> bool:
+    cast = config.cast_config_input
+    return (
+        cast.scaling_type is ScalingType.DYNAMIC
+        and cast.scaling_granularity is ScalingGranularity.TENSORWISE
+        and cast.target_dtype == FLOAT8
+        and config.cast_config_input_for_grad_weight == cast
+    )
+
+
+class GatedFloat8:
+    """``act(gate) * up`` as ``fc2``'s float8 input; the plain activation where autograd is
+    off (evaluation, inference), the input is a DTensor, or a hook on ``fc2`` sees its
+    input too (a LoRA adapter's: it multiplies the input in bf16)."""
+
+    def __init__(self, activation: str, fc2: Float8Linear):
+        self.activation = activation
+        self.fc2 = fc2  # not a submodule: the MLP holds it already
+        self.mm_config: LinearMMConfig = fc2.linear_mm_config
+        self.round_scales = fc2.config.round_scales_to_power_of_2
+        self.__name__ = f"{activation}_to_float8"  # MLP reads its activation's name
+
+    def __call__(self, x: Tensor) -> Tensor:
+        usable = x.requires_grad and torch.is_grad_enabled() and not isinstance(x, DTensor)
+        hooked = self.fc2._forward_hooks or self.fc2._forward_pre_hooks
+        if not usable or hooked:
+            return gated_grad.gated(x, self.activation)
+        return _GatedToFloat8.apply(x, self.activation, self.mm_config, self.round_scales)
+
+
+class _GatedToFloat8(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, x: Tensor, activation: str, mm_config: LinearMMConfig, round_scales: bool
+    ) -> Tensor:
+        ctx.save_for_backward(x)
+        ctx.activation = activation
+        amax = gated_amax(x, activation)
+        scale = amax_to_scale(amax, FLOAT8, round_scales)
+        data = gated_to_float8(x, activation, scale)
+        return Float8TrainingTensor(data, scale, x.dtype, mm_config, GemmInputRole.INPUT)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (x,) = ctx.saved_tensors
+        return gated_grad.gated_backward(x, grad, ctx.activation), None, None, None
+
+
+@implements([torch.ops.megalith.gated_backward.default])
+def _gated_backward_of_a_float8_gradient(op, args, kwargs=None) -> Tensor:
+    """Dynamo traces an autograd.Function's backward with gradients shaped like its
+    outputs, here a ``Float8TrainingTensor``; the gradient that arrives at run time is
+    torchao's plain input gradient. So the op takes such a gradient in its original
+    precision, and the traced backward is the one call for both."""
+    x, grad, activation = args
+    return op(x, grad._data.to(grad._orig_dtype) / grad._scale, activation)
+
+
+@torch.library.custom_op("megalith::gated_amax", mutates_args=())
+def gated_amax(x: Tensor, activation: str) -> Tensor:
+    """``max |act(gate) * up|`` (fp32 scalar) of the product in ``x``'s dtype."""
+    if x.is_cuda and triton is not None:
+        return _kernel_amax(x, activation)
+    return gated_grad.gated_reference(x, activation).abs().max().float()
+
+
+@gated_amax.register_fake
+def _(x: Tensor, activation: str) -> Tensor:
+    return x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("megalith::gated_to_float8", mutates_args=())
+def gated_to_float8(x: Tensor, activation: str, scale: Tensor) -> Tensor:
+    """``act(gate) * up`` in ``x``'s dtype, times ``scale``, saturated to float8_e4m3fn."""
+    if x.is_cuda and triton is not None:
+        return _kernel_to_float8(x, activation, scale)
+    product = gated_grad.gated_reference(x, activation)
+    return to_fp8_saturated(product.float() * scale, FLOAT8)
+
+
+@gated_to_float8.register_fake
+def _(x: Tensor, activation: str, scale: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], x.size(-1) // 2, dtype=FLOAT8)
+
+
+def _grid(x: Tensor, block: int) -> tuple[int, int, int]:
+    """``(rows, column blocks, width)`` of the programs over ``x = [gate; up]``."""
+    width = x.size(-1) // 2
+    rows = x.numel() // (2 * width) if width else 0
+    return rows, triton.cdiv(width, block) if width else 0, width
+
+
+def _kernel_amax(x: Tensor, activation: str, block: int = 1024) -> Tensor:
+    x = x.contiguous()
+    rows, blocks, width = _grid(x, block)
+    if not rows:
+        return x.new_zeros((), dtype=torch.float32)
+    partial = x.new_empty(rows, blocks, dtype=torch.float32)
+    _gated_amax_kernel[(rows, blocks)](
+        x, partial, width, ACTIVATION=gated_grad.ACTIVATIONS.index(activation), BLOCK=block
+    )
+    return partial.max()
+
+
+def _kernel_to_float8(x: Tensor, activation: str, scale: Tensor, block: int = 1024) -> Tensor:
+    x = x.contiguous()
+    rows, blocks, width = _grid(x, block)
+    out = x.new_empty(*x.shape[:-1], width, dtype=FLOAT8)
+    if rows:
+        _gated_to_float8_kernel[(rows, blocks)](
+            x, scale, out, width, ACTIVATION=gated_grad.ACTIVATIONS.index(activation),
+            BLOCK=block, FLOAT8_MAX=torch.finfo(FLOAT8).max,
+        )  # fmt: skip
+    return out
+
+
+if triton is not None:
+    import triton.language as tl
+
+    from training.models.gated_grad import activation_and_slope, this_block
+
+    @triton.jit
+    def _rounded_product(X, width, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+        """This program's block of ``act(gate) * up``, rounded to ``X``'s dtype as the
+        plain forward op stores it, back in fp32; its row, columns and their mask."""
+        row, cols, ok, gate, up = this_block(X, width, BLOCK)
+        act, _ = activation_and_slope(gate, ACTIVATION)
+        product = (act * up).to(X.dtype.element_ty).to(tl.float32)
+        return row, cols, ok, product
+
+    @triton.jit
+    def _gated_amax_kernel(X, PARTIAL, width, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+        row, cols, ok, product = _rounded_product(X, width, ACTIVATION, BLOCK)
+        block_max = tl.max(tl.where(ok, tl.abs(product), 0.0), axis=0)
+        tl.store(PARTIAL + row * tl.num_programs(1) + tl.program_id(1), block_max)
+
+    @triton.jit
+    def _gated_to_float8_kernel(
+        X, SCALE, OUT, width, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
+        FLOAT8_MAX: tl.constexpr,
+    ):  # fmt: skip
+        row, cols, ok, product = _rounded_product(X, width, ACTIVATION, BLOCK)
+        scaled = tl.clamp(product * tl.load(SCALE), -FLOAT8_MAX, FLOAT8_MAX)
+        tl.store(OUT + row * width + cols, scaled.to(OUT.dtype.element_ty), mask=ok)
