@@ -17,14 +17,17 @@ float8 = pytest.importorskip("torchao.float8")
 
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic  # noqa: E402
-from torchao.float8.float8_training_tensor import Float8TrainingTensor  # noqa: E402
+from torchao.float8.float8_training_tensor import (  # noqa: E402
+    Float8TrainingTensor,
+    GemmInputRole,
+)
 
 from training.models import gated_grad  # noqa: E402
 from training.models.layers import swiglu  # noqa: E402
 from training.precision import gated_fp8  # noqa: E402
 from training.precision.fp8 import convert_linears, torchao_config  # noqa: E402
 
-WIDTH, OUT, ROWS = 32, 16, 48  # float8 matmuls need dimensions divisible by 16
+WIDTH, OUT, ROWS, HIDDEN = 32, 16, 48, 16  # float8 matmuls need dimensions divisible by 16
 
 
 def fc2_pair(seed: int = 0) -> tuple[Float8Linear, Float8Linear]:
@@ -79,6 +82,93 @@ def test_the_float8_input_is_torchaos_cast_of_the_activation(
     )
     assert torch.equal(cast._scale, torchaos._scale)
     assert torch.equal(cast._data.view(torch.uint8), torchaos._data.view(torch.uint8))
+
+
+def fc1_pair(seed: int = 2) -> tuple[Float8Linear, Float8Linear]:
+    torch.manual_seed(seed)
+    linear = nn.Linear(HIDDEN, 2 * WIDTH, bias=False)
+    config = torchao_config("tensorwise")
+    return tuple(Float8Linear.from_float(copy.deepcopy(linear), config=config) for _ in "ab")
+
+
+def hidden(seed: int = 3) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randn(ROWS, HIDDEN).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("activation", gated_grad.ACTIVATIONS)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fc1s_output_gradient_comes_back_as_torchaos_float8_cast(
+    activation: str, compiled: bool
+) -> None:
+    """``fc2(GatedFloat8(fc1(h)))`` with ``fc1`` armed: its output gradient reaches
+    ``fc1``'s backward already in float8 (``gated_backward_to_float8``, the data and scale
+    torchao casts from the gated backward's result), and the output and every gradient
+    (both weights', the input's) are those of torchao casting the plain MLP."""
+    (plain_fc1, fc1), (plain_fc2, fc2) = fc1_pair(), fc2_pair()
+    armed = gated_fp8.GatedFloat8(activation, fc2, fc1)
+    h = hidden()
+    leaves = h.clone().requires_grad_(True), h.clone().requires_grad_(True)
+
+    def plain(h: torch.Tensor) -> torch.Tensor:
+        return plain_fc2(gated_grad.gated_reference(plain_fc1(h), activation))
+
+    arrived: list[type] = []
+
+    def ours(h: torch.Tensor) -> torch.Tensor:
+        x = fc1(h)
+        if not compiled:
+            x.register_hook(lambda grad: arrived.append(type(grad)))
+        return fc2(armed(x))
+
+    if compiled:
+        plain, ours = (torch.compile(f, backend="aot_eager", fullgraph=True) for f in (plain, ours))
+    expected, got = plain(leaves[0]), ours(leaves[1])
+    assert torch.equal(got, expected)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    got.backward(grad)
+    assert torch.equal(fc2.weight.grad, plain_fc2.weight.grad)
+    assert torch.equal(fc1.weight.grad, plain_fc1.weight.grad)
+    assert torch.equal(leaves[1].grad, leaves[0].grad)
+    assert arrived == ([] if compiled else [Float8TrainingTensor])
+
+    x = fc1(h).detach()
+    upstream = torch.randn(ROWS, WIDTH).to(torch.bfloat16)
+    data, scale = gated_fp8.gated_backward_to_float8(x, upstream, activation, False)
+    torchaos = hp_tensor_to_float8_dynamic(
+        gated_grad.gated_backward(x, upstream, activation), torch.float8_e5m2,
+        fc1.linear_mm_config, gemm_input_role=GemmInputRole.GRAD_OUTPUT,
+    )  # fmt: skip
+    assert data.dtype == torch.float8_e5m2 and torch.equal(scale, torchaos._scale)
+    assert torch.equal(data.view(torch.uint8), torchaos._data.view(torch.uint8))
+
+
+def test_a_hook_on_fc1_gets_its_gradient_in_bf16() -> None:
+    """A hook on ``fc1`` (a LoRA adapter's) adds a branch that also takes ``fc1``'s output
+    gradient, which only torchao's linear takes in float8: the gradient then stays bf16
+    and every gradient is the plain MLP's."""
+    (plain_fc1, fc1), (plain_fc2, fc2) = fc1_pair(), fc2_pair()
+    torch.manual_seed(4)
+    adapter = nn.Linear(HIDDEN, 2 * WIDTH, bias=False).to(torch.bfloat16)
+    for linear in (plain_fc1, fc1):
+        linear.register_forward_hook(lambda module, args, out: out + adapter(args[0]))
+    armed = gated_fp8.GatedFloat8("silu", fc2, fc1)
+    h = hidden()
+    leaves = h.clone().requires_grad_(True), h.clone().requires_grad_(True)
+    expected = plain_fc2(gated_grad.gated_reference(plain_fc1(leaves[0]), "silu"))
+    x = fc1(leaves[1])
+    arrived: list[type] = []
+    x.register_hook(lambda grad: arrived.append(type(grad)))
+    got = fc2(armed(x))
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    adapter_grad, adapter.weight.grad = adapter.weight.grad, None
+    got.backward(grad)
+    assert arrived == [torch.Tensor]
+    assert torch.equal(adapter.weight.grad, adapter_grad)
+    assert torch.equal(fc1.weight.grad, plain_fc1.weight.grad)
+    assert torch.equal(leaves[1].grad, leaves[0].grad)
 
 
 def test_without_autograd_the_activation_stays_plain() -> None:
@@ -145,24 +235,40 @@ for activation in gated_grad.ACTIVATIONS:
     )
     assert torch.equal(scaled, (product * scale).clamp(-448, 448))
     assert scaled.abs().max() == 448
+
+    grad = torch.randn(5, 1100).to(torch.bfloat16)
+    dx = gated_grad._kernel_backward(x, grad, activation).float()
+    kind = gated_grad.ACTIVATIONS.index(activation)
+    partial = torch.empty(5, 2)
+    gated_fp8._gated_grad_amax_kernel[(5, 2)](x, grad, partial, 1100, ACTIVATION=kind, BLOCK=1024)
+    assert torch.equal(partial.max(), dx.abs().max()), (partial.max(), dx.abs().max())
+    scale = amax_to_scale(partial.max(), torch.float8_e5m2) * 4
+    scaled = torch.empty_like(dx)
+    gated_fp8._gated_grad_to_float8_kernel[(5, 2)](
+        x, grad, scale, scaled, 1100, ACTIVATION=kind, BLOCK=1024, FLOAT8_MAX=57344.0
+    )
+    assert torch.equal(scaled, (dx * scale).clamp(-57344, 57344))
+    assert scaled.abs().max() == 57344
 print("ok")
 """
 
 
-def test_the_kernels_give_the_forward_ops_amax_and_scaling_in_the_interpreter() -> None:
-    """The amax kernel's blocks and the cast kernel's scaled, saturated values against the
-    plain forward kernel's product (Triton's interpreter on the CPU)."""
+def test_the_kernels_give_the_ops_amax_and_scaling_in_the_interpreter() -> None:
+    """The amax kernels' blocks and the cast kernels' scaled, saturated values against the
+    plain forward kernel's product and the plain backward kernel's ``[dgate; dup]``
+    (Triton's interpreter on the CPU)."""
     assert run_in_interpreter(CHECK).strip() == "ok"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation", gated_grad.ACTIVATIONS)
-def test_on_cuda_the_kernels_make_torchaos_cast_compiled(activation: str, monkeypatch) -> None:
-    """Compiled on a GPU: both kernels run once a forward, and output, weight gradient
-    and input gradient are those of torchao casting the plain one-pass activation (a
-    width of 1,040: divisible by 16 as float8 matmuls need, and the kernels' second
-    column block only partly full, which checks their masking)."""
-    calls = {"_kernel_amax": 0, "_kernel_to_float8": 0}
+def test_on_cuda_the_kernels_make_torchaos_casts_compiled(activation: str, monkeypatch) -> None:
+    """Compiled on a GPU, ``fc2(GatedFloat8(fc1(h)))``: each kernel runs once a step, and
+    the output and every gradient (both weights', the input's) are those of torchao
+    casting the plain one-pass activation and its backward (a width of 1,040: divisible
+    by 16 as float8 matmuls need, and the kernels' second column block only partly full,
+    which checks their masking)."""
+    calls = {"_kernel_amax": 0, "_kernel_to_float8": 0, "_kernel_backward_to_float8": 0}
     for name in calls:
         kernel = getattr(gated_fp8, name)
 
@@ -172,21 +278,25 @@ def test_on_cuda_the_kernels_make_torchaos_cast_compiled(activation: str, monkey
 
         monkeypatch.setattr(gated_fp8, name, counted)
     torch.manual_seed(0)
-    width, out = 1040, 512
-    linear = nn.Linear(width, out, bias=False, device="cuda")
+    hidden, width, out = 512, 1040, 512
     config = torchao_config("tensorwise")
-    plain_fc2 = Float8Linear.from_float(copy.deepcopy(linear), config=config)
-    fc2 = Float8Linear.from_float(copy.deepcopy(linear), config=config)
-    armed = gated_fp8.GatedFloat8(activation, fc2)
-    x = (torch.randn(4096, 2 * width, device="cuda") * 3).bfloat16()
+    pairs = []
+    for features in ((hidden, 2 * width), (width, out)):
+        linear = nn.Linear(*features, bias=False, device="cuda")
+        pairs.append([Float8Linear.from_float(copy.deepcopy(linear), config=config) for _ in "ab"])
+    (plain_fc1, fc1), (plain_fc2, fc2) = pairs
+    armed = gated_fp8.GatedFloat8(activation, fc2, fc1)
+    h = torch.randn(4096, hidden, device="cuda").bfloat16()
     grad = torch.randn(4096, out, device="cuda").bfloat16()
-    leaves = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    leaves = h.clone().requires_grad_(True), h.clone().requires_grad_(True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        expected = torch.compile(lambda x: plain_fc2(gated_grad.gated(x, activation)))(leaves[0])
-        got = torch.compile(lambda x: fc2(armed(x)))(leaves[1])
+        plain = torch.compile(lambda h: plain_fc2(gated_grad.gated(plain_fc1(h), activation)))
+        expected = plain(leaves[0])
+        got = torch.compile(lambda h: fc2(armed(fc1(h))))(leaves[1])
     expected.backward(grad)
     got.backward(grad)
-    assert calls == {"_kernel_amax": 1, "_kernel_to_float8": 1}
+    assert calls == dict.fromkeys(calls, 1)
     assert torch.equal(got, expected)
     assert torch.equal(fc2.weight.grad, plain_fc2.weight.grad)
+    assert torch.equal(fc1.weight.grad, plain_fc1.weight.grad)
     assert torch.equal(leaves[1].grad, leaves[0].grad)

@@ -42,9 +42,9 @@ the loss of the Trainer in fp8 stays within 4e-4 of bf16's at every step, tensor
 rowwise, and tensorwise under ``training.compile`` (inductor) with selective checkpointing;
 2-process DDP in fp8 equals one process to the bit, FSDP2 within 1e-6.
 
-Gated MLPs (SwiGLU, GeGLU) then make their ``fc2``'s float8 input themselves in the
-tensorwise recipe (:mod:`training.precision.gated_fp8`): the same float8 tensor torchao
-would cast, without writing the bf16 product.
+Gated MLPs (SwiGLU, GeGLU) then make their ``fc2``'s float8 input, and ``fc1``'s float8
+output gradient, themselves in the tensorwise recipe (:mod:`training.precision.gated_fp8`):
+the same float8 tensors torchao would cast, without writing the bf16 product or gradient.
 
 torchao is imported only here and in :mod:`training.precision.gated_fp8`, and only when
 fp8 is on.
