@@ -14,6 +14,11 @@
 #   GPU 1  1B bf16 compiled: before, after; HF compiled
 #   GPU 2  1B fp8 compiled: before, after, the gated branch
 #   GPU 3  the GPU tests at main (RoPE's cached table under CUDA graphs among them)
+#   three: with .base/tree/ = `git archive ec181dc` (before fc1's float8 output gradient):
+#   GPU 0  the GPU tests in call one's order (gated fp8, fp8, test_gpu.py)
+#   GPU 1  1B fp8 compiled: before, after; HF compiled
+#   GPU 2  1B bf16 and fp8 compiled at main, profiled by kernel category
+#   GPU 3  1B bf16 compiled at main; HF compiled
 set -uo pipefail
 export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmark-out}
@@ -74,6 +79,27 @@ two)
     tests/test_gpu.py tests/test_fp8.py 2>&1 | tail -8 > "$OUT/gpu3.log" &
   wait
   tail -n 150 "$OUT"/gpu*.log ;;
-*) echo "usage: $0 one|two"; exit 2 ;;
+three)
+  CUDA_VISIBLE_DEVICES=0 timeout 330 python3 -m pytest -m gpu -p no:cacheprovider -q \
+    tests/test_gated_fp8.py tests/test_fp8.py tests/test_gpu.py 2>&1 | tail -40 > "$OUT/gpu0.log" &
+  (
+    export CUDA_VISIBLE_DEVICES=1
+    (cd .base/tree && timeout 150 $TP --variants matmul,ours-compile-fp8 --out "$OUT/fp8-before" 2>&1 | tail -4)
+    timeout 120 $TP --variants ours-compile-fp8 --out "$OUT/fp8-after" 2>&1 | tail -3
+    timeout 150 $TP --variants hf-compile --out "$OUT/hf" 2>&1 | tail -3
+  ) > "$OUT/gpu1.log" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=2
+    timeout 330 $TP --profile --variants ours-compile,ours-compile-fp8 --out "$OUT/profile" 2>&1 | tail -5
+    for f in "$OUT"/profile/profile-*.txt; do head -36 "$f" | cut -c1-160; done
+  ) > "$OUT/gpu2.log" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=3
+    timeout 150 $TP --variants matmul,ours-compile --out "$OUT/bf16" 2>&1 | tail -4
+    timeout 150 $TP --variants hf-compile --out "$OUT/hf3" 2>&1 | tail -3
+  ) > "$OUT/gpu3.log" 2>&1 &
+  wait
+  tail -n 80 "$OUT"/gpu*.log ;;
+*) echo "usage: $0 one|two|three"; exit 2 ;;
 esac
 cd "$HERE" && rm -rf "$OUT"/*/shards* "$OUT"/*/tokenizer* "$OUT"/*/run-* "$OUT"/*/runs
