@@ -19,6 +19,10 @@
 #   GPU 1  1B fp8 compiled: before, after; HF compiled
 #   GPU 2  1B bf16 and fp8 compiled at main, profiled by kernel category
 #   GPU 3  1B bf16 compiled at main; HF compiled
+#   four (issue 20, DP efficiency compiled; and the whole fp8 kernel list):
+#          GPU 0: the one-GPU baseline; GPU 1: 1B fp8 profiled (the profile file comes
+#          back); GPUs 2-3: DP=2 with 100 MB buckets; then all four: DP=4 with 100 MB
+#          buckets, then with the default 25 MB
 set -uo pipefail
 export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmark-out}
@@ -100,6 +104,17 @@ three)
   ) > "$OUT/gpu3.log" 2>&1 &
   wait
   tail -n 80 "$OUT"/gpu*.log ;;
-*) echo "usage: $0 one|two|three"; exit 2 ;;
+four)
+  S="python3 benchmarks/parallel_scaling.py --shape 1b --compile --steps 4 --warmup 3 --accumulation 4 --timeout 150"
+  B=parallel.ddp_bucket_mb=100
+  CUDA_VISIBLE_DEVICES=0 $S --layouts 1gpu --out "$OUT/s1" > "$OUT/log.txt" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 200 $TP --profile --variants ours-compile-fp8 --out "$OUT/prof" > "$OUT/prof.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=2,3 $S --layouts dp2 --set $B --out "$OUT/s2" > "$OUT/s2.log" 2>&1 &
+  wait
+  $S --layouts dp4 --set $B --out "$OUT/s4" >> "$OUT/log.txt" 2>&1
+  $S --layouts dp4 --out "$OUT/s4d" >> "$OUT/log.txt" 2>&1
+  cat "$OUT/s2.log" "$OUT/prof.log" >> "$OUT/log.txt"; rm -f "$OUT/s2.log" "$OUT/prof.log"
+  grep -v "^\s*$" "$OUT/log.txt" | grep -i "| \|error\|Traceback" | tail -40 ;;
+*) echo "usage: $0 one|two|three|four"; exit 2 ;;
 esac
 cd "$HERE" && rm -rf "$OUT"/*/shards* "$OUT"/*/tokenizer* "$OUT"/*/run-* "$OUT"/*/runs
