@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 from torch import nn
-from triton_helpers import run_in_interpreter
+from triton_helpers import count_calls, run_in_interpreter
 
 float8 = pytest.importorskip("torchao.float8")
 
@@ -268,15 +268,8 @@ def test_on_cuda_the_kernels_make_torchaos_casts_compiled(activation: str, monke
     casting the plain one-pass activation and its backward (a width of 1,040: divisible
     by 16 as float8 matmuls need, and the kernels' second column block only partly full,
     which checks their masking)."""
-    calls = {"_kernel_amax": 0, "_kernel_to_float8": 0, "_kernel_backward_to_float8": 0}
-    for name in calls:
-        kernel = getattr(gated_fp8, name)
-
-        def counted(*args, name=name, kernel=kernel, **kwargs):
-            calls[name] += 1
-            return kernel(*args, **kwargs)
-
-        monkeypatch.setattr(gated_fp8, name, counted)
+    kernels = "_kernel_amax", "_kernel_to_float8", "_kernel_backward_to_float8"
+    calls = count_calls(monkeypatch, gated_fp8, *kernels)
     torch.manual_seed(0)
     hidden, width, out = 512, 1040, 512
     config = torchao_config("tensorwise")

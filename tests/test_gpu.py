@@ -14,6 +14,7 @@ import pytest
 import torch
 from parallel_helpers import tiny_settings
 from torch._dynamo.utils import counters
+from triton_helpers import count_calls
 
 from megalith.config import ModelConfig, load_config
 from training.metrics.memory import cuda_alloc_retries
@@ -161,15 +162,7 @@ def test_gated_activation_kernels_match_fp32_autograd_compiled(activation, monke
     """SwiGLU/GeGLU compiled in bf16 run forward and backward through the one-pass
     kernels (their calls counted) and give fp32 autograd's values to bf16 rounding; a
     width that is not a multiple of the kernels' block checks their masking."""
-    calls = {"_kernel_forward": 0, "_kernel_backward": 0}
-    for name in calls:
-        kernel = getattr(gated_grad, name)
-
-        def counted(*args, name=name, kernel=kernel, **kwargs):
-            calls[name] += 1
-            return kernel(*args, **kwargs)
-
-        monkeypatch.setattr(gated_grad, name, counted)
+    calls = count_calls(monkeypatch, gated_grad, "_kernel_forward", "_kernel_backward")
     torch.manual_seed(0)
     x = (torch.randn(4096, 2 * 1000, device="cuda") * 3).bfloat16()
     grad = torch.randn(4096, 1000, device="cuda").bfloat16()

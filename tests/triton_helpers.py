@@ -1,5 +1,5 @@
 """Runs a Triton kernel's check on the CPU through Triton's interpreter, in a subprocess
-(``TRITON_INTERPRET`` is read when Triton is imported)."""
+(``TRITON_INTERPRET`` is read when Triton is imported); counts a module's kernel calls."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -24,3 +25,17 @@ def run_in_interpreter(code: str) -> str:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, module: ModuleType, *names: str) -> dict[str, int]:
+    """Calls of ``module``'s functions ``names`` from now on, by name (a live dict)."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        function = getattr(module, name)
+
+        def counted(*args, name=name, function=function, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls
