@@ -31,7 +31,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torchao.float8.config import Float8LinearConfig, ScalingGranularity, ScalingType
+from torchao.float8.config import (
+    CastConfig,
+    Float8LinearConfig,
+    ScalingGranularity,
+    ScalingType,
+)
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_ops import implements
 from torchao.float8.float8_training_tensor import (
@@ -75,24 +80,27 @@ def arm_gated_mlps(model: nn.Module, config: Float8LinearConfig) -> list[str]:
 
 
 def reuses_tensorwise_input(config: Float8LinearConfig) -> bool:
-    cast = config.cast_config_input
-    return (
-        cast.scaling_type is ScalingType.DYNAMIC
-        and cast.scaling_granularity is ScalingGranularity.TENSORWISE
-        and cast.target_dtype == FLOAT8
-        and config.cast_config_input_for_grad_weight == cast
-    )
+    """The input cast once, dynamic tensorwise float8_e4m3fn, for the forward matmul and
+    the weight gradient."""
+    return _cast_once(config.cast_config_input, config.cast_config_input_for_grad_weight, FLOAT8)
 
 
 def reuses_tensorwise_grad(config: Float8LinearConfig) -> bool:
     """The output gradient cast once, dynamic tensorwise float8_e5m2, for both of the
     linear's backward matmuls."""
-    cast = config.cast_config_grad_output
+    grad, for_grad_weight = (
+        config.cast_config_grad_output,
+        config.cast_config_grad_output_for_grad_weight,
+    )
+    return _cast_once(grad, for_grad_weight, FLOAT8_GRAD)
+
+
+def _cast_once(cast: CastConfig, second_use: CastConfig, dtype: torch.dtype) -> bool:
     return (
         cast.scaling_type is ScalingType.DYNAMIC
         and cast.scaling_granularity is ScalingGranularity.TENSORWISE
-        and cast.target_dtype == FLOAT8_GRAD
-        and config.cast_config_grad_output_for_grad_weight == cast
+        and cast.target_dtype == dtype
+        and second_use == cast
     )
 
 
