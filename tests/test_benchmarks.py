@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import parallel_scaling as scaling
+from benchmarks.train_throughput import SHAPE_SETTINGS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,6 +39,28 @@ def test_t5_throughput_runs_ours_and_the_hugging_face_baseline(tmp_path: Path) -
     assert results["ours"]["launch_ms"] > 0 and results["ours"]["step_ms"] > 0
     assert isinstance(results["ours"]["alloc_retries"], int)  # counted on CUDA only
     assert "| hf |" in completed.stdout and "| ours (torch) |" in completed.stdout
+
+
+def test_optimizer_benchmark_steps_every_variant_to_the_same_parameters() -> None:
+    """The three optimizer steps (the trainer's fused AdamW, the same over flat buffers,
+    the compiled foreach step) on the tiny recipe's parameters: each moves them, all to
+    the same values (AdamW is elementwise), and the count is the model's."""
+    from benchmarks import optimizer_step
+    from megalith.config import load_config
+    from training.models import meta_model
+
+    settings = ["model.vocab_size=512"]
+    args = SimpleNamespace(shape="tiny", set=settings, device="cpu", steps=2,
+                           variants=list(optimizer_step.VARIANTS))  # fmt: skip
+    report = optimizer_step.run(args)
+    config = load_config(ROOT / "configs" / "tiny-cpu.yaml", [*SHAPE_SETTINGS["tiny"], *settings])
+    assert report["parameters"] == sum(p.numel() for p in meta_model(config.model).parameters())
+    assert set(report["results"]) == set(optimizer_step.VARIANTS)
+    for variant, result in report["results"].items():
+        assert result["max_abs_update"] > 1e-5, (variant, result)
+        assert result["max_abs_diff_vs_first"] < 1e-6, (variant, result)
+        assert result["ms"] > 0
+    assert "| compiled-foreach |" in optimizer_step.table(report)
 
 
 def test_data_loader_benchmark_draws_t5_batches(tmp_path: Path) -> None:
