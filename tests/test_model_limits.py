@@ -261,6 +261,27 @@ def test_a_table_cached_before_compiling_is_read_by_the_graph_not_recomputed() -
     assert not {"sin", "cos"} & targets[True]
 
 
+def test_packed_documents_compiled_gather_their_angles_from_the_cached_table() -> None:
+    """Packed documents (positions restart at each document) in a compiled forward with a
+    cached table: the angles are gathered from it by position, no sin or cos in the graph,
+    and the logits are the eager model's."""
+    torch.manual_seed(0)
+    model = GPTModel(tiny_config()).eval()
+    cache_rope_tables(model, 8, torch.device("cpu"))
+    seen: set[str] = set()
+
+    def backend(graph: torch.fx.GraphModule, inputs: list):
+        seen.update(str(node.target) for node in graph.graph.nodes)
+        return graph
+
+    x = torch.randint(0, VOCAB, (2, 8))
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 0, 0, 0, 1, 1]])
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=backend)(x, document_ids=documents)
+        torch.testing.assert_close(compiled, model(x, document_ids=documents))
+    assert seen and not {"sin", "cos"} & seen
+
+
 @pytest.mark.parametrize(
     ("lie", "expected"),
     [

@@ -365,8 +365,14 @@ class RotaryEmbedding(nn.Module):
         self, start_pos: int, length: int, device: torch.device, positions: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """cos and sin for positions ``start_pos .. start_pos+length-1``, or for the given
-        ``positions [length]``; each ``[length, D]``."""
+        ``positions [length]`` (or ``[B, length]``); each ``[length, D]`` (``[B, length, D]``)."""
         if positions is not None:
+            if torch.compiler.is_compiling() and self._covers(1, device):
+                # Packed documents and context parallelism in a compiled step: positions
+                # within the training sequence, which the table cached before compiling
+                # covers (an index past it fails the gather's bounds check, loudly).
+                cos, sin = self._table
+                return cos[positions], sin[positions]
             return self._cos_sin(positions)
         if start_pos < 0 or start_pos + length > self.max_positions:
             raise ValueError(
