@@ -271,10 +271,13 @@ KERNEL_CATEGORIES = (
     # NCCL's collectives, TE's userbuffers (comm+GEMM overlap) kernels and their copies
     ("communication (NCCL, userbuffers)", r"nccl|userbuffers|kuserbuffers|ub_|memcpy.*peer"),
     ("attention", r"sdpa|fmha|flash|attention|cudnn|bias_grad"),  # + T5's bias gradient
-    (  # Inductor's (named after _scaled_mm) and TE's (cast-transpose, amax, scale)
+    (  # Inductor's (named after _scaled_mm), TE's (cast-transpose, amax, scale), and the
+        # gated MLP's own (training.precision.gated_fp8: _gated[_grad]_{amax,to_float8}_kernel)
         "fp8 amax/scale/cast",
-        r"triton.*(abs|clamp|float8|amax)|cast_transpose|amax_kernel|scale_from_amax|fp8_quantize",
+        r"triton.*(abs|clamp|float8|amax)|cast_transpose|amax_kernel|scale_from_amax|fp8_quantize"
+        r"|to_float8_kernel",
     ),
+    ("SwiGLU / GeGLU, one pass (ours)", r"_gated_(forward|backward)_kernel"),
     ("matmul", r"nvjet|gemm|cutlass|xmma|scaled_mm|f8f8|sm90_"),
     ("norms (LayerNorm, RMSNorm)", r"rmsnorm|layer_norm|layernorm"),
     ("grad norm", r"lpnorm|norm_kernel"),

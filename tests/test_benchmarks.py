@@ -269,5 +269,9 @@ def test_profile_kernel_categories_name_what_the_time_is_spent_on() -> None:
         "_bias_grad_kernel": "attention",
         "triton_poi_fused__unsafe_view_cat_gelu_gelu_backward_mul_split_view_24": "GeGLU (Inductor)",
         "triton_poi_fused_cat_cos_neg_sin_0": "RoPE (Inductor)",
+        "_gated_to_float8_kernel": "fp8 amax/scale/cast",
+        "_gated_grad_to_float8_kernel": "fp8 amax/scale/cast",
+        "_gated_grad_amax_kernel": "fp8 amax/scale/cast",
+        "_gated_backward_kernel": "SwiGLU / GeGLU, one pass (ours)",
     }
     assert {name: train_throughput.kernel_category(name) for name in expected} == expected
