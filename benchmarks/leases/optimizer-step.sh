@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Not run yet (written 2026-11-28 night, when no device time was left). One nvidia-h200
+# call, carry [.whl]: the optimizer step three ways at the 1B shape
+# (benchmarks/optimizer_step.py: the trainer's fused AdamW at about 2.9 TB/s, 10.8 ms of
+# the 163 ms fp8 step), then the 1B fp8 step profiled with the kernel categories that now
+# name the gated MLP's own kernels.
+#   bash benchmarks/leases/optimizer-step.sh
+set -uo pipefail
+export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmark-out}
+mkdir -p "$OUT"
+python3 -c "import pydantic, zstandard, torchao" 2>/dev/null ||
+  pip install -q --no-deps --target /tmp/tesite .whl/*.whl 2>&1 | grep -v WARNING
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+timeout 200 python3 benchmarks/optimizer_step.py --shape 1b --device cuda --steps 20 --out "$OUT/opt" 2>&1 | tail -6
+timeout 300 python3 benchmarks/train_throughput.py --shape 1b --steps 10 --warmup 4 --profile \
+  --variants ours-compile-fp8 --out "$OUT/prof" 2>&1 | tail -3
+head -20 "$OUT"/prof/profile-*.txt
+rm -rf "$OUT"/*/shards* "$OUT"/*/tokenizer* "$OUT"/*/run-*
