@@ -165,7 +165,9 @@ def convert_linears(model: nn.Module, recipe: str) -> list[str]:
     from training.precision import gated_fp8  # imports torchao, installed only with [gpu]
 
     armed = gated_fp8.arm_gated_mlps(model, config)
-    logger.info("fp8: %d gated MLPs make their fc2's float8 input themselves", len(armed))
+    logger.info(
+        "fp8: %d gated MLPs make their own float8 casts (fc2's input, fc1's gradient)", len(armed)
+    )
     return converted
 
 

@@ -1,5 +1,6 @@
-"""fc2's float8 input made by the gated activation itself (SwiGLU/GeGLU before a torchao
-``Float8Linear`` with tensorwise scaling).
+"""The gated MLP's float8 casts made by the gated activation itself (SwiGLU/GeGLU between
+torchao ``Float8Linear`` layers with tensorwise scaling): ``fc2``'s float8 input forward,
+``fc1``'s float8 output gradient backward.
 
 torchao casts a linear's input in three passes: the activation writes ``act(gate) * up``
 in bf16, a reduction reads it back for its absolute maximum, a pointwise kernel reads it
@@ -116,6 +117,7 @@ class GatedFloat8:
         self.fc2 = fc2  # not submodules: the MLP holds them already
         self.fc1 = fc1
         self.mm_config: LinearMMConfig = fc2.linear_mm_config
+        # One conversion config for both linears: its scale rounding serves both casts.
         self.round_scales = fc2.config.round_scales_to_power_of_2
         if fc1 is not None:
             self.grad_mm_config: LinearMMConfig = _linear_of(fc1).linear_mm_config
