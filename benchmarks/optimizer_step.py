@@ -1,4 +1,4 @@
-"""The optimizer step at a recipe's parameter shapes, three ways.
+"""The optimizer step at a recipe's parameter shapes, four ways.
 
 The trainer's step is the fused AdamW kernel with gradient clipping folded in through
 ``grad_scale`` (:func:`training.optim.adamw.step_with_clipping`): at the 1B shape on an
@@ -10,7 +10,10 @@ This times, on the same parameters and gradients:
 * ``fused-flat``      the same kernel over one flat buffer per weight-decay group, every
                       parameter a view into it (Megatron's contiguous buffers);
 * ``compiled-foreach`` AdamW's foreach step and the clip coefficient's multiply compiled
-                      together by Inductor.
+                      together by Inductor;
+* ``multi-tensor``    the same step as one Triton launch a group
+                      (:class:`training.optim.multi_tensor_adamw.MultiTensorAdamW`; on
+                      the CPU it runs torch's single-tensor step).
 
 For each: ms a step, the bandwidth it reaches, and the largest difference of its
 parameters from ``fused``'s after the timed steps (AdamW is elementwise, so any layout
@@ -39,10 +42,11 @@ from benchmarks.train_throughput import SHAPE_SETTINGS, SHAPES  # noqa: E402
 from megalith.config import load_config  # noqa: E402
 from training.models import meta_model  # noqa: E402
 from training.models.flops import param_groups  # noqa: E402
+from training.optim import multi_tensor_adamw  # noqa: E402
 from training.optim.adamw import step_with_clipping  # noqa: E402
 
 BYTES_PER_PARAM = 28  # fp32 p, g, m, v read; p, m, v written
-VARIANTS = ("fused", "fused-flat", "compiled-foreach")
+VARIANTS = ("fused", "fused-flat", "compiled-foreach", "multi-tensor")
 
 
 def shapes_of(shape: str, settings: list[str]) -> tuple[list[torch.Size], list[torch.Size]]:
@@ -79,8 +83,11 @@ def build_step(variant: str, groups: list[list[torch.nn.Parameter]]) -> Callable
     params = [p for group in groups for p in group]
     grads = [p.grad for p in params]
     decay = [{"params": groups[0], "weight_decay": 0.1}, {"params": groups[1], "weight_decay": 0.0}]
-    if variant in ("fused", "fused-flat"):
-        optimizer = torch.optim.AdamW(decay, lr=3e-4, betas=(0.9, 0.95), fused=True)
+    if variant in ("fused", "fused-flat", "multi-tensor"):
+        if variant == "multi-tensor":
+            optimizer = multi_tensor_adamw.MultiTensorAdamW(decay, lr=3e-4, betas=(0.9, 0.95))
+        else:
+            optimizer = torch.optim.AdamW(decay, lr=3e-4, betas=(0.9, 0.95), fused=True)
 
         def step() -> None:
             step_with_clipping(optimizer, torch.nn.utils.get_total_norm(grads), 1.0)

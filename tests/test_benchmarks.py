@@ -42,8 +42,8 @@ def test_t5_throughput_runs_ours_and_the_hugging_face_baseline(tmp_path: Path) -
 
 
 def test_optimizer_benchmark_steps_every_variant_to_the_same_parameters() -> None:
-    """The three optimizer steps (the trainer's fused AdamW, the same over flat buffers,
-    the compiled foreach step) on the tiny recipe's parameters: each moves them, all to
+    """The optimizer steps (the trainer's fused AdamW, the same over flat buffers, the
+    compiled foreach step, the multi-tensor one) on the tiny recipe's parameters: each moves them, all to
     the same values (AdamW is elementwise), and the count is the model's."""
     from benchmarks import optimizer_step
     from megalith.config import load_config

@@ -152,6 +152,12 @@ class OptimizerConfig(StrictModel):
     beta2: float = Field(default=0.95, ge=0, lt=1)
     eps: float = Field(default=1e-8, gt=0)
     fused: bool | None = Field(default=None, description="None: fused when on CUDA.")
+    multi_tensor: bool | None = Field(
+        default=None,
+        description="The fused step as one Triton launch a parameter group "
+        "(training.optim.multi_tensor_adamw) instead of torch's fused kernel, on CUDA; "
+        "None: off (not yet faster, benchmarks/RESULTS.md).",
+    )
 
 
 class SchedulerConfig(StrictModel):

@@ -8,6 +8,7 @@ import torch
 
 from megalith.config import OptimizerConfig
 from training.models.flops import param_groups
+from training.optim import multi_tensor_adamw
 
 
 def build_optimizer(
@@ -17,15 +18,17 @@ def build_optimizer(
     groups = param_groups(model, config.weight_decay)
     names_by_param = {id(p): name for name, p in model.named_parameters()}
     ordered_names = [names_by_param[id(p)] for group in groups for p in group["params"]]
+    return adamw(groups, config, device), ordered_names
+
+
+def adamw(groups: list[dict], config: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
+    """torch's fused AdamW on CUDA (``optimizer.fused``), or the same step as one Triton
+    launch a group (``optimizer.multi_tensor``, opt-in), or torch's default elsewhere."""
     fused = config.fused if config.fused is not None else device.type == "cuda"
-    optimizer = torch.optim.AdamW(
-        groups,
-        lr=config.lr,
-        betas=(config.beta1, config.beta2),
-        eps=config.eps,
-        fused=fused or None,
-    )
-    return optimizer, ordered_names
+    hyper = {"lr": config.lr, "betas": (config.beta1, config.beta2), "eps": config.eps}
+    if config.multi_tensor:
+        return multi_tensor_adamw.MultiTensorAdamW(groups, **hyper)
+    return torch.optim.AdamW(groups, fused=fused or None, **hyper)
 
 
 def zero_grads(optimizer: object, params: Iterable[torch.Tensor], *, resident: bool) -> None:
@@ -42,7 +45,10 @@ def zero_grads(optimizer: object, params: Iterable[torch.Tensor], *, resident: b
 
 
 def folds_clipping(optimizer: object) -> bool:
-    """Whether ``optimizer`` is one fused torch AdamW, which can clip inside its kernel."""
+    """Whether ``optimizer``'s step can clip inside its kernel (a fused torch AdamW, or the
+    multi-tensor one)."""
+    if isinstance(optimizer, multi_tensor_adamw.MultiTensorAdamW):
+        return True
     return isinstance(optimizer, torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
 
 

@@ -38,6 +38,7 @@ from training.checkpoint.format import optimizer_group_indices
 from training.models import build_model
 from training.models.flops import param_groups
 from training.models.moe import is_expert_param
+from training.optim.adamw import adamw
 from training.optim.adamw import build_optimizer as build_adamw
 from training.parallel.dtensor import is_dtensor, is_fsdp_module, whole_tensor
 from training.parallel.groups import ParallelState
@@ -236,19 +237,12 @@ def build_optimizer(
     groups = param_groups(model, config.weight_decay)
     names_by_param = {id(p): name for name, p in model.named_parameters()}
     names = [names_by_param[id(p)] for group in groups for p in group["params"]]
-    fused = config.fused if config.fused is not None else device.type == "cuda"
 
-    def adamw(local_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
-            local_groups,
-            lr=config.lr,
-            betas=(config.beta1, config.beta2),
-            eps=config.eps,
-            fused=fused or None,
-        )
+    def local_adamw(local_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return adamw(local_groups, config, device)
 
     replicas = [_replica_group(name, state) for name in names]
-    return DistributedOptimizer(groups, adamw, state.dp_cp_group, replicas), names
+    return DistributedOptimizer(groups, local_adamw, state.dp_cp_group, replicas), names
 
 
 def _replica_group(name: str, state: ParallelState) -> dist.ProcessGroup:
