@@ -177,7 +177,7 @@ def row(result: dict) -> str:
     )
 
 
-# Our own measurements (benchmarks/RESULTS.md, 2026-11-22 and -27): (label, GPU, shape, layout,
+# Our own measurements (benchmarks/RESULTS.md, 2026-11-22, -27 and -28): (label, GPU, shape, layout,
 # sequences per step per replica, measured: MFU, or per-GPU efficiency against one GPU
 # in the same run when the row says "eff"). Compiled rows are what the planner models;
 # the eager ones show how far eager runs sit below it.
@@ -212,6 +212,18 @@ OURS = [
      Layout(1, 1, 1, 4, micro_batch_size=4, data_parallel_mode="fsdp"), 16, "eff 86.9%"),
     ("7B layers, DP4 ddp, compiled", "h100", SEVEN_B_LAYERS,
      Layout(1, 1, 1, 4, micro_batch_size=4), 16, "eff 96.0%"),
+    # 2026-11-28, 4x H200, issue 20 (night: 1B DP, 4 micro-batches a replica; late: 7B
+    # layers, 8 micro-batches a replica, interleaved pipelines compiled).
+    ("1B, 1 GPU, compiled, 4x8 per step (11-28)", "h200", [],
+     Layout(1, 1, 1, 1, micro_batch_size=8), 32, "57.9%"),
+    ("1B, DP2 ddp, compiled (11-28)", "h200", [], Layout(1, 1, 1, 2, micro_batch_size=8), 32, "eff 98.2%"),
+    ("1B, DP4 ddp, compiled (11-28)", "h200", [], Layout(1, 1, 1, 4, micro_batch_size=8), 32, "eff 97.4%"),
+    ("7B layers, 1 GPU, compiled, 8x4 per step", "h200", SEVEN_B_LAYERS,
+     Layout(1, 1, 1, 1, micro_batch_size=4), 32, "59.7%"),
+    ("7B layers, PP2 v2, compiled", "h200", SEVEN_B_LAYERS,
+     Layout(1, 1, 2, 1, vpp=2, micro_batch_size=4), 32, "eff 83.5%"),
+    ("7B layers, PP4 v2, compiled", "h200", SEVEN_B_LAYERS,
+     Layout(1, 1, 4, 1, vpp=2, micro_batch_size=4), 32, "eff 60.4%"),
     ("1B, DP2 ddp, eager", "h200", [], Layout(1, 1, 1, 2, micro_batch_size=8), 32, "eff 98.6%"),
     ("1B, PP2 1F1B, eager", "h200", [], Layout(1, 1, 2, 1, micro_batch_size=8), 64, "eff 83.6%"),
     ("1B, PP2 v2, eager", "h200", [],
