@@ -90,6 +90,34 @@ def test_the_kernel_steps_as_torchs_adamw_in_the_interpreter() -> None:
     assert run_in_interpreter(INTERPRETED).split() == ["ok", "2"]
 
 
+def test_whole_blocks_compile_to_vector_loads_and_stores_for_hopper() -> None:
+    """The kernel compiled for sm_90 (no GPU needed): a whole block moves its seven streams
+    with 16-byte loads and stores (the first version's per-element predicates compiled to
+    4-byte accesses, 1.66 TB/s on an H200); only a tensor's last block is masked."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    signature = {name: "*i64" for name in ("pointers", "numels", "block_start")}
+    signature |= {"block_tensor": "*i32", "grad_scale": "*fp32"}
+    signature |= dict.fromkeys(("decay_factor", "step_size", "bias_correction2_sqrt"), "fp32")
+    signature |= dict.fromkeys(("beta1", "beta2", "eps"), "fp32")
+    signature |= {"HAS_GRAD_SCALE": "constexpr", "BLOCK": "constexpr"}
+    source = triton.compiler.ASTSource(
+        fn=multi_tensor_adamw._adamw_kernel,
+        signature=signature,
+        constexprs={"HAS_GRAD_SCALE": True, "BLOCK": multi_tensor_adamw.BLOCK},
+    )
+    compiled = triton.compile(
+        source,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": multi_tensor_adamw.NUM_WARPS},
+    )
+    ptx = compiled.asm["ptx"]
+    per_thread = multi_tensor_adamw.BLOCK // (32 * multi_tensor_adamw.NUM_WARPS) // 4
+    assert ptx.count("cache_hint.v4.b32") == 4 * per_thread  # p, g, m, v
+    assert ptx.count("st.global.v4.b32") == 3 * per_thread  # p, m, v
+
+
 def test_where_the_kernel_cannot_run_torchs_step_runs() -> None:
     """CPU tensors: torch's single-tensor step over each group, the folded clipping scale
     applied to the gradients first, so the same values as a clipped torch AdamW."""

@@ -9,6 +9,7 @@
 #   three (nvidia-h200, one GPU): the multi-tensor AdamW's GPU test; the optimizer step four
 #        ways (the first call's multi-tensor row read freed moments: fixed since); its block
 #        size and warps; the 1B step compiled without and with it, bf16 then fp8 (reversed)
+#   four, five (nvidia-h200): see each
 set -uo pipefail
 export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmark-out}
@@ -70,6 +71,26 @@ four)  # three again after its fix (nn.Parameters were not eligible: three timed
   V=ours-compile; M=optimizer.multi_tensor
   timeout 170 python3 benchmarks/train_throughput.py --shape 1b --steps 10 --warmup 4 \
     --variants "$V@$M=false,$V@$M=true" --out "$OUT/tp" 2>&1 | tail -5 ;;
-*) echo "usage: $0 one|two|three|four"; exit 2 ;;
+five)  # not run yet (no device time left): the kernel with whole-block vector loads; its
+        # GPU test, its block sweep, then the 1B steps without and with it, bf16 and fp8
+  timeout 60 python3 -m pytest -m gpu -p no:cacheprovider -q tests/test_multi_tensor_adamw.py 2>&1 | tail -3
+  timeout 80 python3 benchmarks/optimizer_step.py --shape 1b --device cuda --steps 30 \
+    --variants fused,multi-tensor,compiled-foreach --out "$OUT/opt" 2>&1 | tail -5
+  timeout 100 python3 - <<'PY' 2>&1 | tail -8
+import torch
+from benchmarks import optimizer_step
+from training.optim import multi_tensor_adamw
+groups = optimizer_step.make_params(optimizer_step.shapes_of("1b", []), torch.device("cuda"), flat=False)
+count = sum(p.numel() for g in groups for p in g)
+for block, warps in [(512, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)]:
+    multi_tensor_adamw.BLOCK, multi_tensor_adamw.NUM_WARPS = block, warps
+    step = optimizer_step.build_step("multi-tensor", groups)
+    ms = 1e3 * optimizer_step.time_steps(step, 30, torch.device("cuda"))
+    print(f"block {block} warps {warps}: {ms:.2f} ms, {count * 28 / ms / 1e9:.2f} TB/s")
+PY
+  V=ours-compile; F=ours-compile-fp8; M=optimizer.multi_tensor
+  timeout 330 python3 benchmarks/train_throughput.py --shape 1b --steps 10 --warmup 4 \
+    --variants "$V@$M=false,$V@$M=true,$F@$M=true,$F@$M=false" --out "$OUT/tp" 2>&1 | tail -8 ;;
+*) echo "usage: $0 one|two|three|four|five"; exit 2 ;;
 esac
 cd "$HERE" && rm -rf "$OUT"/*/shards* "$OUT"/*/tokenizer* "$OUT"/*/run-* "$OUT"/*/runs

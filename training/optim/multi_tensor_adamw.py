@@ -13,7 +13,9 @@ Opt-in (``optimizer.multi_tensor=true``), not the default: on an H200 at the 1B 
 (benchmarks/RESULTS.md, 2026-11-28 late) 4,096-element blocks of 8 warps took 18.6 ms a
 step against the fused kernel's 11.8, and the 1B step lost 2.2%; 1,024-element blocks of
 4 warps took 9.8 ms in a sweep whose tables pointed at freed moments (the bug that
-:class:`BlockTable`'s note is about), so that figure waits for a run with this code.
+:class:`BlockTable`'s note is about). Both ran the first kernel, whose per-element masks
+compiled to 4-byte loads and stores; whole blocks now move 16 bytes an access (its PTX
+is checked in the tests), not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -102,13 +104,15 @@ def _to_device(values: Tensor, device: torch.device) -> Tensor:
 
 
 def eligible(tensors: list[Tensor]) -> bool:
-    """Whether the kernel can take these: contiguous fp32 CUDA tensors or parameters, no
-    tensor subclasses (a DTensor's address is not its data)."""
+    """Whether the kernel can take these: contiguous fp32 CUDA tensors or parameters at
+    16-byte aligned addresses (the kernel's vector loads), no tensor subclasses (a
+    DTensor's address is not its data)."""
     return triton is not None and all(
         type(t) in (Tensor, torch.nn.Parameter)
         and t.is_cuda
         and t.dtype == torch.float32
         and t.is_contiguous()
+        and t.data_ptr() % 16 == 0
         for t in tensors
     )
 
@@ -167,18 +171,50 @@ if triton is not None:
     ):
         block = tl.program_id(0)
         tensor = tl.load(block_tensor + block).to(tl.int64)
-        offsets = tl.load(block_start + block) + tl.arange(0, BLOCK)
-        mask = offsets < tl.load(numels + tensor)
-        param_ptr = tl.load(pointers + 4 * tensor).to(tl.pointer_type(tl.float32))
-        grad_ptr = tl.load(pointers + 4 * tensor + 1).to(tl.pointer_type(tl.float32))
-        exp_avg_ptr = tl.load(pointers + 4 * tensor + 2).to(tl.pointer_type(tl.float32))
-        exp_avg_sq_ptr = tl.load(pointers + 4 * tensor + 3).to(tl.pointer_type(tl.float32))
+        start = tl.multiple_of(tl.load(block_start + block), BLOCK)
+        numel = tl.load(numels + tensor)
+        # Addresses 16-byte aligned (``eligible``) and blocks whole: vector loads and stores.
+        param_ptr = tl.multiple_of(
+            tl.load(pointers + 4 * tensor).to(tl.pointer_type(tl.float32)), 16
+        )
+        grad_ptr = tl.multiple_of(
+            tl.load(pointers + 4 * tensor + 1).to(tl.pointer_type(tl.float32)), 16
+        )
+        exp_avg_ptr = tl.multiple_of(
+            tl.load(pointers + 4 * tensor + 2).to(tl.pointer_type(tl.float32)), 16
+        )
+        exp_avg_sq_ptr = tl.multiple_of(
+            tl.load(pointers + 4 * tensor + 3).to(tl.pointer_type(tl.float32)), 16
+        )
+        scale = tl.load(grad_scale) if HAS_GRAD_SCALE else 1.0
+        hyper = (decay_factor, step_size, bias_correction2_sqrt, beta1, beta2, eps)
+        pointers_of = (param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr)
+        if start + BLOCK <= numel:
+            _adamw_block(pointers_of, start, numel, scale, hyper, HAS_GRAD_SCALE, False, BLOCK)
+        else:  # the tensor's last, partial block
+            _adamw_block(pointers_of, start, numel, scale, hyper, HAS_GRAD_SCALE, True, BLOCK)
+
+    @triton.jit
+    def _adamw_block(
+        pointers_of,
+        start,
+        numel,
+        scale,
+        hyper,
+        HAS_GRAD_SCALE: tl.constexpr,
+        MASKED: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr = pointers_of
+        decay_factor, step_size, bias_correction2_sqrt, beta1, beta2, eps = hyper
+        offsets = start + tl.arange(0, BLOCK)
+        mask = offsets < numel if MASKED else None
         param = tl.load(param_ptr + offsets, mask=mask, eviction_policy="evict_first")
         grad = tl.load(grad_ptr + offsets, mask=mask, eviction_policy="evict_first")
         exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, eviction_policy="evict_first")
         exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, eviction_policy="evict_first")
         if HAS_GRAD_SCALE:
-            grad = grad / tl.load(grad_scale)
+            grad = grad / scale
         param = param * decay_factor
         exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
         exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
