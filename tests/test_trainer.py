@@ -606,3 +606,24 @@ def test_a_bad_setting_is_a_short_error_naming_the_key(
     assert len(completed.stderr.strip().splitlines()) <= 2
     assert completed.stdout == ""
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_checkpoint_resumes_with_this_runs_optimizer_kernel(shards: Path, tmp_path: Path) -> None:
+    """The optimizer's kernel choice (fused, foreach) belongs to the process, not to the
+    run: a checkpoint saved without the fused step (a laptop's CPU run) resumes with it, the
+    clipping still folded into the step, and the other way round."""
+    for saved_fused, resumed_fused in [(False, True), (True, False)]:
+        values = {"optimizer.fused": saved_fused, "training.grad_clip": 0.05}
+        first = Trainer(tiny_config(shards, values), tmp_path / str(saved_fused))
+        batches = iter(first._loader(first.train_data, 0, 16))
+        first.train_step(batches)
+        first.save()
+        values["optimizer.fused"] = resumed_fused
+        second = Trainer(tiny_config(shards, values), tmp_path / str(saved_fused))
+        assert second.resume()
+        assert [group["fused"] for group in second.optimizer.param_groups] == [
+            resumed_fused or None
+        ] * len(second.optimizer.param_groups)
+        assert second.clips_in_step == resumed_fused
+        record = second.train_step(iter(second._loader(second.train_data, 0, 16)))
+        assert record["grad_norm"] > 0.05 and math.isfinite(record["loss"])

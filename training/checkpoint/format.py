@@ -618,10 +618,16 @@ def _load_optimizer(optimizer, tensors, state, param_names, path) -> None:
     optimizer.load_state_dict({"state": per_param, "param_groups": saved})
 
 
+KERNEL_SETTINGS = ("fused", "foreach", "capturable", "differentiable")  # how, not what
+
+
 def saved_param_groups(state: Any, optimizer, where: str) -> list[dict[str, Any]]:
     """state.json's optimizer groups, one per group of ``optimizer``, each setting typed like
     the live optimizer's (a string ``lr`` or a NaN ``eps`` would fail the first step, or
-    train on garbage). Settings the live groups lack are dropped, ``params`` kept."""
+    train on garbage). Settings the live groups lack are dropped, ``params`` kept, and the
+    kernel switches (:data:`KERNEL_SETTINGS`) stay this process's: a checkpoint saved by a
+    CPU run would otherwise turn a GPU run's fused step off, and with it the clipping
+    folded into the step."""
     record = safe_read.field(state, "optimizer", dict, where)
     groups = safe_read.field(record, "param_groups", list, where)
     if len(groups) != len(optimizer.param_groups):
@@ -633,7 +639,11 @@ def saved_param_groups(state: Any, optimizer, where: str) -> list[dict[str, Any]
     for number, (saved, live) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
         if not isinstance(saved, dict):
             raise CheckpointError(f"{where}: optimizer group {number} is {brief(saved)}")
-        group = {key: saved.get(key, value) for key, value in live.items() if key != "params"}
+        group = {
+            key: value if key in KERNEL_SETTINGS else saved.get(key, value)
+            for key, value in live.items()
+            if key != "params"
+        }
         for key, value in group.items():
             if not _same_kind(value, live[key]):
                 raise CheckpointError(
