@@ -331,6 +331,23 @@ def critical_layers(shapes: Shapes, layout: Layout) -> float:
     return max(stage_layers(shapes, layout))
 
 
+def chunk_spread(shapes: Shapes, layout: Layout) -> float:
+    """The last pipeline rank's largest virtual stage over its mean one, where that rank is
+    the critical one (1 otherwise): the interleaved schedule's warm-up and cool-down run at
+    the pace of the slowest virtual stage, and with an even split the last one also holds
+    the output layer. Measured (benchmarks/RESULTS.md, 2026-11-28): PP=4 v=2 at 8 layers,
+    whose last virtual stage does about twice the others' work, idled 29.9% against the
+    schedule's 18.75%; the plain (p - 1)/(v·m) over-predicted every interleaved run."""
+    if layout.pp == 1 or layout.vpp == 1 or layout.pipeline_layers != "even":
+        return 1.0
+    layer, head = shapes.layer_flops_per_token(), 6 * shapes.vocab * shapes.hidden
+    per_chunk = shapes.layers // (layout.pp * layout.vpp) * layer
+    last_rank = layout.vpp * per_chunk + head
+    if last_rank < critical_layers(shapes, layout) * layer:
+        return 1.0
+    return layout.vpp * (per_chunk + head) / last_rank
+
+
 def stage_imbalance(shapes: Shapes, layout: Layout) -> float:
     """Critical stage's FLOPs over the mean stage's (the head sits on the last stage)."""
     if layout.pp == 1:
@@ -490,7 +507,7 @@ def step_time(
 
     bubble = p2p = 0.0
     if layout.pp > 1:
-        bubble = (layout.pp - 1) / (layout.vpp * m) * compute
+        bubble = (layout.pp - 1) / (layout.vpp * m) * compute * chunk_spread(shapes, layout)
         send = act / (layout.tp if layout.sequence_parallel else 1)
         span = layout.tp * layout.cp * layout.dp * 2  # neighbouring stages
         p2p = 2 * layout.vpp * m * send / cluster.bandwidth(span)
