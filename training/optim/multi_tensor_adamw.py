@@ -256,10 +256,10 @@ class MultiTensorAdamW(torch.optim.AdamW):
         """One launch over ``params``; False where the kernel cannot take them."""
         if group["amsgrad"] or group["maximize"] or group["differentiable"]:
             return False
-        grads = [p.grad for p in params]
-        if not eligible(params + grads):
-            return False
         states = [self._state_of(p) for p in params]
+        moments = [s[key] for s in states for key in ("exp_avg", "exp_avg_sq")]
+        if not eligible(params + [p.grad for p in params] + moments):
+            return False
         steps = {float(s["step"]) for s in states}
         if len(steps) != 1:  # a parameter that missed steps: torch's per-tensor counts
             return False
