@@ -2,7 +2,7 @@
 # Written 2026-11-28 night, when no device time was left; its optimizer benchmark ran the
 # next session (19:14 UTC, inline, and in 2026-11-28-late.sh), its profile did not (the
 # night's `three` had already profiled the fp8 step). Kept as the record of that plan.
-# call, carry [.whl]: the optimizer step three ways at the 1B shape
+# One nvidia-h200 call, carry [.whl]: the optimizer step three ways at the 1B shape
 # (benchmarks/optimizer_step.py: the trainer's fused AdamW at about 2.9 TB/s, 10.8 ms of
 # the 163 ms fp8 step), then the 1B fp8 step profiled with the kernel categories that now
 # name the gated MLP's own kernels.
