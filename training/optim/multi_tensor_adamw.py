@@ -228,10 +228,10 @@ if triton is not None:
 class MultiTensorAdamW(torch.optim.AdamW):
     """torch's AdamW (the same hyperparameters, state and checkpoints) whose step runs
     :func:`adamw_update`, one launch a parameter group, where the tensors allow
-    (:func:`eligible`); elsewhere torch's own single-tensor step. Like the fused AdamW,
-    it divides every gradient by ``self.grad_scale`` when set (the folded clipping of
-    :func:`training.optim.adamw.step_with_clipping`). The step counts stay on the host,
-    so the bias corrections cost no device sync."""
+    (:func:`eligible`); elsewhere torch's own step (foreach or single-tensor). Like the
+    fused AdamW, it divides every gradient by ``self.grad_scale`` when set (the folded
+    clipping of :func:`training.optim.adamw.step_with_clipping`). The step counts stay on
+    the host, so the bias corrections cost no device sync."""
 
     def __init__(self, params, **kwargs) -> None:
         super().__init__(params, foreach=False, fused=False, **kwargs)
@@ -298,10 +298,11 @@ class MultiTensorAdamW(torch.optim.AdamW):
         return state
 
     def _fallback_group(self, group: dict, params: list[Tensor], grad_scale: Tensor | None) -> None:
-        """torch's single-tensor AdamW over this group (which takes no ``grad_scale``)."""
+        """torch's AdamW over this group, its foreach step where torch would pick it (FSDP's
+        DTensors on CUDA), which takes no ``grad_scale``: the gradients are divided first."""
         if grad_scale is not None:
             torch._foreach_div_([p.grad for p in params], grad_scale)
-        saved, self.param_groups = self.param_groups, [group]
+        saved, self.param_groups = self.param_groups, [{**group, "foreach": None, "fused": None}]
         self.__dict__.pop("grad_scale", None)
         try:
             super().step()
