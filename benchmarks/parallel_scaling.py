@@ -305,14 +305,35 @@ def same_data_difference(layout: str, result: dict, one_gpu: dict) -> str:
     return f"{max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True)):.1e}"
 
 
+def read_baseline(path: Path, report: dict) -> dict:
+    """The one-GPU result of another run of this script (``--baseline``), e.g. one run at
+    the same time on another GPU of the machine; it must have timed the same shape, mode
+    and micro-batches per step."""
+    try:
+        other = json.loads(path.read_text())
+        one_gpu = other["results"]["1gpu"]
+        one_gpu["tokens_per_s"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"--baseline {path}: no one-GPU result in it ({exc!r})") from None
+    for key in ("shape", "mode", "accumulation"):
+        if other.get(key) != report[key]:
+            raise SystemExit(
+                f"--baseline {path}: {key} is {other.get(key)!r}, this run's is {report[key]!r}"
+            )
+    return {"file": str(path), "device": other.get("device"), "1gpu": one_gpu}
+
+
 def table(report: dict) -> str:
     results = report["results"]
-    base = results.get("1gpu", {}).get("tokens_per_s")
+    one_gpu = results.get("1gpu") or report.get("baseline", {}).get("1gpu", {})
+    base = one_gpu.get("tokens_per_s")
     peak = report.get("matmul_tflops") or float("nan")
+    baseline = report.get("baseline")
     lines = [
         f"{report['device']}, shape {report['shape']}, {report['accumulation']} micro-batches "
         f"per replica per step, {report['mode']}; bf16 matmul peak {peak:.0f} TFLOP/s"
-        + "".join(f"; --set {text}" for text in report.get("settings", [])),
+        + "".join(f"; --set {text}" for text in report.get("settings", []))
+        + (f"; one GPU: {baseline['file']}" if baseline and "1gpu" not in results else ""),
         "| layout | GPUs | tokens/s | tokens/s per GPU | efficiency vs 1 GPU | MFU (989) | "
         "of matmul peak | peak mem GiB | bubble (critical stage) / theory (p−1)/(v·m) | "
         "GPU idle | stage imbalance | loss Δrel vs 1 GPU |",
@@ -336,7 +357,7 @@ def table(report: dict) -> str:
             f"| {name} | {r['gpus']} | {r['tokens_per_s']:,.0f} | {per_gpu:,.0f} | "
             f"{100 * efficiency:.1f}% | {100 * achieved / 989e12:.1f}% | "
             f"{100 * achieved / (peak * 1e12):.1f}% | {_memory_cell(r)} | {bubble} | "
-            f"{same_data_difference(name, r, results.get('1gpu', {}))} |"
+            f"{same_data_difference(name, r, one_gpu)} |"
         )
     return "\n".join(lines)
 
@@ -368,6 +389,8 @@ def drive(args) -> None:
         "matmul_tflops": run_matmul()["tflops"] if cuda else None,
         "results": {},
     }
+    if args.baseline:
+        report["baseline"] = read_baseline(Path(args.baseline), report)
     for layout in args.layouts.split(","):
         report["results"][layout] = run_layout(args, layout, shards)
         print(layout, json.dumps(report["results"][layout])[:400], flush=True)
@@ -401,6 +424,11 @@ def main() -> None:
         "--profile",
         action="store_true",
         help="then profile 2 more steps on rank 0: OUT/profile-SHAPE-LAYOUT.txt",
+    )
+    parser.add_argument(
+        "--baseline",
+        help="scaling-SHAPE.json of another run whose one-GPU result the efficiencies use "
+        "(for layouts run apart from their baseline, e.g. beside it on other GPUs)",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmark-out"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

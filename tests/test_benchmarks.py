@@ -275,3 +275,31 @@ def test_profile_kernel_categories_name_what_the_time_is_spent_on() -> None:
         "_gated_backward_kernel": "SwiGLU / GeGLU, one pass (ours)",
     }
     assert {name: train_throughput.kernel_category(name) for name in expected} == expected
+
+
+def test_parallel_scaling_takes_its_one_gpu_baseline_from_another_run(tmp_path: Path) -> None:
+    """Layouts run apart from their one-GPU baseline (beside it, on other GPUs) get their
+    efficiency and loss difference from that run's file; a file of another shape, mode or
+    step size, or without a one-GPU result, is refused naming the file and what differs."""
+    report = {"shape": "7b-layers", "mode": "compiled", "accumulation": 8}
+    one_gpu = {"tokens_per_s": 50_000.0, "gpus": 1, "losses": [11.0, 10.5]}
+    baseline_file = tmp_path / "scaling-7b-layers.json"
+    baseline_file.write_text(json.dumps({**report, "results": {"1gpu": one_gpu}}))
+    baseline = scaling.read_baseline(baseline_file, report)
+
+    pp2 = {"tokens_per_s": 80_000.0, "gpus": 2, "flops_per_token": 1e10, "losses": [11.0, 10.6],
+           "peak_memory_gb": 30.0, "micro_batches": 8}  # fmt: skip
+    printed = scaling.table({**report, "device": "2x GPU", "matmul_tflops": 700.0,
+                             "results": {"pp2": pp2}, "baseline": baseline})  # fmt: skip
+    assert "| pp2 | 2 | 80,000 | 40,000 | 80.0% |" in printed
+    assert f"one GPU: {baseline_file}" in printed
+    assert printed.rstrip().endswith(f"| {abs(10.6 - 10.5) / 10.5:.1e} |")
+
+    with pytest.raises(
+        SystemExit, match=r"scaling-7b-layers.json: accumulation is 8, this run's is 4"
+    ):
+        scaling.read_baseline(baseline_file, {**report, "accumulation": 4})
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({**report, "results": {}}))
+    with pytest.raises(SystemExit, match="empty.json: no one-GPU result"):
+        scaling.read_baseline(empty, report)
