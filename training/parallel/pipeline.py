@@ -102,6 +102,7 @@ from training.checkpoint.format import (
     optimizer_group_indices,
     read_checkpoint_tensors,
     restore_rng_state,
+    saved_param_groups,
     verify_checkpoint_state,
 )
 from training.models import GPTModel, T5Model, meta_model, model_from_tensors
@@ -743,11 +744,10 @@ class PipelineParallel:
                 per_param[position] = {
                     key: mine(name, moments[f"{name}/{key}"]) for key in STATE_KEYS
                 }
+        checked = saved_param_groups(saved, optimizer, f"{path}/state.json")
         groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": indices}
-            for g, indices in zip(
-                saved["optimizer"]["param_groups"], optimizer_group_indices(optimizer), strict=True
-            )
+            for g, indices in zip(checked, optimizer_group_indices(optimizer), strict=True)
         ]
         optimizer.load_state_dict({"state": per_param, "param_groups": groups})
         restore_rng_state(read_checkpoint_tensors(path / "rng.safetensors", index), saved["rng"])
