@@ -11,7 +11,8 @@
   end; each rank writes OUT/NAME/reads-rank{r}.json: the files and bytes it read on
   resume, the bytes it holds, and where its checkpoint boxes (``shard_specs``) differ
   from what the older ``shard_loaded`` load paths cut out of a whole tensor.
-  ``resume_from`` may name, per resume case, a fit case of the same job to resume from.
+  ``resume_from`` may name, per resume case, a fit case of the same job to resume from,
+  ``resume_roots`` a checkpoint folder other than ``checkpoint_root``.
 - ``fit_cases``: ``Trainer.fit`` only (no resume), with the same boxes check.
 
     torchrun --nproc-per-node 2 tests/pp_worker.py SPEC.json
@@ -104,7 +105,9 @@ def resume(spec: dict, name: str, settings: dict) -> None:
     out = Path(spec["out"]) / name
     step = f"step-{spec['resume_step']:08d}"
     source = spec.get("resume_from", {}).get(name)  # a fit case of this job
-    root = Path(spec["out"]) / source / "checkpoints" if source else Path(spec["checkpoint_root"])
+    root = Path(spec.get("resume_roots", {}).get(name, spec.get("checkpoint_root", "")))
+    if source:
+        root = Path(spec["out"]) / source / "checkpoints"
     if dist.get_rank() == 0:
         shutil.copytree(root / step, out / "checkpoints" / step)
     dist.barrier()

@@ -8,7 +8,8 @@ model package. Layouts: PP=2 with 1F1B; PP=2 interleaved (virtual_pipeline 2, on
 layer per virtual stage) with selective activation checkpointing; PP=2 with an uneven
 split ``pipeline_layers=[1, 3]``; PP=2 in bf16 with an untied output head (against a
 single-process bf16 run). Resuming a PP checkpoint in the same layout is exact;
-a PP=2 checkpoint resumes in one process and a single-process checkpoint at PP=2. One
+a PP=2 checkpoint resumes in one process and a single-process checkpoint at PP=2 (sharded,
+and in the whole-tensor v1 format through the stages' own loader). One
 step's gradients (gathered from the stages) equal the unsharded gradients. A slow
 test runs TP=2 × PP=2 × DP=2 (8 processes). On GPUs: MEGALITH_TEST_DEVICE=cuda (NCCL).
 
@@ -22,6 +23,7 @@ sums TP partial products in another order.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,8 @@ from parallel_helpers import (
 from safetensors.torch import load_file
 
 from megalith.errors import MegalithError
+from training.checkpoint.format import save_checkpoint
+from training.checkpoint.sharded_index import is_sharded, read_index
 from training.parallel.groups import ParallelLayoutError, ParallelSizes, validate_layout
 from training.parallel.pipeline_layout import (
     bubble_fraction,
@@ -127,7 +131,34 @@ def run_worker(out: Path, world: int, **parts: Any) -> Path:
 
 
 @pytest.fixture(scope="module")
-def parallel_runs(shards: Path, reference: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def reference_v1(shards: Path, reference: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The single-process run's step-2 state as a whole-tensor (v1) checkpoint, the format
+    the trainer wrote before sharded checkpoints: loaded from its sharded checkpoint (RNG
+    included) and written again with ``save_checkpoint``; returns the checkpoints folder."""
+    out = tmp_path_factory.mktemp("pp-reference-v1")
+    step = f"step-{RESUME_STEP:08d}"
+    shutil.copytree(reference / "checkpoints" / step, out / "sharded" / step)
+    config = config_of(settings(shards))
+    config.checkpoint.directory = str(out / "sharded")
+    trainer = Trainer(config, out)
+    assert trainer.resume() and trainer.step == RESUME_STEP
+    state = {
+        "consumed_samples": trainer.consumed_samples,
+        "config": config.model_dump(mode="json"),
+        "model_config": trainer.model_config.model_dump(mode="json"),
+        "layout": trainer.parallel.layout(),
+    }
+    save_checkpoint(
+        out / "v1", trainer.step, trainer.model, trainer.optimizer, trainer.param_names, state
+    )
+    assert not is_sharded(read_index(str(out / "v1" / step)))
+    return out / "v1"
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(
+    shards: Path, reference: Path, reference_v1: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
     """Every 2-process job at once (one start-up): the fits and resumes, one step's
     gradients at PP=2 (1F1B and interleaved), and PP=2 resuming the single-process
     checkpoint."""
@@ -144,8 +175,12 @@ def parallel_runs(shards: Path, reference: Path, tmp_path_factory: pytest.TempPa
             f"grads-{name}": settings(shards, CASES[name])
             for name in ("pp2", "pp2-interleaved-selective", "pp2-zero-bubble-v2")
         },
-        resume_cases={"pp2-from-one-process": settings(shards, CASES["pp2"])},
+        resume_cases={
+            "pp2-from-one-process": settings(shards, CASES["pp2"]),
+            "pp2-from-v1": settings(shards, CASES["pp2"]),
+        },
         checkpoint_root=str(reference / "checkpoints"),
+        resume_roots={"pp2-from-v1": str(reference_v1)},
     )
 
 
@@ -190,6 +225,16 @@ def test_pipeline_resumes_a_one_process_checkpoint(parallel_runs: Path, referenc
     want = [r for r in metrics(reference) if r["step"] > RESUME_STEP]
     assert_metrics_match(metrics(parallel_runs / "pp2-from-one-process"), want, name)
     assert_whole_checkpoint(parallel_runs / "pp2-from-one-process", reference, name)
+
+
+def test_pipeline_resumes_a_whole_tensor_checkpoint(parallel_runs: Path, reference: Path) -> None:
+    """The v1 format (whole tensors, as the trainer wrote before sharded checkpoints) goes
+    through the stages' own loader, with its optimizer groups checked as the other
+    loaders check them: PP=2 continues the single-process run."""
+    name = layout("pp2 resuming the single-process step-2 checkpoint in the v1 format")
+    want = [r for r in metrics(reference) if r["step"] > RESUME_STEP]
+    assert_metrics_match(metrics(parallel_runs / "pp2-from-v1"), want, name)
+    assert_whole_checkpoint(parallel_runs / "pp2-from-v1", reference, name)
 
 
 @pytest.mark.parametrize("case", ["pp2", "pp2-interleaved-selective", "pp2-zero-bubble-v2"])
