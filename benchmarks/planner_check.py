@@ -187,12 +187,12 @@ SEVEN_B_LAYERS = [
 ]  # fmt: skip
 OURS = [
     ("1B, 1 GPU, compiled", "h100", [], Layout(1, 1, 1, 1, micro_batch_size=8), 8, "51.2%"),
-    ("1B, 1 GPU, compiled (fit)", "h200", [], Layout(1, 1, 1, 1, micro_batch_size=8), 8, "53.1%"),
+    ("1B, 1 GPU, compiled (fit until 11-28)", "h200", [], Layout(1, 1, 1, 1, micro_batch_size=8), 8, "53.1%"),
     ("1B, 1 GPU, compiled, selective", "h200", [],
      Layout(1, 1, 1, 1, recompute="selective", micro_batch_size=8), 8, "51.5%"),
     ("1B, 1 GPU, compiled, fp8", "h200", [],
      Layout(1, 1, 1, 1, precision="fp8", micro_batch_size=8), 8, "63.8%"),
-    ("7B layers, 1 GPU, compiled (fit)", "h200", SEVEN_B_LAYERS,
+    ("7B layers, 1 GPU, compiled (fit until 11-28)", "h200", SEVEN_B_LAYERS,
      Layout(1, 1, 1, 1, micro_batch_size=4), 16, "57.0%"),
     # 2026-11-27, 4x H200 (1B) and 4x H100 (7B layers), issue 20, 4 micro-batches a replica.
     ("1B, 1 GPU, compiled, 4x8 per step", "h200", [],
@@ -214,11 +214,11 @@ OURS = [
      Layout(1, 1, 1, 4, micro_batch_size=4), 16, "eff 96.0%"),
     # 2026-11-28, 4x H200, issue 20 (night: 1B DP, 4 micro-batches a replica; late: 7B
     # layers, 8 micro-batches a replica, interleaved pipelines compiled).
-    ("1B, 1 GPU, compiled, 4x8 per step (11-28)", "h200", [],
+    ("1B, 1 GPU, compiled, 4x8 per step (11-28, fit)", "h200", [],
      Layout(1, 1, 1, 1, micro_batch_size=8), 32, "57.9%"),
     ("1B, DP2 ddp, compiled (11-28)", "h200", [], Layout(1, 1, 1, 2, micro_batch_size=8), 32, "eff 98.2%"),
     ("1B, DP4 ddp, compiled (11-28)", "h200", [], Layout(1, 1, 1, 4, micro_batch_size=8), 32, "eff 97.4%"),
-    ("7B layers, 1 GPU, compiled, 8x4 per step", "h200", SEVEN_B_LAYERS,
+    ("7B layers, 1 GPU, compiled, 8x4 per step (fit)", "h200", SEVEN_B_LAYERS,
      Layout(1, 1, 1, 1, micro_batch_size=4), 32, "59.7%"),
     ("7B layers, PP2 v2, compiled", "h200", SEVEN_B_LAYERS,
      Layout(1, 1, 2, 1, vpp=2, micro_batch_size=4), 32, "eff 83.5%"),

@@ -44,11 +44,13 @@ GPUS: dict[str, GPUKind] = {
 
 # Achievable share of the dense bf16 peak for a model of hidden size h, on one H200,
 # compiled, no recomputation: E_MAX · h / (h + H_HALF), fitted so that the whole model
-# (with its optimizer step) reproduces two measurements (benchmarks/RESULTS.md,
-# 2026-11-22, one H200, torch.compile): the 1B shape (h 2048, micro-batch 8) at 53.1% MFU
-# and the 7B layer shape (h 4096, micro-batch 4) at 57.0%. Wider layers approach E_MAX.
-E_MAX = 0.6368
-H_HALF = 330.5
+# (with its optimizer step) reproduces two measurements of today's trainer
+# (benchmarks/RESULTS.md, 2026-11-28, one H200 of a 4-GPU lease, torch.compile): the 1B
+# shape (h 2048, 4 micro-batches of 8) at 57.9% MFU and the 7B layer shape (h 4096, 8
+# micro-batches of 4) at 59.7%. Wider layers approach E_MAX. (Fitted on 2026-11-22 runs
+# before, 53.1% and 57.0%: E_MAX 0.6368, H_HALF 330.5; the trainer got faster since.)
+E_MAX = 0.6425
+H_HALF = 205.1
 # H100 over H200 at the 1B shape, compiled: 51.2% / 53.1% (same code, lower HBM
 # bandwidth). A100 and B200 were never measured here: they take the H100's ratio.
 # Recomputation costs (same page, H200): selective 72,386 vs 74,652 tokens/s compiled
