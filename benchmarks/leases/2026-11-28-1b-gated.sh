@@ -5,11 +5,7 @@
 #   bash benchmarks/leases/2026-11-28-1b-gated.sh ours    # matmul peak, after and before, ours only
 #   bash benchmarks/leases/2026-11-28-1b-gated.sh peer    # HF compiled, the activation alone, GPU tests
 set -uo pipefail
-export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-benchmark-out}
-mkdir -p "$OUT"
-python3 -c "import pydantic, zstandard, torchao" 2>/dev/null || pip install -q --no-deps --target /tmp/tesite .whl/*.whl
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+. benchmarks/leases/setup.sh
 case "${1:-}" in
 ours|fp8)  # `ours` ran first without torchao there (fp8 failed); `fp8` is its fp8 half
   variants=$([ "$1" = fp8 ] && echo ours-compile-fp8 || echo ours-compile,ours-compile-fp8)

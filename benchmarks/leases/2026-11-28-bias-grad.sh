@@ -5,11 +5,7 @@
 #   .whl/  = pydantic, pydantic_core, annotated_types, typing_inspection, zstandard wheels
 #   .base/tree/ = `git archive e216c12` (the kernel before); .base/bias_grad_old.py its kernel
 set -uo pipefail
-export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-benchmark-out}
-mkdir -p "$OUT"
-python3 -c "import pydantic, zstandard" 2>/dev/null || pip install -q --no-deps --target /tmp/tesite .whl/*.whl
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+. benchmarks/leases/setup.sh
 timeout 240 python3 -m pytest -p no:cacheprovider -q tests/test_bias_grad.py 2>&1 | tail -2
 timeout 240 python3 -m pytest -m gpu -p no:cacheprovider -q tests/test_gpu.py \
   -k "shared_bias or relative_bias" 2>&1 | tail -2

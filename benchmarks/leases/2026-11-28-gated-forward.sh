@@ -7,11 +7,7 @@
 #   bash benchmarks/leases/2026-11-28-gated-forward.sh 1b      # after, before, HF
 #   bash benchmarks/leases/2026-11-28-gated-forward.sh check   # the kernels alone, GPU tests, T5-base mb 128
 set -uo pipefail
-export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-benchmark-out}
-mkdir -p "$OUT"
-python3 -c "import pydantic, zstandard, torchao" 2>/dev/null || pip install -q --no-deps --target /tmp/tesite .whl/*.whl 2>&1 | grep -v WARNING
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+. benchmarks/leases/setup.sh
 case "${1:-}" in
 1b)
   timeout 250 python3 benchmarks/train_throughput.py --shape 1b --steps 10 --warmup 4 \

@@ -4,11 +4,7 @@
 # one GPU, carry [.whl]. T5-base at micro-batch 128 compared with 2026-11-28-bias-grad.sh's
 # "after" (536,913 tokens/s, the tree before this change, same machine kind).
 set -uo pipefail
-export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-benchmark-out}
-mkdir -p "$OUT"
-python3 -c "import pydantic, zstandard" 2>/dev/null || pip install -q --no-deps --target /tmp/tesite .whl/*.whl
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+. benchmarks/leases/setup.sh
 timeout 100 python3 -m pytest -p no:cacheprovider -q tests/test_gated_grad.py 2>&1 | tail -1
 timeout 100 python3 -m pytest -m gpu -p no:cacheprovider -q tests/test_gpu.py -k gated 2>&1 | tail -1
 timeout 100 python3 - <<'PY' | tee "$OUT/gated.txt"

@@ -9,11 +9,7 @@
 #   mb128:  T5-base at micro-batch 128 (the recipe's batch in one micro-batch)
 #   profile: T5-base compiled at micro-batch 128, profiled
 set -uo pipefail
-export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-benchmark-out}
-mkdir -p "$OUT"
-python3 -c "import pydantic, zstandard" 2>/dev/null || pip install -q --no-deps --target /tmp/tesite .whl/*.whl
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+. benchmarks/leases/setup.sh
 t5() {  # name, timeout, extra flags
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 benchmarks/train_throughput.py --shape t5-base --steps 10 --warmup 5 \

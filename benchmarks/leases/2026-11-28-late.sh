@@ -11,12 +11,7 @@
 #        size and warps; the 1B step compiled without and with it, bf16 then fp8 (reversed)
 #   four, five (nvidia-h200): see each
 set -uo pipefail
-export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-benchmark-out}
-mkdir -p "$OUT"
-python3 -c "import pydantic, zstandard, torchao" 2>/dev/null ||
-  pip install -q --no-deps --target /tmp/tesite .whl/*.whl 2>&1 | grep -v WARNING
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | sort | uniq -c | tee "$OUT/device.txt"
+. benchmarks/leases/setup.sh
 S="python3 benchmarks/parallel_scaling.py --shape 7b-layers --compile --steps 3 --warmup 3 --accumulation 8"
 HERE=$PWD
 case "${1:-}" in

@@ -24,12 +24,7 @@
 #          back); GPUs 2-3: DP=2 with 100 MB buckets; then all four: DP=4 with 100 MB
 #          buckets, then with the default 25 MB
 set -uo pipefail
-export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-benchmark-out}
-mkdir -p "$OUT"
-python3 -c "import pydantic, zstandard, torchao" 2>/dev/null ||
-  pip install -q --no-deps --target /tmp/tesite .whl/*.whl 2>&1 | grep -v WARNING
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | sort | uniq -c | tee "$OUT/device.txt"
+. benchmarks/leases/setup.sh
 TP="python3 benchmarks/train_throughput.py --shape 1b --steps 10 --warmup 4"
 HERE=$PWD
 case "${1:-}" in

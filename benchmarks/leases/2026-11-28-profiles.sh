@@ -3,11 +3,7 @@
 # fp8 tensorwise and T5-base at micro-batch 128, compiled, kernels by category
 # (OUT/*/profile-VARIANT.txt). One machine, one GPU, carry [.whl] (pydantic, zstandard, torchao).
 set -uo pipefail
-export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-benchmark-out}
-mkdir -p "$OUT"
-python3 -c "import pydantic, zstandard, torchao" 2>/dev/null || pip install -q --no-deps --target /tmp/tesite .whl/*.whl 2>&1 | grep -v WARNING
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+. benchmarks/leases/setup.sh
 timeout 190 python3 benchmarks/train_throughput.py --shape 1b --steps 6 --warmup 4 --profile \
   --variants ours-compile-fp8 --out "$OUT/1b" 2>&1 | tail -3
 timeout 170 python3 benchmarks/train_throughput.py --shape t5-base --steps 6 --warmup 5 --profile \

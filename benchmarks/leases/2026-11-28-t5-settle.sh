@@ -17,11 +17,7 @@
 #   batch: the CUDA-graph GPU test, then T5-base at micro-batch 128 (the config's global
 #          batch in one micro-batch), graphs or not, against HF's   carry [.whl]
 set -uo pipefail
-export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-benchmark-out}
-mkdir -p "$OUT"
-python3 -c "import pydantic, zstandard" 2>/dev/null || pip install -q --no-deps --target /tmp/tesite .whl/*.whl
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+. benchmarks/leases/setup.sh
 t5() {  # name, tree, extra flags (a later --warmup overrides the 5)
   local name=$1 tree=$2; shift 2
   (cd "$tree" && timeout ${T5_TIMEOUT:-150} python3 benchmarks/train_throughput.py --shape t5-base --steps 15 --warmup 5 \

@@ -18,12 +18,7 @@
 #   three: all four GPUs: the TP=2 x PP=2 checkpoint resumed on one GPU; compiled DP=4
 #        with larger DDP buckets (issue 20: DP efficiency)
 set -uo pipefail
-export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-benchmark-out}
-mkdir -p "$OUT"
-python3 -c "import pydantic, zstandard, torchao" 2>/dev/null ||
-  pip install -q --no-deps --target /tmp/tesite .whl/*.whl 2>&1 | grep -v WARNING
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | sort | uniq -c | tee "$OUT/device.txt"
+. benchmarks/leases/setup.sh
 case "${1:-}" in
 one)
   (

@@ -8,12 +8,7 @@
 # name the gated MLP's own kernels.
 #   bash benchmarks/leases/optimizer-step.sh
 set -uo pipefail
-export PYTHONPATH=/tmp/tesite${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-OUT=${OUT:-benchmark-out}
-mkdir -p "$OUT"
-python3 -c "import pydantic, zstandard, torchao" 2>/dev/null ||
-  pip install -q --no-deps --target /tmp/tesite .whl/*.whl 2>&1 | grep -v WARNING
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+. benchmarks/leases/setup.sh
 timeout 200 python3 benchmarks/optimizer_step.py --shape 1b --device cuda --steps 20 --out "$OUT/opt" 2>&1 | tail -6
 timeout 300 python3 benchmarks/train_throughput.py --shape 1b --steps 10 --warmup 4 --profile \
   --variants ours-compile-fp8 --out "$OUT/prof" 2>&1 | tail -3

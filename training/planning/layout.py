@@ -341,8 +341,9 @@ def chunk_spread(shapes: Shapes, layout: Layout) -> float:
     if layout.pp == 1 or layout.vpp == 1 or layout.pipeline_layers != "even":
         return 1.0
     layer, head = shapes.layer_flops_per_token(), 6 * shapes.vocab * shapes.hidden
-    per_chunk = shapes.layers // (layout.pp * layout.vpp) * layer
-    last_rank = layout.vpp * per_chunk + head
+    _, last_layers = stage_layers(shapes, layout)
+    per_chunk = last_layers / layout.vpp * layer
+    last_rank = last_layers * layer + head
     if last_rank < critical_layers(shapes, layout) * layer:
         return 1.0
     return layout.vpp * (per_chunk + head) / last_rank
