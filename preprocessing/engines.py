@@ -102,6 +102,15 @@ class OrderedPool:
     """
 
     def __init__(self, workers: int, task: Task, context: Any, what: str = "tokenizer"):
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # A spawned worker still importing the user's script (the check CPython's own
+            # spawn makes, made before the pool's queues exist: a worker that dies holding
+            # them leaves the resource tracker warning after the run's own error).
+            raise WorkerError(
+                f"a {what} worker, importing the script that started the run, was asked to "
+                "start a pool of its own: put that script's work under `if __name__ == "
+                '"__main__":`'
+            )
         self.task = task
         self.what = what
         self.nodes: set[str] = set()

@@ -281,6 +281,10 @@ def test_a_script_that_prepares_at_import_is_told_to_guard_it(
     last_line = done.stderr.strip().splitlines()[-1]
     assert "WorkerError" in last_line and str(script) in last_line, last_line
     assert 'if __name__ == "__main__":' in last_line, last_line
+    # Each worker fails before making a pool of its own, so none dies holding the pool's
+    # semaphores and Python's resource tracker has nothing to warn about after the error.
+    assert "was asked to start a pool of its own" in done.stderr
+    assert "resource_tracker" not in done.stderr, done.stderr[-2000:]
     assert not (output / MANIFEST_NAME).exists()
 
 
