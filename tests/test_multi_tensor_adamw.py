@@ -1,8 +1,9 @@
 """AdamW as one Triton launch a parameter group (training/optim/multi_tensor_adamw.py):
 the same parameters and moments as torch's AdamW step after step, with and without the
 folded clipping scale, its state loadable by torch's AdamW; the kernel in Triton's
-interpreter on the CPU, torch's own step where the kernel cannot run, and chosen only by
-``optimizer.multi_tensor``. On a GPU: the same steps against torch's fused AdamW."""
+interpreter on the CPU, torch's own step where the kernel cannot run, and chosen by
+``optimizer.multi_tensor`` or, by default, for plain fp32 CUDA parameters. On a GPU: the
+same steps against torch's fused AdamW."""
 
 from __future__ import annotations
 
@@ -136,15 +137,19 @@ def test_a_parameter_without_a_gradient_is_left_alone() -> None:
     assert not torch.equal(params[0].detach(), seeded_params()[0].detach())
 
 
-def test_the_config_chooses_the_kernel_only_when_asked() -> None:
+def test_the_config_chooses_the_kernel_where_it_can_run() -> None:
     groups = two_groups(seeded_params())
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     chosen = adamw(groups, OptimizerConfig(multi_tensor=True), cpu)
     assert isinstance(chosen, multi_tensor_adamw.MultiTensorAdamW) and folds_clipping(chosen)
     plain = adamw(two_groups(seeded_params()), OptimizerConfig(), cpu)
     assert type(plain) is torch.optim.AdamW and not folds_clipping(plain)
-    default = adamw(two_groups(seeded_params()), OptimizerConfig(), cuda)  # opt-in only
+    # A CUDA run whose parameters the kernel cannot take (here: on the CPU) keeps torch's
+    # fused step; so does one that turns the kernel off.
+    default = adamw(two_groups(seeded_params()), OptimizerConfig(), cuda)
     assert type(default) is torch.optim.AdamW and default.defaults["fused"]
+    off = adamw(two_groups(seeded_params()), OptimizerConfig(multi_tensor=False), cuda)
+    assert type(off) is torch.optim.AdamW and off.defaults["fused"]
 
 
 @pytest.mark.gpu
@@ -165,3 +170,5 @@ def test_on_a_gpu_the_kernel_steps_as_torchs_fused_adamw() -> None:
         multi_tensor_adamw.adamw_update = launch
     assert len(calls) == 8  # one launch a group a step
     assert_same_steps(got, run_steps(torch.optim.AdamW, "cuda", fused=True))
+    chosen = adamw(two_groups(seeded_params("cuda")), OptimizerConfig(), torch.device("cuda"))
+    assert isinstance(chosen, multi_tensor_adamw.MultiTensorAdamW)  # the default on CUDA

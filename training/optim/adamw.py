@@ -22,11 +22,17 @@ def build_optimizer(
 
 
 def adamw(groups: list[dict], config: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
-    """torch's fused AdamW on CUDA (``optimizer.fused``), or the same step as one Triton
-    launch a group (``optimizer.multi_tensor``, opt-in), or torch's default elsewhere."""
+    """On CUDA, the fused step as one Triton launch a group (``optimizer.multi_tensor``;
+    by default where every parameter is a plain fp32 CUDA tensor), else torch's fused
+    AdamW (``optimizer.fused``); torch's default step elsewhere."""
     fused = config.fused if config.fused is not None else device.type == "cuda"
     hyper = {"lr": config.lr, "betas": (config.beta1, config.beta2), "eps": config.eps}
-    if config.multi_tensor:
+    multi_tensor = config.multi_tensor
+    if multi_tensor is None:
+        multi_tensor = fused and multi_tensor_adamw.eligible(
+            [p for group in groups for p in group["params"]]
+        )
+    if multi_tensor:
         return multi_tensor_adamw.MultiTensorAdamW(groups, **hyper)
     return torch.optim.AdamW(groups, fused=fused or None, **hyper)
 

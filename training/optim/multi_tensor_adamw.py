@@ -9,13 +9,12 @@ m, v; write p, m, v). The arithmetic is torch's fused kernel's, in fp32, in its 
 gradient clipping comes in as ``grad_scale``, a device scalar every gradient is divided
 by, as in :func:`training.optim.adamw.step_with_clipping`.
 
-Opt-in (``optimizer.multi_tensor=true``), not the default: on an H200 at the 1B shape
-(benchmarks/RESULTS.md, 2026-11-28 late) 4,096-element blocks of 8 warps took 18.6 ms a
-step against the fused kernel's 11.8, and the 1B step lost 2.2%; 1,024-element blocks of
-4 warps took 9.8 ms in a sweep whose tables pointed at freed moments (the bug that
-:class:`BlockTable`'s note is about). Both ran the first kernel, whose per-element masks
-compiled to 4-byte loads and stores; whole blocks now move 16 bytes an access (its PTX
-is checked in the tests), not yet timed on a GPU.
+The default on CUDA where every parameter is a plain fp32 tensor (``optimizer.multi_tensor``
+turns it on or off): on an H200 at the 1B shape (benchmarks/RESULTS.md, 2026-11-28 late)
+1,024-element blocks of 4 warps take 8.9 ms a step against torch's fused kernel's 11.7
+(3.5 TB/s against 2.6), and the 1B step gains 1.6% in bf16 and fp8. Whole blocks move 16
+bytes an access (its PTX is checked in the tests); the first, masked kernel's 4-byte
+accesses took 18.6 ms.
 """
 
 from __future__ import annotations
