@@ -116,6 +116,64 @@ def test_conversion_skips_the_head_and_dims_not_multiple_of_16() -> None:
     assert fp8_eligible(nn.Linear(16, 32), "layers.0.attention.proj")
 
 
+def _loss_and_grads(model: nn.Module, tokens: torch.Tensor, forward=None):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = (model if forward is None else forward)(tokens[:, :-1], labels=tokens[:, 1:])
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def test_weights_cast_once_a_step_give_torchaos_bits() -> None:
+    """``mixed_precision.fp8_weight_cache``: the cached float8 weights give torchao's own
+    loss and gradients to the bit, eager and traced by torch.compile, once refreshed after
+    the weights change; a stale cache would not (the matmuls read it)."""
+    from training.precision import float8_weights
+
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(GPTModel(config_model(hidden=32, ffn=64)))
+        convert_linears(models[-1], "tensorwise")
+    plain, cached = models
+    cache = float8_weights.cache_weights(cached, compiled=False)
+    assert len(cache.linears) == 4  # qkv, proj, fc1, fc2 of the one block
+    assert "weight_float8" not in cached.state_dict()  # checkpoints unchanged
+    cache.refresh()
+    want = _loss_and_grads(plain, tokens)
+    compiled = torch.compile(cached, backend="aot_eager")
+    for forward in (cached, compiled):
+        got = _loss_and_grads(cached, tokens, forward)
+        assert torch.equal(got[0], want[0])
+        assert all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+
+    with torch.no_grad():  # an optimizer step, in both models
+        for a, b in zip(plain.parameters(), cached.parameters(), strict=True):
+            a.mul_(1.5)
+            b.mul_(1.5)
+    want = _loss_and_grads(plain, tokens)
+    assert not torch.equal(_loss_and_grads(cached, tokens)[0], want[0])  # stale
+    cache.refresh()
+    assert torch.equal(_loss_and_grads(cached, tokens, compiled)[0], want[0])
+
+
+def test_the_trainer_refreshes_cached_float8_weights(shards: Path, tmp_path: Path) -> None:
+    """The Trainer with the cache trains and evaluates exactly as without it: it refreshes
+    before every step and every evaluation."""
+    fp8 = {"mixed_precision.fp8": "true", "training.eval_interval": 3, "training.eval_iters": 2}
+    plain_config = config(shards, {**fp8, "mixed_precision.fp8_weight_cache": "false"})
+    plain = Trainer(plain_config, tmp_path / "plain").fit(show_progress=False)
+    cached_config = config(shards, {**fp8, "mixed_precision.fp8_weight_cache": "true"})
+    cached_trainer = Trainer(cached_config, tmp_path / "cached")
+    assert cached_trainer.precision.refresh_fp8_weights is not None
+    cached = cached_trainer.fit(show_progress=False)
+    assert [r["loss"] for r in cached.metrics] == [r["loss"] for r in plain.metrics]
+    valid = [r["val_loss"] for r in plain.metrics if "val_loss" in r]
+    assert valid and valid == [r["val_loss"] for r in cached.metrics if "val_loss" in r]
+
+
 def config_model(hidden: int, ffn: int):
     return load_config(
         None,
@@ -177,7 +235,7 @@ def test_lora_fine_tunes_beside_float8_base_linears(shards: Path, tmp_path: Path
             "finetune.lora.alpha": 8, "finetune.lora.dropout": 0.0}  # fmt: skip
     bf16 = train(shards, tmp_path / "lora-bf16", lora)
     trainer = Trainer(config(shards, {**lora, "mixed_precision.fp8": "true"}), tmp_path / "fp8")
-    float8 = {n: m for n, m in trainer.model.named_modules() if type(m).__name__ == "Float8Linear"}
+    float8 = {n: m for n, m in trainer.model.named_modules() if type(m).__name__.endswith("Float8Linear")}
     adapted = {n for n, m in trainer.model.named_modules() if isinstance(m, LoRAAdapter)}
     assert float8 and {f"{name}.lora" for name in float8} <= adapted
     base = load_file(tmp_path / "base" / "model" / "model.safetensors")
@@ -340,3 +398,19 @@ def test_fp8_on_cuda_with_compile_tracks_bf16(
     )
     assert fp8 != bf16
     assert sum(deltas) / len(deltas) <= 0.05 and max(deltas) <= 0.15, deltas
+
+
+@pytest.mark.gpu
+def test_on_cuda_compiled_the_cached_float8_weights_train_as_torchao(
+    shards: Path, tmp_path: Path
+) -> None:
+    """The compiled CUDA Trainer with ``mixed_precision.fp8_weight_cache`` follows the
+    curve of torchao's own casts: the refresh casts as the compiled step did."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 GEMMs need compute capability 8.9+")
+    fp8 = {**CUDA_COMPILED, "mixed_precision.fp8": "true", "training.train_iters": 10}
+    plain = train(shards, tmp_path / "plain", {**fp8, "mixed_precision.fp8_weight_cache": "false"})
+    cached = train(shards, tmp_path / "cached", fp8)  # the default
+    worst = max(abs(a - b) / abs(b) for a, b in zip(cached, plain, strict=True))
+    print(f"cached float8 weights vs torchao's casts, compiled: worst relative {worst:.2e}")
+    assert worst <= 1e-3, (cached, plain)

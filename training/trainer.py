@@ -443,6 +443,7 @@ class Trainer:
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self._refresh_fp8_weights()
         resident = accumulation > 1 and training.compile_mode == "reduce-overhead"
         zero_grads(self.optimizer, self.model.parameters(), resident=resident)
         scaler = self.precision.scaler
@@ -510,6 +511,7 @@ class Trainer:
         mine = batches[self.parallel.dp_rank :: self.parallel.sizes.dp]
         indices = [i for b in mine for i in range(b * micro, min((b + 1) * micro, samples))]
         self.model.eval()
+        self._refresh_fp8_weights()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for batch in self._sampled_loader(self.valid_data, indices):
             total[0] += self._micro_batch_loss(batch).double()
@@ -526,6 +528,12 @@ class Trainer:
         if self.pipeline is not None:
             total = self.pipeline.from_last_stage(total)
         return (total[0] / total[1]).item()
+
+    def _refresh_fp8_weights(self) -> None:
+        """Cast the float8 weight copies (``mixed_precision.fp8_weight_cache``) from the
+        weights as they are now: after initialization, a resume or an optimizer step."""
+        if self.precision.refresh_fp8_weights is not None:
+            self.precision.refresh_fp8_weights()
 
     def _forward_spans_data_ranks(self) -> bool:
         """Whether a forward is collective over data-parallel ranks (FSDP, experts)."""

@@ -199,6 +199,12 @@ class MixedPrecisionConfig(StrictModel):
         description="float8 scaling: tensorwise (torchao, TE current scaling), rowwise "
         "(torchao only), delayed (TE only).",
     )
+    fp8_weight_cache: bool = Field(
+        default=True,
+        description="torchao tensorwise: cast each weight to float8 once a step, not in "
+        "every forward and backward (the same bits, 1 byte a weight more memory; "
+        "training.precision.float8_weights). Not under FSDP or in tensor-parallel linears.",
+    )
 
     @model_validator(mode="after")
     def _check_fp8(self) -> MixedPrecisionConfig:

@@ -80,6 +80,7 @@ def wrap_model(
         return model
     if parallel.data_parallel_mode == "fsdp":
         return shard_model(model, state)
+    ignore_in_ddp(model, derived_buffers(model))
     return DistributedDataParallel(
         model,
         device_ids=[device] if device.type == "cuda" else None,
@@ -88,6 +89,25 @@ def wrap_model(
         gradient_as_bucket_view=True,
         **_no_buffer_sync(),
     )
+
+
+def ignore_in_ddp(model: nn.Module, names: list[str]) -> None:
+    """Leave these parameters or buffers out of DDP's broadcasts and reductions, beside
+    those already left out (torch's setter replaces the list)."""
+    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    names = ignored + [name for name in names if name not in ignored]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
+def derived_buffers(model: nn.Module) -> list[str]:
+    """The non-persistent buffers: made on each rank from its own parameters or settings
+    (RoPE tables, float8 weight copies), so DDP has nothing to broadcast (and gloo cannot
+    broadcast float8)."""
+    names = []
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        names += [prefix + name for name in module._non_persistent_buffers_set]
+    return names
 
 
 def _no_buffer_sync() -> dict[str, bool]:

@@ -37,7 +37,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from megalith.config import ModelConfig
 from training import models
@@ -124,8 +123,7 @@ def exclude_experts_from_ddp(model: nn.Module, state: ParallelState) -> None:
     """Under EP, DDP must not average the experts: each EP rank holds different ones.
     Call before wrapping the model in DDP."""
     if _expert_parallel(state):
-        names = list(expert_parameters(model))
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+        dp.ignore_in_ddp(model, list(expert_parameters(model)))
 
 
 def shard_experts(

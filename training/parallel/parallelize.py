@@ -117,10 +117,10 @@ def parallelize(
     if state.sizes.pp > 1:  # gradients are averaged after the schedule, not by DDP
         pipeline = PipelineParallel(config, model_config, state, device, precision, family.pipeline)
         # The stage chunks share the stage model's blocks: converting it converts them.
-        prepare_fp8(pipeline.model, config.mixed_precision, precision)
+        prepare_fp8(pipeline.model, config.mixed_precision, precision, not _fsdp(config, state))
         if finetune is not None:  # this stage's layers of the base, before the optimizer
             finetune.prepare(pipeline.model, state)
-        if config.parallel.data_parallel_mode == "fsdp" and dp.data_parallel_size(state) > 1:
+        if _fsdp(config, state):
             pipeline.shard_data_parallel()
         return ParallelModel(pipeline.model, pipeline.model, pipeline.model, pipeline)
     if _fsdp_builds_on_meta(config, model_config, state):
@@ -134,15 +134,21 @@ def parallelize(
         return ParallelModel(model, model, forward_model, None)
     sequence_parallel = config.parallel.sequence_parallel
     model = ep.build_model(model_config, state, sequence_parallel, device, overlap)
-    prepare_fp8(model, config.mixed_precision, precision)  # same parameters, new linears
+    # Same parameters, new linears.
+    prepare_fp8(model, config.mixed_precision, precision, not _fsdp(config, state))
     if finetune is not None:  # base weights and adapters: before DDP and the optimizer
         finetune.prepare(model, state)
     ep.exclude_experts_from_ddp(model, state)
-    if config.parallel.data_parallel_mode == "fsdp" and dp.data_parallel_size(state) > 1:
+    if _fsdp(config, state):
         ep.shard_experts(model, state)  # their own FSDP units, before the blocks'
     dp_model = dp.wrap_model(model, state, config.parallel, device)
     forward_model = _compiled(dp_model, config, device) if config.training.compile else dp_model
     return ParallelModel(model, dp_model, forward_model, None)
+
+
+def _fsdp(config: MegalithConfig, state: ParallelState) -> bool:
+    """Whether FSDP shards the parameters over data-parallel ranks."""
+    return config.parallel.data_parallel_mode == "fsdp" and dp.data_parallel_size(state) > 1
 
 
 def _compiled(model: nn.Module, config: MegalithConfig, device: torch.device) -> nn.Module:
@@ -216,12 +222,7 @@ def _fsdp_builds_on_meta(
     """Whether this rank's FSDP model is built on meta (the layouts whose materialization
     is wired and tested so far). Either kernel backend: TE's modules own the torch
     backend's parameters and init (their engines are built on the first CUDA forward)."""
-    return (
-        config.parallel.data_parallel_mode == "fsdp"
-        and dp.data_parallel_size(state) > 1
-        and state.sizes.tp == 1
-        and state.sizes.ep == 1
-    )
+    return _fsdp(config, state) and state.sizes.tp == 1 and state.sizes.ep == 1
 
 
 def build_fsdp_on_meta(

@@ -45,6 +45,8 @@ rowwise, and tensorwise under ``training.compile`` (inductor) with selective che
 Gated MLPs (SwiGLU, GeGLU) then make their ``fc2``'s float8 input, and ``fc1``'s float8
 output gradient, themselves in the tensorwise recipe (:mod:`training.precision.gated_fp8`):
 the same float8 tensors torchao would cast, without writing the bf16 product or gradient.
+And each weight is cast once a step, not in every forward and backward, where FSDP does
+not shard it (:mod:`training.precision.float8_weights`, ``mixed_precision.fp8_weight_cache``).
 
 torchao is imported only here and in :mod:`training.precision.gated_fp8`, and only when
 fp8 is on.
@@ -205,9 +207,16 @@ def check_device(device: torch.device) -> None:
         )
 
 
-def prepare_fp8(model: nn.Module, config: MixedPrecisionConfig, precision: Precision) -> list[str]:
+def prepare_fp8(
+    model: nn.Module,
+    config: MixedPrecisionConfig,
+    precision: Precision,
+    weights_stay_whole: bool = False,
+) -> list[str]:
     """Make ``model`` (just built, not yet wrapped by DDP/FSDP/compile) train in fp8 as
-    ``config`` says; a no-op returning ``[]`` when ``config.fp8`` is off.
+    ``config`` says; a no-op returning ``[]`` when ``config.fp8`` is off. With
+    ``weights_stay_whole`` (no FSDP will shard them) and ``config.fp8_weight_cache``, the
+    float8 weights are cast once a step (``precision.refresh_fp8_weights``).
 
     Returns what runs in float8: the converted linears (torchao), or the TE recipe.
     """
@@ -233,6 +242,14 @@ def prepare_fp8(model: nn.Module, config: MixedPrecisionConfig, precision: Preci
         return [f"te:{config.fp8_recipe}"]
     converted = convert_linears(model, config.fp8_recipe)
     logger.info("fp8: %d linears in float8 (torchao %s)", len(converted), config.fp8_recipe)
+    if config.fp8_weight_cache and weights_stay_whole:
+        from training.precision import float8_weights  # imports torchao ([gpu] only)
+
+        cache = float8_weights.cache_weights(
+            model, compiled=parameter is not None and parameter.is_cuda
+        )
+        precision.refresh_fp8_weights = cache.refresh
+        logger.info("fp8: %d linears cast their weight once a step", len(cache.linears))
     return converted
 
 

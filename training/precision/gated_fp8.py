@@ -83,7 +83,7 @@ def arm_gated_mlps(model: nn.Module, config: Float8LinearConfig) -> list[str]:
 def reuses_tensorwise_input(config: Float8LinearConfig) -> bool:
     """The input cast once, dynamic tensorwise float8_e4m3fn, for the forward matmul and
     the weight gradient."""
-    return _cast_once(config.cast_config_input, config.cast_config_input_for_grad_weight, FLOAT8)
+    return casts_once(config.cast_config_input, config.cast_config_input_for_grad_weight, FLOAT8)
 
 
 def reuses_tensorwise_grad(config: Float8LinearConfig) -> bool:
@@ -93,10 +93,12 @@ def reuses_tensorwise_grad(config: Float8LinearConfig) -> bool:
         config.cast_config_grad_output,
         config.cast_config_grad_output_for_grad_weight,
     )
-    return _cast_once(grad, for_grad_weight, FLOAT8_GRAD)
+    return casts_once(grad, for_grad_weight, FLOAT8_GRAD)
 
 
-def _cast_once(cast: CastConfig, second_use: CastConfig, dtype: torch.dtype) -> bool:
+def casts_once(cast: CastConfig, second_use: CastConfig, dtype: torch.dtype) -> bool:
+    """Whether ``cast`` is dynamic, tensorwise, to ``dtype``, and ``second_use`` the same
+    (so one cast serves both matmuls)."""
     return (
         cast.scaling_type is ScalingType.DYNAMIC
         and cast.scaling_granularity is ScalingGranularity.TENSORWISE

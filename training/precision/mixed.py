@@ -26,6 +26,9 @@ class Precision:
     # The SDPA kernel order (model.attention_backend), entered around every forward too:
     # the forward's kernel choice fixes the backward's, and torch.compile traces under it.
     attention_context: Callable[[], contextlib.AbstractContextManager] | None = None
+    # Casts the weights' float8 copies again (mixed_precision.fp8_weight_cache): called
+    # after the weights change, before the next forward; set by prepare_fp8.
+    refresh_fp8_weights: Callable[[], None] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
