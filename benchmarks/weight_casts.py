@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from collections.abc import Callable
 from datetime import date
 from pathlib import Path
@@ -36,6 +36,10 @@ from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
 from torchao.float8.float8_training_tensor import GemmInputRole, hp_tensor_and_scale_to_float8
 from torchao.float8.float8_utils import tensor_to_scale
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.optimizer_step import time_steps  # noqa: E402
 
 VARIANTS = ("fp8", "fp8-scale", "fp8-precast", "bf16", "bf16-precast")
 
@@ -111,25 +115,12 @@ def _backward_of(forward: Callable[[], torch.Tensor], weight: nn.Parameter):
     return step
 
 
-def time_ms(step: Callable[[], torch.Tensor], steps: int, device: torch.device) -> float:
-    for _ in range(3):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps * 1e3
-
-
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     results: dict[str, dict[str, float]] = {}
     for name, (in_features, out_features) in linear_shapes(args.hidden).items():
         steps, _ = steps_of(in_features, out_features, args.tokens, device)
-        row = {variant: time_ms(steps[variant], args.steps, device) for variant in VARIANTS}
+        row = {v: 1e3 * time_steps(steps[v], args.steps, device) for v in VARIANTS}
         grad_diff = (steps["fp8"]().clone() - steps["fp8-precast"]()).abs().max()
         results[name] = {**row, "fp8_precast_grad_diff": float(grad_diff)}
     return {
