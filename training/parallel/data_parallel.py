@@ -111,8 +111,9 @@ def derived_buffers(model: nn.Module) -> list[str]:
 
 
 def _no_buffer_sync() -> dict[str, bool]:
-    """No buffer broadcast before each forward: the only buffers are RoPE tables, equal on
-    every rank. torch 2.13 renamed the option (the old name warns)."""
+    """No buffer broadcast before each forward: the buffers (RoPE tables, float8 weight
+    copies) are made alike on every rank. torch 2.13 renamed the option (the old name
+    warns)."""
     parameters = inspect.signature(DistributedDataParallel.__init__).parameters
     if "forward_sync_buffers" in parameters:
         return {"forward_sync_buffers": False}

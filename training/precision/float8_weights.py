@@ -77,7 +77,8 @@ class CachedWeightFloat8Linear(Float8Linear):
 
     @classmethod
     def from_linear(cls, linear: Float8Linear) -> CachedWeightFloat8Linear:
-        """The same module (parameters, config) with the cache buffers, on its device."""
+        """The same module with the cache buffers, on its device. The class is swapped in
+        place, so the parameters stay the objects the optimizer and checkpoints name."""
         linear.__class__ = cls
         weight = linear.weight
         empty = torch.empty(weight.shape, dtype=FLOAT8, device=weight.device)
