@@ -9,6 +9,7 @@
 #   three the same fp8 pair at 4 micro-batches a step (where a cache saves three casts)
 #   four the GPU tests of fp8, the gated casts, test_gpu (CUDA graphs with fp8) and the
 #        AdamW kernel with both new defaults on (multi-tensor step, cached float8 weights)
+#   five where the 1B step goes now, fp8 and bf16, both defaults on (profile by category)
 set -uo pipefail
 . benchmarks/leases/setup.sh
 case "${1:-}" in
@@ -29,5 +30,9 @@ three)
 four)
   timeout 420 bash benchmarks/gpu_tests.sh tests/test_gated_fp8.py tests/test_fp8.py tests/test_gpu.py \
     tests/test_multi_tensor_adamw.py 2>&1 | grep -E "passed|failed|PASSED|FAILED|worst|Error" | tail -40 ;;
-*) echo "usage: $0 one|two|three|four" >&2; exit 2 ;;
+five)
+  timeout 330 python3 benchmarks/train_throughput.py --shape 1b --steps 6 --warmup 4 --profile \
+    --variants ours-compile-fp8,ours-compile --out "$OUT" 2>&1 | tail -4
+  for f in "$OUT"/profile-*.txt; do echo "== $f"; head -40 "$f"; done ;;
+*) echo "usage: $0 one|two|three|four|five" >&2; exit 2 ;;
 esac
