@@ -161,8 +161,15 @@ def test_weights_cast_once_a_step_give_torchaos_bits() -> None:
 
 def test_the_trainer_refreshes_cached_float8_weights(shards: Path, tmp_path: Path) -> None:
     """The Trainer with the cache trains and evaluates exactly as without it: it refreshes
-    before every step and every evaluation."""
-    fp8 = {"mixed_precision.fp8": "true", "training.eval_interval": 3, "training.eval_iters": 2}
+    before every step and every evaluation. (Batches are loaded in the process: once, in a
+    full suite run, a DataLoader worker of an earlier test in the same pytest process exited
+    with code 1 during this test's evaluation, which torch reports in any live loader.)"""
+    fp8 = {
+        "mixed_precision.fp8": "true",
+        "training.eval_interval": 3,
+        "training.eval_iters": 2,
+        "training.num_workers": 0,
+    }
     plain_config = config(shards, {**fp8, "mixed_precision.fp8_weight_cache": "false"})
     plain = Trainer(plain_config, tmp_path / "plain").fit(show_progress=False)
     cached_config = config(shards, {**fp8, "mixed_precision.fp8_weight_cache": "true"})
@@ -235,7 +242,9 @@ def test_lora_fine_tunes_beside_float8_base_linears(shards: Path, tmp_path: Path
             "finetune.lora.alpha": 8, "finetune.lora.dropout": 0.0}  # fmt: skip
     bf16 = train(shards, tmp_path / "lora-bf16", lora)
     trainer = Trainer(config(shards, {**lora, "mixed_precision.fp8": "true"}), tmp_path / "fp8")
-    float8 = {n: m for n, m in trainer.model.named_modules() if type(m).__name__.endswith("Float8Linear")}
+    float8 = {
+        n: m for n, m in trainer.model.named_modules() if type(m).__name__.endswith("Float8Linear")
+    }
     adapted = {n for n, m in trainer.model.named_modules() if isinstance(m, LoRAAdapter)}
     assert float8 and {f"{name}.lora" for name in float8} <= adapted
     base = load_file(tmp_path / "base" / "model" / "model.safetensors")
