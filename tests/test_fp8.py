@@ -162,8 +162,8 @@ def test_weights_cast_once_a_step_give_torchaos_bits() -> None:
 def test_the_trainer_refreshes_cached_float8_weights(shards: Path, tmp_path: Path) -> None:
     """The Trainer with the cache trains and evaluates exactly as without it: it refreshes
     before every step and every evaluation. (Batches are loaded in the process: once, in a
-    full suite run, a DataLoader worker of an earlier test in the same pytest process exited
-    with code 1 during this test's evaluation, which torch reports in any live loader.)"""
+    full suite run, a DataLoader worker exited with code 1 during this test's evaluation;
+    the same exits show as warnings in other tests of this file; cause not found.)"""
     fp8 = {
         "mixed_precision.fp8": "true",
         "training.eval_interval": 3,
